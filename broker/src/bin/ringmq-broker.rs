@@ -1,0 +1,84 @@
+//! `ringmq-broker`: runs one broker. With no options it listens on 127.0.0.1:5672 with user
+//! guest/guest (loopback only) and vhost `/`.
+
+use anyhow::Context;
+use clap::Parser;
+use ringmq::config::Config;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+/// A clustered AMQP 0-9-1 message broker.
+#[derive(Debug, Parser)]
+#[command(name = "ringmq-broker", version, about)]
+struct Args {
+    /// AMQP listener address [default: 127.0.0.1:5672].
+    #[arg(long, env = "RINGMQ_AMQP_LISTEN", value_name = "ADDR")]
+    amqp_listen: Option<SocketAddr>,
+    /// Directory for the broker's state [default: ./data].
+    #[arg(long, env = "RINGMQ_DATA_DIR", value_name = "DIR")]
+    data_dir: Option<PathBuf>,
+    /// YAML configuration file; command-line flags and RINGMQ_* variables override it.
+    #[arg(long, env = "RINGMQ_CONFIG", value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Log filter in RUST_LOG syntax [default: info].
+    #[arg(long, env = "RINGMQ_LOG", value_name = "FILTER")]
+    log: Option<String>,
+    /// Log format.
+    #[arg(long, env = "RINGMQ_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let filter = tracing_subscriber::EnvFilter::try_new(args.log.as_deref().unwrap_or("info"))
+        .context("--log is not a valid filter (example: info,ringmq=debug)")?;
+    let subscriber = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match args.log_format {
+        LogFormat::Text => subscriber.init(),
+        LogFormat::Json => subscriber.json().init(),
+    }
+    let mut config = match &args.config {
+        Some(path) => Config::from_file(path)?,
+        None => Config::default(),
+    };
+    if let Some(addr) = args.amqp_listen {
+        config.amqp_listen = addr;
+    }
+    if let Some(dir) = args.data_dir {
+        config.data_dir = dir;
+    }
+    config.validate()?;
+    std::fs::create_dir_all(&config.data_dir)
+        .with_context(|| format!("cannot create data dir {}", config.data_dir.display()))?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async move {
+        let running = ringmq::server::start(config.clone())
+            .await
+            .with_context(|| format!("cannot listen on {}", config.amqp_listen))?;
+        tracing::info!(amqp = %running.amqp_addr, data_dir = %config.data_dir.display(), "ringmq-broker ready");
+        // A machine-readable line for scripts and tests that start the broker on port 0.
+        println!("ringmq-broker listening amqp={}", running.amqp_addr);
+        shutdown_signal().await;
+        tracing::info!("shutting down");
+        anyhow::Ok(())
+    })
+}
+
+async fn shutdown_signal() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("installing a SIGTERM handler cannot fail on Unix");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}

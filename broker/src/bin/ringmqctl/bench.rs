@@ -1,0 +1,356 @@
+//! `ringmqctl bench`: producers publish to one queue, consumers drain it, and the tool reports
+//! rates and publish-to-delivery latency. It speaks raw frames (see `ringmq::client`) and
+//! batches its writes, so that the broker, not the tool, is what gets measured.
+
+use anyhow::{Context, bail};
+use clap::Args;
+use hdrhistogram::Histogram;
+use ringmq::amqp::frame::{FRAME_BODY, FRAME_METHOD};
+use ringmq::amqp::{AMQPClass, FieldTable, basic, confirm, queue};
+use ringmq::client::{RawClient, Target, confirm_of, deliver_tag, encode_ack, encode_publish};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+use tokio::io::AsyncWriteExt;
+
+/// Options of `ringmqctl bench`.
+#[derive(Debug, Clone, Args)]
+pub struct BenchArgs {
+    /// Broker to load.
+    #[arg(long, default_value = "amqp://guest:guest@127.0.0.1:5672/%2f")]
+    uri: String,
+    /// Publishing connections.
+    #[arg(long, default_value_t = 1)]
+    producers: u32,
+    /// Consuming connections.
+    #[arg(long, default_value_t = 1)]
+    consumers: u32,
+    /// Message body size in bytes (the first 8 carry the send time when it is at least 8).
+    #[arg(long, default_value_t = 1000)]
+    size: usize,
+    /// How long to publish, in seconds.
+    #[arg(long, default_value_t = 10)]
+    seconds: u64,
+    /// Use publisher confirms with at most this many unconfirmed messages per producer.
+    #[arg(long, value_name = "WINDOW")]
+    confirm: Option<u32>,
+    /// Publish persistent messages (delivery-mode 2) to a durable queue.
+    #[arg(long)]
+    persistent: bool,
+    /// Queue to use (declared if missing); default: a fresh one, deleted afterwards.
+    #[arg(long)]
+    queue: Option<String>,
+    /// Consumer prefetch (basic.qos); consumers ack once per read batch with multiple=true.
+    #[arg(long, default_value_t = 1000)]
+    prefetch: u16,
+    /// Print a JSON object as the last line of output.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Publish batches: at most this many messages per write.
+const PUBLISH_BATCH: usize = 256;
+
+struct Totals {
+    published: AtomicU64,
+    consumed: AtomicU64,
+}
+
+/// Runs the benchmark.
+pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+    if args.producers == 0 && args.consumers == 0 {
+        bail!("nothing to do: give --producers or --consumers a value above 0");
+    }
+    if args.seconds == 0 {
+        bail!("--seconds must be at least 1");
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(bench(args))
+}
+
+async fn bench(args: BenchArgs) -> anyhow::Result<()> {
+    let target = Target::parse(&args.uri)?;
+    let mut admin = RawClient::connect(&target)
+        .await
+        .with_context(|| format!("cannot connect to {}", target.addr))?;
+    let own_queue = args.queue.is_none();
+    let queue_name = args
+        .queue
+        .clone()
+        .unwrap_or_else(|| format!("ringmq-bench-{}-{}", std::process::id(), epoch_ms()));
+    admin
+        .call(
+            AMQPClass::Queue(queue::AMQPMethod::Declare(queue::Declare {
+                queue: queue_name.as_str().into(),
+                passive: false,
+                durable: args.persistent,
+                exclusive: false,
+                auto_delete: false,
+                nowait: false,
+                arguments: FieldTable::default(),
+            })),
+            |m| matches!(m, AMQPClass::Queue(queue::AMQPMethod::DeclareOk(_))),
+            "queue.declare-ok",
+        )
+        .await
+        .with_context(|| format!("cannot declare queue '{queue_name}'"))?;
+
+    let totals = Arc::new(Totals {
+        published: AtomicU64::new(0),
+        consumed: AtomicU64::new(0),
+    });
+    let start = Instant::now();
+    // Consumers get a moment to register before the load starts.
+    let load_start = start + Duration::from_millis(300);
+    let deadline = load_start + Duration::from_secs(args.seconds);
+    let mut consumers = Vec::new();
+    for _ in 0..args.consumers {
+        let client = RawClient::connect(&target).await?;
+        consumers.push(tokio::spawn(consume(
+            client,
+            queue_name.clone(),
+            args.prefetch,
+            start,
+            deadline,
+            totals.clone(),
+        )));
+    }
+    tokio::time::sleep_until(load_start.into()).await;
+    let consumed_at_start = totals.consumed.load(Ordering::Relaxed);
+    let mut producers = Vec::new();
+    for _ in 0..args.producers {
+        let client = RawClient::connect(&target).await?;
+        producers.push(tokio::spawn(publish(
+            client,
+            queue_name.clone(),
+            args.clone(),
+            start,
+            deadline,
+            totals.clone(),
+        )));
+    }
+    tokio::time::sleep_until(deadline.into()).await;
+    let elapsed = load_start.elapsed().as_secs_f64();
+    let published = totals.published.load(Ordering::Relaxed);
+    let consumed = totals.consumed.load(Ordering::Relaxed) - consumed_at_start;
+    let mut latency = Histogram::<u64>::new(3).expect("3 significant figures is a valid histogram");
+    for p in producers {
+        p.await??;
+    }
+    for c in consumers {
+        latency
+            .add(c.await??)
+            .expect("histograms of the same precision add");
+    }
+    if own_queue {
+        admin
+            .call(
+                AMQPClass::Queue(queue::AMQPMethod::Delete(queue::Delete {
+                    queue: queue_name.as_str().into(),
+                    if_unused: false,
+                    if_empty: false,
+                    nowait: false,
+                })),
+                |m| matches!(m, AMQPClass::Queue(queue::AMQPMethod::DeleteOk(_))),
+                "queue.delete-ok",
+            )
+            .await
+            .context("cannot delete the bench queue")?;
+    }
+    let published_per_sec = published as f64 / elapsed;
+    let consumed_per_sec = consumed as f64 / elapsed;
+    let q = |p: f64| latency.value_at_quantile(p);
+    println!(
+        "{} producer(s), {} consumer(s), {} B, {:.1} s: published {published_per_sec:.0} msg/s, consumed {consumed_per_sec:.0} msg/s, latency p50 {} us p99 {} us max {} us",
+        args.producers,
+        args.consumers,
+        args.size,
+        elapsed,
+        q(0.5),
+        q(0.99),
+        latency.max()
+    );
+    if args.json {
+        let json = serde_json::json!({
+            "published_per_sec": published_per_sec,
+            "consumed_per_sec": consumed_per_sec,
+            "published": published,
+            "consumed": consumed,
+            "seconds": elapsed,
+            "producers": args.producers,
+            "consumers": args.consumers,
+            "size": args.size,
+            "confirm": args.confirm,
+            "persistent": args.persistent,
+            "latency_us": { "p50": q(0.5), "p99": q(0.99), "p999": q(0.999), "max": latency.max(), "samples": latency.len() },
+        });
+        println!("{json}");
+    }
+    Ok(())
+}
+
+fn epoch_ms() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis())
+        .unwrap_or(0)
+}
+
+async fn publish(
+    mut c: RawClient,
+    queue_name: String,
+    args: BenchArgs,
+    start: Instant,
+    deadline: Instant,
+    totals: Arc<Totals>,
+) -> anyhow::Result<()> {
+    if args.confirm.is_some() {
+        c.call(
+            AMQPClass::Confirm(confirm::AMQPMethod::Select(confirm::Select {
+                nowait: false,
+            })),
+            |m| matches!(m, AMQPClass::Confirm(confirm::AMQPMethod::SelectOk(_))),
+            "confirm.select-ok",
+        )
+        .await?;
+    }
+    let window = args.confirm.map(u64::from).unwrap_or(u64::MAX);
+    let mut body = vec![0u8; args.size];
+    let mut out = Vec::with_capacity(PUBLISH_BATCH * (args.size + 64));
+    let (mut sent, mut confirmed) = (0u64, 0u64);
+    while Instant::now() < deadline {
+        out.clear();
+        let room = window
+            .saturating_sub(sent - confirmed)
+            .min(PUBLISH_BATCH as u64);
+        for _ in 0..room {
+            if body.len() >= 8 {
+                body[..8].copy_from_slice(&(start.elapsed().as_nanos() as u64).to_be_bytes());
+            }
+            encode_publish(
+                &mut out,
+                1,
+                "",
+                &queue_name,
+                args.persistent,
+                &body,
+                c.frame_max,
+            );
+        }
+        if room > 0 {
+            c.stream.write_all(&out).await?;
+            sent += room;
+            totals.published.fetch_add(room, Ordering::Relaxed);
+        }
+        if args.confirm.is_some() && sent - confirmed >= window.min(PUBLISH_BATCH as u64).max(1) {
+            // Wait for confirms, but not past the deadline.
+            let Ok(frame) = tokio::time::timeout_at(deadline.into(), c.read_frame()).await else {
+                break;
+            };
+            let frame = frame?;
+            if frame.kind == FRAME_METHOD {
+                match confirm_of(&frame.payload) {
+                    // Acks and nacks both end a message's wait; multiple covers all below.
+                    Some((tag, multiple, _)) if multiple || tag == confirmed + 1 => {
+                        confirmed = confirmed.max(tag)
+                    }
+                    Some((_, _, _)) => confirmed += 1,
+                    None => check_close(&frame.payload)?,
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn check_close(payload: &[u8]) -> anyhow::Result<()> {
+    if let Ok((_, m)) = amq_protocol::protocol::parse_class(payload) {
+        match m {
+            AMQPClass::Connection(ringmq::amqp::connection::AMQPMethod::Close(c)) => bail!(
+                "broker closed the connection: {} {}",
+                c.reply_code,
+                c.reply_text
+            ),
+            AMQPClass::Channel(ringmq::amqp::channel::AMQPMethod::Close(c)) => bail!(
+                "broker closed the channel: {} {}",
+                c.reply_code,
+                c.reply_text
+            ),
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+async fn consume(
+    mut c: RawClient,
+    queue_name: String,
+    prefetch: u16,
+    start: Instant,
+    deadline: Instant,
+    totals: Arc<Totals>,
+) -> anyhow::Result<Histogram<u64>> {
+    let mut latency = Histogram::<u64>::new(3).expect("valid precision");
+    c.call(
+        AMQPClass::Basic(basic::AMQPMethod::Qos(basic::Qos {
+            prefetch_count: prefetch,
+            global: false,
+        })),
+        |m| matches!(m, AMQPClass::Basic(basic::AMQPMethod::QosOk(_))),
+        "basic.qos-ok",
+    )
+    .await?;
+    c.call(
+        AMQPClass::Basic(basic::AMQPMethod::Consume(basic::Consume {
+            queue: queue_name.as_str().into(),
+            consumer_tag: "".into(),
+            no_local: false,
+            no_ack: false,
+            exclusive: false,
+            nowait: false,
+            arguments: FieldTable::default(),
+        })),
+        |m| matches!(m, AMQPClass::Basic(basic::AMQPMethod::ConsumeOk(_))),
+        "basic.consume-ok",
+    )
+    .await?;
+    let mut last_tag = 0u64;
+    let mut acked = 0u64;
+    let mut expect_body_start = false;
+    let mut out = Vec::with_capacity(64);
+    loop {
+        let Ok(frame) = tokio::time::timeout_at(deadline.into(), c.read_frame()).await else {
+            return Ok(latency);
+        };
+        let frame = frame?;
+        match frame.kind {
+            FRAME_METHOD => match deliver_tag(&frame.payload) {
+                Some(tag) => {
+                    last_tag = tag;
+                    expect_body_start = true;
+                    totals.consumed.fetch_add(1, Ordering::Relaxed);
+                }
+                None => check_close(&frame.payload)?,
+            },
+            FRAME_BODY if expect_body_start => {
+                expect_body_start = false;
+                if frame.payload.len() >= 8 {
+                    let sent_ns =
+                        u64::from_be_bytes(frame.payload[..8].try_into().expect("8 bytes"));
+                    let now_ns = start.elapsed().as_nanos() as u64;
+                    let _ = latency.record(now_ns.saturating_sub(sent_ns) / 1000);
+                }
+            }
+            _ => {}
+        }
+        // Ack once per read batch: when no complete frame is buffered any more.
+        if last_tag > acked && c.rbuf.len() < 7 {
+            out.clear();
+            encode_ack(&mut out, 1, last_tag, true);
+            c.stream.write_all(&out).await?;
+            acked = last_tag;
+        }
+    }
+}

@@ -1,0 +1,21 @@
+//! The vhost core: exchanges route, queues hold, consumers take. Pure and deterministic —
+//! commands in, effects out, time an input — so that the same code serves a primary, a
+//! replica fed by queue ops, and tests without I/O.
+
+pub mod args;
+pub mod channel;
+pub mod error;
+pub mod exchange;
+pub mod message;
+pub mod ops;
+pub mod queue;
+pub mod vhost;
+
+pub use channel::ChannelKey;
+pub use error::{AmqpError, CoreResult};
+pub use message::Message;
+pub use ops::{OpKind, QueueOp};
+pub use vhost::{
+    Consume, Delivery, Effects, ExchangeDeclare, GetOk, PublishOutcome, QueueDeclare,
+    QueueDeclared, VHost,
+};

@@ -1,0 +1,86 @@
+//! Queue ops: every change to a queue's content, as data.
+//!
+//! The primary computes an op, applies it to its own queue with [`crate::core::queue::Queue::apply`]
+//! and hands it on; a journal (persistence) and a backup replica (clustering) consume the same
+//! stream and rebuild the same queue by applying it. One format, written once.
+
+use super::message::Message;
+use std::sync::Arc;
+
+/// One change to one queue, numbered by the queue's own sequence.
+#[derive(Debug, Clone)]
+pub struct QueueOp {
+    /// The queue changed.
+    pub queue: Arc<str>,
+    /// Per-queue sequence number: strictly increasing, without gaps, from 1.
+    pub seq: u64,
+    /// What changed.
+    pub kind: OpKind,
+}
+
+/// The kinds of change a queue knows. Message ids are the queue's own offsets: they grow with
+/// every enqueue and order the queue (a requeued message goes back to its place by id).
+#[derive(Debug, Clone)]
+pub enum OpKind {
+    /// A message joins the ready list.
+    Enqueue {
+        /// Its id in this queue.
+        id: u64,
+        /// The message.
+        message: Arc<Message>,
+        /// Absolute expiry time (ms) from the queue's or the message's TTL.
+        expires_at_ms: Option<u64>,
+    },
+    /// A ready message was handed to a consumer that must ack it: ready → unacked.
+    Deliver {
+        /// Message id.
+        id: u64,
+    },
+    /// A ready message was handed out with no ack expected (no-ack consume or get): it is gone.
+    Take {
+        /// Message id.
+        id: u64,
+    },
+    /// An unacked message was acked, or rejected without requeue: it is gone.
+    Settle {
+        /// Message id.
+        id: u64,
+    },
+    /// An unacked message goes back to the ready list at its original place, marked redelivered.
+    Requeue {
+        /// Message id.
+        id: u64,
+    },
+    /// A ready message left without delivery: expired or pushed out by a length limit.
+    Drop {
+        /// Message id.
+        id: u64,
+        /// Why.
+        reason: DropReason,
+    },
+    /// Every ready message was removed (queue.purge).
+    Purge,
+}
+
+/// Why a message left a queue without being consumed; also the `reason` of its `x-death`
+/// entry when it is dead-lettered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DropReason {
+    /// Its TTL ran out.
+    Expired,
+    /// `x-max-length` / `x-max-length-bytes` with `drop-head` pushed it out.
+    MaxLength,
+    /// A consumer rejected or nacked it without requeue.
+    Rejected,
+}
+
+impl DropReason {
+    /// The name RabbitMQ writes in `x-death` and `x-first-death-reason`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DropReason::Expired => "expired",
+            DropReason::MaxLength => "maxlen",
+            DropReason::Rejected => "rejected",
+        }
+    }
+}

@@ -1,0 +1,414 @@
+//! A queue's content: ready messages in order (per priority level), unacked messages by id,
+//! and the one function, [`Queue::apply`], through which every change passes.
+
+use super::args::QueueArgs;
+use super::channel::ChannelKey;
+use super::message::Message;
+use super::ops::{OpKind, QueueOp};
+use crate::amqp::FieldTable;
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+
+/// A message held by a queue.
+#[derive(Debug, Clone)]
+pub struct Entry {
+    /// The queue's id for it (its place in the queue's order).
+    pub id: u64,
+    /// The shared message.
+    pub message: Arc<Message>,
+    /// Absolute expiry time in ms, if a TTL applies.
+    pub expires_at_ms: Option<u64>,
+    /// It has been delivered before (the `redelivered` flag of its next delivery).
+    pub redelivered: bool,
+}
+
+/// A consumer as the queue sees it: where it lives.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ConsumerRef {
+    /// Channel the consumer was registered on.
+    pub channel: ChannelKey,
+    /// Its tag on that channel.
+    pub tag: Arc<str>,
+}
+
+/// A queue: its declaration and its content.
+#[derive(Debug)]
+pub struct Queue {
+    /// Name.
+    pub name: Arc<str>,
+    /// Survives a broker restart (with persistence).
+    pub durable: bool,
+    /// The connection that owns an exclusive queue.
+    pub exclusive_owner: Option<u64>,
+    /// Deleted when its last consumer goes.
+    pub auto_delete: bool,
+    /// Arguments as declared, for the equivalence check of a redeclare.
+    pub arguments: FieldTable,
+    /// Arguments the broker acts on.
+    pub args: QueueArgs,
+    /// Consumers in registration order; the first is the active one under single-active-consumer.
+    pub consumers: Vec<ConsumerRef>,
+    /// Round-robin position among `consumers`.
+    pub next_consumer: usize,
+    /// Last time (ms) the queue was used, for `x-expires`.
+    pub last_used_ms: u64,
+    /// The queue has had a consumer (auto-delete only deletes a queue that had one).
+    pub had_consumer: bool,
+    levels: Vec<VecDeque<Entry>>,
+    unacked: HashMap<u64, Entry>,
+    ready_count: usize,
+    ready_bytes: usize,
+    next_id: u64,
+    last_seq: u64,
+}
+
+impl Queue {
+    /// A new, empty queue.
+    pub fn new(
+        name: Arc<str>,
+        durable: bool,
+        exclusive_owner: Option<u64>,
+        auto_delete: bool,
+        arguments: FieldTable,
+        args: QueueArgs,
+        now_ms: u64,
+    ) -> Self {
+        let levels = usize::from(args.max_priority.unwrap_or(0)) + 1;
+        Self {
+            name,
+            durable,
+            exclusive_owner,
+            auto_delete,
+            arguments,
+            args,
+            consumers: Vec::new(),
+            next_consumer: 0,
+            last_used_ms: now_ms,
+            had_consumer: false,
+            levels: (0..levels).map(|_| VecDeque::new()).collect(),
+            unacked: HashMap::new(),
+            ready_count: 0,
+            ready_bytes: 0,
+            next_id: 1,
+            last_seq: 0,
+        }
+    }
+
+    /// Messages ready for delivery.
+    pub fn ready_count(&self) -> usize {
+        self.ready_count
+    }
+
+    /// Body bytes of ready messages.
+    pub fn ready_bytes(&self) -> usize {
+        self.ready_bytes
+    }
+
+    /// Messages delivered and not yet acked.
+    pub fn unacked_count(&self) -> usize {
+        self.unacked.len()
+    }
+
+    /// Sequence number of the last op applied.
+    pub fn last_seq(&self) -> u64 {
+        self.last_seq
+    }
+
+    /// The id the next enqueued message gets.
+    pub fn next_id(&self) -> u64 {
+        self.next_id
+    }
+
+    /// The ready message that would be delivered next.
+    pub fn peek(&self) -> Option<&Entry> {
+        self.levels.iter().rev().find_map(|l| l.front())
+    }
+
+    /// The oldest ready message of the lowest priority level (what drop-head removes first).
+    pub fn oldest(&self) -> Option<&Entry> {
+        self.levels.iter().find_map(|l| l.front())
+    }
+
+    /// Ready messages in delivery order.
+    pub fn ready(&self) -> impl Iterator<Item = &Entry> {
+        self.levels.iter().rev().flat_map(|l| l.iter())
+    }
+
+    /// An unacked message by id.
+    pub fn unacked(&self, id: u64) -> Option<&Entry> {
+        self.unacked.get(&id)
+    }
+
+    /// Ids of unacked messages (unordered).
+    pub fn unacked_ids(&self) -> impl Iterator<Item = u64> + '_ {
+        self.unacked.keys().copied()
+    }
+
+    /// Builds the next op of this queue (the caller applies it and passes it on).
+    pub fn op(&self, kind: OpKind) -> QueueOp {
+        QueueOp {
+            queue: self.name.clone(),
+            seq: self.last_seq + 1,
+            kind,
+        }
+    }
+
+    fn level_of(&self, message: &Message) -> usize {
+        usize::from(message.priority).min(self.levels.len() - 1)
+    }
+
+    fn insert_ready(&mut self, entry: Entry) {
+        self.ready_count += 1;
+        self.ready_bytes += entry.message.body_len();
+        let level = self.level_of(&entry.message);
+        let deque = &mut self.levels[level];
+        match deque.back() {
+            Some(last) if last.id > entry.id => {
+                let at = deque.partition_point(|e| e.id < entry.id);
+                deque.insert(at, entry);
+            }
+            _ => deque.push_back(entry),
+        }
+    }
+
+    fn remove_ready(&mut self, id: u64) -> Option<Entry> {
+        for deque in self.levels.iter_mut().rev() {
+            let found = match deque.front() {
+                Some(front) if front.id == id => Some(0),
+                _ => deque.binary_search_by_key(&id, |e| e.id).ok(),
+            };
+            if let Some(at) = found {
+                let entry = deque.remove(at)?;
+                self.ready_count -= 1;
+                self.ready_bytes -= entry.message.body_len();
+                return Some(entry);
+            }
+        }
+        None
+    }
+
+    /// Applies one op: the only way a queue's content changes, on a primary and on a replica
+    /// alike. Returns the entry the op removed from the ready list or the unacked set, if any.
+    ///
+    /// Panics when the op does not fit the queue (a sequence gap, an unknown message id): a
+    /// replica that diverged must stop loudly, not serve wrong data.
+    pub fn apply(&mut self, op: &QueueOp) -> Option<Entry> {
+        assert_eq!(
+            op.seq,
+            self.last_seq + 1,
+            "queue '{}': op sequence gap",
+            self.name
+        );
+        self.last_seq = op.seq;
+        match &op.kind {
+            OpKind::Enqueue {
+                id,
+                message,
+                expires_at_ms,
+            } => {
+                assert!(
+                    *id >= self.next_id,
+                    "queue '{}': enqueue id {id} reused",
+                    self.name
+                );
+                self.next_id = id + 1;
+                self.insert_ready(Entry {
+                    id: *id,
+                    message: message.clone(),
+                    expires_at_ms: *expires_at_ms,
+                    redelivered: false,
+                });
+                None
+            }
+            OpKind::Deliver { id } => {
+                let mut entry = self.remove_ready(*id).unwrap_or_else(|| self.missing(*id));
+                let returned = entry.clone();
+                entry.redelivered = true;
+                self.unacked.insert(*id, entry);
+                Some(returned)
+            }
+            OpKind::Take { id } | OpKind::Drop { id, .. } => {
+                Some(self.remove_ready(*id).unwrap_or_else(|| self.missing(*id)))
+            }
+            OpKind::Settle { id } => {
+                Some(self.unacked.remove(id).unwrap_or_else(|| self.missing(*id)))
+            }
+            OpKind::Requeue { id } => {
+                let entry = self.unacked.remove(id).unwrap_or_else(|| self.missing(*id));
+                self.insert_ready(entry);
+                None
+            }
+            OpKind::Purge => {
+                for deque in &mut self.levels {
+                    deque.clear();
+                }
+                self.ready_count = 0;
+                self.ready_bytes = 0;
+                None
+            }
+        }
+    }
+
+    fn missing(&self, id: u64) -> ! {
+        panic!(
+            "queue '{}': op names message {id}, which is not where the op expects it",
+            self.name
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::amqp::Properties;
+    use bytes::Bytes;
+    use proptest::prelude::*;
+
+    fn message(priority: u8) -> Arc<Message> {
+        Arc::new(Message::authored(
+            "".into(),
+            "k".into(),
+            Properties::default().with_priority(priority),
+            Bytes::from_static(b"body"),
+        ))
+    }
+
+    fn queue(max_priority: Option<u8>) -> Queue {
+        let args = QueueArgs {
+            max_priority,
+            ..QueueArgs::default()
+        };
+        Queue::new(
+            "q".into(),
+            false,
+            None,
+            false,
+            FieldTable::default(),
+            args,
+            0,
+        )
+    }
+
+    fn step(q: &mut Queue, kind: OpKind) -> QueueOp {
+        let op = q.op(kind);
+        q.apply(&op);
+        op
+    }
+
+    #[test]
+    fn requeue_puts_a_message_back_at_its_original_place() {
+        let mut q = queue(None);
+        for id in 1..=3 {
+            step(
+                &mut q,
+                OpKind::Enqueue {
+                    id,
+                    message: message(0),
+                    expires_at_ms: None,
+                },
+            );
+        }
+        step(&mut q, OpKind::Deliver { id: 1 });
+        step(&mut q, OpKind::Deliver { id: 2 });
+        step(&mut q, OpKind::Requeue { id: 2 });
+        step(&mut q, OpKind::Requeue { id: 1 });
+        let order: Vec<_> = q.ready().map(|e| (e.id, e.redelivered)).collect();
+        assert_eq!(order, vec![(1, true), (2, true), (3, false)]);
+    }
+
+    #[test]
+    fn higher_priority_is_delivered_first_and_priority_is_capped() {
+        let mut q = queue(Some(5));
+        step(
+            &mut q,
+            OpKind::Enqueue {
+                id: 1,
+                message: message(1),
+                expires_at_ms: None,
+            },
+        );
+        step(
+            &mut q,
+            OpKind::Enqueue {
+                id: 2,
+                message: message(200),
+                expires_at_ms: None,
+            },
+        );
+        step(
+            &mut q,
+            OpKind::Enqueue {
+                id: 3,
+                message: message(5),
+                expires_at_ms: None,
+            },
+        );
+        let order: Vec<_> = q.ready().map(|e| e.id).collect();
+        assert_eq!(order, vec![2, 3, 1]);
+    }
+
+    #[derive(Debug, Clone)]
+    enum Action {
+        Enqueue(u8),
+        DeliverHead,
+        TakeHead,
+        SettleSome(usize),
+        RequeueSome(usize),
+        DropHead,
+        Purge,
+    }
+
+    fn action() -> impl Strategy<Value = Action> {
+        prop_oneof![
+            4 => (0u8..4).prop_map(Action::Enqueue),
+            3 => Just(Action::DeliverHead),
+            1 => Just(Action::TakeHead),
+            2 => any::<usize>().prop_map(Action::SettleSome),
+            2 => any::<usize>().prop_map(Action::RequeueSome),
+            1 => Just(Action::DropHead),
+            1 => Just(Action::Purge),
+        ]
+    }
+
+    proptest! {
+        /// The seam replication and the journal stand on: a replica that applies the op stream
+        /// of a primary holds exactly the primary's content, in the same order.
+        #[test]
+        fn a_replica_fed_the_op_stream_equals_the_primary(actions in prop::collection::vec(action(), 0..200)) {
+            let mut primary = queue(Some(3));
+            let mut stream = Vec::new();
+            for a in actions {
+                let mut unacked: Vec<u64> = primary.unacked_ids().collect();
+                unacked.sort_unstable();
+                let kind = match a {
+                    Action::Enqueue(p) => Some(OpKind::Enqueue { id: primary.next_id(), message: message(p), expires_at_ms: None }),
+                    Action::DeliverHead => primary.peek().map(|e| OpKind::Deliver { id: e.id }),
+                    Action::TakeHead => primary.peek().map(|e| OpKind::Take { id: e.id }),
+                    Action::DropHead => primary.oldest().map(|e| OpKind::Drop { id: e.id, reason: crate::core::ops::DropReason::MaxLength }),
+                    Action::SettleSome(i) => (!unacked.is_empty()).then(|| OpKind::Settle { id: unacked[i % unacked.len()] }),
+                    Action::RequeueSome(i) => (!unacked.is_empty()).then(|| OpKind::Requeue { id: unacked[i % unacked.len()] }),
+                    Action::Purge => Some(OpKind::Purge),
+                };
+                if let Some(kind) = kind {
+                    stream.push(step(&mut primary, kind));
+                }
+            }
+            let mut replica = queue(Some(3));
+            for op in &stream {
+                replica.apply(op);
+            }
+            let ready = |q: &Queue| q.ready().map(|e| (e.id, e.redelivered)).collect::<Vec<_>>();
+            prop_assert_eq!(ready(&primary), ready(&replica));
+            let mut a: Vec<u64> = primary.unacked_ids().collect();
+            let mut b: Vec<u64> = replica.unacked_ids().collect();
+            a.sort_unstable();
+            b.sort_unstable();
+            prop_assert_eq!(a, b);
+            prop_assert_eq!(primary.ready_bytes(), replica.ready_bytes());
+            // Ready ids within one priority level stay in enqueue order.
+            for level in &primary.levels {
+                prop_assert!(level.iter().zip(level.iter().skip(1)).all(|(x, y)| x.id < y.id));
+            }
+        }
+    }
+}

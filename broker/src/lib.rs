@@ -1,0 +1,12 @@
+//! ringmq: a clustered AMQP 0-9-1 message broker.
+//!
+//! Layers, from the wire inwards: [`amqp`] (frames and codes), [`server`] (connections and
+//! channels on sockets), [`core`] (the pure vhost state machine). [`config`] and [`auth`] are
+//! what an operator sets.
+
+pub mod amqp;
+pub mod auth;
+pub mod client;
+pub mod config;
+pub mod core;
+pub mod server;

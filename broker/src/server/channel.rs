@@ -1,0 +1,227 @@
+//! The connection-side half of a channel: assembling published content from its frames,
+//! publisher confirms and transactions. Consumer state lives in the vhost core.
+
+use crate::core::{ChannelKey, Message};
+use bytes::{Bytes, BytesMut};
+use std::sync::Arc;
+
+/// A publish whose content is still arriving.
+#[derive(Debug)]
+pub struct PendingPublish {
+    /// Exchange named by basic.publish.
+    pub exchange: String,
+    /// Routing key.
+    pub routing_key: String,
+    /// Mandatory flag.
+    pub mandatory: bool,
+    /// The content header, once it came: decoded properties, raw payload and body size.
+    pub header: Option<(crate::amqp::Properties, Bytes, u64)>,
+    /// Body frames so far.
+    pub body: BodyParts,
+}
+
+/// Body frames of one message: one frame stays a zero-copy slice, more are joined once.
+#[derive(Debug, Default)]
+pub enum BodyParts {
+    /// Nothing yet.
+    #[default]
+    Empty,
+    /// One frame.
+    One(Bytes),
+    /// Several frames, joined.
+    Many(BytesMut),
+}
+
+impl BodyParts {
+    /// Bytes received so far.
+    pub fn len(&self) -> usize {
+        match self {
+            BodyParts::Empty => 0,
+            BodyParts::One(b) => b.len(),
+            BodyParts::Many(b) => b.len(),
+        }
+    }
+
+    /// True before the first body frame.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Adds a frame.
+    pub fn push(&mut self, part: Bytes, expected_total: usize) {
+        *self = match std::mem::take(self) {
+            BodyParts::Empty => BodyParts::One(part),
+            BodyParts::One(first) => {
+                let mut joined = BytesMut::with_capacity(expected_total);
+                joined.extend_from_slice(&first);
+                joined.extend_from_slice(&part);
+                BodyParts::Many(joined)
+            }
+            BodyParts::Many(mut joined) => {
+                joined.extend_from_slice(&part);
+                BodyParts::Many(joined)
+            }
+        };
+    }
+
+    /// The whole body.
+    pub fn finish(self) -> Bytes {
+        match self {
+            BodyParts::Empty => Bytes::new(),
+            BodyParts::One(b) => b,
+            BodyParts::Many(b) => b.freeze(),
+        }
+    }
+}
+
+/// A publish held back by a transaction until tx.commit.
+#[derive(Debug)]
+pub struct HeldPublish {
+    /// Exchange.
+    pub exchange: String,
+    /// Routing key.
+    pub routing_key: String,
+    /// Mandatory flag.
+    pub mandatory: bool,
+    /// The message.
+    pub message: Arc<Message>,
+}
+
+/// An acknowledgement held back by a transaction.
+#[derive(Debug, Clone, Copy)]
+pub enum HeldAck {
+    /// basic.ack.
+    Ack {
+        /// Delivery tag.
+        tag: u64,
+        /// Multiple flag.
+        multiple: bool,
+    },
+    /// basic.nack / basic.reject.
+    Nack {
+        /// Delivery tag.
+        tag: u64,
+        /// Multiple flag.
+        multiple: bool,
+        /// Requeue flag.
+        requeue: bool,
+    },
+}
+
+/// Work held by a transactional channel.
+#[derive(Debug, Default)]
+pub struct Transaction {
+    /// Publishes in order.
+    pub publishes: Vec<HeldPublish>,
+    /// Acks in order.
+    pub acks: Vec<HeldAck>,
+}
+
+/// Connection-side state of an open channel.
+#[derive(Debug)]
+pub struct ChannelCtx {
+    /// The channel's key in the vhost.
+    pub key: ChannelKey,
+    /// The broker sent channel.close and waits for close-ok; everything else is dropped.
+    pub closing: bool,
+    /// Content being assembled.
+    pub pending: Option<PendingPublish>,
+    /// confirm.select was sent.
+    pub confirm: bool,
+    /// Sequence number of the last publish under confirms.
+    pub publish_seq: u64,
+    /// Confirms decided since the last flush: (sequence number, ack?).
+    pub confirms: Vec<(u64, bool)>,
+    /// tx.select was sent.
+    pub tx: Option<Transaction>,
+    /// Name of the queue declared last on this channel (the spec's empty-name shortcut).
+    pub last_queue: Option<String>,
+}
+
+impl ChannelCtx {
+    /// A freshly opened channel.
+    pub fn new(key: ChannelKey) -> Self {
+        Self {
+            key,
+            closing: false,
+            pending: None,
+            confirm: false,
+            publish_seq: 0,
+            confirms: Vec::new(),
+            tx: None,
+            last_queue: None,
+        }
+    }
+
+    /// Resolves the spec's shortcut: an empty queue name means the last declared one.
+    pub fn queue_name(&self, name: &str) -> Option<String> {
+        if name.is_empty() {
+            self.last_queue.clone()
+        } else {
+            Some(name.to_owned())
+        }
+    }
+
+    /// Takes the confirms decided so far as (delivery-tag, multiple, ack?) frames: runs of
+    /// acks collapse into one `multiple` ack.
+    pub fn take_confirms(&mut self, out: &mut Vec<(u64, bool, bool)>) {
+        let mut run_end: Option<u64> = None;
+        let mut run_len = 0;
+        for &(seq, ack) in &self.confirms {
+            if ack {
+                run_end = Some(seq);
+                run_len += 1;
+            } else {
+                if let Some(end) = run_end.take() {
+                    out.push((end, run_len > 1, true));
+                }
+                run_len = 0;
+                out.push((seq, false, false));
+            }
+        }
+        if let Some(end) = run_end {
+            out.push((end, run_len > 1, true));
+        }
+        self.confirms.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runs_of_acks_collapse_and_nacks_stay_single() {
+        let mut ch = ChannelCtx::new(ChannelKey {
+            conn: 1,
+            channel: 1,
+        });
+        ch.confirms = vec![
+            (1, true),
+            (2, true),
+            (3, false),
+            (4, true),
+            (5, true),
+            (6, true),
+        ];
+        let mut out = Vec::new();
+        ch.take_confirms(&mut out);
+        assert_eq!(
+            out,
+            vec![(2, true, true), (3, false, false), (6, true, true)]
+        );
+        ch.confirms = vec![(7, true)];
+        out.clear();
+        ch.take_confirms(&mut out);
+        assert_eq!(out, vec![(7, false, true)]);
+    }
+
+    #[test]
+    fn body_parts_keep_one_frame_and_join_several() {
+        let mut b = BodyParts::default();
+        b.push(Bytes::from_static(b"ab"), 4);
+        assert!(matches!(b, BodyParts::One(_)));
+        b.push(Bytes::from_static(b"cd"), 4);
+        assert_eq!(&b.finish()[..], b"abcd");
+    }
+}

@@ -1,0 +1,146 @@
+//! Test harness: starts the real `ringmq-broker` binary on an OS-assigned loopback port and
+//! connects real clients to it. Each test gets its own broker process and data directory, so
+//! tests run in parallel and a broker can be killed without touching the others.
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+pub use lapin;
+
+/// Path of a binary built from this workspace (`ringmq-broker`, `ringmqctl`), next to the
+/// test executable's `deps/` directory.
+pub fn binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("the test knows its own path");
+    let dir = exe.parent().and_then(Path::parent).expect("test binaries live in target/<profile>/deps");
+    let path = dir.join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: build the binaries first with `cargo build --workspace --bins` (the README's test command does)",
+        path.display()
+    );
+    path
+}
+
+static NEXT_DIR: AtomicU32 = AtomicU32::new(0);
+
+/// A broker process owned by a test; killed (by its PID) when dropped.
+pub struct Broker {
+    child: Child,
+    /// AMQP address it listens on.
+    pub addr: SocketAddr,
+    /// Its data directory.
+    pub data_dir: PathBuf,
+    /// Lines it wrote to stderr (its log), collected in the background.
+    pub log: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl Broker {
+    /// Starts a broker with the default configuration.
+    pub fn start() -> Self {
+        Self::start_with_config("")
+    }
+
+    /// Starts a broker with this YAML configuration (the listen address is always overridden
+    /// to 127.0.0.1:0).
+    pub fn start_with_config(yaml: &str) -> Self {
+        let n = NEXT_DIR.fetch_add(1, Ordering::Relaxed);
+        let data_dir = std::env::temp_dir().join(format!("ringmq-test-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&data_dir);
+        std::fs::create_dir_all(&data_dir).expect("temp dir is writable");
+        let config = data_dir.join("ringmq.yaml");
+        std::fs::write(&config, yaml).expect("temp dir is writable");
+        let mut child = Command::new(binary("ringmq-broker"))
+            .args(["--amqp-listen", "127.0.0.1:0", "--data-dir"])
+            .arg(data_dir.join("data"))
+            .arg("--config")
+            .arg(&config)
+            .env("RINGMQ_LOG", "info")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("the broker binary starts");
+        let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let stderr = child.stderr.take().expect("piped");
+        let sink = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                sink.lock().expect("log lock").push(line);
+            }
+        });
+        let mut stdout = BufReader::new(child.stdout.take().expect("piped"));
+        let mut line = String::new();
+        stdout.read_line(&mut line).expect("the broker prints its address");
+        // Keep the pipe open (and drained) for as long as the broker runs.
+        std::thread::spawn(move || std::io::copy(&mut stdout, &mut std::io::sink()));
+        let addr = line
+            .trim()
+            .strip_prefix("ringmq-broker listening amqp=")
+            .unwrap_or_else(|| panic!("unexpected first line from the broker: {line:?}; log: {:?}", log.lock().unwrap()))
+            .parse()
+            .expect("a socket address");
+        Broker { child, addr, data_dir, log }
+    }
+
+    /// `amqp://guest:guest@ADDR/%2f`.
+    pub fn uri(&self) -> String {
+        format!("amqp://guest:guest@{}/%2f", self.addr)
+    }
+
+    /// A lapin connection as guest.
+    pub async fn connect(&self) -> lapin::Connection {
+        lapin::Connection::connect(&self.uri(), lapin::ConnectionProperties::default())
+            .await
+            .expect("connecting to the test broker")
+    }
+
+    /// A lapin connection and one channel.
+    pub async fn channel(&self) -> (lapin::Connection, lapin::Channel) {
+        let conn = self.connect().await;
+        let ch = conn.create_channel().await.expect("opening a channel");
+        (conn, ch)
+    }
+
+    /// The process id (to kill it from a test).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Whether the process is still running.
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// Whether some log line contains `needle`, waiting up to `timeout` for it.
+    pub fn wait_for_log(&self, needle: &str, timeout: Duration) -> bool {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            if self.log.lock().expect("log lock").iter().any(|l| l.contains(needle)) {
+                return true;
+            }
+            if std::time::Instant::now() > deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Broker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.data_dir);
+    }
+}
+
+/// The AMQP reply code inside a lapin error, if the broker sent one.
+pub fn reply_code(e: &lapin::Error) -> Option<u16> {
+    match e.kind() {
+        lapin::ErrorKind::ProtocolError(amqp) => Some(amqp.get_id()),
+        _ => None,
+    }
+}
