@@ -6,6 +6,9 @@ use super::{AMQPClass, Properties};
 use amq_protocol::frame::{AMQPContentHeader, AMQPFrame, WriteContext, gen_frame};
 use bytes::Bytes;
 
+/// Capacity an output buffer keeps between writes.
+const RETAINED_CAPACITY: usize = 256 * 1024;
+
 /// An append-only output buffer of encoded frames.
 #[derive(Debug, Default)]
 pub struct FrameWriter {
@@ -28,9 +31,13 @@ impl FrameWriter {
         self.buf.is_empty()
     }
 
-    /// Forgets everything written so far, keeping the allocation.
+    /// Forgets everything written so far, keeping a modest allocation: a burst of
+    /// deliveries must not leave an idle connection holding megabytes.
     pub fn clear(&mut self) {
         self.buf.clear();
+        if self.buf.capacity() > RETAINED_CAPACITY {
+            self.buf.shrink_to(RETAINED_CAPACITY);
+        }
     }
 
     /// Raw bytes (the protocol header).

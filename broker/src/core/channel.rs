@@ -76,8 +76,6 @@ pub struct ChannelState {
     pub flow_paused: bool,
     /// Deliveries handed to the connection and not yet written (see [`WRITE_WINDOW`]).
     pub unwritten: u32,
-    /// Consumers created so far, for server-named tags.
-    pub consumers_created: u64,
 }
 
 impl ChannelState {

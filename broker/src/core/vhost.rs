@@ -756,50 +756,29 @@ impl VHost {
     }
 
     /// basic.consume: returns the consumer tag.
-    pub fn basic_consume(
-        &mut self,
-        key: ChannelKey,
-        c: Consume,
-        now_ms: u64,
-        fx: &mut Effects,
-    ) -> CoreResult<Arc<str>> {
+    pub fn basic_consume(&mut self, key: ChannelKey, c: Consume, now_ms: u64, fx: &mut Effects) -> CoreResult<Arc<str>> {
         let vhost = self.name.clone();
+        let ch = self.channels.get(&key).ok_or_else(|| AmqpError::new(codes::CHANNEL_ERROR, "channel not open"))?;
+        // The tag is checked first, as RabbitMQ does: a reused tag is a connection error.
+        if !c.tag.is_empty() && ch.consumers.contains_key(c.tag.as_str()) {
+            return Err(AmqpError::new(codes::NOT_ALLOWED, format!("attempt to reuse consumer tag '{}'", c.tag)));
+        }
         let q = self.usable_queue(&c.queue, key.conn)?;
         let exclusive_in_use = || {
-            AmqpError::access_refused(format!(
-                "queue '{}' in vhost '{vhost}' in exclusive use",
-                c.queue
-            ))
+            AmqpError::access_refused(format!("queue '{}' in vhost '{vhost}' in exclusive use", c.queue))
         };
         if c.exclusive && !q.consumers.is_empty() {
             return Err(exclusive_in_use());
         }
         let has_exclusive = q.consumers.iter().any(|r| {
-            self.channels
-                .get(&r.channel)
-                .and_then(|ch| ch.consumers.get(&r.tag))
-                .is_some_and(|x| x.exclusive)
+            self.channels.get(&r.channel).and_then(|ch| ch.consumers.get(&r.tag)).is_some_and(|x| x.exclusive)
         });
         if has_exclusive {
             return Err(exclusive_in_use());
         }
         let qname = q.name.clone();
-        let tag: Arc<str> = if c.tag.is_empty() {
-            self.fresh_name("amq.ctag-").into()
-        } else {
-            c.tag.into()
-        };
-        let ch = self
-            .channels
-            .get_mut(&key)
-            .ok_or_else(|| AmqpError::new(codes::CHANNEL_ERROR, "channel not open"))?;
-        if ch.consumers.contains_key(&tag) {
-            return Err(AmqpError::new(
-                codes::NOT_ALLOWED,
-                format!("attempt to reuse consumer tag '{tag}'"),
-            ));
-        }
-        ch.consumers_created += 1;
+        let tag: Arc<str> = if c.tag.is_empty() { self.fresh_name("amq.ctag-").into() } else { c.tag.into() };
+        let ch = self.channels.get_mut(&key).expect("checked above");
         ch.consumers.insert(
             tag.clone(),
             Consumer {
@@ -814,10 +793,7 @@ impl VHost {
             },
         );
         let q = self.queues.get_mut(&qname).expect("checked above");
-        q.consumers.push(ConsumerRef {
-            channel: key,
-            tag: tag.clone(),
-        });
+        q.consumers.push(ConsumerRef { channel: key, tag: tag.clone() });
         q.had_consumer = true;
         q.last_used_ms = now_ms;
         self.dispatch(&qname, now_ms, fx);

@@ -28,8 +28,10 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-/// Bytes the read buffer keeps free before each read: many frames per syscall.
-const READ_CHUNK: usize = 64 * 1024;
+/// Read buffer space for a busy connection: many frames per syscall.
+const READ_CHUNK_BUSY: usize = 64 * 1024;
+/// Read buffer space for a quiet one: idle connections must stay cheap.
+const READ_CHUNK_IDLE: usize = 2 * 1024;
 /// How long a publisher whose queue is backlogged waits before the broker reads from it again.
 const FLOW_PAUSE: Duration = Duration::from_millis(1);
 /// How long the broker waits for close-ok after it sent connection.close.
@@ -186,10 +188,25 @@ impl Connection {
             // Spec §4.2.2: answer with the header we speak, then close.
             stream.write_all(PROTOCOL_HEADER).await?;
             self.close_reason = format!("bad protocol header {header:?}");
+            // Close gracefully: closing with unread input would reset the connection and
+            // could discard the header before the client reads it.
+            stream.shutdown().await?;
+            let mut sink = [0u8; 4096];
+            let drain = async {
+                let mut total = 0;
+                while let Ok(n @ 1..) = stream.read(&mut sink).await {
+                    total += n;
+                    if total > 64 * 1024 {
+                        break;
+                    }
+                }
+            };
+            let _ = tokio::time::timeout(CLOSE_OK_TIMEOUT, drain).await;
             return Ok(());
         }
         self.send_start();
-        let mut rbuf = BytesMut::with_capacity(READ_CHUNK);
+        let mut rbuf = BytesMut::new();
+        let mut read_chunk = READ_CHUNK_IDLE;
         let mut last_recv = Instant::now();
         let mut close_deadline: Option<Instant> = None;
         let mut heartbeat = tokio::time::interval(Duration::from_secs(3600));
@@ -225,15 +242,18 @@ impl Connection {
                 continue;
             }
             let reading = !self.publish_waits_for_unblock;
-            if rbuf.capacity() - rbuf.len() < READ_CHUNK / 4 {
-                rbuf.reserve(READ_CHUNK);
+            if rbuf.capacity() - rbuf.len() < read_chunk / 2 {
+                rbuf.reserve(read_chunk);
             }
             tokio::select! {
                 r = stream.read_buf(&mut rbuf), if reading => {
-                    if r? == 0 {
+                    let n = r?;
+                    if n == 0 {
                         self.close_reason = "client closed the socket".into();
                         return Ok(());
                     }
+                    // A read that filled most of the space asks for a bigger buffer next time.
+                    read_chunk = if n >= read_chunk / 2 { READ_CHUNK_BUSY } else { READ_CHUNK_IDLE };
                     last_recv = Instant::now();
                     self.on_bytes(&mut rbuf);
                 }

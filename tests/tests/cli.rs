@@ -1,0 +1,64 @@
+//! The command-line contracts: `ringmq-broker` options and errors, `ringmqctl bench`, and a
+//! client in another language (pika) against the broker.
+
+use ringmq_tests::{Broker, binary};
+use std::process::Command;
+
+#[test]
+fn broker_help_documents_the_contract_options() {
+    let out = Command::new(binary("ringmq-broker")).arg("--help").output().unwrap();
+    assert!(out.status.success());
+    let help = String::from_utf8(out.stdout).unwrap();
+    for opt in ["--amqp-listen", "--data-dir", "--config", "--log-format"] {
+        assert!(help.contains(opt), "--help lacks {opt}:\n{help}");
+    }
+}
+
+#[test]
+fn a_broken_config_file_is_refused_with_a_message_naming_it() {
+    let dir = std::env::temp_dir().join(format!("ringmq-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("bad.yaml");
+    std::fs::write(&config, "amqp_lisen: 127.0.0.1:1\n").unwrap();
+    let out = Command::new(binary("ringmq-broker")).arg("--config").arg(&config).arg("--data-dir").arg(dir.join("data")).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("bad.yaml") && err.contains("amqp_lisen"), "{err}");
+    std::fs::write(&config, "frame_max: 10\n").unwrap();
+    let out = Command::new(binary("ringmq-broker")).arg("--config").arg(&config).arg("--data-dir").arg(dir.join("data")).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("frame_max"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn bench_reports_json_with_rates_and_latency() {
+    let b = Broker::start();
+    let out = Command::new(binary("ringmqctl"))
+        .args(["bench", "--uri", &b.uri(), "--seconds", "1", "--size", "100", "--confirm", "50", "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let last = stdout.lines().last().unwrap();
+    let v: serde_json::Value = serde_json::from_str(last).unwrap();
+    assert!(v["published_per_sec"].as_f64().unwrap() > 0.0, "{v}");
+    assert!(v["consumed_per_sec"].as_f64().unwrap() > 0.0, "{v}");
+    assert!(v["latency_us"]["p50"].as_u64().unwrap() <= v["latency_us"]["p99"].as_u64().unwrap());
+}
+
+#[test]
+fn bench_against_no_broker_fails_with_a_reason() {
+    let out = Command::new(binary("ringmqctl")).args(["bench", "--uri", "amqp://guest:guest@127.0.0.1:1/%2f", "--seconds", "1"]).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot connect"));
+}
+
+#[test]
+fn pika_works_unchanged() {
+    let b = Broker::start();
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/clients/pika_compat.py");
+    let out = Command::new("python3").arg(script).arg(b.addr.port().to_string()).output().expect("python3 runs (.ci/run installs it with pika)");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && stdout.trim_end().ends_with("ok"), "pika script failed (pip install pika?):\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+}
