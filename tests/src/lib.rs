@@ -15,7 +15,10 @@ pub use lapin;
 /// test executable's `deps/` directory.
 pub fn binary(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("the test knows its own path");
-    let dir = exe.parent().and_then(Path::parent).expect("test binaries live in target/<profile>/deps");
+    let dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("test binaries live in target/<profile>/deps");
     let path = dir.join(name);
     assert!(
         path.exists(),
@@ -73,16 +76,28 @@ impl Broker {
         });
         let mut stdout = BufReader::new(child.stdout.take().expect("piped"));
         let mut line = String::new();
-        stdout.read_line(&mut line).expect("the broker prints its address");
+        stdout
+            .read_line(&mut line)
+            .expect("the broker prints its address");
         // Keep the pipe open (and drained) for as long as the broker runs.
         std::thread::spawn(move || std::io::copy(&mut stdout, &mut std::io::sink()));
         let addr = line
             .trim()
             .strip_prefix("ringmq-broker listening amqp=")
-            .unwrap_or_else(|| panic!("unexpected first line from the broker: {line:?}; log: {:?}", log.lock().unwrap()))
+            .unwrap_or_else(|| {
+                panic!(
+                    "unexpected first line from the broker: {line:?}; log: {:?}",
+                    log.lock().unwrap()
+                )
+            })
             .parse()
             .expect("a socket address");
-        Broker { child, addr, data_dir, log }
+        Broker {
+            child,
+            addr,
+            data_dir,
+            log,
+        }
     }
 
     /// `amqp://guest:guest@ADDR/%2f`.
@@ -118,7 +133,13 @@ impl Broker {
     pub fn wait_for_log(&self, needle: &str, timeout: Duration) -> bool {
         let deadline = std::time::Instant::now() + timeout;
         loop {
-            if self.log.lock().expect("log lock").iter().any(|l| l.contains(needle)) {
+            if self
+                .log
+                .lock()
+                .expect("log lock")
+                .iter()
+                .any(|l| l.contains(needle))
+            {
                 return true;
             }
             if std::time::Instant::now() > deadline {

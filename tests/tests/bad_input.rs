@@ -1,9 +1,9 @@
 //! Malformed and hostile input on raw sockets: the broker answers with the reply code the
 //! spec names, closes only what it must, and keeps serving everyone else with nothing lost.
 
+use lapin::BasicProperties;
 use lapin::options::*;
 use lapin::types::FieldTable;
-use lapin::BasicProperties;
 use ringmq::amqp::frame::PROTOCOL_HEADER;
 use ringmq::amqp::writer::FrameWriter;
 use ringmq::amqp::{AMQPClass, channel, queue};
@@ -14,7 +14,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 async fn raw(b: &Broker) -> RawClient {
-    RawClient::connect(&Target::parse(&b.uri()).unwrap()).await.unwrap()
+    RawClient::connect(&Target::parse(&b.uri()).unwrap())
+        .await
+        .unwrap()
 }
 
 /// Reads until the broker closes the connection; returns the reply code of its close.
@@ -22,20 +24,30 @@ async fn close_code(c: &mut RawClient) -> u16 {
     let wait = async {
         loop {
             match c.read_method().await {
-                Err(ClientError::Closed { scope: "connection", code, .. }) => return code,
+                Err(ClientError::Closed {
+                    scope: "connection",
+                    code,
+                    ..
+                }) => return code,
                 Err(e) => panic!("expected connection.close, got {e}"),
                 Ok(_) => continue,
             }
         }
     };
-    tokio::time::timeout(Duration::from_secs(5), wait).await.expect("connection.close within 5 s")
+    tokio::time::timeout(Duration::from_secs(5), wait)
+        .await
+        .expect("connection.close within 5 s")
 }
 
 /// Reads until the broker closes channel 1; returns the reply code.
 async fn channel_close_code(c: &mut RawClient) -> u16 {
     loop {
         match c.read_method().await {
-            Err(ClientError::Closed { scope: "channel", code, .. }) => return code,
+            Err(ClientError::Closed {
+                scope: "channel",
+                code,
+                ..
+            }) => return code,
             Err(e) => panic!("expected channel.close, got {e}"),
             Ok(_) => continue,
         }
@@ -61,18 +73,52 @@ impl Bystander {
     async fn new(b: &Broker) -> Self {
         let conn = b.connect().await;
         let ch = conn.create_channel().await.unwrap();
-        ch.queue_declare("kept".into(), QueueDeclareOptions { durable: true, ..Default::default() }, FieldTable::default()).await.unwrap();
-        ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+        ch.queue_declare(
+            "kept".into(),
+            QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+        ch.confirm_select(ConfirmSelectOptions::default())
+            .await
+            .unwrap();
         for i in 0..10u8 {
-            let c = ch.basic_publish("".into(), "kept".into(), BasicPublishOptions::default(), &[i], BasicProperties::default().with_delivery_mode(2)).await.unwrap();
+            let c = ch
+                .basic_publish(
+                    "".into(),
+                    "kept".into(),
+                    BasicPublishOptions::default(),
+                    &[i],
+                    BasicProperties::default().with_delivery_mode(2),
+                )
+                .await
+                .unwrap();
             assert!(c.await.unwrap().is_ack());
         }
         Bystander { conn }
     }
 
     async fn still_fine(&self) {
-        let ch = self.conn.create_channel().await.expect("the bystander's connection is still open");
-        let q = ch.queue_declare("kept".into(), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default()).await.unwrap();
+        let ch = self
+            .conn
+            .create_channel()
+            .await
+            .expect("the bystander's connection is still open");
+        let q = ch
+            .queue_declare(
+                "kept".into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
         assert_eq!(q.message_count(), 10, "nothing queued was lost");
     }
 }
@@ -80,11 +126,18 @@ impl Bystander {
 #[tokio::test]
 async fn a_wrong_protocol_header_gets_the_servers_header_then_close() {
     let b = Broker::start();
-    for junk in [&b"GET / HTTP/1.1\r\n\r\n"[..], b"AMQP\x00\x00\x09\x00", b"AMQP\x01\x01\x00\x0a"] {
+    for junk in [
+        &b"GET / HTTP/1.1\r\n\r\n"[..],
+        b"AMQP\x00\x00\x09\x00",
+        b"AMQP\x01\x01\x00\x0a",
+    ] {
         let mut s = TcpStream::connect(b.addr).await.unwrap();
         s.write_all(junk).await.unwrap();
         let mut reply = Vec::new();
-        tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut reply)).await.unwrap().unwrap();
+        tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut reply))
+            .await
+            .unwrap()
+            .unwrap();
         assert_eq!(reply, PROTOCOL_HEADER, "for {junk:?}");
     }
 }
@@ -123,7 +176,13 @@ async fn a_method_on_a_channel_that_is_not_open_is_a_channel_error() {
     let b = Broker::start();
     let mut c = raw(&b).await;
     let mut w = FrameWriter::default();
-    w.method(5, AMQPClass::Queue(queue::AMQPMethod::Purge(queue::Purge { queue: "q".into(), nowait: false })));
+    w.method(
+        5,
+        AMQPClass::Queue(queue::AMQPMethod::Purge(queue::Purge {
+            queue: "q".into(),
+            nowait: false,
+        })),
+    );
     c.stream.write_all(w.as_slice()).await.unwrap();
     assert_eq!(close_code(&mut c).await, 504);
 }
@@ -142,10 +201,16 @@ async fn an_unknown_class_or_method_is_not_implemented() {
 async fn content_without_a_preceding_publish_is_an_unexpected_frame() {
     let b = Broker::start();
     let mut c = raw(&b).await;
-    c.stream.write_all(&frame(3, 1, b"orphan body")).await.unwrap();
+    c.stream
+        .write_all(&frame(3, 1, b"orphan body"))
+        .await
+        .unwrap();
     assert_eq!(close_code(&mut c).await, 505);
     let mut c = raw(&b).await;
-    c.stream.write_all(&frame(2, 1, &[0, 60, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0])).await.unwrap();
+    c.stream
+        .write_all(&frame(2, 1, &[0, 60, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0]))
+        .await
+        .unwrap();
     assert_eq!(close_code(&mut c).await, 505);
 }
 
@@ -159,7 +224,10 @@ async fn a_method_in_the_middle_of_content_is_an_unexpected_frame() {
     let cut = out.len() - (100 + 8);
     out.truncate(cut);
     let mut w = FrameWriter::default();
-    w.method(1, AMQPClass::Channel(channel::AMQPMethod::Flow(channel::Flow { active: true })));
+    w.method(
+        1,
+        AMQPClass::Channel(channel::AMQPMethod::Flow(channel::Flow { active: true })),
+    );
     out.extend_from_slice(w.as_slice());
     c.stream.write_all(&out).await.unwrap();
     assert_eq!(close_code(&mut c).await, 505);
@@ -185,7 +253,10 @@ async fn a_channel_number_above_channel_max_is_a_channel_error() {
     let b = Broker::start();
     let mut c = raw(&b).await;
     let mut w = FrameWriter::default();
-    w.method(60_000, AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})));
+    w.method(
+        60_000,
+        AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
+    );
     c.stream.write_all(w.as_slice()).await.unwrap();
     assert_eq!(close_code(&mut c).await, 504);
 }
@@ -217,7 +288,10 @@ async fn a_second_channel_open_is_a_channel_error() {
     let b = Broker::start();
     let mut c = raw(&b).await;
     let mut w = FrameWriter::default();
-    w.method(1, AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})));
+    w.method(
+        1,
+        AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
+    );
     c.stream.write_all(w.as_slice()).await.unwrap();
     assert_eq!(close_code(&mut c).await, 504);
 }
@@ -226,12 +300,39 @@ async fn a_second_channel_open_is_a_channel_error() {
 async fn a_channel_error_closes_only_the_channel_and_it_can_be_reopened() {
     let b = Broker::start();
     let mut c = raw(&b).await;
-    c.send(1, AMQPClass::Queue(queue::AMQPMethod::Purge(queue::Purge { queue: "missing".into(), nowait: false }))).await.unwrap();
+    c.send(
+        1,
+        AMQPClass::Queue(queue::AMQPMethod::Purge(queue::Purge {
+            queue: "missing".into(),
+            nowait: false,
+        })),
+    )
+    .await
+    .unwrap();
     assert_eq!(channel_close_code(&mut c).await, 404);
     // Frames on the closing channel are ignored until close-ok.
-    c.send(1, AMQPClass::Queue(queue::AMQPMethod::Purge(queue::Purge { queue: "missing".into(), nowait: false }))).await.unwrap();
-    c.send(1, AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {}))).await.unwrap();
-    c.call(AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})), |m| matches!(m, AMQPClass::Channel(channel::AMQPMethod::OpenOk(_))), "channel.open-ok").await.unwrap();
+    c.send(
+        1,
+        AMQPClass::Queue(queue::AMQPMethod::Purge(queue::Purge {
+            queue: "missing".into(),
+            nowait: false,
+        })),
+    )
+    .await
+    .unwrap();
+    c.send(
+        1,
+        AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {})),
+    )
+    .await
+    .unwrap();
+    c.call(
+        AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
+        |m| matches!(m, AMQPClass::Channel(channel::AMQPMethod::OpenOk(_))),
+        "channel.open-ok",
+    )
+    .await
+    .unwrap();
 }
 
 #[tokio::test]
@@ -241,18 +342,29 @@ async fn opening_ten_thousand_channels_stops_at_channel_max_and_others_are_unaff
     let mut c = raw(&b).await;
     let mut out = FrameWriter::default();
     for id in 2..=10_000u16 {
-        out.method(id, AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})));
+        out.method(
+            id,
+            AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
+        );
     }
     c.stream.write_all(out.as_slice()).await.unwrap();
     let mut opened = 1;
     let code = loop {
         match c.read_method().await {
             Ok(AMQPClass::Channel(channel::AMQPMethod::OpenOk(_))) => opened += 1,
-            Err(ClientError::Closed { scope: "connection", code, .. }) => break code,
+            Err(ClientError::Closed {
+                scope: "connection",
+                code,
+                ..
+            }) => break code,
             other => panic!("unexpected {other:?}"),
         }
     };
-    assert_eq!((opened, code), (2047, 504), "channels up to channel-max open, the next is refused");
+    assert_eq!(
+        (opened, code),
+        (2047, 504),
+        "channels up to channel-max open, the next is refused"
+    );
     by.still_fine().await;
 }
 
@@ -264,8 +376,15 @@ async fn ten_thousand_connections_in_a_loop_leave_the_broker_serving() {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
     let mut open = Vec::new();
     for i in 0..10_000 {
-        assert!(tokio::time::Instant::now() < deadline, "10,000 handshakes took over 120 s (at {i})");
-        open.push(RawClient::connect(&target).await.unwrap_or_else(|e| panic!("connection {i}: {e}")));
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "10,000 handshakes took over 120 s (at {i})"
+        );
+        open.push(
+            RawClient::connect(&target)
+                .await
+                .unwrap_or_else(|e| panic!("connection {i}: {e}")),
+        );
     }
     by.still_fine().await;
     drop(open);
@@ -277,6 +396,9 @@ async fn a_client_that_sends_nothing_is_closed_after_the_handshake_timeout() {
     let b = Broker::start_with_config("handshake_timeout_s: 1\n");
     let mut s = TcpStream::connect(b.addr).await.unwrap();
     let mut buf = Vec::new();
-    let n = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut buf)).await.expect("closed within 5 s").unwrap();
+    let n = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut buf))
+        .await
+        .expect("closed within 5 s")
+        .unwrap();
     assert_eq!(n, 0);
 }

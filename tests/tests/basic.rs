@@ -9,37 +9,80 @@ use ringmq_tests::{Broker, reply_code};
 use std::time::Duration;
 
 async fn declare(ch: &Channel, name: &str) {
-    ch.queue_declare(name.into(), QueueDeclareOptions::default(), FieldTable::default()).await.unwrap();
+    ch.queue_declare(
+        name.into(),
+        QueueDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
 }
 
 async fn publish(ch: &Channel, key: &str, body: &[u8]) {
-    ch.basic_publish("".into(), key.into(), BasicPublishOptions::default(), body, BasicProperties::default()).await.unwrap();
+    ch.basic_publish(
+        "".into(),
+        key.into(),
+        BasicPublishOptions::default(),
+        body,
+        BasicProperties::default(),
+    )
+    .await
+    .unwrap();
 }
 
 async fn next(c: &mut Consumer) -> Delivery {
-    tokio::time::timeout(Duration::from_secs(5), c.next()).await.expect("a delivery within 5 s").expect("stream open").expect("no error")
+    tokio::time::timeout(Duration::from_secs(5), c.next())
+        .await
+        .expect("a delivery within 5 s")
+        .expect("stream open")
+        .expect("no error")
 }
 
 async fn nothing_within(c: &mut Consumer, ms: u64) -> bool {
-    tokio::time::timeout(Duration::from_millis(ms), c.next()).await.is_err()
+    tokio::time::timeout(Duration::from_millis(ms), c.next())
+        .await
+        .is_err()
 }
 
 async fn depth(ch: &Channel, q: &str) -> u32 {
-    ch.queue_declare(q.into(), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default()).await.unwrap().message_count()
+    ch.queue_declare(
+        q.into(),
+        QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap()
+    .message_count()
 }
 
 #[tokio::test]
 async fn mandatory_unroutable_message_comes_back_with_no_route() {
     let b = Broker::start();
     let (_c, ch) = b.channel().await;
-    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
     let confirm = ch
-        .basic_publish("amq.direct".into(), "nobody".into(), BasicPublishOptions { mandatory: true, ..Default::default() }, b"back", BasicProperties::default())
+        .basic_publish(
+            "amq.direct".into(),
+            "nobody".into(),
+            BasicPublishOptions {
+                mandatory: true,
+                ..Default::default()
+            },
+            b"back",
+            BasicProperties::default(),
+        )
         .await
         .unwrap()
         .await
         .unwrap();
-    let Confirmation::Ack(Some(returned)) = confirm else { panic!("expected an ack carrying the return: {confirm:?}") };
+    let Confirmation::Ack(Some(returned)) = confirm else {
+        panic!("expected an ack carrying the return: {confirm:?}")
+    };
     assert_eq!(returned.reply_code, 312);
     assert_eq!(returned.delivery.data, b"back");
 }
@@ -49,11 +92,27 @@ async fn get_reports_remaining_count_and_get_empty() {
     let b = Broker::start();
     let (_c, ch) = b.channel().await;
     declare(&ch, "q").await;
-    assert!(ch.basic_get("q".into(), BasicGetOptions::default()).await.unwrap().is_none());
+    assert!(
+        ch.basic_get("q".into(), BasicGetOptions::default())
+            .await
+            .unwrap()
+            .is_none()
+    );
     publish(&ch, "q", b"1").await;
     publish(&ch, "q", b"2").await;
-    let m = ch.basic_get("q".into(), BasicGetOptions::default()).await.unwrap().unwrap();
-    assert_eq!((m.delivery.data.as_slice(), m.message_count, m.delivery.redelivered), (&b"1"[..], 1, false));
+    let m = ch
+        .basic_get("q".into(), BasicGetOptions::default())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (
+            m.delivery.data.as_slice(),
+            m.message_count,
+            m.delivery.redelivered
+        ),
+        (&b"1"[..], 1, false)
+    );
     m.delivery.ack(BasicAckOptions::default()).await.unwrap();
 }
 
@@ -65,24 +124,61 @@ async fn nack_with_requeue_puts_messages_back_in_original_order_marked_redeliver
     for m in ["a", "b", "c", "d"] {
         publish(&ch, "q", m.as_bytes()).await;
     }
-    let mut consumer = ch.basic_consume("q".into(), "c".into(), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap();
-    let got: Vec<Delivery> = vec![next(&mut consumer).await, next(&mut consumer).await, next(&mut consumer).await];
+    let mut consumer = ch
+        .basic_consume(
+            "q".into(),
+            "c".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let got: Vec<Delivery> = vec![
+        next(&mut consumer).await,
+        next(&mut consumer).await,
+        next(&mut consumer).await,
+    ];
     // Requeue b alone, then a and c: everything goes back to where it was.
-    got[1].nack(BasicNackOptions { requeue: true, multiple: false }).await.unwrap();
-    ch.basic_nack(got[2].delivery_tag, BasicNackOptions { requeue: true, multiple: true }).await.unwrap();
+    got[1]
+        .nack(BasicNackOptions {
+            requeue: true,
+            multiple: false,
+        })
+        .await
+        .unwrap();
+    ch.basic_nack(
+        got[2].delivery_tag,
+        BasicNackOptions {
+            requeue: true,
+            multiple: true,
+        },
+    )
+    .await
+    .unwrap();
     let mut again = Vec::new();
     for _ in 0..4 {
         let d = next(&mut consumer).await;
         again.push((String::from_utf8(d.data.clone()).unwrap(), d.redelivered));
         d.ack(BasicAckOptions::default()).await.unwrap();
     }
-    let mut a_b_c: Vec<_> = again.iter().filter(|(_, r)| *r).map(|(m, _)| m.clone()).collect();
+    let mut a_b_c: Vec<_> = again
+        .iter()
+        .filter(|(_, r)| *r)
+        .map(|(m, _)| m.clone())
+        .collect();
     a_b_c.sort();
     assert_eq!(a_b_c, vec!["a", "b", "c"], "{again:?}");
     assert_eq!(again.iter().find(|(_, r)| !r).unwrap().0, "d");
     // Order within the requeued run is the original one.
-    let requeued: Vec<_> = again.iter().filter(|(_, r)| *r).map(|(m, _)| m.as_str()).collect();
-    assert!(requeued == ["a", "b", "c"] || requeued == ["b", "a", "c"], "{requeued:?}");
+    let requeued: Vec<_> = again
+        .iter()
+        .filter(|(_, r)| *r)
+        .map(|(m, _)| m.as_str())
+        .collect();
+    assert!(
+        requeued == ["a", "b", "c"] || requeued == ["b", "a", "c"],
+        "{requeued:?}"
+    );
 }
 
 #[tokio::test]
@@ -95,13 +191,25 @@ async fn channel_close_requeues_unacked_in_original_order() {
         publish(&ch, "q", m.as_bytes()).await;
     }
     let consumer_ch = c.create_channel().await.unwrap();
-    let mut consumer = consumer_ch.basic_consume("q".into(), "c".into(), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap();
+    let mut consumer = consumer_ch
+        .basic_consume(
+            "q".into(),
+            "c".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
     for _ in 0..3 {
         next(&mut consumer).await;
     }
     consumer_ch.close(200, "done".into()).await.unwrap();
     let mut order = Vec::new();
-    while let Some(m) = ch.basic_get("q".into(), BasicGetOptions { no_ack: true }).await.unwrap() {
+    while let Some(m) = ch
+        .basic_get("q".into(), BasicGetOptions { no_ack: true })
+        .await
+        .unwrap()
+    {
         assert!(m.delivery.redelivered);
         order.push(String::from_utf8(m.delivery.data.clone()).unwrap());
     }
@@ -115,11 +223,21 @@ async fn reject_without_requeue_drops_and_unknown_tags_fail_with_406() {
     let ch = c.create_channel().await.unwrap();
     declare(&ch, "q").await;
     publish(&ch, "q", b"x").await;
-    let m = ch.basic_get("q".into(), BasicGetOptions::default()).await.unwrap().unwrap();
-    m.delivery.reject(BasicRejectOptions { requeue: false }).await.unwrap();
+    let m = ch
+        .basic_get("q".into(), BasicGetOptions::default())
+        .await
+        .unwrap()
+        .unwrap();
+    m.delivery
+        .reject(BasicRejectOptions { requeue: false })
+        .await
+        .unwrap();
     assert_eq!(depth(&ch, "q").await, 0);
     ch.basic_ack(999, BasicAckOptions::default()).await.unwrap();
-    let e = ch.basic_qos(0, BasicQosOptions::default()).await.unwrap_err();
+    let e = ch
+        .basic_qos(0, BasicQosOptions::default())
+        .await
+        .unwrap_err();
     assert_eq!(reply_code(&e), Some(406));
 }
 
@@ -131,13 +249,25 @@ async fn ack_multiple_settles_everything_up_to_the_tag() {
     for _ in 0..5 {
         publish(&ch, "q", b"m").await;
     }
-    let mut consumer = ch.basic_consume("q".into(), "c".into(), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap();
+    let mut consumer = ch
+        .basic_consume(
+            "q".into(),
+            "c".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
     let mut last = 0;
     for _ in 0..5 {
         last = next(&mut consumer).await.delivery_tag;
     }
-    ch.basic_ack(last - 1, BasicAckOptions { multiple: true }).await.unwrap();
-    ch.basic_recover(BasicRecoverOptions { requeue: true }).await.unwrap();
+    ch.basic_ack(last - 1, BasicAckOptions { multiple: true })
+        .await
+        .unwrap();
+    ch.basic_recover(BasicRecoverOptions { requeue: true })
+        .await
+        .unwrap();
     let d = next(&mut consumer).await;
     assert!(d.redelivered, "only the last one was still unacked");
     d.ack(BasicAckOptions::default()).await.unwrap();
@@ -153,12 +283,23 @@ async fn prefetch_limits_unacked_deliveries_per_consumer() {
         publish(&ch, "q", b"m").await;
     }
     ch.basic_qos(3, BasicQosOptions::default()).await.unwrap();
-    let mut consumer = ch.basic_consume("q".into(), "c".into(), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap();
+    let mut consumer = ch
+        .basic_consume(
+            "q".into(),
+            "c".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
     let mut got = Vec::new();
     for _ in 0..3 {
         got.push(next(&mut consumer).await);
     }
-    assert!(nothing_within(&mut consumer, 200).await, "a fourth delivery exceeded prefetch 3");
+    assert!(
+        nothing_within(&mut consumer, 200).await,
+        "a fourth delivery exceeded prefetch 3"
+    );
     got[0].ack(BasicAckOptions::default()).await.unwrap();
     next(&mut consumer).await;
     assert!(nothing_within(&mut consumer, 200).await);
@@ -174,9 +315,27 @@ async fn global_prefetch_is_shared_by_the_channels_consumers() {
         publish(&ch, "q1", b"m").await;
         publish(&ch, "q2", b"m").await;
     }
-    ch.basic_qos(4, BasicQosOptions { global: true }).await.unwrap();
-    let mut c1 = ch.basic_consume("q1".into(), "c1".into(), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap();
-    let mut c2 = ch.basic_consume("q2".into(), "c2".into(), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap();
+    ch.basic_qos(4, BasicQosOptions { global: true })
+        .await
+        .unwrap();
+    let mut c1 = ch
+        .basic_consume(
+            "q1".into(),
+            "c1".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let mut c2 = ch
+        .basic_consume(
+            "q2".into(),
+            "c2".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
     tokio::time::sleep(Duration::from_millis(300)).await;
     let mut n = 0;
     while !nothing_within(&mut c1, 50).await {
@@ -194,12 +353,43 @@ async fn exclusive_consumer_locks_out_others_and_tags_cannot_be_reused() {
     let c = b.connect().await;
     let ch = c.create_channel().await.unwrap();
     declare(&ch, "q").await;
-    let _mine = ch.basic_consume("q".into(), "solo".into(), BasicConsumeOptions { exclusive: true, ..Default::default() }, FieldTable::default()).await.unwrap();
+    let _mine = ch
+        .basic_consume(
+            "q".into(),
+            "solo".into(),
+            BasicConsumeOptions {
+                exclusive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
     let other = c.create_channel().await.unwrap();
-    let e = other.basic_consume("q".into(), "x".into(), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap_err();
+    let e = other
+        .basic_consume(
+            "q".into(),
+            "x".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap_err();
     assert_eq!(reply_code(&e), Some(403));
-    let e = ch.basic_consume("q".into(), "solo".into(), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap_err();
-    assert_eq!(reply_code(&e), Some(530), "a reused consumer tag is a connection error");
+    let e = ch
+        .basic_consume(
+            "q".into(),
+            "solo".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(
+        reply_code(&e),
+        Some(530),
+        "a reused consumer tag is a connection error"
+    );
 }
 
 #[tokio::test]
@@ -208,10 +398,23 @@ async fn deleting_a_queue_cancels_its_consumers() {
     let c = b.connect().await;
     let ch = c.create_channel().await.unwrap();
     declare(&ch, "q").await;
-    let mut consumer = ch.basic_consume("q".into(), "c".into(), BasicConsumeOptions::default(), FieldTable::default()).await.unwrap();
+    let mut consumer = ch
+        .basic_consume(
+            "q".into(),
+            "c".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
     let admin = c.create_channel().await.unwrap();
-    admin.queue_delete("q".into(), QueueDeleteOptions::default()).await.unwrap();
-    let end = tokio::time::timeout(Duration::from_secs(5), consumer.next()).await.expect("the stream ends when the broker cancels");
+    admin
+        .queue_delete("q".into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
+    let end = tokio::time::timeout(Duration::from_secs(5), consumer.next())
+        .await
+        .expect("the stream ends when the broker cancels");
     assert!(end.is_none(), "{end:?}");
 }
 
@@ -224,7 +427,18 @@ async fn no_ack_consumer_receives_everything_without_acking() {
     for i in 0..100u32 {
         publish(&ch, "q", &i.to_be_bytes()).await;
     }
-    let mut consumer = ch.basic_consume("q".into(), "c".into(), BasicConsumeOptions { no_ack: true, ..Default::default() }, FieldTable::default()).await.unwrap();
+    let mut consumer = ch
+        .basic_consume(
+            "q".into(),
+            "c".into(),
+            BasicConsumeOptions {
+                no_ack: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
     for i in 0..100u32 {
         assert_eq!(next(&mut consumer).await.data, i.to_be_bytes());
     }
@@ -251,7 +465,13 @@ async fn every_property_and_field_type_round_trips() {
         ("i64", AMQPValue::LongLongInt(-64)),
         ("f32", AMQPValue::Float(1.5)),
         ("f64", AMQPValue::Double(2.25)),
-        ("dec", AMQPValue::DecimalValue(lapin::types::DecimalValue { scale: 2, value: 12345 })),
+        (
+            "dec",
+            AMQPValue::DecimalValue(lapin::types::DecimalValue {
+                scale: 2,
+                value: 12345,
+            }),
+        ),
         ("str", AMQPValue::LongString("text".into())),
         ("ts", AMQPValue::Timestamp(1_700_000_000)),
         ("table", AMQPValue::FieldTable(nested)),
@@ -276,8 +496,20 @@ async fn every_property_and_field_type_round_trips() {
         .with_user_id("guest".into())
         .with_app_id("app".into())
         .with_cluster_id("cluster".into());
-    ch.basic_publish("".into(), "q".into(), BasicPublishOptions::default(), b"{}", props.clone()).await.unwrap();
-    let m = ch.basic_get("q".into(), BasicGetOptions { no_ack: true }).await.unwrap().unwrap();
+    ch.basic_publish(
+        "".into(),
+        "q".into(),
+        BasicPublishOptions::default(),
+        b"{}",
+        props.clone(),
+    )
+    .await
+    .unwrap();
+    let m = ch
+        .basic_get("q".into(), BasicGetOptions { no_ack: true })
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(m.delivery.properties, props);
 }
 
@@ -287,10 +519,34 @@ async fn multi_mebibyte_messages_are_split_over_frames_and_arrive_whole() {
     let (_c, ch) = b.channel().await;
     declare(&ch, "big").await;
     let body: Vec<u8> = (0..5 * 1024 * 1024 + 17).map(|i| (i % 251) as u8).collect();
-    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
-    let ok = ch.basic_publish("".into(), "big".into(), BasicPublishOptions::default(), &body, BasicProperties::default()).await.unwrap().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let ok = ch
+        .basic_publish(
+            "".into(),
+            "big".into(),
+            BasicPublishOptions::default(),
+            &body,
+            BasicProperties::default(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
     assert!(ok.is_ack());
-    let mut consumer = ch.basic_consume("big".into(), "c".into(), BasicConsumeOptions { no_ack: true, ..Default::default() }, FieldTable::default()).await.unwrap();
+    let mut consumer = ch
+        .basic_consume(
+            "big".into(),
+            "c".into(),
+            BasicConsumeOptions {
+                no_ack: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
     assert!(next(&mut consumer).await.data == body);
 }
 
@@ -299,16 +555,37 @@ async fn publisher_confirms_ack_every_publish() {
     let b = Broker::start();
     let (_c, ch) = b.channel().await;
     declare(&ch, "q").await;
-    ch.confirm_select(ConfirmSelectOptions::default()).await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
     let mut confirms = Vec::new();
     for i in 0..500u32 {
-        confirms.push(ch.basic_publish("".into(), "q".into(), BasicPublishOptions::default(), &i.to_be_bytes(), BasicProperties::default()).await.unwrap());
+        confirms.push(
+            ch.basic_publish(
+                "".into(),
+                "q".into(),
+                BasicPublishOptions::default(),
+                &i.to_be_bytes(),
+                BasicProperties::default(),
+            )
+            .await
+            .unwrap(),
+        );
     }
     for c in confirms {
         assert!(c.await.unwrap().is_ack());
     }
     // Unroutable messages are confirmed too.
-    let c = ch.basic_publish("".into(), "nowhere".into(), BasicPublishOptions::default(), b"x", BasicProperties::default()).await.unwrap();
+    let c = ch
+        .basic_publish(
+            "".into(),
+            "nowhere".into(),
+            BasicPublishOptions::default(),
+            b"x",
+            BasicProperties::default(),
+        )
+        .await
+        .unwrap();
     assert!(c.await.unwrap().is_ack());
     assert_eq!(depth(&ch, "q").await, 500);
 }
@@ -326,12 +603,26 @@ async fn transactions_commit_and_roll_back_publishes_and_acks() {
     assert_eq!(depth(&ch, "q").await, 0, "not visible before commit");
     ch.tx_commit().await.unwrap();
     assert_eq!(depth(&ch, "q").await, 1);
-    let m = ch.basic_get("q".into(), BasicGetOptions::default()).await.unwrap().unwrap();
+    let m = ch
+        .basic_get("q".into(), BasicGetOptions::default())
+        .await
+        .unwrap()
+        .unwrap();
     m.delivery.ack(BasicAckOptions::default()).await.unwrap();
     ch.tx_rollback().await.unwrap();
-    ch.basic_recover(BasicRecoverOptions { requeue: true }).await.unwrap();
-    assert_eq!(depth(&ch, "q").await, 1, "a rolled-back ack leaves the message unacked");
-    let m = ch.basic_get("q".into(), BasicGetOptions::default()).await.unwrap().unwrap();
+    ch.basic_recover(BasicRecoverOptions { requeue: true })
+        .await
+        .unwrap();
+    assert_eq!(
+        depth(&ch, "q").await,
+        1,
+        "a rolled-back ack leaves the message unacked"
+    );
+    let m = ch
+        .basic_get("q".into(), BasicGetOptions::default())
+        .await
+        .unwrap()
+        .unwrap();
     m.delivery.ack(BasicAckOptions::default()).await.unwrap();
     ch.tx_commit().await.unwrap();
     assert_eq!(depth(&ch, "q").await, 0);
@@ -350,11 +641,30 @@ async fn channel_flow_pauses_and_resumes_deliveries() {
     let b = Broker::start();
     let (_c, ch) = b.channel().await;
     declare(&ch, "q").await;
-    let mut consumer = ch.basic_consume("q".into(), "c".into(), BasicConsumeOptions { no_ack: true, ..Default::default() }, FieldTable::default()).await.unwrap();
-    assert!(!ch.channel_flow(ChannelFlowOptions { active: false }).await.unwrap());
+    let mut consumer = ch
+        .basic_consume(
+            "q".into(),
+            "c".into(),
+            BasicConsumeOptions {
+                no_ack: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    assert!(
+        !ch.channel_flow(ChannelFlowOptions { active: false })
+            .await
+            .unwrap()
+    );
     publish(&ch, "q", b"held").await;
     assert!(nothing_within(&mut consumer, 200).await);
-    assert!(ch.channel_flow(ChannelFlowOptions { active: true }).await.unwrap());
+    assert!(
+        ch.channel_flow(ChannelFlowOptions { active: true })
+            .await
+            .unwrap()
+    );
     assert_eq!(next(&mut consumer).await.data, b"held");
 }
 
@@ -370,10 +680,27 @@ async fn many_channels_on_one_connection_work_independently() {
         channels.push(ch);
     }
     // An error on one channel closes only that channel.
-    let e = channels[7].queue_declare("missing".into(), QueueDeclareOptions { passive: true, ..Default::default() }, FieldTable::default()).await.unwrap_err();
+    let e = channels[7]
+        .queue_declare(
+            "missing".into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap_err();
     assert_eq!(reply_code(&e), Some(404));
     for (i, ch) in channels.iter().enumerate().filter(|(i, _)| *i != 7) {
-        let m = ch.basic_get(format!("q{i}").as_str().into(), BasicGetOptions { no_ack: true }).await.unwrap().unwrap();
+        let m = ch
+            .basic_get(
+                format!("q{i}").as_str().into(),
+                BasicGetOptions { no_ack: true },
+            )
+            .await
+            .unwrap()
+            .unwrap();
         assert_eq!(m.delivery.data, format!("m{i}").as_bytes());
     }
 }
@@ -383,9 +710,18 @@ async fn round_robin_between_consumers_of_one_queue() {
     let b = Broker::start();
     let (_c, ch) = b.channel().await;
     declare(&ch, "q").await;
-    let opts = BasicConsumeOptions { no_ack: true, ..Default::default() };
-    let mut a = ch.basic_consume("q".into(), "a".into(), opts, FieldTable::default()).await.unwrap();
-    let mut bb = ch.basic_consume("q".into(), "b".into(), opts, FieldTable::default()).await.unwrap();
+    let opts = BasicConsumeOptions {
+        no_ack: true,
+        ..Default::default()
+    };
+    let mut a = ch
+        .basic_consume("q".into(), "a".into(), opts, FieldTable::default())
+        .await
+        .unwrap();
+    let mut bb = ch
+        .basic_consume("q".into(), "b".into(), opts, FieldTable::default())
+        .await
+        .unwrap();
     for i in 0..4u8 {
         publish(&ch, "q", &[i]).await;
     }

@@ -6,7 +6,10 @@ use std::process::Command;
 
 #[test]
 fn broker_help_documents_the_contract_options() {
-    let out = Command::new(binary("ringmq-broker")).arg("--help").output().unwrap();
+    let out = Command::new(binary("ringmq-broker"))
+        .arg("--help")
+        .output()
+        .unwrap();
     assert!(out.status.success());
     let help = String::from_utf8(out.stdout).unwrap();
     for opt in ["--amqp-listen", "--data-dir", "--config", "--log-format"] {
@@ -20,12 +23,27 @@ fn a_broken_config_file_is_refused_with_a_message_naming_it() {
     std::fs::create_dir_all(&dir).unwrap();
     let config = dir.join("bad.yaml");
     std::fs::write(&config, "amqp_lisen: 127.0.0.1:1\n").unwrap();
-    let out = Command::new(binary("ringmq-broker")).arg("--config").arg(&config).arg("--data-dir").arg(dir.join("data")).output().unwrap();
+    let out = Command::new(binary("ringmq-broker"))
+        .arg("--config")
+        .arg(&config)
+        .arg("--data-dir")
+        .arg(dir.join("data"))
+        .output()
+        .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("bad.yaml") && err.contains("amqp_lisen"), "{err}");
+    assert!(
+        err.contains("bad.yaml") && err.contains("amqp_lisen"),
+        "{err}"
+    );
     std::fs::write(&config, "frame_max: 10\n").unwrap();
-    let out = Command::new(binary("ringmq-broker")).arg("--config").arg(&config).arg("--data-dir").arg(dir.join("data")).output().unwrap();
+    let out = Command::new(binary("ringmq-broker"))
+        .arg("--config")
+        .arg(&config)
+        .arg("--data-dir")
+        .arg(dir.join("data"))
+        .output()
+        .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("frame_max"));
     let _ = std::fs::remove_dir_all(&dir);
@@ -35,10 +53,25 @@ fn a_broken_config_file_is_refused_with_a_message_naming_it() {
 fn bench_reports_json_with_rates_and_latency() {
     let b = Broker::start();
     let out = Command::new(binary("ringmqctl"))
-        .args(["bench", "--uri", &b.uri(), "--seconds", "1", "--size", "100", "--confirm", "50", "--json"])
+        .args([
+            "bench",
+            "--uri",
+            &b.uri(),
+            "--seconds",
+            "1",
+            "--size",
+            "100",
+            "--confirm",
+            "50",
+            "--json",
+        ])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let stdout = String::from_utf8(out.stdout).unwrap();
     let last = stdout.lines().last().unwrap();
     let v: serde_json::Value = serde_json::from_str(last).unwrap();
@@ -49,7 +82,16 @@ fn bench_reports_json_with_rates_and_latency() {
 
 #[test]
 fn bench_against_no_broker_fails_with_a_reason() {
-    let out = Command::new(binary("ringmqctl")).args(["bench", "--uri", "amqp://guest:guest@127.0.0.1:1/%2f", "--seconds", "1"]).output().unwrap();
+    let out = Command::new(binary("ringmqctl"))
+        .args([
+            "bench",
+            "--uri",
+            "amqp://guest:guest@127.0.0.1:1/%2f",
+            "--seconds",
+            "1",
+        ])
+        .output()
+        .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot connect"));
 }
@@ -58,7 +100,15 @@ fn bench_against_no_broker_fails_with_a_reason() {
 fn pika_works_unchanged() {
     let b = Broker::start();
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/clients/pika_compat.py");
-    let out = Command::new("python3").arg(script).arg(b.addr.port().to_string()).output().expect("python3 runs (.ci/run installs it with pika)");
+    let out = Command::new("python3")
+        .arg(script)
+        .arg(b.addr.port().to_string())
+        .output()
+        .expect("python3 runs (.ci/run installs it with pika)");
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success() && stdout.trim_end().ends_with("ok"), "pika script failed (pip install pika?):\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success() && stdout.trim_end().ends_with("ok"),
+        "pika script failed (pip install pika?):\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

@@ -108,11 +108,11 @@ impl ChannelState {
 
     /// Records a delivery that needs an ack.
     pub fn track(&mut self, unacked: Unacked) {
-        if let Some(tag) = &unacked.consumer {
-            if let Some(c) = self.consumers.get_mut(tag) {
-                c.unacked += 1;
-                c.unacked_bytes += unacked.bytes;
-            }
+        if let Some(tag) = &unacked.consumer
+            && let Some(c) = self.consumers.get_mut(tag)
+        {
+            c.unacked += 1;
+            c.unacked_bytes += unacked.bytes;
         }
         self.unacked_bytes += unacked.bytes;
         self.unacked.push_back(unacked);

@@ -11,6 +11,9 @@ pub mod ops;
 pub mod queue;
 pub mod vhost;
 
+#[cfg(test)]
+mod tests;
+
 pub use channel::ChannelKey;
 pub use error::{AmqpError, CoreResult};
 pub use message::Message;

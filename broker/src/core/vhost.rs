@@ -488,10 +488,10 @@ impl VHost {
     ) -> CoreResult<QueueDeclared> {
         let vhost = self.name.clone();
         if let Some(q) = self.queues.get_mut(d.name.as_str()) {
-            if let Some(owner) = q.exclusive_owner {
-                if owner != conn {
-                    return Err(self.locked(&d.name));
-                }
+            if let Some(owner) = q.exclusive_owner
+                && owner != conn
+            {
+                return Err(self.locked(&d.name));
             }
             if !d.passive {
                 if d.exclusive && q.exclusive_owner.is_none() {
@@ -756,28 +756,50 @@ impl VHost {
     }
 
     /// basic.consume: returns the consumer tag.
-    pub fn basic_consume(&mut self, key: ChannelKey, c: Consume, now_ms: u64, fx: &mut Effects) -> CoreResult<Arc<str>> {
+    pub fn basic_consume(
+        &mut self,
+        key: ChannelKey,
+        c: Consume,
+        now_ms: u64,
+        fx: &mut Effects,
+    ) -> CoreResult<Arc<str>> {
         let vhost = self.name.clone();
-        let ch = self.channels.get(&key).ok_or_else(|| AmqpError::new(codes::CHANNEL_ERROR, "channel not open"))?;
+        let ch = self
+            .channels
+            .get(&key)
+            .ok_or_else(|| AmqpError::new(codes::CHANNEL_ERROR, "channel not open"))?;
         // The tag is checked first, as RabbitMQ does: a reused tag is a connection error.
         if !c.tag.is_empty() && ch.consumers.contains_key(c.tag.as_str()) {
-            return Err(AmqpError::new(codes::NOT_ALLOWED, format!("attempt to reuse consumer tag '{}'", c.tag)));
+            return Err(AmqpError::new(
+                codes::NOT_ALLOWED,
+                format!("attempt to reuse consumer tag '{}'", c.tag),
+            ));
         }
         let q = self.usable_queue(&c.queue, key.conn)?;
         let exclusive_in_use = || {
-            AmqpError::access_refused(format!("queue '{}' in vhost '{vhost}' in exclusive use", c.queue))
+            AmqpError::access_refused(format!(
+                "queue '{}' in vhost '{vhost}' in exclusive use",
+                c.queue
+            ))
         };
         if c.exclusive && !q.consumers.is_empty() {
             return Err(exclusive_in_use());
         }
         let has_exclusive = q.consumers.iter().any(|r| {
-            self.channels.get(&r.channel).and_then(|ch| ch.consumers.get(&r.tag)).is_some_and(|x| x.exclusive)
+            self.channels
+                .get(&r.channel)
+                .and_then(|ch| ch.consumers.get(&r.tag))
+                .is_some_and(|x| x.exclusive)
         });
         if has_exclusive {
             return Err(exclusive_in_use());
         }
         let qname = q.name.clone();
-        let tag: Arc<str> = if c.tag.is_empty() { self.fresh_name("amq.ctag-").into() } else { c.tag.into() };
+        let tag: Arc<str> = if c.tag.is_empty() {
+            self.fresh_name("amq.ctag-").into()
+        } else {
+            c.tag.into()
+        };
         let ch = self.channels.get_mut(&key).expect("checked above");
         ch.consumers.insert(
             tag.clone(),
@@ -793,7 +815,10 @@ impl VHost {
             },
         );
         let q = self.queues.get_mut(&qname).expect("checked above");
-        q.consumers.push(ConsumerRef { channel: key, tag: tag.clone() });
+        q.consumers.push(ConsumerRef {
+            channel: key,
+            tag: tag.clone(),
+        });
         q.had_consumer = true;
         q.last_used_ms = now_ms;
         self.dispatch(&qname, now_ms, fx);
@@ -883,15 +908,14 @@ impl VHost {
                 };
                 dests.clear();
                 ex.matches(routing_key, headers, &mut dests);
-                if dests.is_empty() {
-                    if let Some(ae) = ex.alternate_exchange.as_deref() {
-                        if !visited.contains(&ae) && visited.len() < MAX_ROUTING_HOPS {
-                            if let Some(ae) = self.exchanges.get(ae) {
-                                visited.push(&ae.name);
-                                frontier.push(&ae.name);
-                            }
-                        }
-                    }
+                if dests.is_empty()
+                    && let Some(ae) = ex.alternate_exchange.as_deref()
+                    && !visited.contains(&ae)
+                    && visited.len() < MAX_ROUTING_HOPS
+                    && let Some(ae) = self.exchanges.get(ae)
+                {
+                    visited.push(&ae.name);
+                    frontier.push(&ae.name);
                 }
                 for d in &dests {
                     match d {
@@ -901,13 +925,12 @@ impl VHost {
                             }
                         }
                         Destination::Exchange(e) => {
-                            if let Some(e) = self.exchanges.get(e.as_ref()) {
-                                if !visited.contains(&e.name.as_ref())
-                                    && visited.len() < MAX_ROUTING_HOPS
-                                {
-                                    visited.push(&e.name);
-                                    frontier.push(&e.name);
-                                }
+                            if let Some(e) = self.exchanges.get(e.as_ref())
+                                && !visited.contains(&e.name.as_ref())
+                                && visited.len() < MAX_ROUTING_HOPS
+                            {
+                                visited.push(&e.name);
+                                frontier.push(&e.name);
                             }
                         }
                     }
@@ -1076,10 +1099,10 @@ impl VHost {
         let record = self.record_ops;
         let mut touched = Vec::new();
         for u in settled {
-            if let Some(q) = self.queues.get_mut(&u.queue) {
-                if q.unacked(u.id).is_some() {
-                    apply(q, OpKind::Settle { id: u.id }, record, fx);
-                }
+            if let Some(q) = self.queues.get_mut(&u.queue)
+                && q.unacked(u.id).is_some()
+            {
+                apply(q, OpKind::Settle { id: u.id }, record, fx);
             }
             if !touched.contains(&u.queue) {
                 touched.push(u.queue);
@@ -1115,16 +1138,16 @@ impl VHost {
             let record = self.record_ops;
             let mut dead = Vec::new();
             for u in settled {
-                if let Some(q) = self.queues.get_mut(&u.queue) {
-                    if q.unacked(u.id).is_some() {
-                        let entry = apply(q, OpKind::Settle { id: u.id }, record, fx)
-                            .expect("unacked exists");
-                        dead.push(DeadLetter {
-                            message: entry.message,
-                            queue: q.name.clone(),
-                            reason: DropReason::Rejected,
-                        });
-                    }
+                if let Some(q) = self.queues.get_mut(&u.queue)
+                    && q.unacked(u.id).is_some()
+                {
+                    let entry =
+                        apply(q, OpKind::Settle { id: u.id }, record, fx).expect("unacked exists");
+                    dead.push(DeadLetter {
+                        message: entry.message,
+                        queue: q.name.clone(),
+                        reason: DropReason::Rejected,
+                    });
                 }
                 if !touched.contains(&u.queue) {
                     touched.push(u.queue);
@@ -1162,10 +1185,10 @@ impl VHost {
     fn requeue(&mut self, unacked: Vec<Unacked>, touched: &mut Vec<Arc<str>>, fx: &mut Effects) {
         let record = self.record_ops;
         for u in unacked {
-            if let Some(q) = self.queues.get_mut(&u.queue) {
-                if q.unacked(u.id).is_some() {
-                    apply(q, OpKind::Requeue { id: u.id }, record, fx);
-                }
+            if let Some(q) = self.queues.get_mut(&u.queue)
+                && q.unacked(u.id).is_some()
+            {
+                apply(q, OpKind::Requeue { id: u.id }, record, fx);
             }
             if !touched.contains(&u.queue) {
                 touched.push(u.queue);
@@ -1183,10 +1206,11 @@ impl VHost {
         let mut expired_queues = Vec::new();
         for q in self.queues.values_mut() {
             expire_head(q, now_ms, true, record, fx, &mut dead);
-            if let Some(expires) = q.args.expires_ms {
-                if q.consumers.is_empty() && now_ms.saturating_sub(q.last_used_ms) >= expires {
-                    expired_queues.push(q.name.clone());
-                }
+            if let Some(expires) = q.args.expires_ms
+                && q.consumers.is_empty()
+                && now_ms.saturating_sub(q.last_used_ms) >= expires
+            {
+                expired_queues.push(q.name.clone());
             }
         }
         for name in expired_queues {

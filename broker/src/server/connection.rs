@@ -316,13 +316,13 @@ impl Connection {
                 break;
             }
         }
-        if let Some(mut lazy) = lazy {
-            if lazy.guard.is_some() {
-                self.flush_confirms();
-                self.broker.route_effects(self.id, &mut self.fx);
-                drop(lazy.guard.take());
-                self.write_own_effects();
-            }
+        if let Some(mut lazy) = lazy
+            && lazy.guard.is_some()
+        {
+            self.flush_confirms();
+            self.broker.route_effects(self.id, &mut self.fx);
+            drop(lazy.guard.take());
+            self.write_own_effects();
         }
         // Frames left behind by the handshake break above are processed now, with the lock.
         if self.phase == Phase::Running
@@ -376,7 +376,7 @@ impl Connection {
             )
         })?;
         match amq_protocol::protocol::parse_class(&frame.payload[..]) {
-            Ok((rest, m)) if rest.is_empty() => Ok(m),
+            Ok(([], m)) => Ok(m),
             _ => {
                 let known = known_method(class_id, method_id);
                 let code = if known {
@@ -1291,7 +1291,7 @@ impl Connection {
             }
             let header =
                 match amq_protocol::frame::parsing::parse_content_header(&frame.payload[..]) {
-                    Ok((rest, h)) if rest.is_empty() => h,
+                    Ok(([], h)) => h,
                     _ => {
                         return Err(ConnError {
                             code: codes::FRAME_ERROR,
@@ -1528,10 +1528,10 @@ impl Connection {
         if let Some(blocked) = pending.blocked.take() {
             self.send_blocked(blocked);
         }
-        if let Some((code, text)) = pending.close.take() {
-            if self.phase == Phase::Running {
-                self.connection_error(ConnError::new(code, text));
-            }
+        if let Some((code, text)) = pending.close.take()
+            && self.phase == Phase::Running
+        {
+            self.connection_error(ConnError::new(code, text));
         }
         self.spare = pending;
     }
