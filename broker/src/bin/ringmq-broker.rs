@@ -56,6 +56,7 @@ fn main() -> anyhow::Result<()> {
         config.data_dir = dir;
     }
     config.validate()?;
+    raise_open_file_limit();
     std::fs::create_dir_all(&config.data_dir)
         .with_context(|| format!("cannot create data dir {}", config.data_dir.display()))?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -72,6 +73,28 @@ fn main() -> anyhow::Result<()> {
         tracing::info!("shutting down");
         anyhow::Ok(())
     })
+}
+
+/// Raises the soft limit on open files to the hard limit: every connection is a descriptor,
+/// and distributions often default the soft limit to 1024.
+fn raise_open_file_limit() {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit only read and write the struct passed to them.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 && limit.rlim_cur < limit.rlim_max
+        {
+            let wanted = libc::rlimit {
+                rlim_cur: limit.rlim_max,
+                rlim_max: limit.rlim_max,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &wanted) != 0 {
+                tracing::warn!(soft = limit.rlim_cur, "could not raise the open-file limit");
+            }
+        }
+    }
 }
 
 async fn shutdown_signal() {

@@ -31,6 +31,9 @@ pub struct BenchArgs {
     /// How long to publish, in seconds.
     #[arg(long, default_value_t = 10)]
     seconds: u64,
+    /// Stop each producer after this many messages (default: publish until --seconds ends).
+    #[arg(long, value_name = "N")]
+    count: Option<u64>,
     /// Use publisher confirms with at most this many unconfirmed messages per producer.
     #[arg(long, value_name = "WINDOW")]
     confirm: Option<u32>,
@@ -220,11 +223,13 @@ async fn publish(
     let mut body = vec![0u8; args.size];
     let mut out = Vec::with_capacity(PUBLISH_BATCH * (args.size + 64));
     let (mut sent, mut confirmed) = (0u64, 0u64);
-    while Instant::now() < deadline {
+    let limit = args.count.unwrap_or(u64::MAX);
+    while Instant::now() < deadline && sent < limit {
         out.clear();
         let room = window
             .saturating_sub(sent - confirmed)
-            .min(PUBLISH_BATCH as u64);
+            .min(PUBLISH_BATCH as u64)
+            .min(limit - sent);
         for _ in 0..room {
             if body.len() >= 8 {
                 body[..8].copy_from_slice(&(start.elapsed().as_nanos() as u64).to_be_bytes());
