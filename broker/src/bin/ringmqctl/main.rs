@@ -2,6 +2,7 @@
 //! RabbitMQ's PerfTest that works against any AMQP 0-9-1 broker.
 
 mod bench;
+mod sink;
 
 use clap::{Parser, Subcommand};
 
@@ -17,12 +18,16 @@ struct Cli {
 enum Command {
     /// Measure throughput and latency of a broker (any AMQP 0-9-1 broker).
     Bench(bench::BenchArgs),
+    /// A stand-in broker that drops publishes and feeds consumers endlessly: run `bench`
+    /// against it to measure the load tool's own ceiling.
+    Sink(sink::SinkArgs),
 }
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Bench(args) => bench::run(args),
+        Command::Sink(args) => sink::run(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
