@@ -42,6 +42,10 @@ pub struct Config {
     pub handshake_timeout_s: u64,
     /// Process memory (RSS) above which publishers are blocked with connection.blocked.
     pub memory_high_watermark_bytes: u64,
+    /// Free space on the data dir's file system below which publishers are blocked.
+    pub disk_free_limit_bytes: u64,
+    /// Journal tuning.
+    pub journal: crate::store::journal::JournalConfig,
     /// Virtual hosts that exist at start.
     pub vhosts: Vec<String>,
     /// Users. Default: `guest`/`guest`, loopback only.
@@ -59,6 +63,8 @@ impl Default for Config {
             max_message_size: 128 * 1024 * 1024,
             handshake_timeout_s: 10,
             memory_high_watermark_bytes: default_memory_watermark(),
+            disk_free_limit_bytes: 50 * 1024 * 1024,
+            journal: crate::store::journal::JournalConfig::default(),
             vhosts: vec!["/".to_owned()],
             users: vec![UserConfig {
                 name: "guest".to_owned(),

@@ -10,3 +10,4 @@ pub mod client;
 pub mod config;
 pub mod core;
 pub mod server;
+pub mod store;

@@ -40,6 +40,15 @@ impl FrameWriter {
         }
     }
 
+    /// Forgets the first `n` bytes (they were written), keeping the rest in order.
+    pub fn consume(&mut self, n: usize) {
+        if n >= self.buf.len() {
+            self.clear();
+        } else {
+            self.buf.drain(..n);
+        }
+    }
+
     /// Raw bytes (the protocol header).
     pub fn raw(&mut self, bytes: &[u8]) {
         self.buf.extend_from_slice(bytes);

@@ -40,6 +40,7 @@ fn main() -> anyhow::Result<()> {
         .context("--log is not a valid filter (example: info,ringmq=debug)")?;
     let subscriber = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
     match args.log_format {
         LogFormat::Text => subscriber.init(),
@@ -57,20 +58,17 @@ fn main() -> anyhow::Result<()> {
     }
     config.validate()?;
     raise_open_file_limit();
-    std::fs::create_dir_all(&config.data_dir)
-        .with_context(|| format!("cannot create data dir {}", config.data_dir.display()))?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
     runtime.block_on(async move {
-        let running = ringmq::server::start(config.clone())
-            .await
-            .with_context(|| format!("cannot listen on {}", config.amqp_listen))?;
+        let running = ringmq::server::start(config.clone()).await?;
         tracing::info!(amqp = %running.amqp_addr, data_dir = %config.data_dir.display(), "ringmq-broker ready");
         // A machine-readable line for scripts and tests that start the broker on port 0.
         println!("ringmq-broker listening amqp={}", running.amqp_addr);
         shutdown_signal().await;
-        tracing::info!("shutting down");
+        tracing::info!("shutting down: writing the journal");
+        running.broker.journal.shutdown();
         anyhow::Ok(())
     })
 }

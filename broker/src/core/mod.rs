@@ -10,6 +10,7 @@ pub mod message;
 pub mod ops;
 pub mod queue;
 pub mod vhost;
+pub mod wiring;
 
 #[cfg(test)]
 mod tests;

@@ -12,6 +12,9 @@ use std::sync::Arc;
 pub struct QueueOp {
     /// The queue changed.
     pub queue: Arc<str>,
+    /// The queue's unique id: a queue deleted and declared again under the same name is a
+    /// different queue, and a journal must not mix their messages.
+    pub uid: u64,
     /// Per-queue sequence number: strictly increasing, without gaps, from 1.
     pub seq: u64,
     /// What changed.
@@ -58,8 +61,12 @@ pub enum OpKind {
         /// Why.
         reason: DropReason,
     },
-    /// Every ready message was removed (queue.purge).
-    Purge,
+    /// Every ready message was removed (queue.purge); `ids` names them, so that a journal
+    /// or replica removes exactly those and not the unacked ones.
+    Purge {
+        /// Ids of the ready messages removed.
+        ids: Vec<u64>,
+    },
 }
 
 /// Why a message left a queue without being consumed; also the `reason` of its `x-death`

@@ -36,6 +36,8 @@ pub struct ConsumerRef {
 pub struct Queue {
     /// Name.
     pub name: Arc<str>,
+    /// Unique id of this incarnation of the queue (see [`QueueOp::uid`]).
+    pub uid: u64,
     /// Survives a broker restart (with persistence).
     pub durable: bool,
     /// The connection that owns an exclusive queue.
@@ -76,6 +78,7 @@ impl Queue {
         let levels = usize::from(args.max_priority.unwrap_or(0)) + 1;
         Self {
             name,
+            uid: 0,
             durable,
             exclusive_owner,
             auto_delete,
@@ -119,6 +122,24 @@ impl Queue {
         self.next_id
     }
 
+    /// Puts back a message recovered from disk, with its original id, before the queue serves
+    /// anyone. Recovered messages count as redelivered: they may have been delivered before
+    /// the broker stopped.
+    pub fn restore(&mut self, id: u64, message: Arc<Message>, expires_at_ms: Option<u64>) {
+        assert!(
+            self.last_seq == 0 && self.unacked.is_empty(),
+            "queue '{}': restore after it started serving",
+            self.name
+        );
+        self.next_id = self.next_id.max(id + 1);
+        self.insert_ready(Entry {
+            id,
+            message,
+            expires_at_ms,
+            redelivered: true,
+        });
+    }
+
     /// The ready message that would be delivered next.
     pub fn peek(&self) -> Option<&Entry> {
         self.levels.iter().rev().find_map(|l| l.front())
@@ -148,6 +169,7 @@ impl Queue {
     pub fn op(&self, kind: OpKind) -> QueueOp {
         QueueOp {
             queue: self.name.clone(),
+            uid: self.uid,
             seq: self.last_seq + 1,
             kind,
         }
@@ -238,7 +260,7 @@ impl Queue {
                 self.insert_ready(entry);
                 None
             }
-            OpKind::Purge => {
+            OpKind::Purge { .. } => {
                 for deque in &mut self.levels {
                     deque.clear();
                 }
@@ -387,7 +409,7 @@ mod tests {
                     Action::DropHead => primary.oldest().map(|e| OpKind::Drop { id: e.id, reason: crate::core::ops::DropReason::MaxLength }),
                     Action::SettleSome(i) => (!unacked.is_empty()).then(|| OpKind::Settle { id: unacked[i % unacked.len()] }),
                     Action::RequeueSome(i) => (!unacked.is_empty()).then(|| OpKind::Requeue { id: unacked[i % unacked.len()] }),
-                    Action::Purge => Some(OpKind::Purge),
+                    Action::Purge => Some(OpKind::Purge { ids: primary.ready().map(|e| e.id).collect() }),
                 };
                 if let Some(kind) = kind {
                     stream.push(step(&mut primary, kind));

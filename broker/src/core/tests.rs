@@ -30,6 +30,7 @@ fn vhost_with_queue() -> VHost {
         1,
         QueueDeclare {
             name: "q".into(),
+            durable: true,
             ..Default::default()
         },
         0,

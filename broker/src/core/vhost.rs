@@ -46,8 +46,10 @@ pub struct Effects {
     pub deliveries: Vec<Delivery>,
     /// Consumers cancelled by the broker.
     pub cancelled: Vec<Cancelled>,
-    /// Queue ops, in order, when the vhost records them (see [`VHost::set_record_ops`]).
+    /// Queue ops of durable queues, in order, when the vhost records them (see
+    /// [`VHost::set_record_ops`]).
     pub ops: Vec<QueueOp>,
+
     /// A publish landed on a queue whose consumers cannot keep up (see
     /// [`FLOW_READY_THRESHOLD`]): the publisher should pause before reading more.
     pub backlogged: bool,
@@ -163,13 +165,14 @@ struct DeadLetter {
 /// One virtual host's state.
 #[derive(Debug)]
 pub struct VHost {
-    name: String,
-    exchanges: HashMap<Arc<str>, Exchange>,
-    queues: HashMap<Arc<str>, Queue>,
+    pub(super) name: String,
+    pub(super) exchanges: HashMap<Arc<str>, Exchange>,
+    pub(super) queues: HashMap<Arc<str>, Queue>,
     channels: HashMap<ChannelKey, ChannelState>,
     name_seed: u64,
     names_issued: u64,
     record_ops: bool,
+    wiring_dirty: bool,
 }
 
 fn truthy(b: bool) -> &'static str {
@@ -188,6 +191,7 @@ impl VHost {
             name_seed,
             names_issued: 0,
             record_ops: false,
+            wiring_dirty: false,
         };
         for (n, kind) in [
             ("", ExchangeKind::Direct),
@@ -215,6 +219,25 @@ impl VHost {
     /// with no journal and no replica has nobody to read them.
     pub fn set_record_ops(&mut self, on: bool) {
         self.record_ops = on;
+    }
+
+    /// Whether a durable exchange, queue or binding was created or removed since the last
+    /// call: the durable wiring must then be saved before the command is answered.
+    pub fn take_wiring_changed(&mut self) -> bool {
+        std::mem::take(&mut self.wiring_dirty)
+    }
+
+    /// Whether a binding from `source` to `destination` survives a restart: both ends must.
+    fn binding_is_durable(&self, source: &str, destination: &Destination) -> bool {
+        let source_durable = self.exchanges.get(source).is_some_and(|e| e.durable);
+        source_durable
+            && match destination {
+                Destination::Queue(q) => self
+                    .queues
+                    .get(q)
+                    .is_some_and(|q| q.durable && q.exclusive_owner.is_none()),
+                Destination::Exchange(e) => self.exchanges.get(e).is_some_and(|e| e.durable),
+            }
     }
 
     /// A queue by name.
@@ -264,6 +287,15 @@ impl VHost {
             Some(owner) if owner != conn => Err(self.locked(name)),
             _ => Ok(q),
         }
+    }
+
+    /// A 64-bit id no other queue of this broker has had (see [`QueueOp::uid`]).
+    pub(super) fn fresh_uid(&mut self) -> u64 {
+        self.names_issued += 1;
+        let mut z = self.name_seed ^ self.names_issued.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        (z ^ (z >> 31)).max(1)
     }
 
     fn fresh_name(&mut self, prefix: &str) -> String {
@@ -347,6 +379,7 @@ impl VHost {
             return Err(reserved_exchange(&d.name, &self.name));
         }
         let name: Arc<str> = d.name.into();
+        self.wiring_dirty |= d.durable;
         self.exchanges.insert(
             name.clone(),
             Exchange::new(
@@ -383,6 +416,7 @@ impl VHost {
         let Some(ex) = self.exchanges.remove(name) else {
             return;
         };
+        self.wiring_dirty |= ex.durable;
         self.unbind_everywhere(&Destination::Exchange(ex.name));
     }
 
@@ -437,10 +471,7 @@ impl VHost {
             routing_key: routing_key.to_owned(),
             arguments,
         };
-        self.exchanges
-            .get_mut(source)
-            .expect("checked above")
-            .bind(binding);
+        self.add_binding(source, binding);
         Ok(())
     }
 
@@ -468,12 +499,25 @@ impl VHost {
         Ok(())
     }
 
+    fn add_binding(&mut self, source: &str, binding: Binding) {
+        let durable = self.binding_is_durable(source, &binding.destination);
+        let ex = self
+            .exchanges
+            .get_mut(source)
+            .expect("callers checked the source");
+        self.wiring_dirty |= ex.bind(binding) && durable;
+    }
+
     fn unbind(&mut self, source: &str, binding: &Binding) {
+        let durable = self.binding_is_durable(source, &binding.destination);
         let Some(ex) = self.exchanges.get_mut(source) else {
             return;
         };
-        if ex.unbind(binding) && ex.auto_delete && ex.bindings().is_empty() {
-            self.remove_exchange(source);
+        if ex.unbind(binding) {
+            self.wiring_dirty |= durable;
+            if ex.auto_delete && ex.bindings().is_empty() {
+                self.remove_exchange(source);
+            }
         }
     }
 
@@ -543,7 +587,7 @@ impl VHost {
         };
         let args = QueueArgs::parse(&d.arguments, &name, &vhost)?;
         let owner = d.exclusive.then_some(conn);
-        let queue = Queue::new(
+        let mut queue = Queue::new(
             name.clone(),
             d.durable,
             owner,
@@ -552,6 +596,8 @@ impl VHost {
             args,
             now_ms,
         );
+        queue.uid = self.fresh_uid();
+        self.wiring_dirty |= queue.durable && queue.exclusive_owner.is_none();
         self.queues.insert(name.clone(), queue);
         Ok(QueueDeclared {
             name,
@@ -576,10 +622,7 @@ impl VHost {
             routing_key: routing_key.to_owned(),
             arguments,
         };
-        self.exchanges
-            .get_mut(exchange)
-            .expect("checked above")
-            .bind(binding);
+        self.add_binding(exchange, binding);
         Ok(())
     }
 
@@ -609,7 +652,8 @@ impl VHost {
         let record = self.record_ops;
         let q = self.queues.get_mut(queue).expect("checked above");
         let count = q.ready_count() as u32;
-        apply(q, OpKind::Purge, record, fx);
+        let ids = q.ready().map(|e| e.id).collect();
+        apply(q, OpKind::Purge { ids }, record, fx);
         Ok(count)
     }
 
@@ -647,6 +691,7 @@ impl VHost {
         let Some(q) = self.queues.remove(name) else {
             return 0;
         };
+        self.wiring_dirty |= q.durable && q.exclusive_owner.is_none();
         for c in &q.consumers {
             if let Some(ch) = self.channels.get_mut(&c.channel) {
                 ch.consumers.remove(&c.tag);
@@ -1359,11 +1404,12 @@ impl VHost {
     }
 }
 
-/// Applies `kind` to `q` as its next op, recording the op when asked.
+/// Applies `kind` to `q` as its next op, recording the op when asked and the queue is
+/// durable (only durable queues have anyone to read their ops: the journal).
 fn apply(q: &mut Queue, kind: OpKind, record: bool, fx: &mut Effects) -> Option<Entry> {
     let op = q.op(kind);
     let out = q.apply(&op);
-    if record {
+    if record && q.durable && q.exclusive_owner.is_none() {
         fx.ops.push(op);
     }
     out

@@ -125,6 +125,11 @@ struct Connection {
     publish_waits_for_unblock: bool,
     /// prefetch-size of the basic.qos being handled (amq-protocol does not decode it).
     qos_prefetch_size: u32,
+    /// Held output: (length of the write buffer, journal sequence number) — the first
+    /// `length` bytes may only be written once the journal is durable up to that number.
+    /// Confirms of persistent messages and replies to durable declarations wait this way;
+    /// output before them goes out at once.
+    gates: std::collections::VecDeque<(usize, u64)>,
 }
 
 /// Serves one accepted socket until it closes.
@@ -153,6 +158,7 @@ pub async fn serve(broker: Arc<Broker>, stream: TcpStream, peer: SocketAddr) {
         blocked_sent: false,
         publish_waits_for_unblock: false,
         qos_prefetch_size: 0,
+        gates: std::collections::VecDeque::new(),
     };
     let result = conn.run(stream).await;
     conn.release();
@@ -212,10 +218,18 @@ impl Connection {
         let mut heartbeat = tokio::time::interval(Duration::from_secs(3600));
         heartbeat.reset();
         let mut heartbeat_armed = false;
+        let mut synced = self.broker.journal.synced();
         loop {
-            if !self.writer.is_empty() {
-                stream.write_all(self.writer.as_slice()).await?;
-                self.writer.clear();
+            let writable = self.writable(*synced.borrow());
+            let held = writable < self.writer.len();
+            if writable > 0 {
+                stream
+                    .write_all(&self.writer.as_slice()[..writable])
+                    .await?;
+                self.writer.consume(writable);
+                for (len, _) in self.gates.iter_mut() {
+                    *len -= writable;
+                }
                 self.report_written();
                 continue;
             }
@@ -246,6 +260,12 @@ impl Connection {
                 rbuf.reserve(read_chunk);
             }
             tokio::select! {
+                r = synced.changed(), if held => {
+                    if r.is_err() {
+                        self.close_reason = "the journal stopped".into();
+                        return Ok(());
+                    }
+                }
                 r = stream.read_buf(&mut rbuf), if reading => {
                     let n = r?;
                     if n == 0 {
@@ -321,7 +341,10 @@ impl Connection {
         {
             self.flush_confirms();
             self.broker.route_effects(self.id, &mut self.fx);
+            let guard = lazy.guard.as_mut().expect("checked above");
+            let gate = self.broker.persist(guard, &mut self.fx);
             drop(lazy.guard.take());
+            self.hold_output(gate);
             self.write_own_effects();
         }
         // Frames left behind by the handshake break above are processed now, with the lock.
@@ -1549,7 +1572,7 @@ impl Connection {
         self.blocked_sent = blocked;
         let m = if blocked {
             connection::AMQPMethod::Blocked(connection::Blocked {
-                reason: "low on memory".into(),
+                reason: self.broker.blocked_reason().into(),
             })
         } else {
             connection::AMQPMethod::Unblocked(connection::Unblocked {})
@@ -1581,8 +1604,32 @@ impl Connection {
                 );
             }
             self.broker.route_effects(self.id, &mut self.fx);
+            let gate = self.broker.persist(&mut v, &mut self.fx);
+            drop(v);
+            self.hold_output(gate);
         }
         self.write_own_effects();
+    }
+
+    /// Holds everything written so far until the journal is durable up to `gate`.
+    fn hold_output(&mut self, gate: Option<u64>) {
+        if let Some(seq) = gate {
+            self.gates.push_back((self.writer.len(), seq));
+        }
+    }
+
+    /// How many bytes of the write buffer may go out with the journal durable up to `synced`:
+    /// all of it when no gate is unmet, else what came before the first unmet gate's batch.
+    fn writable(&mut self, synced: u64) -> usize {
+        let mut released = 0;
+        while let Some(&(len, seq)) = self.gates.front() {
+            if seq > synced {
+                return released;
+            }
+            released = len;
+            self.gates.pop_front();
+        }
+        self.writer.len()
     }
 
     /// The connection is gone: its channels close in the vhost (unacked messages requeued),
@@ -1600,6 +1647,7 @@ impl Connection {
         self.fx.deliveries.retain(|d| d.channel.conn != self.id);
         self.fx.cancelled.retain(|c| c.channel.conn != self.id);
         self.broker.route_effects(self.id, &mut self.fx);
+        self.broker.persist(&mut v, &mut self.fx);
     }
 }
 

@@ -1,6 +1,6 @@
-//! The broker process: listeners, the registry of live connections, and the periodic work
-//! (time for the vhosts, the memory watermark). Each connection runs as one task in
-//! [`connection`].
+//! The broker process: listeners, the registry of live connections, persistence hand-off,
+//! and the periodic work (time for the vhosts, the memory and disk watermarks). Each
+//! connection runs as one task in [`connection`].
 
 pub mod channel;
 pub mod connection;
@@ -9,6 +9,9 @@ pub mod outbox;
 use crate::auth::UserStore;
 use crate::config::Config;
 use crate::core::{Effects, VHost};
+use crate::store::journal::{Job, Journal};
+use crate::store::record::{Record, records_from_ops};
+use crate::store::{DataDir, StoreError};
 use outbox::Outbox;
 use parking_lot::{Mutex, RwLock};
 use std::collections::HashMap;
@@ -37,31 +40,118 @@ pub struct Broker {
     outboxes: RwLock<HashMap<u64, Arc<Outbox>>>,
     next_conn_id: AtomicU64,
     blocked: AtomicBool,
+    blocked_reason: Mutex<&'static str>,
+    /// The journal all durable queues write to.
+    pub journal: Journal,
+    _data_dir: DataDir,
+}
+
+/// Why the broker could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The data directory could not be used.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The listener could not be bound.
+    #[error("cannot listen on {0}: {1}")]
+    Listen(SocketAddr, #[source] std::io::Error),
 }
 
 impl Broker {
-    /// A broker with the configured vhosts and users.
-    pub fn new(config: Config) -> Arc<Self> {
+    /// Opens the data directory, recovers what it holds into the configured vhosts and starts
+    /// the journal.
+    pub fn open(config: Config) -> Result<Arc<Self>, StoreError> {
+        let data_dir = DataDir::open(&config.data_dir)?;
+        let started = std::time::Instant::now();
+        let mut recovered = crate::store::recovery::recover(&data_dir.path)?;
+        for line in &recovered.damage {
+            tracing::warn!(damage = %line, "journal damage found during recovery");
+        }
         let seed = now_ms() ^ u64::from(std::process::id()).rotate_left(32);
-        let vhosts = config
-            .vhosts
-            .iter()
-            .enumerate()
-            .map(|(i, name)| {
-                (
-                    name.clone(),
-                    Arc::new(Mutex::new(VHost::new(name, seed.wrapping_add(i as u64)))),
-                )
-            })
-            .collect();
-        Arc::new(Self {
+        let now = now_ms();
+        let mut vhosts = HashMap::new();
+        let mut restored = 0usize;
+        for (i, name) in config.vhosts.iter().enumerate() {
+            let mut vhost = VHost::new(name, seed.wrapping_add(i as u64));
+            if let Some(wiring) = recovered.disk.wiring.get(name).cloned() {
+                let queues: Vec<(u64, String)> = wiring
+                    .queues
+                    .iter()
+                    .map(|q| (q.uid, q.name.clone()))
+                    .collect();
+                for skipped in vhost.restore_wiring(wiring, now) {
+                    tracing::warn!(vhost = %name, %skipped, "durable object not restored");
+                }
+                for (uid, queue) in queues {
+                    if let Some(messages) = recovered.messages.remove(&uid) {
+                        restored += messages.len();
+                        vhost.restore_messages(&queue, messages);
+                    }
+                }
+            }
+            vhost.set_record_ops(true);
+            vhosts.insert(name.clone(), Arc::new(Mutex::new(vhost)));
+        }
+        for name in recovered
+            .disk
+            .wiring
+            .keys()
+            .filter(|v| !config.vhosts.contains(v))
+        {
+            tracing::warn!(vhost = %name, "the data dir holds a vhost that is not configured; its durable objects stay on disk but are not served");
+        }
+        tracing::info!(
+            records = recovered.records,
+            messages = restored,
+            segments = recovered.disk.segments.len(),
+            elapsed_ms = started.elapsed().as_millis() as u64,
+            "recovery done"
+        );
+        let journal = Journal::start(
+            data_dir.path.clone(),
+            config.journal.clone(),
+            recovered.disk,
+            recovered.next_segment,
+        )?;
+        Ok(Arc::new(Self {
             users: UserStore::new(config.users.clone()),
             config,
             vhosts,
             outboxes: RwLock::new(HashMap::new()),
             next_conn_id: AtomicU64::new(1),
             blocked: AtomicBool::new(false),
-        })
+            blocked_reason: Mutex::new(""),
+            journal,
+            _data_dir: data_dir,
+        }))
+    }
+
+    /// Hands what a batch of commands changed in durable state to the journal: the durable
+    /// wiring if it changed, and the records of durable queues' ops. Call it while holding
+    /// the vhost lock, so the journal sees changes in the vhost's order. Returns the
+    /// journal sequence number that must be durable before this batch's replies go out,
+    /// when there is one (a persistent message was enqueued or durable wiring changed).
+    pub fn persist(&self, vhost: &mut VHost, fx: &mut Effects) -> Option<u64> {
+        let mut gate = None;
+        if vhost.take_wiring_changed() {
+            gate = Some(self.journal.submit(Job::Wiring {
+                vhost: vhost.name().to_owned(),
+                wiring: vhost.durable_wiring(),
+            }));
+        }
+        if !fx.ops.is_empty() {
+            let mut records = Vec::new();
+            records_from_ops(&fx.ops, &mut records);
+            fx.ops.clear();
+            if !records.is_empty() {
+                let must_sync = records.iter().any(|r| matches!(r, Record::Enqueued { .. }));
+                let seq = self.journal.submit(Job::Records(records));
+                if must_sync {
+                    gate = Some(seq);
+                }
+            }
+        }
+        gate
     }
 
     /// A vhost by name.
@@ -128,17 +218,19 @@ impl Broker {
         }
     }
 
-    fn set_blocked(&self, blocked: bool) {
+    /// Why publishers are blocked ("low on memory", "low on disk").
+    pub fn blocked_reason(&self) -> &'static str {
+        *self.blocked_reason.lock()
+    }
+
+    fn set_blocked(&self, blocked: bool, reason: &'static str) {
+        *self.blocked_reason.lock() = reason;
         if self.blocked.swap(blocked, Ordering::Relaxed) != blocked {
-            tracing::warn!(
-                blocked,
-                "memory high watermark {}",
-                if blocked {
-                    "exceeded: blocking publishers"
-                } else {
-                    "cleared: unblocking publishers"
-                }
-            );
+            if blocked {
+                tracing::warn!(reason, "resource alarm: blocking publishers");
+            } else {
+                tracing::warn!("resource alarm cleared: unblocking publishers");
+            }
             for outbox in self.outboxes.read().values() {
                 outbox.push(|p| p.blocked = Some(blocked));
             }
@@ -154,11 +246,17 @@ pub struct Running {
     pub broker: Arc<Broker>,
 }
 
-/// Binds the listener and starts serving: connections, vhost ticks and the memory monitor.
-pub async fn start(config: Config) -> std::io::Result<Running> {
-    let listener = TcpListener::bind(config.amqp_listen).await?;
-    let amqp_addr = listener.local_addr()?;
-    let broker = Broker::new(config);
+/// Recovers the data directory, binds the listener and starts serving: connections, vhost
+/// ticks and the resource monitor.
+pub async fn start(config: Config) -> Result<Running, StartError> {
+    let broker = Broker::open(config)?;
+    let addr = broker.config.amqp_listen;
+    let listener = TcpListener::bind(addr)
+        .await
+        .map_err(|e| StartError::Listen(addr, e))?;
+    let amqp_addr = listener
+        .local_addr()
+        .map_err(|e| StartError::Listen(addr, e))?;
     tokio::spawn(accept_loop(listener, broker.clone()));
     tokio::spawn(tick_loop(broker.clone()));
     tokio::spawn(memory_monitor(broker.clone()));
@@ -194,6 +292,7 @@ async fn tick_loop(broker: Arc<Broker>) {
             let mut v = vhost.lock();
             v.tick(now_ms(), &mut fx);
             broker.route_effects(0, &mut fx);
+            broker.persist(&mut v, &mut fx);
         }
     }
 }
@@ -205,12 +304,30 @@ pub fn rss_bytes() -> Option<u64> {
     Some(pages * 4096)
 }
 
+/// Free bytes for unprivileged users on the file system holding `path`.
+pub fn disk_free_bytes(path: &std::path::Path) -> Option<u64> {
+    let c_path = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).ok()?;
+    let mut stat: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: statvfs writes into the struct we pass and reads the NUL-terminated path.
+    if unsafe { libc::statvfs(c_path.as_ptr(), &mut stat) } != 0 {
+        return None;
+    }
+    Some(stat.f_bavail as u64 * stat.f_frsize as u64)
+}
+
 async fn memory_monitor(broker: Arc<Broker>) {
     let mut interval = tokio::time::interval(Duration::from_millis(250));
     loop {
         interval.tick().await;
-        if let Some(rss) = rss_bytes() {
-            broker.set_blocked(rss > broker.config.memory_high_watermark_bytes);
-        }
+        let memory_high =
+            rss_bytes().is_some_and(|rss| rss > broker.config.memory_high_watermark_bytes);
+        let disk_low = disk_free_bytes(&broker.config.data_dir)
+            .is_some_and(|free| free < broker.config.disk_free_limit_bytes);
+        let reason = match (memory_high, disk_low) {
+            (true, _) => "low on memory",
+            (false, true) => "low on disk",
+            _ => "",
+        };
+        broker.set_blocked(memory_high || disk_low, reason);
     }
 }
