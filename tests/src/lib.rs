@@ -54,8 +54,45 @@ impl Broker {
         let data_dir = std::env::temp_dir().join(format!("ringmq-test-{}-{n}", std::process::id()));
         let _ = std::fs::remove_dir_all(&data_dir);
         std::fs::create_dir_all(&data_dir).expect("temp dir is writable");
+        std::fs::write(data_dir.join("ringmq.yaml"), yaml).expect("temp dir is writable");
+        Self::spawn(data_dir)
+    }
+
+    /// The broker's state directory (`--data-dir`), inside [`Broker::data_dir`].
+    pub fn state_dir(&self) -> PathBuf {
+        self.data_dir.join("data")
+    }
+
+    /// Stops the broker with SIGKILL — a crash at whatever point it was — and starts it
+    /// again on the same data directory (on a new port).
+    pub fn crash_and_restart(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        *self = Self::spawn(std::mem::take(&mut self.data_dir));
+    }
+
+    /// Stops the broker with SIGTERM (a clean shutdown) and starts it again on the same data
+    /// directory.
+    pub fn stop_and_restart(&mut self) {
+        self.terminate();
+        *self = Self::spawn(std::mem::take(&mut self.data_dir));
+    }
+
+    /// Sends SIGTERM and waits (at most 10 s, then SIGKILL) for the broker to exit.
+    pub fn terminate(&mut self) {
+        // SAFETY: signalling a child process this struct owns.
+        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while matches!(self.child.try_wait(), Ok(None)) && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Runs the broker binary on `data_dir` (holding `ringmq.yaml`), waiting for its address.
+    fn spawn(data_dir: PathBuf) -> Self {
         let config = data_dir.join("ringmq.yaml");
-        std::fs::write(&config, yaml).expect("temp dir is writable");
         let mut child = Command::new(binary("ringmq-broker"))
             .args(["--amqp-listen", "127.0.0.1:0", "--data-dir"])
             .arg(data_dir.join("data"))
@@ -154,7 +191,9 @@ impl Drop for Broker {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.data_dir);
+        if !self.data_dir.as_os_str().is_empty() {
+            let _ = std::fs::remove_dir_all(&self.data_dir);
+        }
     }
 }
 
