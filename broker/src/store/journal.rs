@@ -209,11 +209,33 @@ impl Journal {
         self.synced.subscribe()
     }
 
-    /// Writes what is queued and stops the writer (clean shutdown).
+    /// Writes what is queued and stops the writer (clean shutdown), logging what the journal
+    /// did over its life.
     pub fn shutdown(&self) {
         self.submitter.lock().tx = None;
         if let Some(t) = self.thread.lock().take() {
             let _ = t.join();
+            let s = &self.stats;
+            let fsyncs = s.fsyncs.load(Ordering::Relaxed);
+            let written = s.records_written.load(Ordering::Relaxed);
+            tracing::info!(
+                fsyncs,
+                records_written = written,
+                records_cancelled = s.records_cancelled.load(Ordering::Relaxed),
+                records_per_fsync = if fsyncs == 0 {
+                    0.0
+                } else {
+                    written as f64 / fsyncs as f64
+                },
+                mean_fsync_us = if fsyncs == 0 {
+                    0
+                } else {
+                    s.fsync_micros.load(Ordering::Relaxed) / fsyncs
+                },
+                bytes_written = s.bytes_written.load(Ordering::Relaxed),
+                segments_compacted = s.segments_compacted.load(Ordering::Relaxed),
+                "journal closed"
+            );
         }
     }
 }

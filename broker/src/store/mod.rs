@@ -11,6 +11,9 @@ pub mod journal;
 pub mod record;
 pub mod recovery;
 
+#[cfg(test)]
+mod tests;
+
 use crate::core::wiring::DurableWiring;
 use std::collections::BTreeMap;
 use std::fs::File;
