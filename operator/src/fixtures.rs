@@ -1,0 +1,1 @@
+//! Test fixtures: a scripted Kubernetes API and a fake admin API.
