@@ -146,3 +146,6 @@ pub async fn run(ctx: Arc<Context>) {
         });
     futures::join!(cluster_controller, queue_controller);
 }
+
+#[cfg(test)]
+mod tests;
