@@ -24,7 +24,9 @@ pub const MAX_RESPONSE_BYTES: usize = 4 * 1024 * 1024;
 #[derive(Debug, thiserror::Error)]
 pub enum AdminError {
     /// The broker could not be reached or did not answer in time.
-    #[error("admin API at {url} unreachable: {reason}; check the broker pods and the client Service")]
+    #[error(
+        "admin API at {url} unreachable: {reason}; check the broker pods and the client Service"
+    )]
     Unreachable {
         /// URL called.
         url: String,
@@ -45,7 +47,9 @@ pub enum AdminError {
         body: String,
     },
     /// The broker's answer was not the JSON the contract describes.
-    #[error("admin API {url} returned malformed JSON: {reason}; broker and operator versions may differ")]
+    #[error(
+        "admin API {url} returned malformed JSON: {reason}; broker and operator versions may differ"
+    )]
     Malformed {
         /// URL called.
         url: String,
@@ -132,7 +136,11 @@ pub trait AdminApi: Send + Sync {
     /// `POST /api/members/{id}/leave`: ask a member to hand over its queues and leave.
     fn leave<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), AdminError>>;
     /// `GET /api/queues/{vhost}/{name}`; `None` on 404.
-    fn queue<'a>(&'a self, vhost: &'a str, name: &'a str) -> BoxFuture<'a, Result<Option<QueueInfo>, AdminError>>;
+    fn queue<'a>(
+        &'a self,
+        vhost: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<QueueInfo>, AdminError>>;
     /// `PUT /api/queues/{vhost}/{name}`.
     fn declare_queue<'a>(
         &'a self,
@@ -141,7 +149,11 @@ pub trait AdminApi: Send + Sync {
         declaration: &'a QueueDeclaration,
     ) -> BoxFuture<'a, Result<Declared, AdminError>>;
     /// `DELETE /api/queues/{vhost}/{name}`; `false` when it was already gone.
-    fn delete_queue<'a>(&'a self, vhost: &'a str, name: &'a str) -> BoxFuture<'a, Result<bool, AdminError>>;
+    fn delete_queue<'a>(
+        &'a self,
+        vhost: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<bool, AdminError>>;
 }
 
 /// Where and as whom to reach a cluster's admin API.
@@ -178,7 +190,10 @@ impl Default for HttpConnectorFactory {
 
 impl AdminConnector for HttpConnectorFactory {
     fn connect(&self, endpoint: AdminEndpoint) -> Arc<dyn AdminApi> {
-        Arc::new(HttpAdmin { client: self.client.clone(), endpoint })
+        Arc::new(HttpAdmin {
+            client: self.client.clone(),
+            endpoint,
+        })
     }
 }
 
@@ -202,11 +217,21 @@ pub fn encode_segment(segment: &str) -> String {
 }
 
 impl HttpAdmin {
-    async fn call(&self, method: http::Method, path: &str, body: Option<Vec<u8>>) -> Result<(u16, Bytes), AdminError> {
+    async fn call(
+        &self,
+        method: http::Method,
+        path: &str,
+        body: Option<Vec<u8>>,
+    ) -> Result<(u16, Bytes), AdminError> {
         let url = format!("{}{}", self.endpoint.base_url.trim_end_matches('/'), path);
-        let unreachable = |reason: String| AdminError::Unreachable { url: url.clone(), reason };
-        let credentials = base64::engine::general_purpose::STANDARD
-            .encode(format!("{}:{}", self.endpoint.username, self.endpoint.password));
+        let unreachable = |reason: String| AdminError::Unreachable {
+            url: url.clone(),
+            reason,
+        };
+        let credentials = base64::engine::general_purpose::STANDARD.encode(format!(
+            "{}:{}",
+            self.endpoint.username, self.endpoint.password
+        ));
         let mut builder = http::Request::builder()
             .method(method)
             .uri(&url)
@@ -219,10 +244,18 @@ impl HttpAdmin {
             .body(Full::new(Bytes::from(body.unwrap_or_default())))
             .map_err(|e| unreachable(e.to_string()))?;
         let exchange = async {
-            let response = self.client.request(request).await.map_err(|e| unreachable(e.to_string()))?;
+            let response = self
+                .client
+                .request(request)
+                .await
+                .map_err(|e| unreachable(e.to_string()))?;
             let status = response.status().as_u16();
             let limited = http_body_util::Limited::new(response.into_body(), MAX_RESPONSE_BYTES);
-            let bytes = limited.collect().await.map_err(|e| unreachable(e.to_string()))?.to_bytes();
+            let bytes = limited
+                .collect()
+                .await
+                .map_err(|e| unreachable(e.to_string()))?
+                .to_bytes();
             Ok((status, bytes))
         };
         tokio::time::timeout(ADMIN_TIMEOUT, exchange)
@@ -236,16 +269,31 @@ impl HttpAdmin {
 
     fn unexpected(&self, path: &str, status: u16, body: &Bytes) -> AdminError {
         let text = String::from_utf8_lossy(&body[..body.len().min(512)]).into_owned();
-        AdminError::Unexpected { url: self.url(path), status, body: text }
+        AdminError::Unexpected {
+            url: self.url(path),
+            status,
+            body: text,
+        }
     }
 
-    fn parse<T: serde::de::DeserializeOwned>(&self, path: &str, body: &Bytes) -> Result<T, AdminError> {
-        serde_json::from_slice(body).map_err(|e| AdminError::Malformed { url: self.url(path), reason: e.to_string() })
+    fn parse<T: serde::de::DeserializeOwned>(
+        &self,
+        path: &str,
+        body: &Bytes,
+    ) -> Result<T, AdminError> {
+        serde_json::from_slice(body).map_err(|e| AdminError::Malformed {
+            url: self.url(path),
+            reason: e.to_string(),
+        })
     }
 }
 
 fn queue_path(vhost: &str, name: &str) -> String {
-    format!("/api/queues/{}/{}", encode_segment(vhost), encode_segment(name))
+    format!(
+        "/api/queues/{}/{}",
+        encode_segment(vhost),
+        encode_segment(name)
+    )
 }
 
 impl AdminApi for HttpAdmin {
@@ -280,7 +328,11 @@ impl AdminApi for HttpAdmin {
         })
     }
 
-    fn queue<'a>(&'a self, vhost: &'a str, name: &'a str) -> BoxFuture<'a, Result<Option<QueueInfo>, AdminError>> {
+    fn queue<'a>(
+        &'a self,
+        vhost: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<QueueInfo>, AdminError>> {
         Box::pin(async move {
             let path = queue_path(vhost, name);
             match self.call(http::Method::GET, &path, None).await? {
@@ -299,8 +351,10 @@ impl AdminApi for HttpAdmin {
     ) -> BoxFuture<'a, Result<Declared, AdminError>> {
         Box::pin(async move {
             let path = queue_path(vhost, name);
-            let body = serde_json::to_vec(declaration)
-                .map_err(|e| AdminError::Malformed { url: self.url(&path), reason: e.to_string() })?;
+            let body = serde_json::to_vec(declaration).map_err(|e| AdminError::Malformed {
+                url: self.url(&path),
+                reason: e.to_string(),
+            })?;
             match self.call(http::Method::PUT, &path, Some(body)).await? {
                 (201, _) => Ok(Declared::Created),
                 (204, _) => Ok(Declared::AlreadyThere),
@@ -316,7 +370,11 @@ impl AdminApi for HttpAdmin {
         })
     }
 
-    fn delete_queue<'a>(&'a self, vhost: &'a str, name: &'a str) -> BoxFuture<'a, Result<bool, AdminError>> {
+    fn delete_queue<'a>(
+        &'a self,
+        vhost: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<bool, AdminError>> {
         Box::pin(async move {
             let path = queue_path(vhost, name);
             match self.call(http::Method::DELETE, &path, None).await? {

@@ -18,7 +18,8 @@ use kube::{Client, Resource};
 use serde_json::{Value, json};
 
 use crate::admin::{
-    AdminApi, AdminConnector, AdminEndpoint, AdminError, Declared, MemberInfo, Overview, QueueDeclaration, QueueInfo,
+    AdminApi, AdminConnector, AdminEndpoint, AdminError, Declared, MemberInfo, Overview,
+    QueueDeclaration, QueueInfo,
 };
 use crate::controller::Context;
 use crate::crd::{Cluster, ClusterSpec, ClusterStatus, Queue, QueueSpec, QueueStatus};
@@ -40,8 +41,17 @@ pub struct Seen {
 impl ApiServerVerifier {
     /// Asserts the next request is `method path` and answers `status` with `reply`
     /// (or, when `reply` is `None`, echoes the request body, as an API server does for apply).
-    pub async fn expect(&mut self, method: Method, path: &str, status: u16, reply: Option<Value>) -> Seen {
-        self.expect_reply(method, path, status, move |body| reply.unwrap_or_else(|| body.clone())).await
+    pub async fn expect(
+        &mut self,
+        method: Method,
+        path: &str,
+        status: u16,
+        reply: Option<Value>,
+    ) -> Seen {
+        self.expect_reply(method, path, status, move |body| {
+            reply.unwrap_or_else(|| body.clone())
+        })
+        .await
     }
 
     /// Like [`Self::expect`], building the reply from the request body.
@@ -56,15 +66,30 @@ impl ApiServerVerifier {
             .await
             .unwrap_or_else(|_| panic!("timed out waiting for {method} {path}"))
             .unwrap_or_else(|| panic!("client dropped before {method} {path}"));
-        assert_eq!(request.method(), &method, "method of request to {}", request.uri());
+        assert_eq!(
+            request.method(),
+            &method,
+            "method of request to {}",
+            request.uri()
+        );
         assert_eq!(request.uri().path(), path, "path of the {method} request");
         let uri = request.uri().to_string();
-        let bytes = request.into_body().collect_bytes().await.expect("request body");
-        let body: Value = if bytes.is_empty() { Value::Null } else { serde_json::from_slice(&bytes).expect("JSON body") };
+        let bytes = request
+            .into_body()
+            .collect_bytes()
+            .await
+            .expect("request body");
+        let body: Value = if bytes.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_slice(&bytes).expect("JSON body")
+        };
         let reply = reply(&body);
         let response = Response::builder()
             .status(status)
-            .body(Body::from(serde_json::to_vec(&reply).expect("reply serializes")))
+            .body(Body::from(
+                serde_json::to_vec(&reply).expect("reply serializes"),
+            ))
             .expect("response builds");
         send.send_response(response);
         Seen { uri, body }
@@ -84,14 +109,29 @@ impl ApiServerVerifier {
     /// Expects a server-side apply PATCH (field manager and force asserted) and echoes it.
     pub async fn apply(&mut self, path: &str) -> Seen {
         let seen = self.expect(Method::PATCH, path, 200, None).await;
-        assert!(seen.uri.contains("fieldManager=ringmq-operator"), "apply uses our field manager: {}", seen.uri);
-        assert!(seen.uri.contains("force=true"), "apply forces ownership: {}", seen.uri);
+        assert!(
+            seen.uri.contains("fieldManager=ringmq-operator"),
+            "apply uses our field manager: {}",
+            seen.uri
+        );
+        assert!(
+            seen.uri.contains("force=true"),
+            "apply forces ownership: {}",
+            seen.uri
+        );
         seen
     }
 
     /// Expects an Event to be created with `reason` and returns its body.
     pub async fn event(&mut self, reason: &str) -> Seen {
-        let seen = self.expect(Method::POST, "/apis/events.k8s.io/v1/namespaces/default/events", 201, None).await;
+        let seen = self
+            .expect(
+                Method::POST,
+                "/apis/events.k8s.io/v1/namespaces/default/events",
+                201,
+                None,
+            )
+            .await;
         assert_eq!(seen.body["reason"], reason, "event reason");
         seen
     }
@@ -104,13 +144,26 @@ impl ApiServerVerifier {
             .expect("timed out waiting for an event patch")
             .expect("client dropped before the event patch");
         assert_eq!(request.method(), Method::PATCH);
-        assert!(request.uri().path().starts_with("/apis/events.k8s.io/v1/namespaces/default/events/"));
+        assert!(
+            request
+                .uri()
+                .path()
+                .starts_with("/apis/events.k8s.io/v1/namespaces/default/events/")
+        );
         let uri = request.uri().to_string();
-        let bytes = request.into_body().collect_bytes().await.expect("request body");
+        let bytes = request
+            .into_body()
+            .collect_bytes()
+            .await
+            .expect("request body");
         let body: Value = serde_json::from_slice(&bytes).expect("JSON body");
         assert_eq!(body["reason"], reason, "event reason");
         assert_eq!(body["series"]["count"], 2, "second occurrence");
-        send.send_response(Response::builder().body(Body::from(bytes.to_vec())).expect("response builds"));
+        send.send_response(
+            Response::builder()
+                .body(Body::from(bytes.to_vec()))
+                .expect("response builds"),
+        );
         Seen { uri, body }
     }
 
@@ -186,9 +239,18 @@ impl AdminApi for FakeAdmin {
             let members = s
                 .members
                 .iter()
-                .map(|id| MemberInfo { id: id.clone(), zone: "zone-a".into(), state: "up".into(), owned_queues: 0 })
+                .map(|id| MemberInfo {
+                    id: id.clone(),
+                    zone: "zone-a".into(),
+                    state: "up".into(),
+                    owned_queues: 0,
+                })
                 .collect();
-            Ok(Overview { node: "ringmq-0".into(), cluster_name: "ringmq".into(), members })
+            Ok(Overview {
+                node: "ringmq-0".into(),
+                cluster_name: "ringmq".into(),
+                members,
+            })
         })
     }
 
@@ -196,7 +258,11 @@ impl AdminApi for FakeAdmin {
         Box::pin(async move {
             let mut s = self.state();
             s.calls.push(format!("member {id}"));
-            Ok(s.owned.get(id).map(|n| MemberInfo { id: id.into(), owned_queues: *n, ..MemberInfo::default() }))
+            Ok(s.owned.get(id).map(|n| MemberInfo {
+                id: id.into(),
+                owned_queues: *n,
+                ..MemberInfo::default()
+            }))
         })
     }
 
@@ -207,16 +273,22 @@ impl AdminApi for FakeAdmin {
         })
     }
 
-    fn queue<'a>(&'a self, vhost: &'a str, name: &'a str) -> BoxFuture<'a, Result<Option<QueueInfo>, AdminError>> {
+    fn queue<'a>(
+        &'a self,
+        vhost: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<QueueInfo>, AdminError>> {
         Box::pin(async move {
             let mut s = self.state();
             s.calls.push(format!("get {vhost} {name}"));
-            Ok(s.queues.contains_key(&(vhost.into(), name.into())).then(|| QueueInfo {
-                name: name.into(),
-                vhost: vhost.into(),
-                messages: 7,
-                owner: Some("ringmq-1".into()),
-            }))
+            Ok(s.queues
+                .contains_key(&(vhost.into(), name.into()))
+                .then(|| QueueInfo {
+                    name: name.into(),
+                    vhost: vhost.into(),
+                    messages: 7,
+                    owner: Some("ringmq-1".into()),
+                }))
         })
     }
 
@@ -233,14 +305,19 @@ impl AdminApi for FakeAdmin {
                 Some(existing) if existing == declaration => Ok(Declared::AlreadyThere),
                 Some(_) => Err(AdminError::Conflict("inequivalent arg 'durable'".into())),
                 None => {
-                    s.queues.insert((vhost.into(), name.into()), declaration.clone());
+                    s.queues
+                        .insert((vhost.into(), name.into()), declaration.clone());
                     Ok(Declared::Created)
                 }
             }
         })
     }
 
-    fn delete_queue<'a>(&'a self, vhost: &'a str, name: &'a str) -> BoxFuture<'a, Result<bool, AdminError>> {
+    fn delete_queue<'a>(
+        &'a self,
+        vhost: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<bool, AdminError>> {
         Box::pin(async move {
             let mut s = self.state();
             s.calls.push(format!("delete {vhost} {name}"));
@@ -261,8 +338,9 @@ impl Context {
 
 /// A `Cluster` named `ringmq` in `default`, as the API server would hand it over.
 pub fn cluster(replicas: i32, status: Option<ClusterStatus>) -> Cluster {
-    let spec: ClusterSpec = serde_json::from_value(json!({"replicas": replicas, "image": "ringmq:test"}))
-        .expect("fixture spec");
+    let spec: ClusterSpec =
+        serde_json::from_value(json!({"replicas": replicas, "image": "ringmq:test"}))
+            .expect("fixture spec");
     let mut c = Cluster::new("ringmq", spec);
     c.meta_mut().namespace = Some("default".into());
     c.meta_mut().uid = Some("cluster-uid".into());
@@ -292,7 +370,11 @@ pub fn queue(extra_spec: Value, finalizer: bool, status: Option<QueueStatus>) ->
 /// The default-user Secret as the API server returns it.
 pub fn user_secret() -> Value {
     let secret = Secret {
-        metadata: ObjectMeta { name: Some("ringmq-default-user".into()), namespace: Some("default".into()), ..Default::default() },
+        metadata: ObjectMeta {
+            name: Some("ringmq-default-user".into()),
+            namespace: Some("default".into()),
+            ..Default::default()
+        },
         data: Some(BTreeMap::from([
             ("username".to_string(), ByteString(b"admin".to_vec())),
             ("password".to_string(), ByteString(b"s3cret".to_vec())),

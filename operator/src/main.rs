@@ -27,8 +27,14 @@ async fn main() -> anyhow::Result<()> {
         .await
         .context("no Kubernetes configuration found: run in a cluster or set KUBECONFIG")?;
     let metrics = Arc::new(Metrics::default());
-    let ctx = Arc::new(Context::new(client, metrics.clone(), Arc::new(HttpConnectorFactory::default())));
-    let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
+    let ctx = Arc::new(Context::new(
+        client,
+        metrics.clone(),
+        Arc::new(HttpConnectorFactory::default()),
+    ));
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("cannot listen on {addr}"))?;
     tracing::info!(%addr, "serving /metrics and /healthz");
     let server = tokio::spawn(serve(listener, metrics));
     controller::run(ctx).await;
@@ -38,7 +44,9 @@ async fn main() -> anyhow::Result<()> {
 
 async fn serve(listener: tokio::net::TcpListener, metrics: Arc<Metrics>) {
     loop {
-        let Ok((stream, _)) = listener.accept().await else { continue };
+        let Ok((stream, _)) = listener.accept().await else {
+            continue;
+        };
         let metrics = metrics.clone();
         tokio::spawn(async move {
             let service = service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
@@ -54,11 +62,17 @@ async fn serve(listener: tokio::net::TcpListener, metrics: Arc<Metrics>) {
                     };
                     hyper::Response::builder()
                         .status(status)
-                        .header("content-type", "application/openmetrics-text; version=1.0.0; charset=utf-8")
+                        .header(
+                            "content-type",
+                            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                        )
                         .body(Full::new(Bytes::from(body)))
                 }
             });
-            if let Err(e) = http1::Builder::new().serve_connection(TokioIo::new(stream), service).await {
+            if let Err(e) = http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), service)
+                .await
+            {
                 tracing::debug!(error = %e, "metrics connection ended");
             }
         });

@@ -47,9 +47,22 @@ impl Default for Metrics {
             Histogram::new([0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0])
         });
         registry.register("reconciles", "Reconciles started", reconciles.clone());
-        registry.register("reconcile_failures", "Reconciles failed, by reason", failures.clone());
-        registry.register("reconcile_duration_seconds", "Reconcile duration", duration.clone());
-        Self { registry, reconciles, failures, duration }
+        registry.register(
+            "reconcile_failures",
+            "Reconciles failed, by reason",
+            failures.clone(),
+        );
+        registry.register(
+            "reconcile_duration_seconds",
+            "Reconcile duration",
+            duration.clone(),
+        );
+        Self {
+            registry,
+            reconciles,
+            failures,
+            duration,
+        }
     }
 }
 
@@ -68,14 +81,22 @@ impl Drop for ReconcileTimer {
 impl Metrics {
     /// Counts a reconcile of `controller` and returns a timer for its duration.
     pub fn reconcile(&self, controller: &str) -> ReconcileTimer {
-        let labels = ControllerLabels { controller: controller.to_string() };
+        let labels = ControllerLabels {
+            controller: controller.to_string(),
+        };
         self.reconciles.get_or_create(&labels).inc();
-        ReconcileTimer { start: Instant::now(), histogram: self.duration.get_or_create(&labels).clone() }
+        ReconcileTimer {
+            start: Instant::now(),
+            histogram: self.duration.get_or_create(&labels).clone(),
+        }
     }
 
     /// Counts a failed reconcile of `controller`.
     pub fn failure(&self, controller: &str, error: &Error) {
-        let labels = FailureLabels { controller: controller.to_string(), reason: error.metric_label().to_string() };
+        let labels = FailureLabels {
+            controller: controller.to_string(),
+            reason: error.metric_label().to_string(),
+        };
         self.failures.get_or_create(&labels).inc();
     }
 

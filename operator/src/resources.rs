@@ -7,10 +7,11 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::apps::v1::{StatefulSet, StatefulSetSpec};
 use k8s_openapi::api::core::v1::{
-    ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource, EnvVar, EnvVarSource,
-    ExecAction, HTTPGetAction, Lifecycle, LifecycleHandler, ObjectFieldSelector, PersistentVolumeClaim,
-    PersistentVolumeClaimSpec, PodSpec, PodTemplateSpec, Probe, SecretKeySelector, SecretVolumeSource, Service,
-    ServicePort, ServiceSpec as K8sServiceSpec, Volume, VolumeMount, VolumeResourceRequirements,
+    ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource, EnvVar,
+    EnvVarSource, ExecAction, HTTPGetAction, Lifecycle, LifecycleHandler, ObjectFieldSelector,
+    PersistentVolumeClaim, PersistentVolumeClaimSpec, PodSpec, PodTemplateSpec, Probe,
+    SecretKeySelector, SecretVolumeSource, Service, ServicePort, ServiceSpec as K8sServiceSpec,
+    Volume, VolumeMount, VolumeResourceRequirements,
 };
 use k8s_openapi::api::policy::v1::{PodDisruptionBudget, PodDisruptionBudgetSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
@@ -50,12 +51,19 @@ pub fn selector_labels(cluster: &Cluster) -> BTreeMap<String, String> {
 
 /// The selector as the scale subresource wants it (`key=value,...`).
 pub fn selector_string(cluster: &Cluster) -> String {
-    selector_labels(cluster).iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(",")
+    selector_labels(cluster)
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 fn labels(cluster: &Cluster) -> BTreeMap<String, String> {
     let mut l = selector_labels(cluster);
-    l.insert("app.kubernetes.io/managed-by".to_string(), "ringmq-operator".to_string());
+    l.insert(
+        "app.kubernetes.io/managed-by".to_string(),
+        "ringmq-operator".to_string(),
+    );
     l
 }
 
@@ -71,12 +79,20 @@ fn meta(cluster: &Cluster, name: String, owner: &OwnerReference) -> ObjectMeta {
 
 /// DNS name of the headless Service: the seed every broker resolves to find its peers.
 pub fn seed_host(cluster: &Cluster) -> String {
-    format!("{}.{}.svc", cluster.headless_service_name(), cluster.namespace().unwrap_or_default())
+    format!(
+        "{}.{}.svc",
+        cluster.headless_service_name(),
+        cluster.namespace().unwrap_or_default()
+    )
 }
 
 /// Base URL of the admin API through the client Service.
 pub fn admin_base_url(cluster: &Cluster) -> String {
-    format!("http://{}.{}.svc:{ADMIN_PORT}", cluster.name_any(), cluster.namespace().unwrap_or_default())
+    format!(
+        "http://{}.{}.svc:{ADMIN_PORT}",
+        cluster.name_any(),
+        cluster.namespace().unwrap_or_default()
+    )
 }
 
 /// The broker configuration (`ringmq.yaml`): operator defaults, then `spec.config` on top.
@@ -127,7 +143,10 @@ pub fn config_hash(text: &str) -> String {
 pub fn config_map(cluster: &Cluster, owner: &OwnerReference, config_yaml: &str) -> ConfigMap {
     ConfigMap {
         metadata: meta(cluster, format!("{}-config", cluster.name_any()), owner),
-        data: Some(BTreeMap::from([("ringmq.yaml".to_string(), config_yaml.to_string())])),
+        data: Some(BTreeMap::from([(
+            "ringmq.yaml".to_string(),
+            config_yaml.to_string(),
+        )])),
         ..ConfigMap::default()
     }
 }
@@ -150,7 +169,10 @@ pub fn headless_service(cluster: &Cluster, owner: &OwnerReference) -> Service {
             cluster_ip: Some("None".to_string()),
             publish_not_ready_addresses: Some(true),
             selector: Some(selector_labels(cluster)),
-            ports: Some(vec![port("cluster", CLUSTER_PORT), port("admin", ADMIN_PORT)]),
+            ports: Some(vec![
+                port("cluster", CLUSTER_PORT),
+                port("admin", ADMIN_PORT),
+            ]),
             ..K8sServiceSpec::default()
         }),
         ..Service::default()
@@ -185,7 +207,10 @@ pub fn pod_disruption_budget(cluster: &Cluster, owner: &OwnerReference) -> PodDi
         metadata: meta(cluster, cluster.name_any(), owner),
         spec: Some(PodDisruptionBudgetSpec {
             max_unavailable: Some(IntOrString::Int(1)),
-            selector: Some(LabelSelector { match_labels: Some(selector_labels(cluster)), ..LabelSelector::default() }),
+            selector: Some(LabelSelector {
+                match_labels: Some(selector_labels(cluster)),
+                ..LabelSelector::default()
+            }),
             ..PodDisruptionBudgetSpec::default()
         }),
         ..PodDisruptionBudget::default()
@@ -194,7 +219,11 @@ pub fn pod_disruption_budget(cluster: &Cluster, owner: &OwnerReference) -> PodDi
 
 /// The ServiceMonitor kind (Prometheus operator); applied only when its CRD exists.
 pub fn service_monitor_resource() -> ApiResource {
-    ApiResource::from_gvk(&GroupVersionKind::gvk("monitoring.coreos.com", "v1", "ServiceMonitor"))
+    ApiResource::from_gvk(&GroupVersionKind::gvk(
+        "monitoring.coreos.com",
+        "v1",
+        "ServiceMonitor",
+    ))
 }
 
 /// ServiceMonitor scraping the brokers' admin port.
@@ -215,7 +244,11 @@ fn env_from_secret(name: &str, secret: &str, key: &str) -> EnvVar {
     EnvVar {
         name: name.to_string(),
         value_from: Some(EnvVarSource {
-            secret_key_ref: Some(SecretKeySelector { name: secret.to_string(), key: key.to_string(), optional: None }),
+            secret_key_ref: Some(SecretKeySelector {
+                name: secret.to_string(),
+                key: key.to_string(),
+                optional: None,
+            }),
             ..EnvVarSource::default()
         }),
         ..EnvVar::default()
@@ -240,7 +273,12 @@ fn http_probe(path: &str, period_seconds: i32, failure_threshold: i32) -> Probe 
 ///
 /// `replicas` lives only in the StatefulSet spec, never in the pod template, so scaling does
 /// not roll existing pods; the template changes only with the image, resources or config.
-pub fn stateful_set(cluster: &Cluster, owner: &OwnerReference, replicas: i32, config_yaml: &str) -> StatefulSet {
+pub fn stateful_set(
+    cluster: &Cluster,
+    owner: &OwnerReference,
+    replicas: i32,
+    config_yaml: &str,
+) -> StatefulSet {
     let name = cluster.name_any();
     let user_secret = cluster.default_user_secret_name();
     let container_port = |n: &str, p: i32| ContainerPort {
@@ -254,12 +292,24 @@ pub fn stateful_set(cluster: &Cluster, owner: &OwnerReference, replicas: i32, co
         container_port("admin", ADMIN_PORT),
     ];
     let mut mounts = vec![
-        VolumeMount { name: "config".into(), mount_path: CONFIG_DIR.into(), read_only: Some(true), ..Default::default() },
-        VolumeMount { name: "data".into(), mount_path: DATA_DIR.into(), ..Default::default() },
+        VolumeMount {
+            name: "config".into(),
+            mount_path: CONFIG_DIR.into(),
+            read_only: Some(true),
+            ..Default::default()
+        },
+        VolumeMount {
+            name: "data".into(),
+            mount_path: DATA_DIR.into(),
+            ..Default::default()
+        },
     ];
     let mut volumes = vec![Volume {
         name: "config".into(),
-        config_map: Some(ConfigMapVolumeSource { name: format!("{name}-config"), ..Default::default() }),
+        config_map: Some(ConfigMapVolumeSource {
+            name: format!("{name}-config"),
+            ..Default::default()
+        }),
         ..Default::default()
     }];
     if let Some(tls) = &cluster.spec.tls {
@@ -272,7 +322,10 @@ pub fn stateful_set(cluster: &Cluster, owner: &OwnerReference, replicas: i32, co
         });
         volumes.push(Volume {
             name: "tls".into(),
-            secret: Some(SecretVolumeSource { secret_name: Some(tls.secret_name.clone()), ..Default::default() }),
+            secret: Some(SecretVolumeSource {
+                secret_name: Some(tls.secret_name.clone()),
+                ..Default::default()
+            }),
             ..Default::default()
         });
     }
@@ -280,7 +333,10 @@ pub fn stateful_set(cluster: &Cluster, owner: &OwnerReference, replicas: i32, co
     match &cluster.spec.persistence {
         Some(p) => {
             claims = Some(vec![PersistentVolumeClaim {
-                metadata: ObjectMeta { name: Some("data".into()), ..ObjectMeta::default() },
+                metadata: ObjectMeta {
+                    name: Some("data".into()),
+                    ..ObjectMeta::default()
+                },
                 spec: Some(PersistentVolumeClaimSpec {
                     access_modes: Some(vec!["ReadWriteOnce".into()]),
                     storage_class_name: p.storage_class.clone(),
@@ -313,13 +369,24 @@ pub fn stateful_set(cluster: &Cluster, owner: &OwnerReference, replicas: i32, co
             EnvVar {
                 name: "RINGMQ_NODE_ID".into(),
                 value_from: Some(EnvVarSource {
-                    field_ref: Some(ObjectFieldSelector { field_path: "metadata.name".into(), ..Default::default() }),
+                    field_ref: Some(ObjectFieldSelector {
+                        field_path: "metadata.name".into(),
+                        ..Default::default()
+                    }),
                     ..Default::default()
                 }),
                 ..Default::default()
             },
-            EnvVar { name: "RINGMQ_CONFIG".into(), value: Some(format!("{CONFIG_DIR}/ringmq.yaml")), ..Default::default() },
-            env_from_secret("RINGMQ_CLUSTER_SECRET", &cluster.cluster_secret_name(), CLUSTER_SECRET_KEY),
+            EnvVar {
+                name: "RINGMQ_CONFIG".into(),
+                value: Some(format!("{CONFIG_DIR}/ringmq.yaml")),
+                ..Default::default()
+            },
+            env_from_secret(
+                "RINGMQ_CLUSTER_SECRET",
+                &cluster.cluster_secret_name(),
+                CLUSTER_SECRET_KEY,
+            ),
             env_from_secret("RINGMQ_DEFAULT_USER", &user_secret, "username"),
             env_from_secret("RINGMQ_DEFAULT_PASS", &user_secret, "password"),
         ]),
@@ -328,7 +395,9 @@ pub fn stateful_set(cluster: &Cluster, owner: &OwnerReference, replicas: i32, co
         liveness_probe: Some(http_probe("/healthz", 10, 6)),
         lifecycle: Some(Lifecycle {
             pre_stop: Some(LifecycleHandler {
-                exec: Some(ExecAction { command: Some(vec!["sh".into(), "-c".into(), pre_stop]) }),
+                exec: Some(ExecAction {
+                    command: Some(vec!["sh".into(), "-c".into(), pre_stop]),
+                }),
                 ..Default::default()
             }),
             ..Default::default()
@@ -337,13 +406,19 @@ pub fn stateful_set(cluster: &Cluster, owner: &OwnerReference, replicas: i32, co
         ..Container::default()
     };
     let mut template_labels = selector_labels(cluster);
-    template_labels.insert("app.kubernetes.io/managed-by".into(), "ringmq-operator".into());
+    template_labels.insert(
+        "app.kubernetes.io/managed-by".into(),
+        "ringmq-operator".into(),
+    );
     StatefulSet {
         metadata: meta(cluster, name.clone(), owner),
         spec: Some(StatefulSetSpec {
             replicas: Some(replicas),
             service_name: Some(cluster.headless_service_name()),
-            selector: LabelSelector { match_labels: Some(selector_labels(cluster)), ..LabelSelector::default() },
+            selector: LabelSelector {
+                match_labels: Some(selector_labels(cluster)),
+                ..LabelSelector::default()
+            },
             template: PodTemplateSpec {
                 metadata: Some(ObjectMeta {
                     labels: Some(template_labels),
@@ -357,9 +432,13 @@ pub fn stateful_set(cluster: &Cluster, owner: &OwnerReference, replicas: i32, co
                     containers: vec![container],
                     volumes: Some(volumes),
                     affinity: cluster.spec.affinity.clone(),
-                    tolerations: (!cluster.spec.tolerations.is_empty()).then(|| cluster.spec.tolerations.clone()),
-                    topology_spread_constraints: (!cluster.spec.topology_spread_constraints.is_empty())
-                        .then(|| cluster.spec.topology_spread_constraints.clone()),
+                    tolerations: (!cluster.spec.tolerations.is_empty())
+                        .then(|| cluster.spec.tolerations.clone()),
+                    topology_spread_constraints: (!cluster
+                        .spec
+                        .topology_spread_constraints
+                        .is_empty())
+                    .then(|| cluster.spec.topology_spread_constraints.clone()),
                     termination_grace_period_seconds: Some(TERMINATION_GRACE_SECONDS),
                     ..PodSpec::default()
                 }),

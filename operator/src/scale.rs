@@ -12,7 +12,11 @@ use crate::crd::{Operation, OperationKind, OperationStep};
 /// * A recorded operation that still leads to the wanted size is resumed at its step.
 /// * Otherwise a new operation starts from the StatefulSet's current size (a changed target
 ///   mid-operation restarts the plan from where the pods actually are).
-pub fn start_or_resume(desired: i32, sts_replicas: Option<i32>, recorded: Option<&Operation>) -> Option<Operation> {
+pub fn start_or_resume(
+    desired: i32,
+    sts_replicas: Option<i32>,
+    recorded: Option<&Operation>,
+) -> Option<Operation> {
     let current = sts_replicas?;
     if let Some(op) = recorded
         && op.to == desired

@@ -12,17 +12,25 @@ use ringmq_operator::crd::{Cluster, Queue, render_yaml};
 use serde_json::{Value, json};
 
 fn repo(path: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..").join(path)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join(path)
 }
 
 fn schema_of(crd: &CustomResourceDefinition) -> Value {
-    let schema = crd.spec.versions[0].schema.as_ref().and_then(|s| s.open_api_v3_schema.as_ref()).expect("schema");
+    let schema = crd.spec.versions[0]
+        .schema
+        .as_ref()
+        .and_then(|s| s.open_api_v3_schema.as_ref())
+        .expect("schema");
     serde_json::to_value(schema).expect("schema serializes")
 }
 
 /// Structural validation of `value` against an OpenAPI v3 schema; returns every violation.
 fn validate(schema: &Value, value: &Value, path: &str, errors: &mut Vec<String>) {
-    if schema.get("x-kubernetes-preserve-unknown-fields") == Some(&json!(true)) && schema.get("type").is_none() {
+    if schema.get("x-kubernetes-preserve-unknown-fields") == Some(&json!(true))
+        && schema.get("type").is_none()
+    {
         return;
     }
     if value.is_null() {
@@ -56,20 +64,36 @@ fn validate(schema: &Value, value: &Value, path: &str, errors: &mut Vec<String>)
         errors.push(format!("{path}: {value} not in {allowed:?}"));
     }
     if let Some(n) = value.as_f64() {
-        if schema.get("minimum").and_then(Value::as_f64).is_some_and(|min| n < min) {
+        if schema
+            .get("minimum")
+            .and_then(Value::as_f64)
+            .is_some_and(|min| n < min)
+        {
             errors.push(format!("{path}: {n} below minimum {}", schema["minimum"]));
         }
-        if schema.get("maximum").and_then(Value::as_f64).is_some_and(|max| n > max) {
+        if schema
+            .get("maximum")
+            .and_then(Value::as_f64)
+            .is_some_and(|max| n > max)
+        {
             errors.push(format!("{path}: {n} above maximum {}", schema["maximum"]));
         }
     }
-    if let (Some(s), Some(min)) = (value.as_str(), schema.get("minLength").and_then(Value::as_u64))
-        && (s.chars().count() as u64) < min
+    if let (Some(s), Some(min)) = (
+        value.as_str(),
+        schema.get("minLength").and_then(Value::as_u64),
+    ) && (s.chars().count() as u64) < min
     {
         errors.push(format!("{path}: shorter than {min}"));
     }
     if let Some(obj) = value.as_object() {
-        for key in schema.get("required").and_then(Value::as_array).into_iter().flatten().filter_map(Value::as_str) {
+        for key in schema
+            .get("required")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+            .filter_map(Value::as_str)
+        {
             if !obj.contains_key(key) {
                 errors.push(format!("{path}: missing required {key}"));
             }
@@ -77,11 +101,18 @@ fn validate(schema: &Value, value: &Value, path: &str, errors: &mut Vec<String>)
         let properties = schema.get("properties").and_then(Value::as_object);
         for (key, child) in obj {
             let child_path = format!("{path}.{key}");
-            match (properties.and_then(|p| p.get(key)), schema.get("additionalProperties")) {
+            match (
+                properties.and_then(|p| p.get(key)),
+                schema.get("additionalProperties"),
+            ) {
                 (Some(s), _) => validate(s, child, &child_path, errors),
                 (None, Some(s)) if s.is_object() => validate(s, child, &child_path, errors),
-                (None, _) if schema.get("x-kubernetes-preserve-unknown-fields") == Some(&json!(true)) => {}
-                (None, _) if path.is_empty() && matches!(key.as_str(), "apiVersion" | "kind" | "metadata") => {}
+                (None, _)
+                    if schema.get("x-kubernetes-preserve-unknown-fields") == Some(&json!(true)) => {
+                }
+                (None, _)
+                    if path.is_empty()
+                        && matches!(key.as_str(), "apiVersion" | "kind" | "metadata") => {}
                 (None, _) => errors.push(format!("{child_path}: unknown field")),
             }
         }
@@ -111,14 +142,19 @@ fn load(path: &str) -> Value {
 #[test]
 fn crds_directory_matches_the_generated_crds() {
     let generated = render_yaml().expect("CRDs render");
-    let on_disk = std::fs::read_to_string(repo("crds/ringmq.yaml")).expect("crds/ringmq.yaml exists");
+    let on_disk =
+        std::fs::read_to_string(repo("crds/ringmq.yaml")).expect("crds/ringmq.yaml exists");
     assert!(
         generated == on_disk,
         "crds/ringmq.yaml is stale: run `cargo run -p ringmq-operator --bin crdgen > crds/ringmq.yaml` \
          and copy it to charts/ringmq-operator/crds/"
     );
-    let chart = std::fs::read_to_string(repo("charts/ringmq-operator/crds/ringmq.yaml")).expect("chart CRDs exist");
-    assert!(generated == chart, "charts/ringmq-operator/crds/ringmq.yaml is stale: copy crds/ringmq.yaml there");
+    let chart = std::fs::read_to_string(repo("charts/ringmq-operator/crds/ringmq.yaml"))
+        .expect("chart CRDs exist");
+    assert!(
+        generated == chart,
+        "charts/ringmq-operator/crds/ringmq.yaml is stale: copy crds/ringmq.yaml there"
+    );
 }
 
 #[test]
@@ -131,11 +167,28 @@ fn generated_crds_parse_back_and_carry_scale_and_printer_columns() {
         .collect();
     assert_eq!(docs.len(), 2);
     let cluster = &docs[0].spec.versions[0];
-    let scale = cluster.subresources.as_ref().and_then(|s| s.scale.as_ref()).expect("scale subresource");
+    let scale = cluster
+        .subresources
+        .as_ref()
+        .and_then(|s| s.scale.as_ref())
+        .expect("scale subresource");
     assert_eq!(scale.spec_replicas_path, ".spec.replicas");
-    assert_eq!(scale.label_selector_path.as_deref(), Some(".status.selector"));
-    assert!(cluster.additional_printer_columns.as_ref().is_some_and(|c| c.iter().any(|c| c.name == "Ready")));
-    assert!(docs[1].spec.versions[0].additional_printer_columns.as_ref().is_some_and(|c| c.iter().any(|c| c.name == "Primary")));
+    assert_eq!(
+        scale.label_selector_path.as_deref(),
+        Some(".status.selector")
+    );
+    assert!(
+        cluster
+            .additional_printer_columns
+            .as_ref()
+            .is_some_and(|c| c.iter().any(|c| c.name == "Ready"))
+    );
+    assert!(
+        docs[1].spec.versions[0]
+            .additional_printer_columns
+            .as_ref()
+            .is_some_and(|c| c.iter().any(|c| c.name == "Primary"))
+    );
 }
 
 #[test]
@@ -153,7 +206,8 @@ fn every_example_validates_against_the_generated_schema_and_deserializes() {
         let errors = check(&crd, &object, None);
         assert!(errors.is_empty(), "{path}: {errors:#?}");
     }
-    let _: Cluster = serde_json::from_value(load("examples/cluster-production.yaml")).expect("typed Cluster");
+    let _: Cluster =
+        serde_json::from_value(load("examples/cluster-production.yaml")).expect("typed Cluster");
     let _: Queue = serde_json::from_value(load("examples/queue.yaml")).expect("typed Queue");
 }
 
@@ -165,40 +219,78 @@ fn schema_rejects_out_of_range_and_unknown_values() {
     cluster["spec"]["service"] = json!({"type": "ExternalName"});
     cluster["spec"]["replcas"] = json!(3);
     let errors = check(&Cluster::crd(), &cluster, None);
-    for want in ["replicas: 0 below minimum", "queueBackups: 4 above maximum", "not in", "replcas: unknown field"] {
-        assert!(errors.iter().any(|e| e.contains(want)), "{want} missing in {errors:#?}");
+    for want in [
+        "replicas: 0 below minimum",
+        "queueBackups: 4 above maximum",
+        "not in",
+        "replcas: unknown field",
+    ] {
+        assert!(
+            errors.iter().any(|e| e.contains(want)),
+            "{want} missing in {errors:#?}"
+        );
     }
     let mut queue = load("examples/queue.yaml");
     queue["spec"]["deletionPolicy"] = json!("sometimes");
-    queue["spec"].as_object_mut().map(|s| s.remove("clusterRef"));
+    queue["spec"]
+        .as_object_mut()
+        .map(|s| s.remove("clusterRef"));
     let errors = check(&Queue::crd(), &queue, None);
-    assert!(errors.iter().any(|e| e.contains("sometimes")), "{errors:#?}");
-    assert!(errors.iter().any(|e| e.contains("missing required clusterRef")), "{errors:#?}");
+    assert!(
+        errors.iter().any(|e| e.contains("sometimes")),
+        "{errors:#?}"
+    );
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("missing required clusterRef")),
+        "{errors:#?}"
+    );
 }
 
 #[test]
 fn cel_rules_make_queue_identity_and_cluster_persistence_immutable() {
     let old = load("examples/queue.yaml");
     let errors = check(&Queue::crd(), &old, Some(&old));
-    assert!(errors.is_empty(), "an unchanged queue is accepted: {errors:#?}");
+    assert!(
+        errors.is_empty(),
+        "an unchanged queue is accepted: {errors:#?}"
+    );
     let mut moved = old.clone();
     moved["spec"]["vhost"] = json!("/other");
     let errors = check(&Queue::crd(), &moved, Some(&old));
-    assert!(errors.iter().any(|e| e.contains("vhost is immutable")), "{errors:#?}");
+    assert!(
+        errors.iter().any(|e| e.contains("vhost is immutable")),
+        "{errors:#?}"
+    );
     let mut renamed = old.clone();
     renamed["spec"]["name"] = json!("orders-2");
     let errors = check(&Queue::crd(), &renamed, Some(&old));
-    assert!(errors.iter().any(|e| e.contains("name is immutable")), "{errors:#?}");
+    assert!(
+        errors.iter().any(|e| e.contains("name is immutable")),
+        "{errors:#?}"
+    );
     let mut rebacked = old.clone();
     rebacked["spec"]["backups"] = json!(3);
-    assert!(check(&Queue::crd(), &rebacked, Some(&old)).is_empty(), "backups may change");
+    assert!(
+        check(&Queue::crd(), &rebacked, Some(&old)).is_empty(),
+        "backups may change"
+    );
 
     let old = load("examples/cluster-production.yaml");
     let mut resized = old.clone();
     resized["spec"]["persistence"]["size"] = json!("50Gi");
     let errors = check(&Cluster::crd(), &resized, Some(&old));
-    assert!(errors.iter().any(|e| e.contains("persistence is immutable")), "{errors:#?}");
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("persistence is immutable")),
+        "{errors:#?}"
+    );
     let mut scaled = old.clone();
     scaled["spec"]["replicas"] = json!(7);
-    assert!(check(&Cluster::crd(), &scaled, Some(&old)).is_empty(), "replicas may change");
+    assert!(
+        check(&Cluster::crd(), &scaled, Some(&old)).is_empty(),
+        "replicas may change"
+    );
 }

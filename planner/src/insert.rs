@@ -33,7 +33,9 @@ pub fn insertion_cost(placement: &Placement, index: usize) -> usize {
         .resources()
         .values()
         .filter(|a| {
-            let Some(p) = placement.index_of(&a.primary) else { return false };
+            let Some(p) = placement.index_of(&a.primary) else {
+                return false;
+            };
             // Distance from the primary to the new member on the new ring (1..=n).
             let distance = (gap + n - 1 - p) % n + 1;
             distance <= a.backups.min(n)
@@ -43,14 +45,21 @@ pub fn insertion_cost(placement: &Placement, index: usize) -> usize {
 
 /// Picks the insertion point for `member`: maximal zone spread first, then fewest backup
 /// ships, then the lowest index (so the choice is deterministic).
-pub fn insertion_point(placement: &Placement, member: &Member) -> Result<InsertionPoint, PlanError> {
+pub fn insertion_point(
+    placement: &Placement,
+    member: &Member,
+) -> Result<InsertionPoint, PlanError> {
     if placement.index_of(&member.id).is_some() {
         return Err(PlanError::DuplicateMember(member.id.clone()));
     }
     let ring = placement.ring();
     let n = ring.len();
     if n == 0 {
-        return Ok(InsertionPoint { index: 0, backup_moves: 0, same_zone_neighbours: 0 });
+        return Ok(InsertionPoint {
+            index: 0,
+            backup_moves: 0,
+            same_zone_neighbours: 0,
+        });
     }
     let before = same_zone_neighbours(ring);
     (0..n)
@@ -64,7 +73,11 @@ pub fn insertion_point(placement: &Placement, member: &Member) -> Result<Inserti
                     + usize::from(left.zone == member.zone)
                     + usize::from(right.zone == member.zone)
             };
-            InsertionPoint { index, backup_moves: insertion_cost(placement, index), same_zone_neighbours: after }
+            InsertionPoint {
+                index,
+                backup_moves: insertion_cost(placement, index),
+                same_zone_neighbours: after,
+            }
         })
         .min_by_key(|p| (p.same_zone_neighbours, p.backup_moves, p.index))
         .ok_or(PlanError::NoMembers)

@@ -24,7 +24,10 @@ pub struct Resource {
 impl Resource {
     /// Builds a resource; a convenience for callers and tests.
     pub fn new(id: impl Into<String>, backups: usize) -> Self {
-        Self { id: id.into(), backups }
+        Self {
+            id: id.into(),
+            backups,
+        }
     }
 }
 
@@ -86,12 +89,18 @@ impl Placement {
             if r.backups > MAX_BACKUPS {
                 return Err(PlanError::TooManyBackups(r.id.clone()));
             }
-            let assignment = Assignment { primary: ring[i % ring.len()].id.clone(), backups: r.backups };
+            let assignment = Assignment {
+                primary: ring[i % ring.len()].id.clone(),
+                backups: r.backups,
+            };
             if placed.insert(r.id.clone(), assignment).is_some() {
                 return Err(PlanError::DuplicateResource(r.id.clone()));
             }
         }
-        Ok(Self { ring, resources: placed })
+        Ok(Self {
+            ring,
+            resources: placed,
+        })
     }
 
     /// The ring order in force.
@@ -119,13 +128,16 @@ impl Placement {
     /// Never includes the primary and never repeats a member, because a ring of `n` distinct
     /// members has `n − 1` distinct successors.
     pub fn backups(&self, resource: &str) -> Vec<String> {
-        let Some(a) = self.resources.get(resource) else { return Vec::new() };
+        let Some(a) = self.resources.get(resource) else {
+            return Vec::new();
+        };
         backups_on(&self.ring, &a.primary, a.backups)
     }
 
     /// Primaries per member, every ring member present (zero included), keyed by member id.
     pub fn load(&self) -> BTreeMap<String, usize> {
-        let mut load: BTreeMap<String, usize> = self.ring.iter().map(|m| (m.id.clone(), 0)).collect();
+        let mut load: BTreeMap<String, usize> =
+            self.ring.iter().map(|m| (m.id.clone(), 0)).collect();
         for a in self.resources.values() {
             *load.entry(a.primary.clone()).or_default() += 1;
         }
@@ -143,12 +155,18 @@ impl Placement {
         }
         let mut ring = self.ring.clone();
         ring.insert(index.min(ring.len()), member);
-        Ok(Self { ring, resources: self.resources.clone() })
+        Ok(Self {
+            ring,
+            resources: self.resources.clone(),
+        })
     }
 
     /// Moves the primary of `resource` to `to` (which must be on the ring).
     pub(crate) fn set_primary(&mut self, resource: &str, to: &str) {
-        assert!(self.index_of(to).is_some(), "a primary must be a ring member");
+        assert!(
+            self.index_of(to).is_some(),
+            "a primary must be a ring member"
+        );
         if let Some(a) = self.resources.get_mut(resource) {
             a.primary = to.to_string();
         }
@@ -158,9 +176,14 @@ impl Placement {
 /// The backups a resource with primary `primary` and `k` wanted backups has on `ring`.
 pub(crate) fn backups_on(ring: &[Member], primary: &str, k: usize) -> Vec<String> {
     let n = ring.len();
-    let Some(p) = ring.iter().position(|m| m.id == primary) else { return Vec::new() };
+    let Some(p) = ring.iter().position(|m| m.id == primary) else {
+        return Vec::new();
+    };
     let k_eff = k.min(n.saturating_sub(1));
     let backups: Vec<String> = (1..=k_eff).map(|d| ring[(p + d) % n].id.clone()).collect();
-    debug_assert!(!backups.iter().any(|b| b == primary), "a primary is never its own backup");
+    debug_assert!(
+        !backups.iter().any(|b| b == primary),
+        "a primary is never its own backup"
+    );
     backups
 }

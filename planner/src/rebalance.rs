@@ -51,13 +51,18 @@ pub struct RebalancePlan {
 /// Ships needed if `resource`'s primary moves from `from` to `to`: members in the new
 /// backup window that had no copy (neither old primary nor old backup).
 fn ships_for(placement: &Placement, resource: &str, to: &str) -> Vec<BackupShip> {
-    let Some(a) = placement.resources().get(resource) else { return Vec::new() };
+    let Some(a) = placement.resources().get(resource) else {
+        return Vec::new();
+    };
     let mut had: BTreeSet<String> = placement.backups(resource).into_iter().collect();
     had.insert(a.primary.clone());
     backups_on(placement.ring(), to, a.backups)
         .into_iter()
         .filter(|m| !had.contains(m))
-        .map(|m| BackupShip { resource: resource.to_string(), to: m })
+        .map(|m| BackupShip {
+            resource: resource.to_string(),
+            to: m,
+        })
         .collect()
 }
 
@@ -74,11 +79,15 @@ pub fn rebalance_plan(placement: &Placement, bounds: RebalanceBounds) -> Rebalan
     while ownership_moves.len() < bounds.max_ownership_moves {
         let load = current.load();
         let by_ring = |id: &String| current.index_of(id).unwrap_or(usize::MAX);
-        let Some((most, most_n)) = load.iter().max_by(|a, b| a.1.cmp(b.1).then(by_ring(b.0).cmp(&by_ring(a.0))))
+        let Some((most, most_n)) = load
+            .iter()
+            .max_by(|a, b| a.1.cmp(b.1).then(by_ring(b.0).cmp(&by_ring(a.0))))
         else {
             break;
         };
-        let Some((least, least_n)) = load.iter().min_by(|a, b| a.1.cmp(b.1).then(by_ring(a.0).cmp(&by_ring(b.0))))
+        let Some((least, least_n)) = load
+            .iter()
+            .min_by(|a, b| a.1.cmp(b.1).then(by_ring(a.0).cmp(&by_ring(b.0))))
         else {
             break;
         };
@@ -92,15 +101,31 @@ pub fn rebalance_plan(placement: &Placement, bounds: RebalanceBounds) -> Rebalan
             .filter(|(_, a)| a.primary == most)
             .map(|(id, _)| (ships_for(&current, id, &least), id.clone()))
             .min_by(|a, b| a.0.len().cmp(&b.0.len()).then(a.1.cmp(&b.1)));
-        let Some((ships, resource)) = candidate else { break };
+        let Some((ships, resource)) = candidate else {
+            break;
+        };
         if backup_ships.len() + ships.len() > bounds.max_backup_ships {
             break;
         }
         current.set_primary(&resource, &least);
-        ownership_moves.push(OwnershipMove { resource, from: most, to: least });
+        ownership_moves.push(OwnershipMove {
+            resource,
+            from: most,
+            to: least,
+        });
         backup_ships.extend(ships);
     }
-    assert!(ownership_moves.len() <= bounds.max_ownership_moves, "plan respects its move bound");
-    assert!(backup_ships.len() <= bounds.max_backup_ships, "plan respects its ship bound");
-    RebalancePlan { ownership_moves, backup_ships, result: current }
+    assert!(
+        ownership_moves.len() <= bounds.max_ownership_moves,
+        "plan respects its move bound"
+    );
+    assert!(
+        backup_ships.len() <= bounds.max_backup_ships,
+        "plan respects its ship bound"
+    );
+    RebalancePlan {
+        ownership_moves,
+        backup_ships,
+        result: current,
+    }
 }

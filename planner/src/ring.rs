@@ -21,7 +21,10 @@ pub struct Member {
 impl Member {
     /// Builds a member; a convenience for callers and tests.
     pub fn new(id: impl Into<String>, zone: impl Into<String>) -> Self {
-        Self { id: id.into(), zone: zone.into() }
+        Self {
+            id: id.into(),
+            zone: zone.into(),
+        }
     }
 }
 
@@ -45,7 +48,7 @@ pub fn ring_order(members: &[Member]) -> Vec<Member> {
         ms.sort_by(|a, b| a.id.cmp(&b.id));
     }
     // Largest zone first; ties broken by zone name (BTreeMap order is kept by a stable sort).
-    zones.sort_by(|a, b| b.1.len().cmp(&a.1.len()));
+    zones.sort_by_key(|z| std::cmp::Reverse(z.1.len()));
     let sequence: Vec<&Member> = zones.into_iter().flat_map(|(_, ms)| ms).collect();
     let n = sequence.len();
     let mut slots: Vec<Option<Member>> = vec![None; n];
@@ -67,7 +70,9 @@ pub fn same_zone_neighbours(ring: &[Member]) -> usize {
     if n < 2 {
         return 0;
     }
-    (0..n).filter(|&i| ring[i].zone == ring[(i + 1) % n].zone).count()
+    (0..n)
+        .filter(|&i| ring[i].zone == ring[(i + 1) % n].zone)
+        .count()
 }
 
 /// The fewest same-zone neighbour pairs any cyclic order of these zone sizes can have.

@@ -4,19 +4,27 @@ use std::collections::BTreeSet;
 
 use proptest::prelude::*;
 use ringmq_planner::{
-    Member, Placement, RebalanceBounds, Resource, insertion_cost, insertion_point, min_same_zone_neighbours,
-    rebalance_plan, ring_order, same_zone_neighbours,
+    Member, Placement, RebalanceBounds, Resource, insertion_cost, insertion_point,
+    min_same_zone_neighbours, rebalance_plan, ring_order, same_zone_neighbours,
 };
 
 fn members_strategy() -> impl Strategy<Value = Vec<Member>> {
     prop::collection::vec(0usize..4, 1..12).prop_map(|zones| {
-        zones.into_iter().enumerate().map(|(i, z)| Member::new(format!("m{i}"), format!("zone-{z}"))).collect()
+        zones
+            .into_iter()
+            .enumerate()
+            .map(|(i, z)| Member::new(format!("m{i}"), format!("zone-{z}")))
+            .collect()
     })
 }
 
 fn resources_strategy() -> impl Strategy<Value = Vec<Resource>> {
-    prop::collection::vec(1usize..=3, 0..60)
-        .prop_map(|ks| ks.into_iter().enumerate().map(|(i, k)| Resource::new(format!("q{i}"), k)).collect())
+    prop::collection::vec(1usize..=3, 0..60).prop_map(|ks| {
+        ks.into_iter()
+            .enumerate()
+            .map(|(i, k)| Resource::new(format!("q{i}"), k))
+            .collect()
+    })
 }
 
 /// Every resource has `min(k, n-1)` distinct backups, none of them its primary.
@@ -25,9 +33,16 @@ fn assert_backups_valid(p: &Placement) {
     for (id, a) in p.resources() {
         let backups = p.backups(id);
         let distinct: BTreeSet<&String> = backups.iter().collect();
-        assert_eq!(backups.len(), a.backups.min(n - 1), "{id} has the wanted number of backups");
+        assert_eq!(
+            backups.len(),
+            a.backups.min(n - 1),
+            "{id} has the wanted number of backups"
+        );
         assert_eq!(distinct.len(), backups.len(), "{id} backups are distinct");
-        assert!(!backups.contains(&a.primary), "{id} primary is not its own backup");
+        assert!(
+            !backups.contains(&a.primary),
+            "{id} primary is not its own backup"
+        );
     }
 }
 
@@ -40,7 +55,11 @@ fn ships_by_diff(before: &Placement, after: &Placement) -> usize {
         .map(|id| {
             let mut had: BTreeSet<String> = before.backups(id).into_iter().collect();
             had.insert(before.primary(id).unwrap_or_default().to_string());
-            after.backups(id).into_iter().filter(|m| !had.contains(m)).count()
+            after
+                .backups(id)
+                .into_iter()
+                .filter(|m| !had.contains(m))
+                .count()
         })
         .sum()
 }
@@ -129,7 +148,13 @@ fn ships_by_diff_sequence(start: &Placement, plan: &ringmq_planner::RebalancePla
     let mut total = 0;
     let mut current = start.clone();
     for (i, _) in plan.ownership_moves.iter().enumerate() {
-        let partial = rebalance_plan(start, RebalanceBounds { max_ownership_moves: i + 1, max_backup_ships: usize::MAX });
+        let partial = rebalance_plan(
+            start,
+            RebalanceBounds {
+                max_ownership_moves: i + 1,
+                max_backup_ships: usize::MAX,
+            },
+        );
         total += ships_by_diff(&current, &partial.result);
         current = partial.result;
     }

@@ -39,17 +39,31 @@ pub const SERVICE_MONITOR_CRD: &str = "servicemonitors.monitoring.coreos.com";
 /// Reconciles one `Cluster`.
 pub async fn reconcile(cluster: Arc<Cluster>, ctx: Arc<Context>) -> Result<Action, Error> {
     let _timer = ctx.metrics.reconcile("Cluster");
-    let ns = cluster.namespace().ok_or(Error::MissingObjectKey("namespace"))?;
+    let ns = cluster
+        .namespace()
+        .ok_or(Error::MissingObjectKey("namespace"))?;
     let name = cluster.name_any();
-    let owner = cluster.controller_owner_ref(&()).ok_or(Error::MissingObjectKey("uid"))?;
+    let owner = cluster
+        .controller_owner_ref(&())
+        .ok_or(Error::MissingObjectKey("uid"))?;
     let client = ctx.client.clone();
     let apply = PatchParams::apply(FIELD_MANAGER).force();
 
     // Secrets: created once, never regenerated (a new peer secret would split the cluster).
     let secrets: Api<Secret> = Api::namespaced(client.clone(), &ns);
-    ensure_secret(&ctx, &cluster, &secrets, &cluster.cluster_secret_name(), &owner, |s| {
-        Ok(BTreeMap::from([(CLUSTER_SECRET_KEY.to_string(), random_token(s)?)]))
-    })
+    ensure_secret(
+        &ctx,
+        &cluster,
+        &secrets,
+        &cluster.cluster_secret_name(),
+        &owner,
+        |s| {
+            Ok(BTreeMap::from([(
+                CLUSTER_SECRET_KEY.to_string(),
+                random_token(s)?,
+            )]))
+        },
+    )
     .await?;
     let user_secret_name = cluster.default_user_secret_name();
     let user_secret = if cluster.spec.default_user_secret.is_some() {
@@ -74,31 +88,72 @@ pub async fn reconcile(cluster: Arc<Cluster>, ctx: Arc<Context>) -> Result<Actio
     let config = resources::broker_config(&cluster);
     let config_yaml = serde_saphyr::to_string(&config).map_err(|e| Error::Config(e.to_string()))?;
     let cm = resources::config_map(&cluster, &owner, &config_yaml);
-    Api::<ConfigMap>::namespaced(client.clone(), &ns).patch(&format!("{name}-config"), &apply, &Patch::Apply(&cm)).await?;
+    Api::<ConfigMap>::namespaced(client.clone(), &ns)
+        .patch(&format!("{name}-config"), &apply, &Patch::Apply(&cm))
+        .await?;
     let services: Api<Service> = Api::namespaced(client.clone(), &ns);
     let headless = resources::headless_service(&cluster, &owner);
-    services.patch(&cluster.headless_service_name(), &apply, &Patch::Apply(&headless)).await?;
-    services.patch(&name, &apply, &Patch::Apply(&resources::client_service(&cluster, &owner))).await?;
-    Api::<PodDisruptionBudget>::namespaced(client.clone(), &ns)
-        .patch(&name, &apply, &Patch::Apply(&resources::pod_disruption_budget(&cluster, &owner)))
+    services
+        .patch(
+            &cluster.headless_service_name(),
+            &apply,
+            &Patch::Apply(&headless),
+        )
         .await?;
-    if Api::<CustomResourceDefinition>::all(client.clone()).get_opt(SERVICE_MONITOR_CRD).await?.is_some() {
+    services
+        .patch(
+            &name,
+            &apply,
+            &Patch::Apply(&resources::client_service(&cluster, &owner)),
+        )
+        .await?;
+    Api::<PodDisruptionBudget>::namespaced(client.clone(), &ns)
+        .patch(
+            &name,
+            &apply,
+            &Patch::Apply(&resources::pod_disruption_budget(&cluster, &owner)),
+        )
+        .await?;
+    if Api::<CustomResourceDefinition>::all(client.clone())
+        .get_opt(SERVICE_MONITOR_CRD)
+        .await?
+        .is_some()
+    {
         let monitors: Api<DynamicObject> =
             Api::namespaced_with(client.clone(), &ns, &resources::service_monitor_resource());
-        monitors.patch(&name, &apply, &Patch::Apply(&resources::service_monitor(&cluster, &owner))).await?;
+        monitors
+            .patch(
+                &name,
+                &apply,
+                &Patch::Apply(&resources::service_monitor(&cluster, &owner)),
+            )
+            .await?;
     }
 
     // Scale: decide the operation, run its step, then apply the StatefulSet.
     let stateful_sets: Api<StatefulSet> = Api::namespaced(client.clone(), &ns);
     let existing = stateful_sets.get_opt(&name).await?;
-    let sts_replicas = existing.as_ref().and_then(|s| s.spec.as_ref()).and_then(|s| s.replicas);
+    let sts_replicas = existing
+        .as_ref()
+        .and_then(|s| s.spec.as_ref())
+        .and_then(|s| s.replicas);
     let recorded = cluster.status.as_ref().and_then(|s| s.operation.as_ref());
     let mut operation = scale::start_or_resume(cluster.spec.replicas, sts_replicas, recorded);
     if let Some(op) = &operation
         && recorded != Some(op)
     {
-        let verb = if op.kind == OperationKind::ScaleUp { "ScaleUpStarted" } else { "ScaleDownStarted" };
-        ctx.event(&*cluster, EventType::Normal, verb, format!("scaling from {} to {} brokers", op.from, op.to)).await;
+        let verb = if op.kind == OperationKind::ScaleUp {
+            "ScaleUpStarted"
+        } else {
+            "ScaleDownStarted"
+        };
+        ctx.event(
+            &*cluster,
+            EventType::Normal,
+            verb,
+            format!("scaling from {} to {} brokers", op.from, op.to),
+        )
+        .await;
     }
     if let Some(op) = operation.as_mut()
         && op.kind == OperationKind::ScaleDown
@@ -108,14 +163,23 @@ pub async fn reconcile(cluster: Arc<Cluster>, ctx: Arc<Context>) -> Result<Actio
     }
     let replicas = match &operation {
         None => cluster.spec.replicas,
-        Some(op) if op.kind == OperationKind::ScaleDown && op.step == OperationStep::Draining => op.from,
+        Some(op) if op.kind == OperationKind::ScaleDown && op.step == OperationStep::Draining => {
+            op.from
+        }
         Some(op) => op.to,
     };
     let sts = resources::stateful_set(&cluster, &owner, replicas, &config_yaml);
-    let applied = stateful_sets.patch(&name, &apply, &Patch::Apply(&sts)).await?;
+    let applied = stateful_sets
+        .patch(&name, &apply, &Patch::Apply(&sts))
+        .await?;
     if existing.is_none() {
-        ctx.event(&*cluster, EventType::Normal, "Created", format!("created StatefulSet {name} with {replicas} brokers"))
-            .await;
+        ctx.event(
+            &*cluster,
+            EventType::Normal,
+            "Created",
+            format!("created StatefulSet {name} with {replicas} brokers"),
+        )
+        .await;
     }
     let sts_status = applied.status.unwrap_or_default();
 
@@ -123,27 +187,45 @@ pub async fn reconcile(cluster: Arc<Cluster>, ctx: Arc<Context>) -> Result<Actio
     // the reconcile (the pods may simply be starting).
     let overview = admin.overview().await;
     if let Some(op) = operation.as_mut() {
-        finish_step(&ctx, &cluster, op, sts_status.ready_replicas.unwrap_or(0), sts_status.replicas, overview.as_ref().ok())
-            .await;
+        finish_step(
+            &ctx,
+            &cluster,
+            op,
+            sts_status.ready_replicas.unwrap_or(0),
+            sts_status.replicas,
+            overview.as_ref().ok(),
+        )
+        .await;
         if op.waiting_for.is_none() {
             operation = None;
         }
     }
 
     let status = build_status(&cluster, replicas, &sts_status, &overview, operation);
-    let requeue = if status.operation.is_some() { OPERATION_POLL } else { RESYNC };
+    let requeue = if status.operation.is_some() {
+        OPERATION_POLL
+    } else {
+        RESYNC
+    };
     let patch = serde_json::json!({
         "apiVersion": Cluster::api_version(&()),
         "kind": Cluster::kind(&()),
         "status": status,
     });
-    Api::<Cluster>::namespaced(client, &ns).patch_status(&name, &apply, &Patch::Apply(&patch)).await?;
+    Api::<Cluster>::namespaced(client, &ns)
+        .patch_status(&name, &apply, &Patch::Apply(&patch))
+        .await?;
     Ok(Action::requeue(requeue))
 }
 
 /// Draining step of a scale-down: ask each leaving member to leave and check it owns no
 /// queues. Moves to `ShrinkingStatefulSet` only when all of them are empty (or gone).
-async fn drain_step(ctx: &Context, cluster: &Cluster, admin: &dyn AdminApi, op: &mut Operation) -> Result<(), Error> {
+async fn drain_step(
+    ctx: &Context,
+    cluster: &Cluster,
+    admin: &dyn AdminApi,
+    op: &mut Operation,
+) -> Result<(), Error> {
     let mut still_owning = Vec::new();
     for id in scale::leaving_members(&cluster.name_any(), op.from, op.to) {
         match admin.member(&id).await? {
@@ -157,10 +239,18 @@ async fn drain_step(ctx: &Context, cluster: &Cluster, admin: &dyn AdminApi, op: 
     if still_owning.is_empty() {
         op.step = OperationStep::ShrinkingStatefulSet;
         op.waiting_for = Some(format!("StatefulSet to shrink to {} pods", op.to));
-        ctx.event(cluster, EventType::Normal, "Drained", format!("leaving members own no queues; shrinking to {}", op.to))
-            .await;
+        ctx.event(
+            cluster,
+            EventType::Normal,
+            "Drained",
+            format!("leaving members own no queues; shrinking to {}", op.to),
+        )
+        .await;
     } else {
-        op.waiting_for = Some(format!("leaving members to hand over their queues: {}", still_owning.join(", ")));
+        op.waiting_for = Some(format!(
+            "leaving members to hand over their queues: {}",
+            still_owning.join(", ")
+        ));
     }
     Ok(())
 }
@@ -176,26 +266,44 @@ async fn finish_step(
 ) {
     match (op.kind, op.step) {
         (OperationKind::ScaleUp, _) => {
-            let joined: Vec<&str> = overview.map(|o| o.members.iter().map(|m| m.id.as_str()).collect()).unwrap_or_default();
+            let joined: Vec<&str> = overview
+                .map(|o| o.members.iter().map(|m| m.id.as_str()).collect())
+                .unwrap_or_default();
             let missing: Vec<String> = scale::joining_members(&cluster.name_any(), op.from, op.to)
                 .into_iter()
                 .filter(|id| !joined.contains(&id.as_str()))
                 .collect();
             if ready >= op.to && missing.is_empty() {
                 op.waiting_for = None;
-                ctx.event(cluster, EventType::Normal, "ScaledUp", format!("{} brokers ready and joined", op.to)).await;
+                ctx.event(
+                    cluster,
+                    EventType::Normal,
+                    "ScaledUp",
+                    format!("{} brokers ready and joined", op.to),
+                )
+                .await;
             } else {
                 op.waiting_for = Some(format!(
                     "{ready}/{} brokers ready; not joined yet: {}",
                     op.to,
-                    if missing.is_empty() { "none".to_string() } else { missing.join(", ") }
+                    if missing.is_empty() {
+                        "none".to_string()
+                    } else {
+                        missing.join(", ")
+                    }
                 ));
             }
         }
         (OperationKind::ScaleDown, OperationStep::ShrinkingStatefulSet) => {
             if pods <= op.to {
                 op.waiting_for = None;
-                ctx.event(cluster, EventType::Normal, "ScaledDown", format!("scaled down to {} brokers", op.to)).await;
+                ctx.event(
+                    cluster,
+                    EventType::Normal,
+                    "ScaledDown",
+                    format!("scaled down to {} brokers", op.to),
+                )
+                .await;
             } else {
                 op.waiting_for = Some(format!("{pods} pods still running; waiting for {}", op.to));
             }
@@ -211,34 +319,90 @@ fn build_status(
     overview: &Result<Overview, crate::admin::AdminError>,
     operation: Option<Operation>,
 ) -> ClusterStatus {
-    let previous = cluster.status.as_ref().map(|s| s.conditions.as_slice()).unwrap_or_default();
+    let previous = cluster
+        .status
+        .as_ref()
+        .map(|s| s.conditions.as_slice())
+        .unwrap_or_default();
     let generation = cluster.metadata.generation;
     let ready = sts.ready_replicas.unwrap_or(0);
     let members: Vec<MemberStatus> = overview
         .as_ref()
-        .map(|o| o.members.iter().map(|m| MemberStatus { id: m.id.clone(), zone: m.zone.clone(), state: m.state.clone() }).collect())
+        .map(|o| {
+            o.members
+                .iter()
+                .map(|m| MemberStatus {
+                    id: m.id.clone(),
+                    zone: m.zone.clone(),
+                    state: m.state.clone(),
+                })
+                .collect()
+        })
         .unwrap_or_default();
-    let ring: Vec<String> = ring_order(&members.iter().map(|m| Member::new(&m.id, &m.zone)).collect::<Vec<_>>())
-        .into_iter()
-        .map(|m| m.id)
-        .collect();
+    let ring: Vec<String> = ring_order(
+        &members
+            .iter()
+            .map(|m| Member::new(&m.id, &m.zone))
+            .collect::<Vec<_>>(),
+    )
+    .into_iter()
+    .map(|m| m.id)
+    .collect();
     let (degraded, degraded_reason, degraded_message) = match overview {
         Err(e) => (true, "AdminApiUnreachable", e.to_string()),
-        Ok(_) if ready < replicas => (true, "BrokersNotReady", format!("{ready}/{replicas} brokers ready")),
-        Ok(_) => (false, "AllBrokersReady", format!("{ready}/{replicas} brokers ready")),
+        Ok(_) if ready < replicas => (
+            true,
+            "BrokersNotReady",
+            format!("{ready}/{replicas} brokers ready"),
+        ),
+        Ok(_) => (
+            false,
+            "AllBrokersReady",
+            format!("{ready}/{replicas} brokers ready"),
+        ),
     };
     let (reconciled_reason, reconciled_message) = match &operation {
         Some(op) => (
             format!("{:?}", op.step),
-            op.waiting_for.clone().unwrap_or_else(|| "operation in progress".to_string()),
+            op.waiting_for
+                .clone()
+                .unwrap_or_else(|| "operation in progress".to_string()),
         ),
-        None => ("Applied".to_string(), "all owned objects applied".to_string()),
+        None => (
+            "Applied".to_string(),
+            "all owned objects applied".to_string(),
+        ),
     };
     let is_ready = !degraded && operation.is_none();
     let conditions = vec![
-        condition(previous, "Ready", is_ready, if is_ready { "ClusterReady" } else { degraded_reason }, degraded_message.clone(), generation),
-        condition(previous, "Reconciled", operation.is_none(), &reconciled_reason, reconciled_message, generation),
-        condition(previous, "Degraded", degraded, degraded_reason, degraded_message, generation),
+        condition(
+            previous,
+            "Ready",
+            is_ready,
+            if is_ready {
+                "ClusterReady"
+            } else {
+                degraded_reason
+            },
+            degraded_message.clone(),
+            generation,
+        ),
+        condition(
+            previous,
+            "Reconciled",
+            operation.is_none(),
+            &reconciled_reason,
+            reconciled_message,
+            generation,
+        ),
+        condition(
+            previous,
+            "Degraded",
+            degraded,
+            degraded_reason,
+            degraded_message,
+            generation,
+        ),
     ];
     ClusterStatus {
         observed_generation: generation,
@@ -278,14 +442,28 @@ async fn ensure_secret(
         ..Secret::default()
     };
     let created = secrets.create(&PostParams::default(), &secret).await?;
-    ctx.event(cluster, EventType::Normal, "SecretCreated", format!("created Secret {name}")).await;
+    ctx.event(
+        cluster,
+        EventType::Normal,
+        "SecretCreated",
+        format!("created Secret {name}"),
+    )
+    .await;
     // The API server turns stringData into data; fall back to what we sent if it did not echo it.
-    Ok(if created.data.is_some() { created } else { to_data(secret) })
+    Ok(if created.data.is_some() {
+        created
+    } else {
+        to_data(secret)
+    })
 }
 
 fn to_data(mut secret: Secret) -> Secret {
     let data = secret.string_data.take().unwrap_or_default();
-    secret.data = Some(data.into_iter().map(|(k, v)| (k, ByteString(v.into_bytes()))).collect());
+    secret.data = Some(
+        data.into_iter()
+            .map(|(k, v)| (k, ByteString(v.into_bytes())))
+            .collect(),
+    );
     secret
 }
 
@@ -298,9 +476,17 @@ fn random_token(source: &mut dyn Read) -> Result<String, Error> {
 
 /// A key of a Secret as UTF-8 (from `data`, or `stringData` if not yet converted).
 pub fn secret_value(secret: &Secret, name: &str, key: &str) -> Result<String, Error> {
-    let missing = || Error::MissingSecretKey { secret: name.to_string(), key: key.to_string() };
+    let missing = || Error::MissingSecretKey {
+        secret: name.to_string(),
+        key: key.to_string(),
+    };
     if let Some(v) = secret.data.as_ref().and_then(|d| d.get(key)) {
         return String::from_utf8(v.0.clone()).map_err(|_| missing());
     }
-    secret.string_data.as_ref().and_then(|d| d.get(key)).cloned().ok_or_else(missing)
+    secret
+        .string_data
+        .as_ref()
+        .and_then(|d| d.get(key))
+        .cloned()
+        .ok_or_else(missing)
 }

@@ -88,12 +88,26 @@ pub struct Context {
 impl Context {
     /// Builds the context; `reporter` names this operator instance in Events.
     pub fn new(client: Client, metrics: Arc<Metrics>, admin: Arc<dyn AdminConnector>) -> Self {
-        let reporter = Reporter { controller: FIELD_MANAGER.into(), instance: std::env::var("POD_NAME").ok() };
-        Self { recorder: Recorder::new(client.clone(), reporter), client, metrics, admin }
+        let reporter = Reporter {
+            controller: FIELD_MANAGER.into(),
+            instance: std::env::var("POD_NAME").ok(),
+        };
+        Self {
+            recorder: Recorder::new(client.clone(), reporter),
+            client,
+            metrics,
+            admin,
+        }
     }
 
     /// Publishes an Event on `obj`; failures are logged, never fatal (an Event is a courtesy).
-    pub async fn event<K: Resource<DynamicType = ()>>(&self, obj: &K, type_: EventType, reason: &str, note: String) {
+    pub async fn event<K: Resource<DynamicType = ()>>(
+        &self,
+        obj: &K,
+        type_: EventType,
+        reason: &str,
+        note: String,
+    ) {
         let event = Event {
             type_,
             reason: reason.into(),
@@ -113,7 +127,13 @@ pub const RETRY_AFTER: Duration = Duration::from_secs(15);
 /// Error policy shared by both controllers: count the failure by reason and retry later.
 pub fn error_policy<K>(_obj: Arc<K>, error: &Error, ctx: Arc<Context>) -> Action {
     tracing::warn!(error = %error, "reconcile failed");
-    ctx.metrics.failure(std::any::type_name::<K>().rsplit("::").next().unwrap_or("unknown"), error);
+    ctx.metrics.failure(
+        std::any::type_name::<K>()
+            .rsplit("::")
+            .next()
+            .unwrap_or("unknown"),
+        error,
+    );
     Action::requeue(RETRY_AFTER)
 }
 
@@ -124,11 +144,26 @@ pub async fn run(ctx: Arc<Context>) {
     let queues = Api::<Queue>::all(client.clone());
     let config = watcher::Config::default().any_semantic();
     let cluster_controller = Controller::new(clusters, config.clone())
-        .owns(Api::<StatefulSet>::all(client.clone()), watcher::Config::default())
-        .owns(Api::<Service>::all(client.clone()), watcher::Config::default())
-        .owns(Api::<ConfigMap>::all(client.clone()), watcher::Config::default())
-        .owns(Api::<Secret>::all(client.clone()), watcher::Config::default())
-        .owns(Api::<PodDisruptionBudget>::all(client.clone()), watcher::Config::default())
+        .owns(
+            Api::<StatefulSet>::all(client.clone()),
+            watcher::Config::default(),
+        )
+        .owns(
+            Api::<Service>::all(client.clone()),
+            watcher::Config::default(),
+        )
+        .owns(
+            Api::<ConfigMap>::all(client.clone()),
+            watcher::Config::default(),
+        )
+        .owns(
+            Api::<Secret>::all(client.clone()),
+            watcher::Config::default(),
+        )
+        .owns(
+            Api::<PodDisruptionBudget>::all(client.clone()),
+            watcher::Config::default(),
+        )
         .shutdown_on_signal()
         .run(cluster::reconcile, error_policy, ctx.clone())
         .for_each(|r| async move {

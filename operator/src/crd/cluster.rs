@@ -1,6 +1,8 @@
 //! The `Cluster` resource: one ringmq broker cluster.
 
-use k8s_openapi::api::core::v1::{Affinity, ResourceRequirements, Toleration, TopologySpreadConstraint};
+use k8s_openapi::api::core::v1::{
+    Affinity, ResourceRequirements, Toleration, TopologySpreadConstraint,
+};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::{CustomResource, KubeSchema};
@@ -31,11 +33,11 @@ use super::FreeFormMap;
         status_replicas_path = ".status.replicas",
         label_selector_path = ".status.selector"
     ),
-    printcolumn(name = "Replicas", type_ = "integer", json_path = ".spec.replicas"),
-    printcolumn(name = "Ready", type_ = "integer", json_path = ".status.readyReplicas"),
-    printcolumn(name = "Status", type_ = "string", json_path = ".status.conditions[?(@.type==\"Ready\")].status"),
-    printcolumn(name = "Step", type_ = "string", json_path = ".status.operation.step"),
-    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
+    printcolumn = r#"{"name":"Replicas","type":"integer","jsonPath":".spec.replicas"}"#,
+    printcolumn = r#"{"name":"Ready","type":"integer","jsonPath":".status.readyReplicas"}"#,
+    printcolumn = r#"{"name":"Status","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
+    printcolumn = r#"{"name":"Step","type":"string","jsonPath":".status.operation.step"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[x_kube(validation = kube::core::Rule::new(
     "has(self.persistence) == has(oldSelf.persistence) && (!has(self.persistence) || self.persistence == oldSelf.persistence)"

@@ -22,12 +22,12 @@ use super::FreeFormMap;
     category = "ringmq",
     derive = "PartialEq",
     doc = "A queue on a ringmq Cluster, declared and kept in place by the operator.",
-    printcolumn(name = "Cluster", type_ = "string", json_path = ".spec.clusterRef.name"),
-    printcolumn(name = "Vhost", type_ = "string", json_path = ".spec.vhost"),
-    printcolumn(name = "Declared", type_ = "boolean", json_path = ".status.declared"),
-    printcolumn(name = "Primary", type_ = "string", json_path = ".status.primary"),
-    printcolumn(name = "Depth", type_ = "integer", json_path = ".status.messages"),
-    printcolumn(name = "Age", type_ = "date", json_path = ".metadata.creationTimestamp")
+    printcolumn = r#"{"name":"Cluster","type":"string","jsonPath":".spec.clusterRef.name"}"#,
+    printcolumn = r#"{"name":"Vhost","type":"string","jsonPath":".spec.vhost"}"#,
+    printcolumn = r#"{"name":"Declared","type":"boolean","jsonPath":".status.declared"}"#,
+    printcolumn = r#"{"name":"Primary","type":"string","jsonPath":".status.primary"}"#,
+    printcolumn = r#"{"name":"Depth","type":"integer","jsonPath":".status.messages"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
 #[x_kube(validation = kube::core::Rule::new(
     "has(self.name) == has(oldSelf.name) && (!has(self.name) || self.name == oldSelf.name)"
@@ -126,6 +126,9 @@ pub struct QueueStatus {
 impl Queue {
     /// The queue name on the broker.
     pub fn queue_name(&self) -> String {
-        self.spec.name.clone().unwrap_or_else(|| kube::ResourceExt::name_any(self))
+        self.spec
+            .name
+            .clone()
+            .unwrap_or_else(|| kube::ResourceExt::name_any(self))
     }
 }
