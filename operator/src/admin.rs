@@ -385,3 +385,223 @@ impl AdminApi for HttpAdmin {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The real client against a tiny local HTTP stub on 127.0.0.1, until a real broker's
+    //! admin API exists to test against.
+
+    use std::sync::{Arc, Mutex};
+
+    use http_body_util::{BodyExt, Full};
+    use hyper::body::Bytes;
+    use hyper::server::conn::http1;
+    use hyper::service::service_fn;
+    use hyper_util::rt::TokioIo;
+
+    use super::*;
+
+    type Log = Arc<Mutex<Vec<(String, String, String, String)>>>;
+
+    /// Serves scripted answers by `METHOD path`; records method, path, auth header and body.
+    async fn stub() -> (String, Log) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind loopback");
+        let addr = listener.local_addr().expect("local addr");
+        let log: Log = Arc::default();
+        let server_log = log.clone();
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                let log = server_log.clone();
+                tokio::spawn(async move {
+                    let service = service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+                        let log = log.clone();
+                        async move {
+                            let method = req.method().to_string();
+                            let path = req.uri().path().to_string();
+                            let auth = req
+                                .headers()
+                                .get(http::header::AUTHORIZATION)
+                                .and_then(|v| v.to_str().ok())
+                                .unwrap_or_default()
+                                .to_string();
+                            let body = req
+                                .into_body()
+                                .collect()
+                                .await
+                                .map(|b| b.to_bytes())
+                                .unwrap_or_default();
+                            let body = String::from_utf8_lossy(&body).into_owned();
+                            log.lock().expect("log").push((
+                                method.clone(),
+                                path.clone(),
+                                auth,
+                                body,
+                            ));
+                            let (status, reply) = match (method.as_str(), path.as_str()) {
+                                ("GET", "/api/overview") => (
+                                    200,
+                                    r#"{"node":"ringmq-0","cluster_name":"c","members":[{"id":"ringmq-0","amqp":"a","admin":"b","zone":"z1","state":"up"}]}"#,
+                                ),
+                                ("PUT", "/api/queues/%2F/new") => (201, ""),
+                                ("PUT", "/api/queues/%2F/same") => (204, ""),
+                                ("PUT", "/api/queues/%2F/other") => (
+                                    409,
+                                    r#"{"error":"conflict","reason":"inequivalent arg 'durable'"}"#,
+                                ),
+                                ("GET", "/api/queues/%2F/same") => (
+                                    200,
+                                    r#"{"name":"same","vhost":"/","durable":true,"auto_delete":false,"exclusive":false,"arguments":{},"messages_ready":3,"messages_unacknowledged":1,"messages":4,"consumers":0,"owner":"ringmq-2"}"#,
+                                ),
+                                ("DELETE", "/api/queues/%2F/same") => (204, ""),
+                                ("GET", "/api/members/ringmq-1") => {
+                                    (200, r#"{"id":"ringmq-1","owned_queues":5}"#)
+                                }
+                                ("POST", "/api/members/ringmq-1/leave") => (202, ""),
+                                ("GET", "/api/overview-broken") => (200, "not json"),
+                                _ => (404, r#"{"error":"not_found","reason":"no such thing"}"#),
+                            };
+                            hyper::Response::builder()
+                                .status(status)
+                                .body(Full::new(Bytes::from(reply)))
+                        }
+                    });
+                    let _ = http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        });
+        (format!("http://{addr}"), log)
+    }
+
+    fn client(base_url: String) -> Arc<dyn AdminApi> {
+        HttpConnectorFactory::default().connect(AdminEndpoint {
+            base_url,
+            username: "admin".into(),
+            password: "s3cret".into(),
+        })
+    }
+
+    #[tokio::test]
+    async fn http_client_speaks_the_admin_api_contract() {
+        let (url, log) = stub().await;
+        let admin = client(url);
+        let overview = admin.overview().await.expect("overview");
+        assert_eq!(overview.members[0].zone, "z1");
+
+        let decl = QueueDeclaration {
+            durable: true,
+            auto_delete: false,
+            arguments: serde_json::Map::new(),
+        };
+        assert_eq!(
+            admin.declare_queue("/", "new", &decl).await.expect("201"),
+            Declared::Created
+        );
+        assert_eq!(
+            admin.declare_queue("/", "same", &decl).await.expect("204"),
+            Declared::AlreadyThere
+        );
+        match admin.declare_queue("/", "other", &decl).await {
+            Err(AdminError::Conflict(reason)) => assert_eq!(reason, "inequivalent arg 'durable'"),
+            other => panic!("want conflict, got {other:?}"),
+        }
+        let info = admin
+            .queue("/", "same")
+            .await
+            .expect("get")
+            .expect("present");
+        assert_eq!(
+            (info.messages, info.owner.as_deref()),
+            (4, Some("ringmq-2"))
+        );
+        assert_eq!(
+            admin
+                .queue("/", "missing")
+                .await
+                .expect("404 is not an error"),
+            None
+        );
+        assert!(admin.delete_queue("/", "same").await.expect("204"));
+        assert!(
+            !admin
+                .delete_queue("/", "missing")
+                .await
+                .expect("404 is not an error")
+        );
+        assert_eq!(
+            admin
+                .member("ringmq-1")
+                .await
+                .expect("member")
+                .map(|m| m.owned_queues),
+            Some(5)
+        );
+        assert_eq!(
+            admin.member("ringmq-9").await.expect("404 is not an error"),
+            None
+        );
+        admin.leave("ringmq-1").await.expect("202");
+
+        let log = log.lock().expect("log");
+        let expected_auth = format!(
+            "Basic {}",
+            base64::engine::general_purpose::STANDARD.encode("admin:s3cret")
+        );
+        assert!(
+            log.iter().all(|(_, _, auth, _)| *auth == expected_auth),
+            "basic auth on every call"
+        );
+        let put = log
+            .iter()
+            .find(|(m, p, _, _)| m == "PUT" && p == "/api/queues/%2F/new")
+            .expect("PUT seen");
+        let body: serde_json::Value = serde_json::from_str(&put.3).expect("JSON body");
+        assert_eq!(
+            body,
+            serde_json::json!({"durable": true, "auto_delete": false, "arguments": {}})
+        );
+    }
+
+    #[tokio::test]
+    async fn unreachable_and_malformed_answers_become_errors_that_say_what_to_check() {
+        // A port nothing listens on: bind then drop.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .expect("bind")
+            .local_addr()
+            .expect("addr")
+            .port();
+        let admin = client(format!("http://127.0.0.1:{port}"));
+        let err = admin.overview().await.expect_err("nothing listens");
+        assert!(matches!(err, AdminError::Unreachable { .. }), "{err}");
+        assert!(err.to_string().contains("check the broker pods"));
+
+        let (url, _log) = stub().await;
+        let admin = HttpAdmin {
+            client: HttpConnectorFactory::default().client,
+            endpoint: AdminEndpoint {
+                base_url: url,
+                username: "a".into(),
+                password: "b".into(),
+            },
+        };
+        let (status, body) = admin
+            .call(http::Method::GET, "/api/overview-broken", None)
+            .await
+            .expect("answer");
+        assert_eq!(status, 200);
+        let err = admin
+            .parse::<Overview>("/api/overview-broken", &body)
+            .expect_err("not JSON");
+        assert!(matches!(err, AdminError::Malformed { .. }));
+    }
+
+    #[test]
+    fn path_segments_are_percent_encoded() {
+        assert_eq!(encode_segment("/"), "%2F");
+        assert_eq!(encode_segment("orders.eu-1"), "orders.eu-1");
+        assert_eq!(encode_segment("a b/c"), "a%20b%2Fc");
+    }
+}

@@ -107,3 +107,30 @@ impl Metrics {
         Ok(out)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reconciles_failures_and_durations_are_exported() {
+        let metrics = Metrics::default();
+        drop(metrics.reconcile("Cluster"));
+        metrics.failure("Queue", &Error::MissingObjectKey("namespace"));
+        let text = metrics.render().expect("renders");
+        assert!(
+            text.contains(r#"ringmq_operator_reconciles_total{controller="Cluster"} 1"#),
+            "{text}"
+        );
+        assert!(
+            text.contains(r#"ringmq_operator_reconcile_failures_total{controller="Queue",reason="missing_object_key"} 1"#),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                r#"ringmq_operator_reconcile_duration_seconds_count{controller="Cluster"} 1"#
+            ),
+            "{text}"
+        );
+    }
+}
