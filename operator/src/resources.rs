@@ -449,3 +449,104 @@ pub fn stateful_set(
         ..StatefulSet::default()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use kube::Resource;
+
+    use super::*;
+    use crate::crd::ClusterSpec;
+
+    fn cluster(spec: serde_json::Value) -> Cluster {
+        let spec: ClusterSpec = serde_json::from_value(spec).expect("spec");
+        let mut c = Cluster::new("ringmq", spec);
+        c.meta_mut().namespace = Some("ns".into());
+        c.meta_mut().uid = Some("uid".into());
+        c
+    }
+
+    fn sts(c: &Cluster, replicas: i32) -> StatefulSet {
+        let owner = c.controller_owner_ref(&()).expect("uid");
+        let config = serde_saphyr::to_string(&broker_config(c)).expect("config");
+        stateful_set(c, &owner, replicas, &config)
+    }
+
+    #[test]
+    fn scaling_changes_only_replicas_never_the_pod_template() {
+        let c = cluster(serde_json::json!({"image": "ringmq:1", "replicas": 3}));
+        let (three, five) = (sts(&c, 3), sts(&c, 5));
+        let (three, five) = (three.spec.expect("spec"), five.spec.expect("spec"));
+        assert_eq!((three.replicas, five.replicas), (Some(3), Some(5)));
+        assert_eq!(three.template, five.template, "a scale must not roll pods");
+        let mut bigger = c.clone();
+        bigger.spec.replicas = 7;
+        assert_eq!(
+            broker_config(&c),
+            broker_config(&bigger),
+            "the config does not carry the replica count"
+        );
+    }
+
+    #[test]
+    fn config_change_rolls_pods_through_the_hash_annotation() {
+        let c = cluster(serde_json::json!({"image": "ringmq:1"}));
+        let tuned =
+            cluster(serde_json::json!({"image": "ringmq:1", "config": {"heartbeat_secs": 10}}));
+        let hash = |s: StatefulSet| {
+            s.spec
+                .and_then(|s| s.template.metadata)
+                .and_then(|m| m.annotations)
+                .expect("annotations")["ringmq.io/config-hash"]
+                .clone()
+        };
+        assert_ne!(hash(sts(&c, 3)), hash(sts(&tuned, 3)));
+        assert_eq!(
+            broker_config(&tuned)["heartbeat_secs"],
+            10,
+            "overrides win over defaults"
+        );
+    }
+
+    #[test]
+    fn tls_and_persistence_add_amqps_and_volume_claims() {
+        let c = cluster(serde_json::json!({
+            "image": "ringmq:1",
+            "tls": {"secretName": "tls"},
+            "persistence": {"storageClass": "fast", "size": "10Gi"},
+            "service": {"type": "LoadBalancer", "annotations": {"a": "b"}}
+        }));
+        let spec = sts(&c, 3).spec.expect("spec");
+        let claims = spec.volume_claim_templates.expect("claims");
+        assert_eq!(
+            claims[0]
+                .spec
+                .as_ref()
+                .and_then(|s| s.storage_class_name.as_deref()),
+            Some("fast")
+        );
+        let pod = spec.template.spec.expect("pod");
+        assert!(
+            pod.volumes.iter().flatten().all(|v| v.name != "data"),
+            "no emptyDir when persistent"
+        );
+        let ports: Vec<i32> = pod.containers[0]
+            .ports
+            .iter()
+            .flatten()
+            .map(|p| p.container_port)
+            .collect();
+        assert!(ports.contains(&AMQPS_PORT));
+        let owner = c.controller_owner_ref(&()).expect("uid");
+        let svc = client_service(&c, &owner);
+        assert_eq!(
+            svc.spec.as_ref().and_then(|s| s.type_.as_deref()),
+            Some("LoadBalancer")
+        );
+        assert_eq!(svc.metadata.annotations.expect("annotations")["a"], "b");
+        assert!(
+            broker_config(&c)["tls"]["cert_file"]
+                .as_str()
+                .is_some_and(|f| f.ends_with("tls.crt"))
+        );
+    }
+}
