@@ -37,6 +37,8 @@ pub const PRE_STOP_TIMEOUT_SECONDS: i64 = 45;
 pub const CONFIG_DIR: &str = "/etc/ringmq";
 /// Where broker data lives.
 pub const DATA_DIR: &str = "/var/lib/ringmq";
+/// Pod-template annotation carrying the config hash; a new value rolls the pods.
+pub const CONFIG_HASH_ANNOTATION: &str = "ringmq.io/config-hash";
 /// Key of the peer-authentication secret in the cluster Secret.
 pub const CLUSTER_SECRET_KEY: &str = "cluster-secret";
 
@@ -423,7 +425,7 @@ pub fn stateful_set(
                 metadata: Some(ObjectMeta {
                     labels: Some(template_labels),
                     annotations: Some(BTreeMap::from([(
-                        "ringmq.io/config-hash".to_string(),
+                        CONFIG_HASH_ANNOTATION.to_string(),
                         config_hash(config_yaml),
                     )])),
                     ..ObjectMeta::default()
@@ -496,7 +498,7 @@ mod tests {
             s.spec
                 .and_then(|s| s.template.metadata)
                 .and_then(|m| m.annotations)
-                .expect("annotations")["ringmq.io/config-hash"]
+                .expect("annotations")[CONFIG_HASH_ANNOTATION]
                 .clone()
         };
         assert_ne!(hash(sts(&c, 3)), hash(sts(&tuned, 3)));

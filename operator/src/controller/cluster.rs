@@ -172,6 +172,15 @@ pub async fn reconcile(cluster: Arc<Cluster>, ctx: Arc<Context>) -> Result<Actio
     let applied = stateful_sets
         .patch(&name, &apply, &Patch::Apply(&sts))
         .await?;
+    if let (Some(old), Some(new)) = (
+        existing.as_ref().and_then(config_hash_of),
+        config_hash_of(&sts),
+    ) && old != new
+    {
+        let note = format!("broker config changed; pods of {name} roll one at a time");
+        ctx.event(&*cluster, EventType::Normal, "ConfigChanged", note)
+            .await;
+    }
     if existing.is_none() {
         ctx.event(
             &*cluster,
@@ -216,6 +225,21 @@ pub async fn reconcile(cluster: Arc<Cluster>, ctx: Arc<Context>) -> Result<Actio
         .patch_status(&name, &apply, &Patch::Apply(&patch))
         .await?;
     Ok(Action::requeue(requeue))
+}
+
+/// The config hash annotation of a StatefulSet's pod template, if any.
+fn config_hash_of(sts: &StatefulSet) -> Option<&str> {
+    let annotations = sts
+        .spec
+        .as_ref()?
+        .template
+        .metadata
+        .as_ref()?
+        .annotations
+        .as_ref()?;
+    annotations
+        .get(resources::CONFIG_HASH_ANNOTATION)
+        .map(String::as_str)
 }
 
 /// Draining step of a scale-down: ask each leaving member to leave and check it owns no

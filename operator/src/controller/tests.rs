@@ -380,6 +380,31 @@ async fn scale_down_drains_leaving_members_before_shrinking_and_resumes_after_re
     assert_eq!(status3.replicas, 3);
 }
 
+#[tokio::test]
+async fn a_config_change_is_announced_in_an_event() {
+    let admin = FakeAdmin::default();
+    admin.state().members = members(3);
+    let (ctx, verifier) = Context::test(admin);
+    let c = fixtures::cluster(3, None);
+    let (result, ()) = run_scripted(
+        verifier,
+        cluster::reconcile(Arc::new(c), ctx),
+        |mut v| async move {
+            existing_children(&mut v).await;
+            let mut old = sts_with_replicas(3);
+            old["spec"]["template"] =
+                json!({"metadata": {"annotations": {"ringmq.io/config-hash": "0000000000000000"}}});
+            v.get(STS, old).await;
+            apply_sts(&mut v, 3, 3, 3).await;
+            v.event("ConfigChanged").await;
+            status(&mut v).await;
+            (v, ())
+        },
+    )
+    .await;
+    result.expect("reconcile succeeds");
+}
+
 // ---- Queue ----
 
 async fn cluster_and_secret(v: &mut ApiServerVerifier) {
