@@ -143,26 +143,17 @@ pub async fn run(ctx: Arc<Context>) {
     let clusters = Api::<Cluster>::all(client.clone());
     let queues = Api::<Queue>::all(client.clone());
     let config = watcher::Config::default().any_semantic();
+    // Owned objects all carry our name label; watching only those keeps the operator from
+    // caching every Secret and ConfigMap in the cluster.
+    let owned = watcher::Config::default().labels("app.kubernetes.io/name=ringmq");
     let cluster_controller = Controller::new(clusters, config.clone())
-        .owns(
-            Api::<StatefulSet>::all(client.clone()),
-            watcher::Config::default(),
-        )
-        .owns(
-            Api::<Service>::all(client.clone()),
-            watcher::Config::default(),
-        )
-        .owns(
-            Api::<ConfigMap>::all(client.clone()),
-            watcher::Config::default(),
-        )
-        .owns(
-            Api::<Secret>::all(client.clone()),
-            watcher::Config::default(),
-        )
+        .owns(Api::<StatefulSet>::all(client.clone()), owned.clone())
+        .owns(Api::<Service>::all(client.clone()), owned.clone())
+        .owns(Api::<ConfigMap>::all(client.clone()), owned.clone())
+        .owns(Api::<Secret>::all(client.clone()), owned.clone())
         .owns(
             Api::<PodDisruptionBudget>::all(client.clone()),
-            watcher::Config::default(),
+            owned.clone(),
         )
         .shutdown_on_signal()
         .run(cluster::reconcile, error_policy, ctx.clone())
