@@ -67,7 +67,10 @@ pub async fn reconcile(cluster: Arc<Cluster>, ctx: Arc<Context>) -> Result<Actio
     .await?;
     let user_secret_name = cluster.default_user_secret_name();
     let user_secret = if cluster.spec.default_user_secret.is_some() {
-        secrets.get(&user_secret_name).await?
+        secrets
+            .get_opt(&user_secret_name)
+            .await?
+            .ok_or_else(|| Error::MissingSecret(user_secret_name.clone()))?
     } else {
         ensure_secret(&ctx, &cluster, &secrets, &user_secret_name, &owner, |s| {
             Ok(BTreeMap::from([

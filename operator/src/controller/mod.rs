@@ -37,7 +37,10 @@ pub enum Error {
     /// The object lacks a field the API server always sets (namespace, uid).
     #[error("object has no {0}; it was not read from the API server")]
     MissingObjectKey(&'static str),
-    /// A Secret the cluster needs is missing or lacks a key.
+    /// The Secret named in `spec.defaultUserSecret` does not exist.
+    #[error("secret {0} not found; create it with the keys username and password")]
+    MissingSecret(String),
+    /// A Secret the cluster needs lacks a key.
     #[error("secret {secret} has no key {key}; create it with that key")]
     MissingSecretKey {
         /// Secret name.
@@ -65,7 +68,7 @@ impl Error {
             Error::Admin(AdminError::Conflict(_)) => "admin_conflict",
             Error::Admin(_) => "admin",
             Error::MissingObjectKey(_) => "missing_object_key",
-            Error::MissingSecretKey { .. } => "missing_secret",
+            Error::MissingSecret(_) | Error::MissingSecretKey { .. } => "missing_secret",
             Error::Config(_) => "config",
             Error::Random(_) => "random",
             Error::Finalizer(_) => "finalizer",

@@ -405,6 +405,30 @@ async fn a_config_change_is_announced_in_an_event() {
     result.expect("reconcile succeeds");
 }
 
+#[tokio::test]
+async fn a_missing_user_supplied_secret_fails_with_what_to_create() {
+    let (ctx, verifier) = Context::test(FakeAdmin::default());
+    let mut c = fixtures::cluster(3, None);
+    c.spec.default_user_secret = Some("my-admin".into());
+    let (result, ()) = run_scripted(
+        verifier,
+        cluster::reconcile(Arc::new(c), ctx),
+        |mut v| async move {
+            v.get(&format!("{NS}/secrets/ringmq-cluster"), cluster_secret())
+                .await;
+            v.not_found(&format!("{NS}/secrets/my-admin")).await;
+            (v, ())
+        },
+    )
+    .await;
+    let err = result.expect_err("no secret, no cluster");
+    assert_eq!(
+        err.to_string(),
+        "secret my-admin not found; create it with the keys username and password"
+    );
+    assert_eq!(err.metric_label(), "missing_secret");
+}
+
 // ---- Queue ----
 
 async fn cluster_and_secret(v: &mut ApiServerVerifier) {
