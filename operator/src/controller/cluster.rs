@@ -1,0 +1,519 @@
+//! `Cluster` reconcile: secrets, config, services, PDB, ServiceMonitor, StatefulSet, scaling
+//! and status.
+//!
+//! Every step is idempotent (server-side apply, create-if-missing), and the multi-step scale
+//! operation keeps its step in `status.operation`, so a reconcile interrupted anywhere (an
+//! operator restart included) is finished by the next one.
+
+use std::collections::BTreeMap;
+use std::io::Read;
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::ByteString;
+use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::core::v1::{ConfigMap, Secret, Service};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
+use kube::runtime::controller::Action;
+use kube::runtime::events::EventType;
+use kube::{Resource, ResourceExt};
+use ringmq_planner::{Member, ring_order};
+
+use super::{Context, Error, FIELD_MANAGER};
+use crate::admin::{AdminApi, AdminEndpoint, Overview};
+use crate::conditions::condition;
+use crate::crd::{Cluster, ClusterStatus, MemberStatus, Operation, OperationKind, OperationStep};
+use crate::resources::{self, CLUSTER_SECRET_KEY};
+use crate::scale;
+
+/// How often a settled cluster is re-checked (members, drift of owned objects).
+pub const RESYNC: Duration = Duration::from_secs(300);
+/// How often a cluster in a multi-step operation is re-checked.
+pub const OPERATION_POLL: Duration = Duration::from_secs(10);
+/// CRD whose presence enables the ServiceMonitor.
+pub const SERVICE_MONITOR_CRD: &str = "servicemonitors.monitoring.coreos.com";
+
+/// Reconciles one `Cluster`.
+pub async fn reconcile(cluster: Arc<Cluster>, ctx: Arc<Context>) -> Result<Action, Error> {
+    let _timer = ctx.metrics.reconcile("Cluster");
+    let ns = cluster
+        .namespace()
+        .ok_or(Error::MissingObjectKey("namespace"))?;
+    let name = cluster.name_any();
+    let owner = cluster
+        .controller_owner_ref(&())
+        .ok_or(Error::MissingObjectKey("uid"))?;
+    let client = ctx.client.clone();
+    let apply = PatchParams::apply(FIELD_MANAGER).force();
+
+    // Secrets: created once, never regenerated (a new peer secret would split the cluster).
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), &ns);
+    ensure_secret(
+        &ctx,
+        &cluster,
+        &secrets,
+        &cluster.cluster_secret_name(),
+        &owner,
+        |s| {
+            Ok(BTreeMap::from([(
+                CLUSTER_SECRET_KEY.to_string(),
+                random_token(s)?,
+            )]))
+        },
+    )
+    .await?;
+    let user_secret_name = cluster.default_user_secret_name();
+    let user_secret = if cluster.spec.default_user_secret.is_some() {
+        secrets
+            .get_opt(&user_secret_name)
+            .await?
+            .ok_or_else(|| Error::MissingSecret(user_secret_name.clone()))?
+    } else {
+        ensure_secret(&ctx, &cluster, &secrets, &user_secret_name, &owner, |s| {
+            Ok(BTreeMap::from([
+                ("username".to_string(), "ringmq-admin".to_string()),
+                ("password".to_string(), random_token(s)?),
+            ]))
+        })
+        .await?
+    };
+    let endpoint = AdminEndpoint {
+        base_url: resources::admin_base_url(&cluster),
+        username: secret_value(&user_secret, &user_secret_name, "username")?,
+        password: secret_value(&user_secret, &user_secret_name, "password")?,
+    };
+    let admin = ctx.admin.connect(endpoint);
+
+    // Config, services, PDB: server-side apply is idempotent.
+    let config = resources::broker_config(&cluster);
+    let config_yaml = serde_saphyr::to_string(&config).map_err(|e| Error::Config(e.to_string()))?;
+    let cm = resources::config_map(&cluster, &owner, &config_yaml);
+    Api::<ConfigMap>::namespaced(client.clone(), &ns)
+        .patch(&format!("{name}-config"), &apply, &Patch::Apply(&cm))
+        .await?;
+    let services: Api<Service> = Api::namespaced(client.clone(), &ns);
+    let headless = resources::headless_service(&cluster, &owner);
+    services
+        .patch(
+            &cluster.headless_service_name(),
+            &apply,
+            &Patch::Apply(&headless),
+        )
+        .await?;
+    services
+        .patch(
+            &name,
+            &apply,
+            &Patch::Apply(&resources::client_service(&cluster, &owner)),
+        )
+        .await?;
+    Api::<PodDisruptionBudget>::namespaced(client.clone(), &ns)
+        .patch(
+            &name,
+            &apply,
+            &Patch::Apply(&resources::pod_disruption_budget(&cluster, &owner)),
+        )
+        .await?;
+    if Api::<CustomResourceDefinition>::all(client.clone())
+        .get_opt(SERVICE_MONITOR_CRD)
+        .await?
+        .is_some()
+    {
+        let monitors: Api<DynamicObject> =
+            Api::namespaced_with(client.clone(), &ns, &resources::service_monitor_resource());
+        monitors
+            .patch(
+                &name,
+                &apply,
+                &Patch::Apply(&resources::service_monitor(&cluster, &owner)),
+            )
+            .await?;
+    }
+
+    // Scale: decide the operation, run its step, then apply the StatefulSet.
+    let stateful_sets: Api<StatefulSet> = Api::namespaced(client.clone(), &ns);
+    let existing = stateful_sets.get_opt(&name).await?;
+    let sts_replicas = existing
+        .as_ref()
+        .and_then(|s| s.spec.as_ref())
+        .and_then(|s| s.replicas);
+    let recorded = cluster.status.as_ref().and_then(|s| s.operation.as_ref());
+    let mut operation = scale::start_or_resume(cluster.spec.replicas, sts_replicas, recorded);
+    if let Some(op) = &operation
+        && recorded != Some(op)
+    {
+        let verb = if op.kind == OperationKind::ScaleUp {
+            "ScaleUpStarted"
+        } else {
+            "ScaleDownStarted"
+        };
+        ctx.event(
+            &*cluster,
+            EventType::Normal,
+            verb,
+            format!("scaling from {} to {} brokers", op.from, op.to),
+        )
+        .await;
+    }
+    if let Some(op) = operation.as_mut()
+        && op.kind == OperationKind::ScaleDown
+        && op.step == OperationStep::Draining
+    {
+        drain_step(&ctx, &cluster, admin.as_ref(), op).await?;
+    }
+    let replicas = match &operation {
+        None => cluster.spec.replicas,
+        Some(op) if op.kind == OperationKind::ScaleDown && op.step == OperationStep::Draining => {
+            op.from
+        }
+        Some(op) => op.to,
+    };
+    let sts = resources::stateful_set(&cluster, &owner, replicas, &config_yaml);
+    let applied = stateful_sets
+        .patch(&name, &apply, &Patch::Apply(&sts))
+        .await?;
+    if let (Some(old), Some(new)) = (
+        existing.as_ref().and_then(config_hash_of),
+        config_hash_of(&sts),
+    ) && old != new
+    {
+        let note = format!("broker config changed; pods of {name} roll one at a time");
+        ctx.event(&*cluster, EventType::Normal, "ConfigChanged", note)
+            .await;
+    }
+    if existing.is_none() {
+        ctx.event(
+            &*cluster,
+            EventType::Normal,
+            "Created",
+            format!("created StatefulSet {name} with {replicas} brokers"),
+        )
+        .await;
+    }
+    let sts_status = applied.status.unwrap_or_default();
+
+    // Members from the admin API; unreachable brokers degrade the cluster, they do not fail
+    // the reconcile (the pods may simply be starting).
+    let overview = admin.overview().await;
+    if let Some(op) = operation.as_mut() {
+        finish_step(
+            &ctx,
+            &cluster,
+            op,
+            sts_status.ready_replicas.unwrap_or(0),
+            sts_status.replicas,
+            overview.as_ref().ok(),
+        )
+        .await;
+        if op.waiting_for.is_none() {
+            operation = None;
+        }
+    }
+
+    let status = build_status(&cluster, replicas, &sts_status, &overview, operation);
+    let requeue = if status.operation.is_some() {
+        OPERATION_POLL
+    } else {
+        RESYNC
+    };
+    let patch = serde_json::json!({
+        "apiVersion": Cluster::api_version(&()),
+        "kind": Cluster::kind(&()),
+        "status": status,
+    });
+    Api::<Cluster>::namespaced(client, &ns)
+        .patch_status(&name, &apply, &Patch::Apply(&patch))
+        .await?;
+    Ok(Action::requeue(requeue))
+}
+
+/// The config hash annotation of a StatefulSet's pod template, if any.
+fn config_hash_of(sts: &StatefulSet) -> Option<&str> {
+    let annotations = sts
+        .spec
+        .as_ref()?
+        .template
+        .metadata
+        .as_ref()?
+        .annotations
+        .as_ref()?;
+    annotations
+        .get(resources::CONFIG_HASH_ANNOTATION)
+        .map(String::as_str)
+}
+
+/// Draining step of a scale-down: ask each leaving member to leave and check it owns no
+/// queues. Moves to `ShrinkingStatefulSet` only when all of them are empty (or gone).
+async fn drain_step(
+    ctx: &Context,
+    cluster: &Cluster,
+    admin: &dyn AdminApi,
+    op: &mut Operation,
+) -> Result<(), Error> {
+    let mut still_owning = Vec::new();
+    for id in scale::leaving_members(&cluster.name_any(), op.from, op.to) {
+        match admin.member(&id).await? {
+            Some(member) if member.owned_queues > 0 => {
+                admin.leave(&id).await?;
+                still_owning.push(format!("{id} owns {} queues", member.owned_queues));
+            }
+            _ => {}
+        }
+    }
+    if still_owning.is_empty() {
+        op.step = OperationStep::ShrinkingStatefulSet;
+        op.waiting_for = Some(format!("StatefulSet to shrink to {} pods", op.to));
+        ctx.event(
+            cluster,
+            EventType::Normal,
+            "Drained",
+            format!("leaving members own no queues; shrinking to {}", op.to),
+        )
+        .await;
+    } else {
+        op.waiting_for = Some(format!(
+            "leaving members to hand over their queues: {}",
+            still_owning.join(", ")
+        ));
+    }
+    Ok(())
+}
+
+/// Checks whether the operation's last step is done; clears `waiting_for` when it is.
+async fn finish_step(
+    ctx: &Context,
+    cluster: &Cluster,
+    op: &mut Operation,
+    ready: i32,
+    pods: i32,
+    overview: Option<&Overview>,
+) {
+    match (op.kind, op.step) {
+        (OperationKind::ScaleUp, _) => {
+            let joined: Vec<&str> = overview
+                .map(|o| o.members.iter().map(|m| m.id.as_str()).collect())
+                .unwrap_or_default();
+            let missing: Vec<String> = scale::joining_members(&cluster.name_any(), op.from, op.to)
+                .into_iter()
+                .filter(|id| !joined.contains(&id.as_str()))
+                .collect();
+            if ready >= op.to && missing.is_empty() {
+                op.waiting_for = None;
+                ctx.event(
+                    cluster,
+                    EventType::Normal,
+                    "ScaledUp",
+                    format!("{} brokers ready and joined", op.to),
+                )
+                .await;
+            } else {
+                op.waiting_for = Some(format!(
+                    "{ready}/{} brokers ready; not joined yet: {}",
+                    op.to,
+                    if missing.is_empty() {
+                        "none".to_string()
+                    } else {
+                        missing.join(", ")
+                    }
+                ));
+            }
+        }
+        (OperationKind::ScaleDown, OperationStep::ShrinkingStatefulSet) => {
+            if pods <= op.to {
+                op.waiting_for = None;
+                ctx.event(
+                    cluster,
+                    EventType::Normal,
+                    "ScaledDown",
+                    format!("scaled down to {} brokers", op.to),
+                )
+                .await;
+            } else {
+                op.waiting_for = Some(format!("{pods} pods still running; waiting for {}", op.to));
+            }
+        }
+        (OperationKind::ScaleDown, _) => {}
+    }
+}
+
+fn build_status(
+    cluster: &Cluster,
+    replicas: i32,
+    sts: &k8s_openapi::api::apps::v1::StatefulSetStatus,
+    overview: &Result<Overview, crate::admin::AdminError>,
+    operation: Option<Operation>,
+) -> ClusterStatus {
+    let previous = cluster
+        .status
+        .as_ref()
+        .map(|s| s.conditions.as_slice())
+        .unwrap_or_default();
+    let generation = cluster.metadata.generation;
+    let ready = sts.ready_replicas.unwrap_or(0);
+    let members: Vec<MemberStatus> = overview
+        .as_ref()
+        .map(|o| {
+            o.members
+                .iter()
+                .map(|m| MemberStatus {
+                    id: m.id.clone(),
+                    zone: m.zone.clone(),
+                    state: m.state.clone(),
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let ring: Vec<String> = ring_order(
+        &members
+            .iter()
+            .map(|m| Member::new(&m.id, &m.zone))
+            .collect::<Vec<_>>(),
+    )
+    .into_iter()
+    .map(|m| m.id)
+    .collect();
+    let (degraded, degraded_reason, degraded_message) = match overview {
+        Err(e) => (true, "AdminApiUnreachable", e.to_string()),
+        Ok(_) if ready < replicas => (
+            true,
+            "BrokersNotReady",
+            format!("{ready}/{replicas} brokers ready"),
+        ),
+        Ok(_) => (
+            false,
+            "AllBrokersReady",
+            format!("{ready}/{replicas} brokers ready"),
+        ),
+    };
+    let (reconciled_reason, reconciled_message) = match &operation {
+        Some(op) => (
+            format!("{:?}", op.step),
+            op.waiting_for
+                .clone()
+                .unwrap_or_else(|| "operation in progress".to_string()),
+        ),
+        None => (
+            "Applied".to_string(),
+            "all owned objects applied".to_string(),
+        ),
+    };
+    let is_ready = !degraded && operation.is_none();
+    let conditions = vec![
+        condition(
+            previous,
+            "Ready",
+            is_ready,
+            if is_ready {
+                "ClusterReady"
+            } else {
+                degraded_reason
+            },
+            degraded_message.clone(),
+            generation,
+        ),
+        condition(
+            previous,
+            "Reconciled",
+            operation.is_none(),
+            &reconciled_reason,
+            reconciled_message,
+            generation,
+        ),
+        condition(
+            previous,
+            "Degraded",
+            degraded,
+            degraded_reason,
+            degraded_message,
+            generation,
+        ),
+    ];
+    ClusterStatus {
+        observed_generation: generation,
+        replicas: sts.replicas,
+        ready_replicas: ready,
+        selector: resources::selector_string(cluster),
+        members,
+        ring,
+        conditions,
+        operation,
+    }
+}
+
+/// Gets the Secret `name`, creating it with `data` when missing. Never overwrites: a
+/// regenerated password or peer secret would lock clients or brokers out.
+async fn ensure_secret(
+    ctx: &Context,
+    cluster: &Cluster,
+    secrets: &Api<Secret>,
+    name: &str,
+    owner: &k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference,
+    data: impl FnOnce(&mut dyn Read) -> Result<BTreeMap<String, String>, Error>,
+) -> Result<Secret, Error> {
+    if let Some(existing) = secrets.get_opt(name).await? {
+        return Ok(existing);
+    }
+    let mut random = std::fs::File::open("/dev/urandom")?;
+    let secret = Secret {
+        metadata: ObjectMeta {
+            name: Some(name.to_string()),
+            namespace: cluster.namespace(),
+            labels: Some(resources::selector_labels(cluster)),
+            owner_references: Some(vec![owner.clone()]),
+            ..ObjectMeta::default()
+        },
+        string_data: Some(data(&mut random)?),
+        ..Secret::default()
+    };
+    let created = secrets.create(&PostParams::default(), &secret).await?;
+    ctx.event(
+        cluster,
+        EventType::Normal,
+        "SecretCreated",
+        format!("created Secret {name}"),
+    )
+    .await;
+    // The API server turns stringData into data; fall back to what we sent if it did not echo it.
+    Ok(if created.data.is_some() {
+        created
+    } else {
+        to_data(secret)
+    })
+}
+
+fn to_data(mut secret: Secret) -> Secret {
+    let data = secret.string_data.take().unwrap_or_default();
+    secret.data = Some(
+        data.into_iter()
+            .map(|(k, v)| (k, ByteString(v.into_bytes())))
+            .collect(),
+    );
+    secret
+}
+
+/// 32 random bytes as hex: a password or peer secret with 256 bits of entropy.
+fn random_token(source: &mut dyn Read) -> Result<String, Error> {
+    let mut bytes = [0u8; 32];
+    source.read_exact(&mut bytes)?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// A key of a Secret as UTF-8 (from `data`, or `stringData` if not yet converted).
+pub fn secret_value(secret: &Secret, name: &str, key: &str) -> Result<String, Error> {
+    let missing = || Error::MissingSecretKey {
+        secret: name.to_string(),
+        key: key.to_string(),
+    };
+    if let Some(v) = secret.data.as_ref().and_then(|d| d.get(key)) {
+        return String::from_utf8(v.0.clone()).map_err(|_| missing());
+    }
+    secret
+        .string_data
+        .as_ref()
+        .and_then(|d| d.get(key))
+        .cloned()
+        .ok_or_else(missing)
+}

@@ -1,0 +1,180 @@
+//! Controllers for `Cluster` and `Queue`: shared context, errors and error policy.
+//!
+//! Layout follows kube-rs controller-rs: one reconcile function per kind, an error policy
+//! that counts failures by reason and backs off, and a `run` that wires the watchers.
+
+pub mod cluster;
+pub mod queue;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::core::v1::{ConfigMap, Secret, Service};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::watcher;
+use kube::{Api, Client, Resource};
+
+use crate::admin::{AdminConnector, AdminError};
+use crate::crd::{Cluster, Queue};
+use crate::metrics::Metrics;
+
+/// Field manager for every server-side apply, so ownership of fields is clear in `managedFields`.
+pub const FIELD_MANAGER: &str = "ringmq-operator";
+
+/// Why a reconcile failed; the message says what to do next.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A Kubernetes API call failed.
+    #[error("Kubernetes API call failed: {0}; check the operator's RBAC and the API server")]
+    Kube(#[from] kube::Error),
+    /// A broker admin API call failed.
+    #[error(transparent)]
+    Admin(#[from] AdminError),
+    /// The object lacks a field the API server always sets (namespace, uid).
+    #[error("object has no {0}; it was not read from the API server")]
+    MissingObjectKey(&'static str),
+    /// The Secret named in `spec.defaultUserSecret` does not exist.
+    #[error("secret {0} not found; create it with the keys username and password")]
+    MissingSecret(String),
+    /// A Secret the cluster needs lacks a key.
+    #[error("secret {secret} has no key {key}; create it with that key")]
+    MissingSecretKey {
+        /// Secret name.
+        secret: String,
+        /// Missing key.
+        key: String,
+    },
+    /// The broker config could not be rendered as YAML.
+    #[error("cannot render broker config: {0}; check spec.config")]
+    Config(String),
+    /// Random bytes for generated secrets could not be read.
+    #[error("cannot read random bytes for a generated secret: {0}")]
+    Random(#[from] std::io::Error),
+    /// The finalizer helper failed.
+    #[error("finalizer: {0}")]
+    Finalizer(#[source] Box<kube::runtime::finalizer::Error<Error>>),
+}
+
+impl Error {
+    /// Short, bounded label for the failures metric.
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            Error::Kube(_) => "kube",
+            Error::Admin(AdminError::Unreachable { .. }) => "admin_unreachable",
+            Error::Admin(AdminError::Conflict(_)) => "admin_conflict",
+            Error::Admin(_) => "admin",
+            Error::MissingObjectKey(_) => "missing_object_key",
+            Error::MissingSecret(_) | Error::MissingSecretKey { .. } => "missing_secret",
+            Error::Config(_) => "config",
+            Error::Random(_) => "random",
+            Error::Finalizer(_) => "finalizer",
+        }
+    }
+}
+
+/// Everything a reconcile needs; shared by both controllers.
+pub struct Context {
+    /// Kubernetes client.
+    pub client: Client,
+    /// Publishes Events on the reconciled objects.
+    pub recorder: Recorder,
+    /// Reconcile metrics.
+    pub metrics: Arc<Metrics>,
+    /// Makes admin API clients (a fake in tests).
+    pub admin: Arc<dyn AdminConnector>,
+}
+
+impl Context {
+    /// Builds the context; `reporter` names this operator instance in Events.
+    pub fn new(client: Client, metrics: Arc<Metrics>, admin: Arc<dyn AdminConnector>) -> Self {
+        let reporter = Reporter {
+            controller: FIELD_MANAGER.into(),
+            instance: std::env::var("POD_NAME").ok(),
+        };
+        Self {
+            recorder: Recorder::new(client.clone(), reporter),
+            client,
+            metrics,
+            admin,
+        }
+    }
+
+    /// Publishes an Event on `obj`; failures are logged, never fatal (an Event is a courtesy).
+    pub async fn event<K: Resource<DynamicType = ()>>(
+        &self,
+        obj: &K,
+        type_: EventType,
+        reason: &str,
+        note: String,
+    ) {
+        let event = Event {
+            type_,
+            reason: reason.into(),
+            note: Some(note),
+            action: reason.into(),
+            secondary: None,
+        };
+        if let Err(e) = self.recorder.publish(&event, &obj.object_ref(&())).await {
+            tracing::warn!(error = %e, reason, "could not publish event");
+        }
+    }
+}
+
+/// Requeue delay after a failure; bounded so a broken cluster is retried but not hammered.
+pub const RETRY_AFTER: Duration = Duration::from_secs(15);
+
+/// Error policy shared by both controllers: count the failure by reason and retry later.
+pub fn error_policy<K>(_obj: Arc<K>, error: &Error, ctx: Arc<Context>) -> Action {
+    tracing::warn!(error = %error, "reconcile failed");
+    ctx.metrics.failure(
+        std::any::type_name::<K>()
+            .rsplit("::")
+            .next()
+            .unwrap_or("unknown"),
+        error,
+    );
+    Action::requeue(RETRY_AFTER)
+}
+
+/// Runs both controllers until shutdown.
+pub async fn run(ctx: Arc<Context>) {
+    let client = ctx.client.clone();
+    let clusters = Api::<Cluster>::all(client.clone());
+    let queues = Api::<Queue>::all(client.clone());
+    let config = watcher::Config::default().any_semantic();
+    // Owned objects all carry our name label; watching only those keeps the operator from
+    // caching every Secret and ConfigMap in the cluster.
+    let owned = watcher::Config::default().labels("app.kubernetes.io/name=ringmq");
+    let cluster_controller = Controller::new(clusters, config.clone())
+        .owns(Api::<StatefulSet>::all(client.clone()), owned.clone())
+        .owns(Api::<Service>::all(client.clone()), owned.clone())
+        .owns(Api::<ConfigMap>::all(client.clone()), owned.clone())
+        .owns(Api::<Secret>::all(client.clone()), owned.clone())
+        .owns(
+            Api::<PodDisruptionBudget>::all(client.clone()),
+            owned.clone(),
+        )
+        .shutdown_on_signal()
+        .run(cluster::reconcile, error_policy, ctx.clone())
+        .for_each(|r| async move {
+            if let Err(e) = r {
+                tracing::debug!(error = %e, "cluster controller event");
+            }
+        });
+    let queue_controller = Controller::new(queues, config)
+        .shutdown_on_signal()
+        .run(queue::reconcile, error_policy, ctx)
+        .for_each(|r| async move {
+            if let Err(e) = r {
+                tracing::debug!(error = %e, "queue controller event");
+            }
+        });
+    futures::join!(cluster_controller, queue_controller);
+}
+
+#[cfg(test)]
+mod tests;

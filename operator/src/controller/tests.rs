@@ -1,0 +1,748 @@
+//! Reconciler tests against kube's mocked API service: every request asserted, every
+//! response scripted. Each reconcile gets a fresh context, as after an operator restart, so
+//! the only memory between reconciles is the status the previous one wrote.
+
+use std::sync::Arc;
+
+use http::Method;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use serde_json::{Value, json};
+
+use super::{cluster, queue};
+use crate::controller::Context;
+use crate::crd::{ClusterStatus, OperationKind, OperationStep, QueueStatus};
+use crate::fixtures::{
+    self, ApiServerVerifier, FakeAdmin, cluster_secret, run_scripted, user_secret,
+};
+
+const NS: &str = "/api/v1/namespaces/default";
+const STS: &str = "/apis/apps/v1/namespaces/default/statefulsets/ringmq";
+const CLUSTER_STATUS: &str = "/apis/ringmq.io/v1alpha1/namespaces/default/clusters/ringmq/status";
+const SM_CRD: &str =
+    "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/servicemonitors.monitoring.coreos.com";
+const QUEUE: &str = "/apis/ringmq.io/v1alpha1/namespaces/default/queues/orders";
+const QUEUE_STATUS: &str = "/apis/ringmq.io/v1alpha1/namespaces/default/queues/orders/status";
+const CLUSTER: &str = "/apis/ringmq.io/v1alpha1/namespaces/default/clusters/ringmq";
+
+/// Secrets exist; ConfigMap, Services, PDB applied; no ServiceMonitor CRD.
+async fn existing_children(v: &mut ApiServerVerifier) {
+    v.get(&format!("{NS}/secrets/ringmq-cluster"), cluster_secret())
+        .await;
+    v.get(&format!("{NS}/secrets/ringmq-default-user"), user_secret())
+        .await;
+    v.apply(&format!("{NS}/configmaps/ringmq-config")).await;
+    v.apply(&format!("{NS}/services/ringmq-nodes")).await;
+    v.apply(&format!("{NS}/services/ringmq")).await;
+    v.apply("/apis/policy/v1/namespaces/default/poddisruptionbudgets/ringmq")
+        .await;
+    v.not_found(SM_CRD).await;
+}
+
+fn sts_with_replicas(replicas: i32) -> Value {
+    json!({"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": "ringmq", "namespace": "default"},
+           "spec": {"replicas": replicas, "serviceName": "ringmq-nodes", "selector": {}, "template": {}},
+           "status": {"replicas": replicas, "readyReplicas": replicas}})
+}
+
+/// Expects the StatefulSet apply, asserts its replicas, answers with the given pod counts.
+async fn apply_sts(v: &mut ApiServerVerifier, want_replicas: i32, pods: i32, ready: i32) -> Value {
+    let seen = v
+        .expect_reply(Method::PATCH, STS, 200, |body| {
+            let mut reply = body.clone();
+            reply["status"] = json!({"replicas": pods, "readyReplicas": ready});
+            reply
+        })
+        .await;
+    assert!(seen.uri.contains("fieldManager=ringmq-operator"));
+    assert_eq!(
+        seen.body["spec"]["replicas"], want_replicas,
+        "StatefulSet replicas"
+    );
+    assert!(
+        seen.body["spec"]["template"]["spec"]
+            .get("replicas")
+            .is_none(),
+        "replicas not in the pod template"
+    );
+    seen.body
+}
+
+/// Expects the status apply and answers with the whole object, as the API server does.
+async fn status(v: &mut ApiServerVerifier) -> ClusterStatus {
+    let seen = v
+        .expect_reply(Method::PATCH, CLUSTER_STATUS, 200, |body| {
+            let mut full =
+                serde_json::to_value(fixtures::cluster(3, None)).expect("cluster serializes");
+            full["status"] = body["status"].clone();
+            full
+        })
+        .await;
+    assert!(seen.uri.contains("fieldManager=ringmq-operator") && seen.uri.contains("force=true"));
+    assert_eq!(seen.body["kind"], "Cluster");
+    serde_json::from_value(seen.body["status"].clone()).expect("status parses")
+}
+
+fn condition<'a>(conditions: &'a [Condition], type_: &str) -> &'a Condition {
+    conditions
+        .iter()
+        .find(|c| c.type_ == type_)
+        .expect("condition present")
+}
+
+fn members(n: usize) -> Vec<String> {
+    (0..n).map(|i| format!("ringmq-{i}")).collect()
+}
+
+#[tokio::test]
+async fn new_cluster_creates_secrets_children_and_statefulset_then_reports_status() {
+    let admin = FakeAdmin::default();
+    admin.state().members = members(3);
+    let (ctx, verifier) = Context::test(admin.clone());
+    let c = fixtures::cluster(3, None);
+    let (result, status) = run_scripted(
+        verifier,
+        cluster::reconcile(Arc::new(c), ctx),
+        |mut v| async move {
+            v.not_found(&format!("{NS}/secrets/ringmq-cluster")).await;
+            let created = v
+                .expect(Method::POST, &format!("{NS}/secrets"), 201, None)
+                .await;
+            assert_eq!(
+                created.body["metadata"]["ownerReferences"][0]["uid"],
+                "cluster-uid"
+            );
+            assert_eq!(
+                created.body["stringData"]["cluster-secret"]
+                    .as_str()
+                    .map(str::len),
+                Some(64)
+            );
+            v.event("SecretCreated").await;
+            v.not_found(&format!("{NS}/secrets/ringmq-default-user"))
+                .await;
+            let user = v
+                .expect(Method::POST, &format!("{NS}/secrets"), 201, None)
+                .await;
+            assert_eq!(user.body["stringData"]["username"], "ringmq-admin");
+            v.event_repeated("SecretCreated").await;
+            let cm = v.apply(&format!("{NS}/configmaps/ringmq-config")).await;
+            let yaml = cm.body["data"]["ringmq.yaml"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string();
+            assert!(
+                yaml.contains("ringmq-nodes.default.svc:25672"),
+                "seeds are the headless Service: {yaml}"
+            );
+            let headless = v.apply(&format!("{NS}/services/ringmq-nodes")).await;
+            assert_eq!(headless.body["spec"]["clusterIP"], "None");
+            assert_eq!(headless.body["spec"]["publishNotReadyAddresses"], true);
+            let client = v.apply(&format!("{NS}/services/ringmq")).await;
+            assert_eq!(client.body["spec"]["type"], "ClusterIP");
+            let pdb = v
+                .apply("/apis/policy/v1/namespaces/default/poddisruptionbudgets/ringmq")
+                .await;
+            assert_eq!(pdb.body["spec"]["maxUnavailable"], 1);
+            v.not_found(SM_CRD).await;
+            v.not_found(STS).await;
+            let sts = apply_sts(&mut v, 3, 3, 3).await;
+            assert_eq!(sts["metadata"]["ownerReferences"][0]["controller"], true);
+            let container = &sts["spec"]["template"]["spec"]["containers"][0];
+            assert_eq!(container["readinessProbe"]["httpGet"]["path"], "/readyz");
+            assert_eq!(container["livenessProbe"]["httpGet"]["path"], "/healthz");
+            assert!(
+                container["lifecycle"]["preStop"]["exec"]["command"][2]
+                    .as_str()
+                    .is_some_and(|c| c.contains("/leave"))
+            );
+            let ports: Vec<i64> = container["ports"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|p| p["containerPort"].as_i64())
+                .collect();
+            assert_eq!(ports, vec![5672, 25672, 15672]);
+            v.event("Created").await;
+            let status = status(&mut v).await;
+            (v, status)
+        },
+    )
+    .await;
+    result.expect("reconcile succeeds");
+    assert_eq!(status.operation, None);
+    assert_eq!(status.observed_generation, Some(2));
+    assert_eq!(
+        status.selector,
+        "app.kubernetes.io/instance=ringmq,app.kubernetes.io/name=ringmq"
+    );
+    assert_eq!(condition(&status.conditions, "Ready").status, "True");
+    assert_eq!(condition(&status.conditions, "Degraded").status, "False");
+    assert_eq!(status.members.len(), 3);
+    assert_eq!(status.ring.len(), 3);
+    assert_eq!(
+        admin.state().endpoints[0].base_url,
+        "http://ringmq.default.svc:15672"
+    );
+    assert_eq!(admin.state().endpoints[0].username, "ringmq-admin");
+}
+
+#[tokio::test]
+async fn service_monitor_is_applied_only_when_its_crd_exists() {
+    let admin = FakeAdmin::default();
+    admin.state().members = members(3);
+    let (ctx, verifier) = Context::test(admin);
+    let c = fixtures::cluster(3, None);
+    let (result, ()) = run_scripted(verifier, cluster::reconcile(Arc::new(c), ctx), |mut v| async move {
+        v.get(&format!("{NS}/secrets/ringmq-cluster"), cluster_secret()).await;
+        v.get(&format!("{NS}/secrets/ringmq-default-user"), user_secret()).await;
+        v.apply(&format!("{NS}/configmaps/ringmq-config")).await;
+        v.apply(&format!("{NS}/services/ringmq-nodes")).await;
+        v.apply(&format!("{NS}/services/ringmq")).await;
+        v.apply("/apis/policy/v1/namespaces/default/poddisruptionbudgets/ringmq").await;
+        v.get(SM_CRD, json!({"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+            "metadata": {"name": "servicemonitors.monitoring.coreos.com"},
+            "spec": {"group": "monitoring.coreos.com", "names": {"kind": "ServiceMonitor", "plural": "servicemonitors"},
+                     "scope": "Namespaced", "versions": []}}))
+            .await;
+        let sm = v.apply("/apis/monitoring.coreos.com/v1/namespaces/default/servicemonitors/ringmq").await;
+        assert_eq!(sm.body["kind"], "ServiceMonitor");
+        assert_eq!(sm.body["spec"]["endpoints"][0]["port"], "admin");
+        assert_eq!(sm.body["metadata"]["ownerReferences"][0]["uid"], "cluster-uid");
+        v.get(STS, sts_with_replicas(3)).await;
+        apply_sts(&mut v, 3, 3, 3).await;
+        status(&mut v).await;
+        (v, ())
+    })
+    .await;
+    result.expect("reconcile succeeds");
+}
+
+#[tokio::test]
+async fn scale_up_raises_statefulset_then_waits_for_members_to_join_across_a_restart() {
+    // Reconcile 1: 3 -> 5 starts; pods are not ready yet.
+    let admin = FakeAdmin::default();
+    admin.state().members = members(3);
+    let (ctx, verifier) = Context::test(admin.clone());
+    let (result, status1) = run_scripted(
+        verifier,
+        cluster::reconcile(Arc::new(fixtures::cluster(5, None)), ctx),
+        |mut v| async move {
+            existing_children(&mut v).await;
+            v.get(STS, sts_with_replicas(3)).await;
+            v.event("ScaleUpStarted").await;
+            apply_sts(&mut v, 5, 5, 3).await;
+            let s = status(&mut v).await;
+            (v, s)
+        },
+    )
+    .await;
+    result.expect("reconcile succeeds");
+    let op = status1.operation.clone().expect("operation recorded");
+    assert_eq!(
+        (op.kind, op.from, op.to, op.step),
+        (
+            OperationKind::ScaleUp,
+            3,
+            5,
+            OperationStep::WaitingForMembers
+        )
+    );
+    assert!(
+        op.waiting_for
+            .as_deref()
+            .is_some_and(|w| w.contains("ringmq-3, ringmq-4")),
+        "{op:?}"
+    );
+    assert_eq!(condition(&status1.conditions, "Reconciled").status, "False");
+
+    // Operator restarts. Reconcile 2 resumes from status: members joined, pods ready.
+    let admin = FakeAdmin::default();
+    admin.state().members = members(5);
+    let (ctx, verifier) = Context::test(admin);
+    let c = fixtures::cluster(5, Some(status1));
+    let (result, status2) = run_scripted(
+        verifier,
+        cluster::reconcile(Arc::new(c), ctx),
+        |mut v| async move {
+            existing_children(&mut v).await;
+            v.get(STS, sts_with_replicas(5)).await;
+            apply_sts(&mut v, 5, 5, 5).await;
+            v.event("ScaledUp").await;
+            let s = status(&mut v).await;
+            (v, s)
+        },
+    )
+    .await;
+    result.expect("reconcile succeeds");
+    assert_eq!(status2.operation, None);
+    assert_eq!(condition(&status2.conditions, "Ready").status, "True");
+    assert_eq!(status2.ring.len(), 5);
+}
+
+#[tokio::test]
+async fn scale_down_drains_leaving_members_before_shrinking_and_resumes_after_restart() {
+    // Reconcile 1: 5 -> 3; ringmq-3 still owns queues, so the StatefulSet stays at 5.
+    let admin = FakeAdmin::default();
+    admin.state().members = members(5);
+    admin
+        .state()
+        .owned
+        .extend([("ringmq-3".to_string(), 2), ("ringmq-4".to_string(), 0)]);
+    let (ctx, verifier) = Context::test(admin.clone());
+    let (result, status1) = run_scripted(
+        verifier,
+        cluster::reconcile(Arc::new(fixtures::cluster(3, None)), ctx),
+        |mut v| async move {
+            existing_children(&mut v).await;
+            v.get(STS, sts_with_replicas(5)).await;
+            v.event("ScaleDownStarted").await;
+            apply_sts(&mut v, 5, 5, 5).await;
+            let s = status(&mut v).await;
+            (v, s)
+        },
+    )
+    .await;
+    result.expect("reconcile succeeds");
+    assert_eq!(
+        admin.state().calls,
+        vec![
+            "member ringmq-3",
+            "leave ringmq-3",
+            "member ringmq-4",
+            "overview"
+        ]
+    );
+    let op = status1.operation.clone().expect("operation recorded");
+    assert_eq!(
+        (op.kind, op.from, op.to, op.step),
+        (OperationKind::ScaleDown, 5, 3, OperationStep::Draining)
+    );
+    assert!(
+        op.waiting_for
+            .as_deref()
+            .is_some_and(|w| w.contains("ringmq-3 owns 2 queues")),
+        "{op:?}"
+    );
+
+    // Restart. Reconcile 2: drained now, so the StatefulSet shrinks; pods still terminating.
+    let admin = FakeAdmin::default();
+    admin.state().members = members(5);
+    admin.state().owned.insert("ringmq-3".into(), 0);
+    let (ctx, verifier) = Context::test(admin.clone());
+    let c = fixtures::cluster(3, Some(status1));
+    let (result, status2) = run_scripted(
+        verifier,
+        cluster::reconcile(Arc::new(c), ctx),
+        |mut v| async move {
+            existing_children(&mut v).await;
+            v.get(STS, sts_with_replicas(5)).await;
+            v.event("Drained").await;
+            apply_sts(&mut v, 3, 5, 5).await;
+            let s = status(&mut v).await;
+            (v, s)
+        },
+    )
+    .await;
+    result.expect("reconcile succeeds");
+    assert_eq!(
+        admin.state().calls,
+        vec!["member ringmq-3", "member ringmq-4", "overview"],
+        "ringmq-4 is unknown = gone"
+    );
+    let op = status2.operation.clone().expect("operation recorded");
+    assert_eq!(op.step, OperationStep::ShrinkingStatefulSet);
+
+    // Restart. Reconcile 3 resumes at ShrinkingStatefulSet: no drain calls, pods are gone.
+    let admin = FakeAdmin::default();
+    admin.state().members = members(3);
+    let (ctx, verifier) = Context::test(admin.clone());
+    let c = fixtures::cluster(3, Some(status2));
+    let (result, status3) = run_scripted(
+        verifier,
+        cluster::reconcile(Arc::new(c), ctx),
+        |mut v| async move {
+            existing_children(&mut v).await;
+            v.get(STS, sts_with_replicas(3)).await;
+            apply_sts(&mut v, 3, 3, 3).await;
+            v.event("ScaledDown").await;
+            let s = status(&mut v).await;
+            (v, s)
+        },
+    )
+    .await;
+    result.expect("reconcile succeeds");
+    assert_eq!(
+        admin.state().calls,
+        vec!["overview"],
+        "no drain calls once shrinking"
+    );
+    assert_eq!(status3.operation, None);
+    assert_eq!(status3.replicas, 3);
+}
+
+#[tokio::test]
+async fn a_config_change_is_announced_in_an_event() {
+    let admin = FakeAdmin::default();
+    admin.state().members = members(3);
+    let (ctx, verifier) = Context::test(admin);
+    let c = fixtures::cluster(3, None);
+    let (result, ()) = run_scripted(
+        verifier,
+        cluster::reconcile(Arc::new(c), ctx),
+        |mut v| async move {
+            existing_children(&mut v).await;
+            let mut old = sts_with_replicas(3);
+            old["spec"]["template"] =
+                json!({"metadata": {"annotations": {"ringmq.io/config-hash": "0000000000000000"}}});
+            v.get(STS, old).await;
+            apply_sts(&mut v, 3, 3, 3).await;
+            v.event("ConfigChanged").await;
+            status(&mut v).await;
+            (v, ())
+        },
+    )
+    .await;
+    result.expect("reconcile succeeds");
+}
+
+#[tokio::test]
+async fn a_missing_user_supplied_secret_fails_with_what_to_create() {
+    let (ctx, verifier) = Context::test(FakeAdmin::default());
+    let mut c = fixtures::cluster(3, None);
+    c.spec.default_user_secret = Some("my-admin".into());
+    let (result, ()) = run_scripted(
+        verifier,
+        cluster::reconcile(Arc::new(c), ctx),
+        |mut v| async move {
+            v.get(&format!("{NS}/secrets/ringmq-cluster"), cluster_secret())
+                .await;
+            v.not_found(&format!("{NS}/secrets/my-admin")).await;
+            (v, ())
+        },
+    )
+    .await;
+    let err = result.expect_err("no secret, no cluster");
+    assert_eq!(
+        err.to_string(),
+        "secret my-admin not found; create it with the keys username and password"
+    );
+    assert_eq!(err.metric_label(), "missing_secret");
+}
+
+// ---- Queue ----
+
+async fn cluster_and_secret(v: &mut ApiServerVerifier) {
+    let c = serde_json::to_value(fixtures::cluster(3, None)).expect("cluster serializes");
+    v.get(CLUSTER, c).await;
+    v.get(&format!("{NS}/secrets/ringmq-default-user"), user_secret())
+        .await;
+}
+
+async fn queue_status(v: &mut ApiServerVerifier) -> QueueStatus {
+    let seen = v
+        .expect_reply(Method::PATCH, QUEUE_STATUS, 200, |body| {
+            let mut full = serde_json::to_value(fixtures::queue(json!({}), true, None))
+                .expect("queue serializes");
+            full["status"] = body["status"].clone();
+            full
+        })
+        .await;
+    assert!(seen.uri.contains("fieldManager=ringmq-operator") && seen.uri.contains("force=true"));
+    assert_eq!(seen.body["kind"], "Queue");
+    serde_json::from_value(seen.body["status"].clone()).expect("status parses")
+}
+
+#[tokio::test]
+async fn queue_without_finalizer_gets_one_first() {
+    let (ctx, verifier) = Context::test(FakeAdmin::default());
+    let q = fixtures::queue(json!({}), false, None);
+    let (result, ()) = run_scripted(
+        verifier,
+        queue::reconcile(Arc::new(q), ctx),
+        |mut v| async move {
+            let seen = v
+                .expect(
+                    Method::PATCH,
+                    QUEUE,
+                    200,
+                    Some(
+                        serde_json::to_value(fixtures::queue(json!({}), true, None))
+                            .expect("queue"),
+                    ),
+                )
+                .await;
+            assert!(
+                seen.body.to_string().contains("ringmq.io/queue"),
+                "finalizer added: {}",
+                seen.body
+            );
+            (v, ())
+        },
+    )
+    .await;
+    result.expect("reconcile succeeds");
+}
+
+#[tokio::test]
+async fn queue_is_declared_through_the_admin_api_and_status_reports_primary_and_depth() {
+    let admin = FakeAdmin::default();
+    let (ctx, verifier) = Context::test(admin.clone());
+    let q = fixtures::queue(
+        json!({"vhost": "/", "arguments": {"x-max-length": 1000}}),
+        true,
+        None,
+    );
+    let (result, status) = run_scripted(
+        verifier,
+        queue::reconcile(Arc::new(q), ctx),
+        |mut v| async move {
+            cluster_and_secret(&mut v).await;
+            v.event("Declared").await;
+            let s = queue_status(&mut v).await;
+            (v, s)
+        },
+    )
+    .await;
+    result.expect("reconcile succeeds");
+    assert!(status.declared);
+    assert_eq!(status.primary.as_deref(), Some("ringmq-1"));
+    assert_eq!(status.messages, 7);
+    let state = admin.state();
+    assert_eq!(state.calls, vec!["declare / orders", "get / orders"]);
+    let declared = &state.queues[&("/".to_string(), "orders".to_string())];
+    assert!(declared.durable);
+    assert_eq!(declared.arguments["x-max-length"], 1000);
+    assert_eq!(state.endpoints[0].username, "admin");
+}
+
+#[tokio::test]
+async fn queue_deleted_behind_the_operators_back_is_redeclared_with_a_warning_event() {
+    let admin = FakeAdmin::default(); // the broker has no such queue any more
+    let (ctx, verifier) = Context::test(admin.clone());
+    let previous = QueueStatus {
+        declared: true,
+        ..QueueStatus::default()
+    };
+    let q = fixtures::queue(json!({}), true, Some(previous));
+    let (result, (event, status)) = run_scripted(
+        verifier,
+        queue::reconcile(Arc::new(q), ctx),
+        |mut v| async move {
+            cluster_and_secret(&mut v).await;
+            let e = v.event("DriftRepaired").await;
+            let s = queue_status(&mut v).await;
+            (v, (e, s))
+        },
+    )
+    .await;
+    result.expect("reconcile succeeds");
+    assert_eq!(event.body["type"], "Warning");
+    assert!(status.declared);
+    assert_eq!(admin.state().queues.len(), 1);
+}
+
+#[tokio::test]
+async fn queue_already_present_is_left_alone_without_events() {
+    let admin = FakeAdmin::default();
+    let q = fixtures::queue(
+        json!({}),
+        true,
+        Some(QueueStatus {
+            declared: true,
+            ..QueueStatus::default()
+        }),
+    );
+    admin.state().queues.insert(
+        ("/".into(), "orders".into()),
+        crate::admin::QueueDeclaration {
+            durable: true,
+            auto_delete: false,
+            arguments: Default::default(),
+        },
+    );
+    let (ctx, verifier) = Context::test(admin);
+    let (result, status) = run_scripted(
+        verifier,
+        queue::reconcile(Arc::new(q), ctx),
+        |mut v| async move {
+            cluster_and_secret(&mut v).await;
+            let s = queue_status(&mut v).await;
+            (v, s)
+        },
+    )
+    .await;
+    result.expect("reconcile succeeds");
+    assert!(status.declared);
+}
+
+#[tokio::test]
+async fn conflicting_queue_is_reported_not_retried_hot() {
+    let admin = FakeAdmin::default();
+    admin.state().queues.insert(
+        ("/".into(), "orders".into()),
+        crate::admin::QueueDeclaration {
+            durable: false,
+            auto_delete: false,
+            arguments: Default::default(),
+        },
+    );
+    let (ctx, verifier) = Context::test(admin);
+    let q = fixtures::queue(json!({}), true, None);
+    let (result, status) = run_scripted(
+        verifier,
+        queue::reconcile(Arc::new(q), ctx),
+        |mut v| async move {
+            cluster_and_secret(&mut v).await;
+            v.event("Conflict").await;
+            let s = queue_status(&mut v).await;
+            (v, s)
+        },
+    )
+    .await;
+    let action = result.expect("a conflict is a status, not an error");
+    assert_eq!(
+        action,
+        kube::runtime::controller::Action::requeue(queue::CONFLICT_WAIT)
+    );
+    assert!(!status.declared);
+    assert_eq!(condition(&status.conditions, "Ready").reason, "Conflict");
+}
+
+#[tokio::test]
+async fn queue_waits_for_a_missing_cluster() {
+    let (ctx, verifier) = Context::test(FakeAdmin::default());
+    let q = fixtures::queue(json!({}), true, None);
+    let (result, status) = run_scripted(
+        verifier,
+        queue::reconcile(Arc::new(q), ctx),
+        |mut v| async move {
+            v.not_found(CLUSTER).await;
+            let s = queue_status(&mut v).await;
+            (v, s)
+        },
+    )
+    .await;
+    assert_eq!(
+        result.expect("ok"),
+        kube::runtime::controller::Action::requeue(queue::CLUSTER_WAIT)
+    );
+    assert_eq!(
+        condition(&status.conditions, "Ready").reason,
+        "ClusterNotFound"
+    );
+}
+
+fn deleting(extra: Value) -> crate::crd::Queue {
+    let mut q = fixtures::queue(extra, true, None);
+    q.metadata.deletion_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+        k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
+    ));
+    q
+}
+
+async fn finalizer_removed(v: &mut ApiServerVerifier) {
+    let seen = v
+        .expect(
+            Method::PATCH,
+            QUEUE,
+            200,
+            Some(serde_json::to_value(fixtures::queue(json!({}), false, None)).expect("queue")),
+        )
+        .await;
+    assert!(
+        seen.body.to_string().contains("remove"),
+        "finalizer removed by JSON patch: {}",
+        seen.body
+    );
+}
+
+#[tokio::test]
+async fn finalizer_deletes_the_queue_on_the_broker_then_releases() {
+    let admin = FakeAdmin::default();
+    admin.state().queues.insert(
+        ("/".into(), "orders".into()),
+        crate::admin::QueueDeclaration {
+            durable: true,
+            auto_delete: false,
+            arguments: Default::default(),
+        },
+    );
+    let (ctx, verifier) = Context::test(admin.clone());
+    let (result, ()) = run_scripted(
+        verifier,
+        queue::reconcile(Arc::new(deleting(json!({}))), ctx),
+        |mut v| async move {
+            cluster_and_secret(&mut v).await;
+            v.event("Deleted").await;
+            finalizer_removed(&mut v).await;
+            (v, ())
+        },
+    )
+    .await;
+    result.expect("reconcile succeeds");
+    assert!(admin.state().queues.is_empty());
+    assert_eq!(admin.state().calls, vec!["delete / orders"]);
+}
+
+#[tokio::test]
+async fn finalizer_retains_the_queue_when_the_policy_says_retain() {
+    let admin = FakeAdmin::default();
+    let (ctx, verifier) = Context::test(admin.clone());
+    let q = deleting(json!({"deletionPolicy": "retain"}));
+    let (result, ()) = run_scripted(
+        verifier,
+        queue::reconcile(Arc::new(q), ctx),
+        |mut v| async move {
+            v.event("Retained").await;
+            finalizer_removed(&mut v).await;
+            (v, ())
+        },
+    )
+    .await;
+    result.expect("reconcile succeeds");
+    assert!(admin.state().calls.is_empty(), "no admin call with retain");
+}
+
+#[tokio::test]
+async fn finalizer_does_not_hang_when_the_cluster_is_gone() {
+    let admin = FakeAdmin::default();
+    let (ctx, verifier) = Context::test(admin.clone());
+    let (result, ()) = run_scripted(
+        verifier,
+        queue::reconcile(Arc::new(deleting(json!({}))), ctx),
+        |mut v| async move {
+            v.not_found(CLUSTER).await;
+            v.event("ClusterGone").await;
+            finalizer_removed(&mut v).await;
+            (v, ())
+        },
+    )
+    .await;
+    result.expect("reconcile succeeds");
+    assert!(admin.state().calls.is_empty());
+}
+
+#[tokio::test]
+async fn finalizer_does_not_hang_when_the_cluster_is_being_deleted() {
+    let admin = FakeAdmin::default();
+    let (ctx, verifier) = Context::test(admin.clone());
+    let (result, ()) = run_scripted(
+        verifier,
+        queue::reconcile(Arc::new(deleting(json!({}))), ctx),
+        |mut v| async move {
+            let mut c = fixtures::cluster(3, None);
+            c.metadata.deletion_timestamp =
+                Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                    k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
+                ));
+            v.get(CLUSTER, serde_json::to_value(c).expect("cluster"))
+                .await;
+            v.event("ClusterGone").await;
+            finalizer_removed(&mut v).await;
+            (v, ())
+        },
+    )
+    .await;
+    result.expect("reconcile succeeds");
+    assert!(admin.state().calls.is_empty());
+}

@@ -1,0 +1,391 @@
+//! Test fixtures: a scripted Kubernetes API (kube's mocked service, as in controller-rs) and
+//! a fake broker admin API.
+//!
+//! Every request the reconciler sends to the API server is asserted in order and answered
+//! from the script; a request the script does not expect fails the test.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use http::{Method, Request, Response};
+use k8s_openapi::ByteString;
+use k8s_openapi::api::core::v1::Secret;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::client::Body;
+use kube::{Client, Resource};
+use serde_json::{Value, json};
+
+use crate::admin::{
+    AdminApi, AdminConnector, AdminEndpoint, AdminError, Declared, MemberInfo, Overview,
+    QueueDeclaration, QueueInfo,
+};
+use crate::controller::Context;
+use crate::crd::{Cluster, ClusterSpec, ClusterStatus, Queue, QueueSpec, QueueStatus};
+use crate::metrics::Metrics;
+
+type ApiServerHandle = tower_test::mock::Handle<Request<Body>, Response<Body>>;
+
+/// The scripted API server side of a mocked kube client.
+pub struct ApiServerVerifier(ApiServerHandle);
+
+/// A request the verifier received, for assertions on its body.
+pub struct Seen {
+    /// Path and query.
+    pub uri: String,
+    /// JSON body (`Null` when empty).
+    pub body: Value,
+}
+
+impl ApiServerVerifier {
+    /// Asserts the next request is `method path` and answers `status` with `reply`
+    /// (or, when `reply` is `None`, echoes the request body, as an API server does for apply).
+    pub async fn expect(
+        &mut self,
+        method: Method,
+        path: &str,
+        status: u16,
+        reply: Option<Value>,
+    ) -> Seen {
+        self.expect_reply(method, path, status, move |body| {
+            reply.unwrap_or_else(|| body.clone())
+        })
+        .await
+    }
+
+    /// Like [`Self::expect`], building the reply from the request body.
+    pub async fn expect_reply(
+        &mut self,
+        method: Method,
+        path: &str,
+        status: u16,
+        reply: impl FnOnce(&Value) -> Value,
+    ) -> Seen {
+        let (request, send) = tokio::time::timeout(Duration::from_secs(5), self.0.next_request())
+            .await
+            .unwrap_or_else(|_| panic!("timed out waiting for {method} {path}"))
+            .unwrap_or_else(|| panic!("client dropped before {method} {path}"));
+        assert_eq!(
+            request.method(),
+            &method,
+            "method of request to {}",
+            request.uri()
+        );
+        assert_eq!(request.uri().path(), path, "path of the {method} request");
+        let uri = request.uri().to_string();
+        let bytes = request
+            .into_body()
+            .collect_bytes()
+            .await
+            .expect("request body");
+        let body: Value = if bytes.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_slice(&bytes).expect("JSON body")
+        };
+        let reply = reply(&body);
+        let response = Response::builder()
+            .status(status)
+            .body(Body::from(
+                serde_json::to_vec(&reply).expect("reply serializes"),
+            ))
+            .expect("response builds");
+        send.send_response(response);
+        Seen { uri, body }
+    }
+
+    /// Answers a GET with 404 Not Found.
+    pub async fn not_found(&mut self, path: &str) {
+        let status = json!({"kind":"Status","apiVersion":"v1","status":"Failure","reason":"NotFound","code":404,"message":"not found"});
+        self.expect(Method::GET, path, 404, Some(status)).await;
+    }
+
+    /// Answers a GET with `object`.
+    pub async fn get(&mut self, path: &str, object: Value) {
+        self.expect(Method::GET, path, 200, Some(object)).await;
+    }
+
+    /// Expects a server-side apply PATCH (field manager and force asserted) and echoes it.
+    pub async fn apply(&mut self, path: &str) -> Seen {
+        let seen = self.expect(Method::PATCH, path, 200, None).await;
+        assert!(
+            seen.uri.contains("fieldManager=ringmq-operator"),
+            "apply uses our field manager: {}",
+            seen.uri
+        );
+        assert!(
+            seen.uri.contains("force=true"),
+            "apply forces ownership: {}",
+            seen.uri
+        );
+        seen
+    }
+
+    /// Expects an Event to be created with `reason` and returns its body.
+    pub async fn event(&mut self, reason: &str) -> Seen {
+        let seen = self
+            .expect(
+                Method::POST,
+                "/apis/events.k8s.io/v1/namespaces/default/events",
+                201,
+                None,
+            )
+            .await;
+        assert_eq!(seen.body["reason"], reason, "event reason");
+        seen
+    }
+
+    /// Expects a repeat of an Event already published by this context: the recorder patches
+    /// the existing Event's series instead of creating a new one.
+    pub async fn event_repeated(&mut self, reason: &str) -> Seen {
+        let (request, send) = tokio::time::timeout(Duration::from_secs(5), self.0.next_request())
+            .await
+            .expect("timed out waiting for an event patch")
+            .expect("client dropped before the event patch");
+        assert_eq!(request.method(), Method::PATCH);
+        assert!(
+            request
+                .uri()
+                .path()
+                .starts_with("/apis/events.k8s.io/v1/namespaces/default/events/")
+        );
+        let uri = request.uri().to_string();
+        let bytes = request
+            .into_body()
+            .collect_bytes()
+            .await
+            .expect("request body");
+        let body: Value = serde_json::from_slice(&bytes).expect("JSON body");
+        assert_eq!(body["reason"], reason, "event reason");
+        assert_eq!(body["series"]["count"], 2, "second occurrence");
+        send.send_response(
+            Response::builder()
+                .body(Body::from(bytes.to_vec()))
+                .expect("response builds"),
+        );
+        Seen { uri, body }
+    }
+
+    /// Asserts no further request arrives.
+    pub async fn done(mut self) {
+        let next = tokio::time::timeout(Duration::from_millis(100), self.0.next_request()).await;
+        if let Ok(Some((request, _))) = next {
+            panic!("unexpected request {} {}", request.method(), request.uri());
+        }
+    }
+}
+
+/// Runs `script` against the verifier while `reconcile` runs, checks both finish and that no
+/// request was left unscripted; returns the reconcile result and what the script returned.
+pub async fn run_scripted<F, S, T, R>(
+    verifier: ApiServerVerifier,
+    reconcile: F,
+    script: impl FnOnce(ApiServerVerifier) -> S,
+) -> (T, R)
+where
+    F: std::future::Future<Output = T>,
+    S: std::future::Future<Output = (ApiServerVerifier, R)> + Send + 'static,
+    R: Send + 'static,
+{
+    let server = tokio::spawn(script(verifier));
+    let result = reconcile.await;
+    let (verifier, out) = tokio::time::timeout(Duration::from_secs(5), server)
+        .await
+        .expect("script finished")
+        .expect("script did not panic");
+    verifier.done().await;
+    (result, out)
+}
+
+/// A fake broker cluster behind the admin API.
+#[derive(Default)]
+pub struct FakeBroker {
+    /// Queues by (vhost, name).
+    pub queues: BTreeMap<(String, String), QueueDeclaration>,
+    /// Queues owned per member id; absent = member unknown.
+    pub owned: BTreeMap<String, u64>,
+    /// Members listed by the overview.
+    pub members: Vec<String>,
+    /// Calls received, e.g. `leave ringmq-3`.
+    pub calls: Vec<String>,
+    /// Endpoints connected to.
+    pub endpoints: Vec<AdminEndpoint>,
+}
+
+/// Shared handle to a [`FakeBroker`]; implements both admin traits.
+#[derive(Clone, Default)]
+pub struct FakeAdmin(pub Arc<Mutex<FakeBroker>>);
+
+impl FakeAdmin {
+    /// Locks the fake's state.
+    pub fn state(&self) -> std::sync::MutexGuard<'_, FakeBroker> {
+        self.0.lock().expect("fake admin lock")
+    }
+}
+
+impl AdminConnector for FakeAdmin {
+    fn connect(&self, endpoint: AdminEndpoint) -> Arc<dyn AdminApi> {
+        self.state().endpoints.push(endpoint);
+        Arc::new(self.clone())
+    }
+}
+
+impl AdminApi for FakeAdmin {
+    fn overview(&self) -> BoxFuture<'_, Result<Overview, AdminError>> {
+        Box::pin(async move {
+            let mut s = self.state();
+            s.calls.push("overview".into());
+            let members = s
+                .members
+                .iter()
+                .map(|id| MemberInfo {
+                    id: id.clone(),
+                    zone: "zone-a".into(),
+                    state: "up".into(),
+                    owned_queues: 0,
+                })
+                .collect();
+            Ok(Overview {
+                node: "ringmq-0".into(),
+                cluster_name: "ringmq".into(),
+                members,
+            })
+        })
+    }
+
+    fn member<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<MemberInfo>, AdminError>> {
+        Box::pin(async move {
+            let mut s = self.state();
+            s.calls.push(format!("member {id}"));
+            Ok(s.owned.get(id).map(|n| MemberInfo {
+                id: id.into(),
+                owned_queues: *n,
+                ..MemberInfo::default()
+            }))
+        })
+    }
+
+    fn leave<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), AdminError>> {
+        Box::pin(async move {
+            self.state().calls.push(format!("leave {id}"));
+            Ok(())
+        })
+    }
+
+    fn queue<'a>(
+        &'a self,
+        vhost: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<Option<QueueInfo>, AdminError>> {
+        Box::pin(async move {
+            let mut s = self.state();
+            s.calls.push(format!("get {vhost} {name}"));
+            Ok(s.queues
+                .contains_key(&(vhost.into(), name.into()))
+                .then(|| QueueInfo {
+                    name: name.into(),
+                    vhost: vhost.into(),
+                    messages: 7,
+                    owner: Some("ringmq-1".into()),
+                }))
+        })
+    }
+
+    fn declare_queue<'a>(
+        &'a self,
+        vhost: &'a str,
+        name: &'a str,
+        declaration: &'a QueueDeclaration,
+    ) -> BoxFuture<'a, Result<Declared, AdminError>> {
+        Box::pin(async move {
+            let mut s = self.state();
+            s.calls.push(format!("declare {vhost} {name}"));
+            match s.queues.get(&(vhost.into(), name.into())) {
+                Some(existing) if existing == declaration => Ok(Declared::AlreadyThere),
+                Some(_) => Err(AdminError::Conflict("inequivalent arg 'durable'".into())),
+                None => {
+                    s.queues
+                        .insert((vhost.into(), name.into()), declaration.clone());
+                    Ok(Declared::Created)
+                }
+            }
+        })
+    }
+
+    fn delete_queue<'a>(
+        &'a self,
+        vhost: &'a str,
+        name: &'a str,
+    ) -> BoxFuture<'a, Result<bool, AdminError>> {
+        Box::pin(async move {
+            let mut s = self.state();
+            s.calls.push(format!("delete {vhost} {name}"));
+            Ok(s.queues.remove(&(vhost.into(), name.into())).is_some())
+        })
+    }
+}
+
+impl Context {
+    /// A context whose client talks to a scripted API server and whose brokers are `admin`.
+    pub fn test(admin: FakeAdmin) -> (Arc<Context>, ApiServerVerifier) {
+        let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+        let client = Client::new(service, "default");
+        let ctx = Context::new(client, Arc::new(Metrics::default()), Arc::new(admin));
+        (Arc::new(ctx), ApiServerVerifier(handle))
+    }
+}
+
+/// A `Cluster` named `ringmq` in `default`, as the API server would hand it over.
+pub fn cluster(replicas: i32, status: Option<ClusterStatus>) -> Cluster {
+    let spec: ClusterSpec =
+        serde_json::from_value(json!({"replicas": replicas, "image": "ringmq:test"}))
+            .expect("fixture spec");
+    let mut c = Cluster::new("ringmq", spec);
+    c.meta_mut().namespace = Some("default".into());
+    c.meta_mut().uid = Some("cluster-uid".into());
+    c.meta_mut().generation = Some(2);
+    c.status = status;
+    c
+}
+
+/// A `Queue` named `orders` on cluster `ringmq`, with our finalizer unless told otherwise.
+pub fn queue(extra_spec: Value, finalizer: bool, status: Option<QueueStatus>) -> Queue {
+    let mut spec = json!({"clusterRef": {"name": "ringmq"}});
+    if let (Some(base), Some(extra)) = (spec.as_object_mut(), extra_spec.as_object()) {
+        base.extend(extra.clone());
+    }
+    let spec: QueueSpec = serde_json::from_value(spec).expect("fixture spec");
+    let mut q = Queue::new("orders", spec);
+    q.meta_mut().namespace = Some("default".into());
+    q.meta_mut().uid = Some("queue-uid".into());
+    q.meta_mut().generation = Some(1);
+    if finalizer {
+        q.meta_mut().finalizers = Some(vec![crate::controller::queue::QUEUE_FINALIZER.into()]);
+    }
+    q.status = status;
+    q
+}
+
+/// The default-user Secret as the API server returns it.
+pub fn user_secret() -> Value {
+    let secret = Secret {
+        metadata: ObjectMeta {
+            name: Some("ringmq-default-user".into()),
+            namespace: Some("default".into()),
+            ..Default::default()
+        },
+        data: Some(BTreeMap::from([
+            ("username".to_string(), ByteString(b"admin".to_vec())),
+            ("password".to_string(), ByteString(b"s3cret".to_vec())),
+        ])),
+        ..Default::default()
+    };
+    serde_json::to_value(secret).expect("secret serializes")
+}
+
+/// The cluster peer Secret as the API server returns it.
+pub fn cluster_secret() -> Value {
+    json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "ringmq-cluster", "namespace": "default"},
+           "data": {"cluster-secret": "c2VjcmV0"}})
+}

@@ -1,0 +1,554 @@
+//! Builders for the Kubernetes objects a `Cluster` owns.
+//!
+//! Pure functions from the `Cluster` to the desired objects, so they can be checked without
+//! an API server; the reconciler applies them with server-side apply.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::apps::v1::{StatefulSet, StatefulSetSpec};
+use k8s_openapi::api::core::v1::{
+    ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource, EnvVar,
+    EnvVarSource, ExecAction, HTTPGetAction, Lifecycle, LifecycleHandler, ObjectFieldSelector,
+    PersistentVolumeClaim, PersistentVolumeClaimSpec, PodSpec, PodTemplateSpec, Probe,
+    SecretKeySelector, SecretVolumeSource, Service, ServicePort, ServiceSpec as K8sServiceSpec,
+    Volume, VolumeMount, VolumeResourceRequirements,
+};
+use k8s_openapi::api::policy::v1::{PodDisruptionBudget, PodDisruptionBudgetSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use kube::ResourceExt;
+use kube::api::{ApiResource, DynamicObject, GroupVersionKind};
+
+use crate::crd::Cluster;
+
+/// AMQP port.
+pub const AMQP_PORT: i32 = 5672;
+/// AMQPS port (TLS).
+pub const AMQPS_PORT: i32 = 5671;
+/// Inter-broker port.
+pub const CLUSTER_PORT: i32 = 25672;
+/// Admin HTTP API port (health, readiness, management).
+pub const ADMIN_PORT: i32 = 15672;
+/// Seconds a pod gets to leave gracefully; bounds the pre-stop hook.
+pub const TERMINATION_GRACE_SECONDS: i64 = 60;
+/// Seconds the pre-stop hook's leave request may take; below the grace period.
+pub const PRE_STOP_TIMEOUT_SECONDS: i64 = 45;
+/// Where the broker config is mounted.
+pub const CONFIG_DIR: &str = "/etc/ringmq";
+/// Where broker data lives.
+pub const DATA_DIR: &str = "/var/lib/ringmq";
+/// Pod-template annotation carrying the config hash; a new value rolls the pods.
+pub const CONFIG_HASH_ANNOTATION: &str = "ringmq.io/config-hash";
+/// Key of the peer-authentication secret in the cluster Secret.
+pub const CLUSTER_SECRET_KEY: &str = "cluster-secret";
+
+/// Labels selecting the brokers of one cluster; stable, because a StatefulSet's selector is
+/// immutable.
+pub fn selector_labels(cluster: &Cluster) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        ("app.kubernetes.io/name".to_string(), "ringmq".to_string()),
+        ("app.kubernetes.io/instance".to_string(), cluster.name_any()),
+    ])
+}
+
+/// The selector as the scale subresource wants it (`key=value,...`).
+pub fn selector_string(cluster: &Cluster) -> String {
+    selector_labels(cluster)
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+fn labels(cluster: &Cluster) -> BTreeMap<String, String> {
+    let mut l = selector_labels(cluster);
+    l.insert(
+        "app.kubernetes.io/managed-by".to_string(),
+        "ringmq-operator".to_string(),
+    );
+    l
+}
+
+fn meta(cluster: &Cluster, name: String, owner: &OwnerReference) -> ObjectMeta {
+    ObjectMeta {
+        name: Some(name),
+        namespace: cluster.namespace(),
+        labels: Some(labels(cluster)),
+        owner_references: Some(vec![owner.clone()]),
+        ..ObjectMeta::default()
+    }
+}
+
+/// DNS name of the headless Service: the seed every broker resolves to find its peers.
+pub fn seed_host(cluster: &Cluster) -> String {
+    format!(
+        "{}.{}.svc",
+        cluster.headless_service_name(),
+        cluster.namespace().unwrap_or_default()
+    )
+}
+
+/// Base URL of the admin API through the client Service.
+pub fn admin_base_url(cluster: &Cluster) -> String {
+    format!(
+        "http://{}.{}.svc:{ADMIN_PORT}",
+        cluster.name_any(),
+        cluster.namespace().unwrap_or_default()
+    )
+}
+
+/// The broker configuration (`ringmq.yaml`): operator defaults, then `spec.config` on top.
+///
+/// Why no replica count or member list here: a scale must not change the config, or every
+/// pod would roll. Peers are found through the headless Service's DNS instead.
+pub fn broker_config(cluster: &Cluster) -> serde_json::Value {
+    let mut config = serde_json::json!({
+        "amqp_listen": format!("0.0.0.0:{AMQP_PORT}"),
+        "admin_listen": format!("0.0.0.0:{ADMIN_PORT}"),
+        "cluster_listen": format!("0.0.0.0:{CLUSTER_PORT}"),
+        "data_dir": DATA_DIR,
+        "cluster": {
+            "name": cluster.name_any(),
+            "seeds": [format!("{}:{CLUSTER_PORT}", seed_host(cluster))],
+            "queue_backups": cluster.spec.queue_backups,
+        },
+    });
+    if cluster.spec.tls.is_some() {
+        config["amqps_listen"] = serde_json::json!(format!("0.0.0.0:{AMQPS_PORT}"));
+        config["tls"] = serde_json::json!({
+            "cert_file": format!("{CONFIG_DIR}/tls/tls.crt"),
+            "key_file": format!("{CONFIG_DIR}/tls/tls.key"),
+        });
+    }
+    if let Some(map) = config.as_object_mut() {
+        for (k, v) in &cluster.spec.config {
+            map.insert(k.clone(), v.clone());
+        }
+    }
+    config
+}
+
+/// Stable 64-bit FNV-1a hash, used to roll pods when the config changes.
+///
+/// Why not `DefaultHasher`: its output may change between Rust releases, which would roll
+/// every cluster on an operator upgrade.
+pub fn config_hash(text: &str) -> String {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in text.bytes() {
+        hash ^= u64::from(b);
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    format!("{hash:016x}")
+}
+
+/// The ConfigMap holding `ringmq.yaml`.
+pub fn config_map(cluster: &Cluster, owner: &OwnerReference, config_yaml: &str) -> ConfigMap {
+    ConfigMap {
+        metadata: meta(cluster, format!("{}-config", cluster.name_any()), owner),
+        data: Some(BTreeMap::from([(
+            "ringmq.yaml".to_string(),
+            config_yaml.to_string(),
+        )])),
+        ..ConfigMap::default()
+    }
+}
+
+fn port(name: &str, port: i32) -> ServicePort {
+    ServicePort {
+        name: Some(name.to_string()),
+        port,
+        target_port: Some(IntOrString::String(name.to_string())),
+        ..ServicePort::default()
+    }
+}
+
+/// Headless Service: stable DNS for every pod (`<pod>.<name>-nodes`), including pods not
+/// ready yet, so a joining broker can be reached by its peers before it serves clients.
+pub fn headless_service(cluster: &Cluster, owner: &OwnerReference) -> Service {
+    Service {
+        metadata: meta(cluster, cluster.headless_service_name(), owner),
+        spec: Some(K8sServiceSpec {
+            cluster_ip: Some("None".to_string()),
+            publish_not_ready_addresses: Some(true),
+            selector: Some(selector_labels(cluster)),
+            ports: Some(vec![
+                port("cluster", CLUSTER_PORT),
+                port("admin", ADMIN_PORT),
+            ]),
+            ..K8sServiceSpec::default()
+        }),
+        ..Service::default()
+    }
+}
+
+/// Client Service: AMQP(S) and admin, of the type and with the annotations the spec asks for.
+pub fn client_service(cluster: &Cluster, owner: &OwnerReference) -> Service {
+    let mut metadata = meta(cluster, cluster.name_any(), owner);
+    if !cluster.spec.service.annotations.is_empty() {
+        metadata.annotations = Some(cluster.spec.service.annotations.clone());
+    }
+    let mut ports = vec![port("amqp", AMQP_PORT), port("admin", ADMIN_PORT)];
+    if cluster.spec.tls.is_some() {
+        ports.push(port("amqps", AMQPS_PORT));
+    }
+    Service {
+        metadata,
+        spec: Some(K8sServiceSpec {
+            type_: Some(cluster.spec.service.type_.as_str().to_string()),
+            selector: Some(selector_labels(cluster)),
+            ports: Some(ports),
+            ..K8sServiceSpec::default()
+        }),
+        ..Service::default()
+    }
+}
+
+/// PodDisruptionBudget: voluntary evictions take one broker at a time.
+pub fn pod_disruption_budget(cluster: &Cluster, owner: &OwnerReference) -> PodDisruptionBudget {
+    PodDisruptionBudget {
+        metadata: meta(cluster, cluster.name_any(), owner),
+        spec: Some(PodDisruptionBudgetSpec {
+            max_unavailable: Some(IntOrString::Int(1)),
+            selector: Some(LabelSelector {
+                match_labels: Some(selector_labels(cluster)),
+                ..LabelSelector::default()
+            }),
+            ..PodDisruptionBudgetSpec::default()
+        }),
+        ..PodDisruptionBudget::default()
+    }
+}
+
+/// The ServiceMonitor kind (Prometheus operator); applied only when its CRD exists.
+pub fn service_monitor_resource() -> ApiResource {
+    ApiResource::from_gvk(&GroupVersionKind::gvk(
+        "monitoring.coreos.com",
+        "v1",
+        "ServiceMonitor",
+    ))
+}
+
+/// ServiceMonitor scraping the brokers' admin port.
+pub fn service_monitor(cluster: &Cluster, owner: &OwnerReference) -> DynamicObject {
+    let mut obj = DynamicObject::new(&cluster.name_any(), &service_monitor_resource())
+        .within(&cluster.namespace().unwrap_or_default());
+    obj.metadata = meta(cluster, cluster.name_any(), owner);
+    obj.data = serde_json::json!({
+        "spec": {
+            "selector": { "matchLabels": selector_labels(cluster) },
+            "endpoints": [{ "port": "admin", "path": "/metrics" }],
+        }
+    });
+    obj
+}
+
+fn env_from_secret(name: &str, secret: &str, key: &str) -> EnvVar {
+    EnvVar {
+        name: name.to_string(),
+        value_from: Some(EnvVarSource {
+            secret_key_ref: Some(SecretKeySelector {
+                name: secret.to_string(),
+                key: key.to_string(),
+                optional: None,
+            }),
+            ..EnvVarSource::default()
+        }),
+        ..EnvVar::default()
+    }
+}
+
+fn http_probe(path: &str, period_seconds: i32, failure_threshold: i32) -> Probe {
+    Probe {
+        http_get: Some(HTTPGetAction {
+            path: Some(path.to_string()),
+            port: IntOrString::String("admin".to_string()),
+            ..HTTPGetAction::default()
+        }),
+        period_seconds: Some(period_seconds),
+        failure_threshold: Some(failure_threshold),
+        timeout_seconds: Some(3),
+        ..Probe::default()
+    }
+}
+
+/// The StatefulSet running the brokers, with `replicas` chosen by the scale state machine.
+///
+/// `replicas` lives only in the StatefulSet spec, never in the pod template, so scaling does
+/// not roll existing pods; the template changes only with the image, resources or config.
+pub fn stateful_set(
+    cluster: &Cluster,
+    owner: &OwnerReference,
+    replicas: i32,
+    config_yaml: &str,
+) -> StatefulSet {
+    let name = cluster.name_any();
+    let user_secret = cluster.default_user_secret_name();
+    let container_port = |n: &str, p: i32| ContainerPort {
+        name: Some(n.to_string()),
+        container_port: p,
+        ..ContainerPort::default()
+    };
+    let mut ports = vec![
+        container_port("amqp", AMQP_PORT),
+        container_port("cluster", CLUSTER_PORT),
+        container_port("admin", ADMIN_PORT),
+    ];
+    let mut mounts = vec![
+        VolumeMount {
+            name: "config".into(),
+            mount_path: CONFIG_DIR.into(),
+            read_only: Some(true),
+            ..Default::default()
+        },
+        VolumeMount {
+            name: "data".into(),
+            mount_path: DATA_DIR.into(),
+            ..Default::default()
+        },
+    ];
+    let mut volumes = vec![Volume {
+        name: "config".into(),
+        config_map: Some(ConfigMapVolumeSource {
+            name: format!("{name}-config"),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }];
+    if let Some(tls) = &cluster.spec.tls {
+        ports.push(container_port("amqps", AMQPS_PORT));
+        mounts.push(VolumeMount {
+            name: "tls".into(),
+            mount_path: format!("{CONFIG_DIR}/tls"),
+            read_only: Some(true),
+            ..Default::default()
+        });
+        volumes.push(Volume {
+            name: "tls".into(),
+            secret: Some(SecretVolumeSource {
+                secret_name: Some(tls.secret_name.clone()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+    }
+    let mut claims = None;
+    match &cluster.spec.persistence {
+        Some(p) => {
+            claims = Some(vec![PersistentVolumeClaim {
+                metadata: ObjectMeta {
+                    name: Some("data".into()),
+                    ..ObjectMeta::default()
+                },
+                spec: Some(PersistentVolumeClaimSpec {
+                    access_modes: Some(vec!["ReadWriteOnce".into()]),
+                    storage_class_name: p.storage_class.clone(),
+                    resources: Some(VolumeResourceRequirements {
+                        requests: Some(BTreeMap::from([("storage".to_string(), p.size.clone())])),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }]);
+        }
+        None => volumes.push(Volume {
+            name: "data".into(),
+            empty_dir: Some(EmptyDirVolumeSource::default()),
+            ..Default::default()
+        }),
+    }
+    // The pre-stop hook asks this broker to leave (hand over its queues), bounded by a timeout
+    // well inside the termination grace period so a stuck broker cannot block deletion.
+    let pre_stop = format!(
+        "curl -fsS -X POST --max-time {PRE_STOP_TIMEOUT_SECONDS} -u \"$RINGMQ_DEFAULT_USER:$RINGMQ_DEFAULT_PASS\" \
+         http://127.0.0.1:{ADMIN_PORT}/api/members/$RINGMQ_NODE_ID/leave || true"
+    );
+    let container = Container {
+        name: "ringmq".into(),
+        image: Some(cluster.spec.image.clone()),
+        ports: Some(ports),
+        env: Some(vec![
+            EnvVar {
+                name: "RINGMQ_NODE_ID".into(),
+                value_from: Some(EnvVarSource {
+                    field_ref: Some(ObjectFieldSelector {
+                        field_path: "metadata.name".into(),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+            EnvVar {
+                name: "RINGMQ_CONFIG".into(),
+                value: Some(format!("{CONFIG_DIR}/ringmq.yaml")),
+                ..Default::default()
+            },
+            env_from_secret(
+                "RINGMQ_CLUSTER_SECRET",
+                &cluster.cluster_secret_name(),
+                CLUSTER_SECRET_KEY,
+            ),
+            env_from_secret("RINGMQ_DEFAULT_USER", &user_secret, "username"),
+            env_from_secret("RINGMQ_DEFAULT_PASS", &user_secret, "password"),
+        ]),
+        resources: cluster.spec.resources.clone(),
+        readiness_probe: Some(http_probe("/readyz", 5, 3)),
+        liveness_probe: Some(http_probe("/healthz", 10, 6)),
+        lifecycle: Some(Lifecycle {
+            pre_stop: Some(LifecycleHandler {
+                exec: Some(ExecAction {
+                    command: Some(vec!["sh".into(), "-c".into(), pre_stop]),
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        volume_mounts: Some(mounts),
+        ..Container::default()
+    };
+    let mut template_labels = selector_labels(cluster);
+    template_labels.insert(
+        "app.kubernetes.io/managed-by".into(),
+        "ringmq-operator".into(),
+    );
+    StatefulSet {
+        metadata: meta(cluster, name.clone(), owner),
+        spec: Some(StatefulSetSpec {
+            replicas: Some(replicas),
+            service_name: Some(cluster.headless_service_name()),
+            selector: LabelSelector {
+                match_labels: Some(selector_labels(cluster)),
+                ..LabelSelector::default()
+            },
+            template: PodTemplateSpec {
+                metadata: Some(ObjectMeta {
+                    labels: Some(template_labels),
+                    annotations: Some(BTreeMap::from([(
+                        CONFIG_HASH_ANNOTATION.to_string(),
+                        config_hash(config_yaml),
+                    )])),
+                    ..ObjectMeta::default()
+                }),
+                spec: Some(PodSpec {
+                    containers: vec![container],
+                    volumes: Some(volumes),
+                    affinity: cluster.spec.affinity.clone(),
+                    tolerations: (!cluster.spec.tolerations.is_empty())
+                        .then(|| cluster.spec.tolerations.clone()),
+                    topology_spread_constraints: (!cluster
+                        .spec
+                        .topology_spread_constraints
+                        .is_empty())
+                    .then(|| cluster.spec.topology_spread_constraints.clone()),
+                    termination_grace_period_seconds: Some(TERMINATION_GRACE_SECONDS),
+                    ..PodSpec::default()
+                }),
+            },
+            volume_claim_templates: claims,
+            ..StatefulSetSpec::default()
+        }),
+        ..StatefulSet::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kube::Resource;
+
+    use super::*;
+    use crate::crd::ClusterSpec;
+
+    fn cluster(spec: serde_json::Value) -> Cluster {
+        let spec: ClusterSpec = serde_json::from_value(spec).expect("spec");
+        let mut c = Cluster::new("ringmq", spec);
+        c.meta_mut().namespace = Some("ns".into());
+        c.meta_mut().uid = Some("uid".into());
+        c
+    }
+
+    fn sts(c: &Cluster, replicas: i32) -> StatefulSet {
+        let owner = c.controller_owner_ref(&()).expect("uid");
+        let config = serde_saphyr::to_string(&broker_config(c)).expect("config");
+        stateful_set(c, &owner, replicas, &config)
+    }
+
+    #[test]
+    fn scaling_changes_only_replicas_never_the_pod_template() {
+        let c = cluster(serde_json::json!({"image": "ringmq:1", "replicas": 3}));
+        let (three, five) = (sts(&c, 3), sts(&c, 5));
+        let (three, five) = (three.spec.expect("spec"), five.spec.expect("spec"));
+        assert_eq!((three.replicas, five.replicas), (Some(3), Some(5)));
+        assert_eq!(three.template, five.template, "a scale must not roll pods");
+        let mut bigger = c.clone();
+        bigger.spec.replicas = 7;
+        assert_eq!(
+            broker_config(&c),
+            broker_config(&bigger),
+            "the config does not carry the replica count"
+        );
+    }
+
+    #[test]
+    fn config_change_rolls_pods_through_the_hash_annotation() {
+        let c = cluster(serde_json::json!({"image": "ringmq:1"}));
+        let tuned =
+            cluster(serde_json::json!({"image": "ringmq:1", "config": {"heartbeat_secs": 10}}));
+        let hash = |s: StatefulSet| {
+            s.spec
+                .and_then(|s| s.template.metadata)
+                .and_then(|m| m.annotations)
+                .expect("annotations")[CONFIG_HASH_ANNOTATION]
+                .clone()
+        };
+        assert_ne!(hash(sts(&c, 3)), hash(sts(&tuned, 3)));
+        assert_eq!(
+            broker_config(&tuned)["heartbeat_secs"],
+            10,
+            "overrides win over defaults"
+        );
+    }
+
+    #[test]
+    fn tls_and_persistence_add_amqps_and_volume_claims() {
+        let c = cluster(serde_json::json!({
+            "image": "ringmq:1",
+            "tls": {"secretName": "tls"},
+            "persistence": {"storageClass": "fast", "size": "10Gi"},
+            "service": {"type": "LoadBalancer", "annotations": {"a": "b"}}
+        }));
+        let spec = sts(&c, 3).spec.expect("spec");
+        let claims = spec.volume_claim_templates.expect("claims");
+        assert_eq!(
+            claims[0]
+                .spec
+                .as_ref()
+                .and_then(|s| s.storage_class_name.as_deref()),
+            Some("fast")
+        );
+        let pod = spec.template.spec.expect("pod");
+        assert!(
+            pod.volumes.iter().flatten().all(|v| v.name != "data"),
+            "no emptyDir when persistent"
+        );
+        let ports: Vec<i32> = pod.containers[0]
+            .ports
+            .iter()
+            .flatten()
+            .map(|p| p.container_port)
+            .collect();
+        assert!(ports.contains(&AMQPS_PORT));
+        let owner = c.controller_owner_ref(&()).expect("uid");
+        let svc = client_service(&c, &owner);
+        assert_eq!(
+            svc.spec.as_ref().and_then(|s| s.type_.as_deref()),
+            Some("LoadBalancer")
+        );
+        assert_eq!(svc.metadata.annotations.expect("annotations")["a"], "b");
+        assert!(
+            broker_config(&c)["tls"]["cert_file"]
+                .as_str()
+                .is_some_and(|f| f.ends_with("tls.crt"))
+        );
+    }
+}
