@@ -380,14 +380,14 @@ async fn kill_9_at_random_points_loses_no_confirmed_message_and_resurrects_no_ac
                     }
                     last_first_delivery = Some(seq);
                 }
-                if next_rand(2) == 0 && d.delivery_tag > 0 {
-                    if ch
+                if next_rand(2) == 0
+                    && d.delivery_tag > 0
+                    && ch
                         .basic_ack(d.delivery_tag, BasicAckOptions::default())
                         .await
                         .is_ok()
-                    {
-                        acked_pending.insert(seq);
-                    }
+                {
+                    acked_pending.insert(seq);
                 }
             }
             if next_rand(10) == 0 {

@@ -104,10 +104,10 @@ pub struct DiskState {
 impl DiskState {
     /// Records that message `key` now lives in `segment`, forgetting an older copy.
     pub fn add_live(&mut self, key: (u64, u64), segment: u64, bytes: u64) {
-        if let Some((old, _)) = self.live.insert(key, (segment, bytes)) {
-            if let Some(s) = self.segments.get_mut(&old) {
-                s.live -= 1;
-            }
+        if let Some((old, _)) = self.live.insert(key, (segment, bytes))
+            && let Some(s) = self.segments.get_mut(&old)
+        {
+            s.live -= 1;
         }
         self.segments.entry(segment).or_default().live += 1;
     }
@@ -227,11 +227,11 @@ impl Journal {
                 } else {
                     written as f64 / fsyncs as f64
                 },
-                mean_fsync_us = if fsyncs == 0 {
-                    0
-                } else {
-                    s.fsync_micros.load(Ordering::Relaxed) / fsyncs
-                },
+                mean_fsync_us = s
+                    .fsync_micros
+                    .load(Ordering::Relaxed)
+                    .checked_div(fsyncs)
+                    .unwrap_or(0),
                 bytes_written = s.bytes_written.load(Ordering::Relaxed),
                 segments_compacted = s.segments_compacted.load(Ordering::Relaxed),
                 "journal closed"
@@ -490,16 +490,15 @@ impl Writer {
         let mut keys = Vec::new();
         let mut at = SEGMENT_MAGIC.len().min(data.len());
         while let Ok((body, next)) = next_record(&data, at) {
-            if let Some(key) = Record::enqueued_key(&body) {
-                if self
+            if let Some(key) = Record::enqueued_key(&body)
+                && self
                     .state
                     .live
                     .get(&key)
                     .is_some_and(|(seg, _)| *seg == oldest)
-                {
-                    keys.push((key, (next - at) as u64));
-                    copy.extend_from_slice(&data[at..next]);
-                }
+            {
+                keys.push((key, (next - at) as u64));
+                copy.extend_from_slice(&data[at..next]);
             }
             at = next;
         }
