@@ -9,6 +9,9 @@ pub mod codes;
 pub mod frame;
 pub mod writer;
 
+#[cfg(test)]
+mod fuzz;
+
 pub use amq_protocol::frame::AMQPContentHeader;
 pub use amq_protocol::protocol::{
     AMQPClass, basic, channel, confirm, connection, exchange, queue, tx,
