@@ -9,4 +9,5 @@ pub mod auth;
 pub mod client;
 pub mod config;
 pub mod core;
+pub mod cpg;
 pub mod server;
