@@ -112,3 +112,62 @@ async fn peer_with_wrong_secret_is_refused() {
     }
     a.shutdown().await;
 }
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    let rank = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[rank.min(sorted.len() - 1)]
+}
+
+/// Measures, on loopback with default timings, the time from killing a member to the ConfChg
+/// on a survivor, and the commit latency of a multicast in a 3-member cluster.
+/// `CPG_BENCH_RUNS=50 cargo test --release -p ringmq --test cpg_sockets -- --ignored --nocapture`
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "measurement, takes minutes"]
+async fn measure_failure_detection_and_commit_latency() {
+    let runs: usize = std::env::var("CPG_BENCH_RUNS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(50);
+    let mut detect = Vec::new();
+    let mut commit = Vec::new();
+    for _ in 0..runs {
+        let (a, mut ea) = Cpg::start(config(vec![], SECRET)).await.expect("found");
+        let seeds = vec![a.addr().to_string()];
+        let (b, _eb) = Cpg::start(config(seeds.clone(), SECRET)).await.expect("b");
+        let (c, _ec) = Cpg::start(config(seeds, SECRET)).await.expect("c");
+        a.join(GROUP).await.expect("join");
+        b.join(GROUP).await.expect("join");
+        c.join(GROUP).await.expect("join");
+        for i in 0..20u8 {
+            let t = Instant::now();
+            b.mcast(GROUP, Bytes::from(vec![i])).await.expect("mcast");
+            commit.push(t.elapsed());
+        }
+        let dead = c.id();
+        let t = Instant::now();
+        drop(c);
+        drop(_ec);
+        wait_for(&mut ea, Duration::from_secs(10), |ev| {
+            matches!(ev, CpgEvent::ConfChg { failed, .. } if failed.iter().any(|m| m.id == dead))
+        })
+        .await;
+        detect.push(t.elapsed());
+        a.shutdown().await;
+        b.shutdown().await;
+    }
+    detect.sort();
+    commit.sort();
+    println!(
+        "kill -> ConfChg over {} runs: median {:?}, p99 {:?}, max {:?}",
+        detect.len(),
+        percentile(&detect, 0.5),
+        percentile(&detect, 0.99),
+        detect[detect.len() - 1]
+    );
+    println!(
+        "mcast commit (follower-sent, 3 members) over {} samples: median {:?}, p99 {:?}",
+        commit.len(),
+        percentile(&commit, 0.5),
+        percentile(&commit, 0.99)
+    );
+}

@@ -96,11 +96,15 @@ mod tests {
     #[tokio::test]
     async fn wrong_secret_is_refused_by_the_acceptor() {
         let (mut a, mut d) = tokio::io::duplex(256);
-        let (ra, rd) = tokio::join!(accept(&mut a, b"right"), async {
-            let r = dial(&mut d, b"wrong").await;
-            drop(d);
-            r
-        });
+        let (ra, rd) = tokio::join!(
+            async move {
+                // Dropping the acceptor's end is what a refused peer sees: the connection closes.
+                let r = accept(&mut a, b"right").await;
+                drop(a);
+                r
+            },
+            dial(&mut d, b"wrong")
+        );
         assert!(matches!(ra, Err(TransportError::Auth(_))));
         assert!(rd.is_err());
     }

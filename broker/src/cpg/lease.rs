@@ -1,7 +1,10 @@
 //! Quorum leases and failure detection, the timing half of the guarantees.
 //!
-//! * A follower has quorum until `lease_ms` after it *sent* a ping that the leader answered
-//!   with a grant; the leader grants only while a majority acknowledged it within `lease_ms`.
+//! * The leader's own lease runs `lease_ms` from the last heartbeat a majority acknowledged.
+//! * A follower has quorum until the leader's lease ends, measured conservatively: the leader
+//!   answers a ping with what is left of its lease, and the follower counts that from when it
+//!   *sent* the ping. So a member cut off with (or from) the leader loses quorum within
+//!   `lease_ms` of the cut.
 //! * The leader removes a member only after `failure_timeout_ms` without a ping from it
 //!   (counted from when it became leader, since it knows nothing older). Any lease the member
 //!   still holds was granted at most `lease_ms` after a ping this or an earlier leader received,
@@ -22,9 +25,11 @@ pub(crate) struct Lease {
     lease: Duration,
     failure_timeout: Duration,
     granted_until: Option<Instant>,
+    leader_until: Option<Instant>,
     leading_term: Option<u64>,
     last_heard: BTreeMap<MemberId, Instant>,
     lagging_since: BTreeMap<MemberId, Instant>,
+    removing: BTreeSet<MemberId>,
 }
 
 impl Lease {
@@ -34,15 +39,17 @@ impl Lease {
             lease: Duration::from_millis(lease_ms),
             failure_timeout: Duration::from_millis(failure_timeout_ms),
             granted_until: None,
+            leader_until: None,
             leading_term: None,
             last_heard: BTreeMap::new(),
             lagging_since: BTreeMap::new(),
+            removing: BTreeSet::new(),
         }
     }
 
-    /// The leader granted the ping sent at `sent_at`.
-    pub fn granted(&mut self, sent_at: Instant) {
-        let until = sent_at + self.lease;
+    /// The leader granted `granted_ms` to the ping sent at `sent_at`.
+    pub fn granted(&mut self, sent_at: Instant, granted_ms: u64) {
+        let until = sent_at + self.lease.min(Duration::from_millis(granted_ms));
         if self.granted_until.is_none_or(|u| u < until) {
             self.granted_until = Some(until);
         }
@@ -53,11 +60,28 @@ impl Lease {
         self.granted_until.is_some_and(|u| now < u)
     }
 
-    /// Whether a leader whose last majority acknowledgement is `millis_since_quorum_ack` old
-    /// (as of a report up to `staleness_ms` old) may still claim quorum.
-    pub fn leader_has_quorum(&self, millis_since_quorum_ack: Option<u64>, staleness_ms: u64) -> bool {
-        let lease_ms = u64::try_from(self.lease.as_millis()).unwrap_or(u64::MAX);
-        millis_since_quorum_ack.is_some_and(|ms| ms.saturating_add(staleness_ms) < lease_ms)
+    /// The leader's last majority acknowledgement is `millis_since_quorum_ack` old, as of a
+    /// report up to `staleness_ms` old (openraft publishes it on its ticks).
+    pub fn leader_acked(&mut self, now: Instant, millis_since_quorum_ack: Option<u64>, staleness_ms: u64) {
+        self.leader_until = millis_since_quorum_ack.and_then(|ms| {
+            let used = Duration::from_millis(ms.saturating_add(staleness_ms));
+            (now + self.lease).checked_sub(used)
+        });
+    }
+
+    /// Whether this leader's own lease runs at `now`.
+    pub fn leader_has_quorum(&self, now: Instant) -> bool {
+        self.leader_until.is_some_and(|u| now < u)
+    }
+
+    /// What is left of this leader's lease for `member` at `now` (0: no grant).
+    pub fn grant_ms(&self, member: MemberId, now: Instant) -> u64 {
+        if self.removing.contains(&member) {
+            return 0;
+        }
+        self.leader_until
+            .map(|u| u.saturating_duration_since(now))
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
     }
 
     /// A ping from `member` reached the leader at `now`.
@@ -72,13 +96,21 @@ impl Lease {
             self.leading_term = Some(term);
             self.last_heard.clear();
             self.lagging_since.clear();
+            self.removing.clear();
         }
         self.granted_until = None;
+    }
+
+    /// The leader proposed removing `members`: from now on in this term it grants them no
+    /// lease, since the removal may commit at any later moment.
+    pub fn removing(&mut self, members: &BTreeSet<MemberId>) {
+        self.removing.extend(members);
     }
 
     /// Not leading (any more).
     pub fn following(&mut self) {
         self.leading_term = None;
+        self.leader_until = None;
     }
 
     /// Members of `voters` (other than the leader) to remove at `now`: silent for
@@ -121,10 +153,34 @@ mod tests {
         let mut l = Lease::new(500, 1_200);
         let sent = Instant::now();
         tokio::time::advance(Duration::from_millis(100)).await;
-        l.granted(sent);
+        l.granted(sent, 10_000);
         assert!(l.follower_has_quorum(Instant::now()));
         tokio::time::advance(Duration::from_millis(401)).await;
         assert!(!l.follower_has_quorum(Instant::now()));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn follower_lease_never_outlives_the_leaders() {
+        let mut leader = Lease::new(500, 1_200);
+        leader.leading(3);
+        leader.leader_acked(Instant::now(), Some(300), 50);
+        let grant = leader.grant_ms(2, Instant::now());
+        assert_eq!(grant, 150);
+        let mut follower = Lease::new(500, 1_200);
+        follower.granted(Instant::now(), grant);
+        tokio::time::advance(Duration::from_millis(151)).await;
+        assert!(!leader.leader_has_quorum(Instant::now()));
+        assert!(!follower.follower_has_quorum(Instant::now()));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn member_being_removed_gets_no_grant() {
+        let mut leader = Lease::new(500, 1_200);
+        leader.leading(3);
+        leader.leader_acked(Instant::now(), Some(0), 0);
+        leader.removing(&BTreeSet::from([2]));
+        assert_eq!(leader.grant_ms(2, Instant::now()), 0);
+        assert!(leader.grant_ms(4, Instant::now()) > 0);
     }
 
     #[tokio::test(start_paused = true)]

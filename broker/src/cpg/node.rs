@@ -171,12 +171,11 @@ impl Cpg {
             .await
             .map_err(|e| CpgError::Config(format!("openraft refused to start: {e}")))?;
         let lease = Arc::new(Mutex::new(Lease::new(config.lease_ms, config.failure_timeout_ms)));
-        let (quorum_tx, quorum) = watch::channel(false);
+        let (quorum_tx, _) = watch::channel(false);
         let service = Arc::new(Service::new(
             id,
             raft.clone(),
             Arc::clone(&lease),
-            quorum,
             write_timeout(&config),
         ));
         let events = CpgEvents {
@@ -218,6 +217,33 @@ impl Cpg {
     /// A member without quorum must stop serving what depends on agreement.
     pub fn quorum(&self) -> watch::Receiver<bool> {
         self.inner.quorum_tx.subscribe()
+    }
+
+    /// The log index of this member's newest membership and its voters (for the simulation).
+    #[cfg(test)]
+    pub(crate) fn voters(&self) -> (u64, BTreeSet<MemberId>) {
+        let m = self.inner.raft.metrics();
+        let m = m.borrow();
+        let index = m.membership_config.log_id().map_or(0, |l| l.index);
+        (index, m.membership_config.membership().voter_ids().collect())
+    }
+
+    /// One line of openraft's view of this member (for simulation failure reports).
+    #[cfg(test)]
+    pub(crate) fn raft_summary(&self) -> String {
+        let m = self.inner.raft.metrics();
+        let m = m.borrow();
+        format!(
+            "{:?} term {} leader {:?} last_log {:?} applied {:?} membership {:?} quorum_ack_ms {:?} stop {:?}",
+            m.state,
+            m.current_term,
+            m.current_leader,
+            m.last_log_index,
+            m.last_applied.map(|l| l.index),
+            m.membership_config.membership(),
+            m.millis_since_quorum_ack,
+            self.stop_reason()
+        )
     }
 
     /// Why the member stopped, once it has.
@@ -368,8 +394,9 @@ impl Cpg {
             let addr = match hint.take() {
                 Some(a) => a,
                 None => {
-                    next_seed = (next_seed + 1) % inner.config.seeds.len();
-                    inner.config.seeds[next_seed].clone()
+                    let seed = inner.config.seeds[next_seed % inner.config.seeds.len()].clone();
+                    next_seed = next_seed.wrapping_add(1);
+                    seed
                 }
             };
             let env = Envelope {
@@ -453,10 +480,15 @@ impl Cpg {
         let has_quorum = if state == ServerState::Leader {
             let mut lease = inner.lease.lock();
             lease.leading(term);
-            let q = lease.leader_has_quorum(quorum_ack_ms, inner.config.heartbeat_ms);
+            lease.leader_acked(now, quorum_ack_ms, inner.config.heartbeat_ms);
+            let q = lease.leader_has_quorum(now);
             let failed = lease.failed(now, inner.id, &voters, &lag, inner.config.max_lag_entries);
+            let propose = !failed.is_empty() && monitor.removal.as_ref().is_none_or(JoinHandle::is_finished);
+            if propose {
+                lease.removing(&failed);
+            }
             drop(lease);
-            if !failed.is_empty() && monitor.removal.as_ref().is_none_or(JoinHandle::is_finished) {
+            if propose {
                 tracing::warn!(member = inner.id, ?failed, "removing failed CPG members");
                 let raft = inner.raft.clone();
                 let timeout = write_timeout(&inner.config);
@@ -518,11 +550,9 @@ impl Cpg {
                 Ok(Response::Pong {
                     term: leader_term,
                     member,
-                    granted,
+                    granted_ms,
                 }) => {
-                    if granted {
-                        inner.lease.lock().granted(sent_at);
-                    }
+                    inner.lease.lock().granted(sent_at, granted_ms);
                     if !member && leader_term >= term {
                         Cpg { inner }.set_stop(StopReason::Evicted);
                     }

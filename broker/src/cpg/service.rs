@@ -8,7 +8,6 @@ use std::time::Duration;
 use openraft::error::{ClientWriteError, RaftError};
 use openraft::{BasicNode, ChangeMembers, Raft, ServerState};
 use parking_lot::Mutex;
-use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::lease::Lease;
@@ -20,7 +19,6 @@ pub(crate) struct Service {
     id: MemberId,
     raft: Raft<CpgTypes>,
     lease: Arc<Mutex<Lease>>,
-    quorum: watch::Receiver<bool>,
     write_timeout: Duration,
 }
 
@@ -30,14 +28,12 @@ impl Service {
         id: MemberId,
         raft: Raft<CpgTypes>,
         lease: Arc<Mutex<Lease>>,
-        quorum: watch::Receiver<bool>,
         write_timeout: Duration,
     ) -> Self {
         Self {
             id,
             raft,
             lease,
-            quorum,
             write_timeout,
         }
     }
@@ -81,22 +77,33 @@ impl Service {
     }
 
     fn ping(&self, from: MemberId) -> Response {
-        let (is_leader, term, member) = {
+        let (is_leader, term, in_newest, removed) = {
             let m = self.raft.metrics();
             let m = m.borrow();
-            let member = m.membership_config.membership().voter_ids().any(|v| v == from);
-            (m.state == ServerState::Leader, m.current_term, member)
+            let membership = m.membership_config.membership();
+            // A member the newest (maybe uncommitted) configuration drops is on its way out and
+            // gets no new lease; it is told it was removed only once that is committed, since
+            // an uncommitted removal may still need its vote.
+            let in_newest = membership.get_joint_config().last().is_some_and(|c| c.contains(&from));
+            let committed = m.membership_config.log_id().map(|l| l.index) <= m.last_applied.map(|l| l.index);
+            let removed = committed && !membership.voter_ids().any(|v| v == from);
+            (m.state == ServerState::Leader, m.current_term, in_newest, removed)
         };
         if !is_leader {
             return self.not_leader();
         }
-        if member {
-            self.lease.lock().heard(from, Instant::now());
-        }
+        let granted_ms = {
+            let now = Instant::now();
+            let mut lease = self.lease.lock();
+            if !removed {
+                lease.heard(from, now);
+            }
+            if in_newest { lease.grant_ms(from, now) } else { 0 }
+        };
         Response::Pong {
             term,
-            member,
-            granted: member && *self.quorum.borrow(),
+            member: !removed,
+            granted_ms,
         }
     }
 

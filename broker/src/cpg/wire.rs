@@ -61,10 +61,10 @@ pub(crate) enum Response {
     Pong {
         /// The leader's term, so a member ignores a stale leader's opinion.
         term: u64,
-        /// Whether the pinger is a voter in the leader's membership.
+        /// False once the leader's committed membership no longer has the pinger.
         member: bool,
-        /// Whether the leader has quorum, i.e. the pinger may extend its lease.
-        granted: bool,
+        /// What is left of the leader's quorum lease, granted to the pinger (0: none).
+        granted_ms: u64,
     },
     /// Answer to [`Request::Join`]: admitted as a voter.
     Joined,
