@@ -456,7 +456,7 @@ impl Cpg {
     fn monitor_tick(&self, monitor: &mut Monitor) {
         let inner = &self.inner;
         let now = Instant::now();
-        let (state, term, leader, voters, addrs, quorum_ack_ms, lag) = {
+        let (state, term, membership_index, leader, voters, addrs, quorum_ack_ms, lag) = {
             let m = inner.raft.metrics();
             let m = m.borrow();
             let membership = m.membership_config.membership();
@@ -475,14 +475,30 @@ impl Cpg {
                         .collect()
                 })
                 .unwrap_or_default();
-            (m.state, m.current_term, m.current_leader, voters, addrs, m.millis_since_quorum_ack, lag)
+            let membership_index = m.membership_config.log_id().map_or(0, |l| l.index);
+            (
+                m.state,
+                m.current_term,
+                membership_index,
+                m.current_leader,
+                voters,
+                addrs,
+                m.millis_since_quorum_ack,
+                lag,
+            )
         };
         let has_quorum = if state == ServerState::Leader {
             let mut lease = inner.lease.lock();
             lease.leading(term);
             lease.leader_acked(now, quorum_ack_ms, inner.config.heartbeat_ms);
             let q = lease.leader_has_quorum(now);
-            let failed = lease.failed(now, inner.id, &voters, &lag, inner.config.max_lag_entries);
+            // Only a leader with quorum removes members: a cut-off leader proposing to remove
+            // the majority would leave a joint configuration nobody can ever commit.
+            let failed = if q {
+                lease.failed(now, inner.id, &voters, &lag, inner.config.max_lag_entries)
+            } else {
+                BTreeSet::new()
+            };
             let propose = !failed.is_empty() && monitor.removal.as_ref().is_none_or(JoinHandle::is_finished);
             if propose {
                 lease.removing(&failed);
@@ -519,7 +535,7 @@ impl Cpg {
                         others.get(monitor.next_peer % others.len().max(1)).map(|a| (*a).clone())
                     });
                 if let Some(addr) = target {
-                    monitor.ping = Some(self.spawn_ping(addr, term, Arc::clone(&monitor.hint)));
+                    monitor.ping = Some(self.spawn_ping(addr, membership_index, Arc::clone(&monitor.hint)));
                 }
             }
             q
@@ -533,7 +549,12 @@ impl Cpg {
         });
     }
 
-    fn spawn_ping(&self, addr: String, term: u64, hint: Arc<Mutex<Option<String>>>) -> JoinHandle<()> {
+    fn spawn_ping(
+        &self,
+        addr: String,
+        known_membership_index: u64,
+        hint: Arc<Mutex<Option<String>>>,
+    ) -> JoinHandle<()> {
         let weak = Arc::downgrade(&self.inner);
         let transport = Arc::clone(&self.inner.transport);
         let id = self.inner.id;
@@ -548,12 +569,12 @@ impl Cpg {
             let Some(inner) = weak.upgrade() else { return };
             match resp {
                 Ok(Response::Pong {
-                    term: leader_term,
+                    membership_index,
                     member,
                     granted_ms,
                 }) => {
                     inner.lease.lock().granted(sent_at, granted_ms);
-                    if !member && leader_term >= term {
+                    if !member && membership_index > known_membership_index {
                         Cpg { inner }.set_stop(StopReason::Evicted);
                     }
                 }

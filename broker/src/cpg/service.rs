@@ -77,7 +77,7 @@ impl Service {
     }
 
     fn ping(&self, from: MemberId) -> Response {
-        let (is_leader, term, in_newest, removed) = {
+        let (is_leader, membership_index, in_newest, removed) = {
             let m = self.raft.metrics();
             let m = m.borrow();
             let membership = m.membership_config.membership();
@@ -87,7 +87,8 @@ impl Service {
             let in_newest = membership.get_joint_config().last().is_some_and(|c| c.contains(&from));
             let committed = m.membership_config.log_id().map(|l| l.index) <= m.last_applied.map(|l| l.index);
             let removed = committed && !membership.voter_ids().any(|v| v == from);
-            (m.state == ServerState::Leader, m.current_term, in_newest, removed)
+            let index = m.membership_config.log_id().map_or(0, |l| l.index);
+            (m.state == ServerState::Leader, index, in_newest, removed)
         };
         if !is_leader {
             return self.not_leader();
@@ -101,7 +102,7 @@ impl Service {
             if in_newest { lease.grant_ms(from, now) } else { 0 }
         };
         Response::Pong {
-            term,
+            membership_index,
             member: !removed,
             granted_ms,
         }

@@ -59,8 +59,9 @@ pub(crate) enum Response {
     Snapshot(InstallSnapshotResponse<MemberId>),
     /// Answer to [`Request::Ping`] from the leader.
     Pong {
-        /// The leader's term, so a member ignores a stale leader's opinion.
-        term: u64,
+        /// Log index of the leader's membership, so a member ignores a leader whose view of the
+        /// membership is older than its own.
+        membership_index: u64,
         /// False once the leader's committed membership no longer has the pinger.
         member: bool,
         /// What is left of the leader's quorum lease, granted to the pinger (0: none).

@@ -259,7 +259,7 @@ fn run_seed(seed: u64) -> Trace {
         }
         let mut finals = Vec::new();
         for slot in &sim.slots {
-            let m = slot.member.clone().filter(|_| slot.in_group);
+            let m = slot.member.clone().filter(|m| slot.in_group && m.stop_reason().is_none());
             let Some(m) = m else { continue };
             let payload = format!("final-{}", m.id());
             let ok = m.mcast(GROUP, Bytes::from(payload.clone())).await.is_ok();
@@ -271,7 +271,7 @@ fn run_seed(seed: u64) -> Trace {
             .slots
             .iter()
             .filter(|s| s.in_group)
-            .filter_map(|s| s.member.as_ref().map(Cpg::id))
+            .filter_map(|s| s.member.as_ref().filter(|m| m.stop_reason().is_none()).map(Cpg::id))
             .collect();
         sim.record(Record::Quiesced { live, finals });
         for i in 0..n {
