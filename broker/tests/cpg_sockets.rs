@@ -49,15 +49,23 @@ fn is_delivery_of(ev: &CpgEvent, payload: &[u8]) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_member_fails_on_survivors_and_restarted_one_rejoins_and_catches_up() {
-    let (a, mut ea) = Cpg::start(config(vec![], SECRET)).await.expect("found cluster");
+    let (a, mut ea) = Cpg::start(config(vec![], SECRET))
+        .await
+        .expect("found cluster");
     let seeds = vec![a.addr().to_string()];
-    let (b, mut eb) = Cpg::start(config(seeds.clone(), SECRET)).await.expect("b joins");
-    let (c, mut ec) = Cpg::start(config(seeds.clone(), SECRET)).await.expect("c joins");
+    let (b, mut eb) = Cpg::start(config(seeds.clone(), SECRET))
+        .await
+        .expect("b joins");
+    let (c, mut ec) = Cpg::start(config(seeds.clone(), SECRET))
+        .await
+        .expect("c joins");
     for m in [&a, &b, &c] {
         m.join(GROUP).await.expect("join group");
     }
     for (i, m) in [&a, &b, &c].into_iter().enumerate() {
-        m.mcast(GROUP, Bytes::from(vec![i as u8])).await.expect("mcast");
+        m.mcast(GROUP, Bytes::from(vec![i as u8]))
+            .await
+            .expect("mcast");
     }
     let limit = Duration::from_secs(10);
     let mut logs = Vec::new();
@@ -91,7 +99,9 @@ async fn killed_member_fails_on_survivors_and_restarted_one_rejoins_and_catches_
             if joined.iter().any(|m| m.id == c2.id()) && members.len() == 3)
     })
     .await;
-    a.mcast(GROUP, Bytes::from_static(b"after")).await.expect("mcast after rejoin");
+    a.mcast(GROUP, Bytes::from_static(b"after"))
+        .await
+        .expect("mcast after rejoin");
     for e in [&mut ea, &mut eb, &mut ec2] {
         wait_for(e, limit, |ev| is_delivery_of(ev, b"after")).await;
     }
@@ -102,7 +112,9 @@ async fn killed_member_fails_on_survivors_and_restarted_one_rejoins_and_catches_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn peer_with_wrong_secret_is_refused() {
-    let (a, _ea) = Cpg::start(config(vec![], SECRET)).await.expect("found cluster");
+    let (a, _ea) = Cpg::start(config(vec![], SECRET))
+        .await
+        .expect("found cluster");
     let mut bad = config(vec![a.addr().to_string()], b"not-the-secret");
     bad.join_timeout_ms = 1_000;
     match Cpg::start(bad).await {

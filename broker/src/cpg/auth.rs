@@ -29,7 +29,8 @@ fn nonce() -> [u8; NONCE_BYTES] {
 
 fn mac(secret: &[u8], label: &[u8], first: &[u8], second: &[u8]) -> Hmac<Sha256> {
     // HMAC takes keys of any length, so this cannot fail.
-    let mut m = <Hmac<Sha256> as KeyInit>::new_from_slice(secret).expect("HMAC accepts any key length");
+    let mut m =
+        <Hmac<Sha256> as KeyInit>::new_from_slice(secret).expect("HMAC accepts any key length");
     m.update(label);
     m.update(first);
     m.update(second);
@@ -47,13 +48,21 @@ where
     hello.extend_from_slice(&nonce_a);
     stream.write_all(&hello).await.map_err(TransportError::io)?;
     let mut reply = [0u8; NONCE_BYTES + MAC_BYTES];
-    stream.read_exact(&mut reply).await.map_err(TransportError::io)?;
+    stream
+        .read_exact(&mut reply)
+        .await
+        .map_err(TransportError::io)?;
     let (nonce_d, proof) = reply.split_at(NONCE_BYTES);
     mac(secret, b"dial", &nonce_a, nonce_d)
         .verify_slice(proof)
         .map_err(|_| TransportError::Auth("peer does not know the cluster secret".into()))?;
-    let answer = mac(secret, b"accept", nonce_d, &nonce_a).finalize().into_bytes();
-    stream.write_all(&answer).await.map_err(TransportError::io)?;
+    let answer = mac(secret, b"accept", nonce_d, &nonce_a)
+        .finalize()
+        .into_bytes();
+    stream
+        .write_all(&answer)
+        .await
+        .map_err(TransportError::io)?;
     stream.flush().await.map_err(TransportError::io)
 }
 
@@ -63,20 +72,28 @@ where
     S: AsyncRead + AsyncWrite + Unpin,
 {
     let mut hello = [0u8; MAGIC.len() + NONCE_BYTES];
-    stream.read_exact(&mut hello).await.map_err(TransportError::io)?;
+    stream
+        .read_exact(&mut hello)
+        .await
+        .map_err(TransportError::io)?;
     let (magic, nonce_a) = hello.split_at(MAGIC.len());
     if magic != MAGIC {
         return Err(TransportError::Auth("not a ringmq cluster port".into()));
     }
     let nonce_d = nonce();
-    let proof = mac(secret, b"dial", nonce_a, &nonce_d).finalize().into_bytes();
+    let proof = mac(secret, b"dial", nonce_a, &nonce_d)
+        .finalize()
+        .into_bytes();
     let mut reply = Vec::with_capacity(NONCE_BYTES + MAC_BYTES);
     reply.extend_from_slice(&nonce_d);
     reply.extend_from_slice(&proof);
     stream.write_all(&reply).await.map_err(TransportError::io)?;
     stream.flush().await.map_err(TransportError::io)?;
     let mut answer = [0u8; MAC_BYTES];
-    stream.read_exact(&mut answer).await.map_err(TransportError::io)?;
+    stream
+        .read_exact(&mut answer)
+        .await
+        .map_err(TransportError::io)?;
     mac(secret, b"accept", &nonce_d, nonce_a)
         .verify_slice(&answer)
         .map_err(|_| TransportError::Auth("acceptor does not know the cluster secret".into()))

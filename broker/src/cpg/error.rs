@@ -17,7 +17,9 @@ pub enum CpgError {
         reason: String,
     },
     /// No seed admitted this member in time.
-    #[error("no seed admitted this member within {timeout_ms} ms; check the seeds, the secret and that a majority is up")]
+    #[error(
+        "no seed admitted this member within {timeout_ms} ms; check the seeds, the secret and that a majority is up"
+    )]
     JoinTimeout {
         /// How long it tried.
         timeout_ms: u64,

@@ -162,12 +162,21 @@ mod tests {
         let mut g = Groups::default();
         assert!(g.set_voters(1, voters(&[1, 2, 3])).is_empty());
         for m in [1, 2, 3] {
-            g.apply(1 + m, Command::Join { group: "a".into(), member: m });
+            g.apply(
+                1 + m,
+                Command::Join {
+                    group: "a".into(),
+                    member: m,
+                },
+            );
         }
         let out = g.set_voters(9, voters(&[1, 2]));
         assert_eq!(out.len(), 1);
         assert_eq!(out[0].to, BTreeSet::from([1, 2]));
-        let CpgEvent::ConfChg { failed, members, .. } = &out[0].event else {
+        let CpgEvent::ConfChg {
+            failed, members, ..
+        } = &out[0].event
+        else {
             panic!("expected a configuration change");
         };
         assert_eq!(failed.iter().map(|m| m.id).collect::<Vec<_>>(), vec![3]);
@@ -178,9 +187,16 @@ mod tests {
     fn non_member_cannot_join_or_multicast() {
         let mut g = Groups::default();
         g.set_voters(1, voters(&[1]));
-        let join = Command::Join { group: "a".into(), member: 7 };
+        let join = Command::Join {
+            group: "a".into(),
+            member: 7,
+        };
         assert_eq!(g.apply(2, join).0, Outcome::NotMember);
-        let mcast = Command::Mcast { group: "a".into(), sender: 1, payload: vec![1] };
+        let mcast = Command::Mcast {
+            group: "a".into(),
+            sender: 1,
+            payload: vec![1],
+        };
         assert_eq!(g.apply(3, mcast).0, Outcome::NotMember);
     }
 
@@ -188,11 +204,33 @@ mod tests {
     fn leaver_sees_its_own_leave_and_nothing_after() {
         let mut g = Groups::default();
         g.set_voters(1, voters(&[1, 2]));
-        g.apply(2, Command::Join { group: "a".into(), member: 1 });
-        g.apply(3, Command::Join { group: "a".into(), member: 2 });
-        let (_, e) = g.apply(4, Command::Leave { group: "a".into(), member: 2 });
+        g.apply(
+            2,
+            Command::Join {
+                group: "a".into(),
+                member: 1,
+            },
+        );
+        g.apply(
+            3,
+            Command::Join {
+                group: "a".into(),
+                member: 2,
+            },
+        );
+        let (_, e) = g.apply(
+            4,
+            Command::Leave {
+                group: "a".into(),
+                member: 2,
+            },
+        );
         assert_eq!(e.map(|e| e.to), Some(BTreeSet::from([1, 2])));
-        let mcast = Command::Mcast { group: "a".into(), sender: 1, payload: vec![] };
+        let mcast = Command::Mcast {
+            group: "a".into(),
+            sender: 1,
+            payload: vec![],
+        };
         let (_, e) = g.apply(5, mcast);
         assert_eq!(e.map(|e| e.to), Some(BTreeSet::from([1])));
     }

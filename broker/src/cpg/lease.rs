@@ -62,7 +62,12 @@ impl Lease {
 
     /// The leader's last majority acknowledgement is `millis_since_quorum_ack` old, as of a
     /// report up to `staleness_ms` old (openraft publishes it on its ticks).
-    pub fn leader_acked(&mut self, now: Instant, millis_since_quorum_ack: Option<u64>, staleness_ms: u64) {
+    pub fn leader_acked(
+        &mut self,
+        now: Instant,
+        millis_since_quorum_ack: Option<u64>,
+        staleness_ms: u64,
+    ) {
         self.leader_until = millis_since_quorum_ack.and_then(|ms| {
             let used = Duration::from_millis(ms.saturating_add(staleness_ms));
             (now + self.lease).checked_sub(used)
@@ -194,7 +199,10 @@ mod tests {
         tokio::time::advance(Duration::from_millis(1_000)).await;
         l.heard(2, Instant::now());
         tokio::time::advance(Duration::from_millis(201)).await;
-        assert_eq!(l.failed(Instant::now(), 1, &voters, &none, 10), BTreeSet::from([3]));
+        assert_eq!(
+            l.failed(Instant::now(), 1, &voters, &none, 10),
+            BTreeSet::from([3])
+        );
     }
 
     #[tokio::test(start_paused = true)]
@@ -211,6 +219,9 @@ mod tests {
         l.heard(2, Instant::now());
         tokio::time::advance(Duration::from_millis(150)).await;
         l.heard(2, Instant::now());
-        assert_eq!(l.failed(Instant::now(), 1, &voters, &lag, 10), BTreeSet::from([2]));
+        assert_eq!(
+            l.failed(Instant::now(), 1, &voters, &lag, 10),
+            BTreeSet::from([2])
+        );
     }
 }

@@ -4,13 +4,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use openraft::BasicNode;
 use openraft::error::{InstallSnapshotError, RPCError, RaftError, Unreachable};
 use openraft::network::{Backoff, RPCOption, RaftNetwork, RaftNetworkFactory};
 use openraft::raft::{
     AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse,
     VoteRequest, VoteResponse,
 };
-use openraft::BasicNode;
 
 use super::transport::{Transport, TransportError};
 use super::types::{CpgTypes, MemberId};
@@ -49,7 +49,8 @@ pub(crate) struct PeerNetwork {
     backoff: Duration,
 }
 
-type RpcErr<E = openraft::error::Infallible> = RPCError<MemberId, BasicNode, RaftError<MemberId, E>>;
+type RpcErr<E = openraft::error::Infallible> =
+    RPCError<MemberId, BasicNode, RaftError<MemberId, E>>;
 
 fn unreachable<E: std::error::Error>(e: TransportError) -> RPCError<MemberId, BasicNode, E> {
     RPCError::Unreachable(Unreachable::new(&e))
@@ -83,7 +84,11 @@ impl RaftNetwork<CpgTypes> for PeerNetwork {
         rpc: AppendEntriesRequest<CpgTypes>,
         option: RPCOption,
     ) -> Result<AppendEntriesResponse<MemberId>, RpcErr> {
-        match self.call(Request::Append(rpc), &option).await.map_err(unreachable)? {
+        match self
+            .call(Request::Append(rpc), &option)
+            .await
+            .map_err(unreachable)?
+        {
             Response::Append(r) => Ok(r),
             other => Err(unreachable(unexpected(&other))),
         }
@@ -94,7 +99,11 @@ impl RaftNetwork<CpgTypes> for PeerNetwork {
         rpc: InstallSnapshotRequest<CpgTypes>,
         option: RPCOption,
     ) -> Result<InstallSnapshotResponse<MemberId>, RpcErr<InstallSnapshotError>> {
-        match self.call(Request::Snapshot(rpc), &option).await.map_err(unreachable)? {
+        match self
+            .call(Request::Snapshot(rpc), &option)
+            .await
+            .map_err(unreachable)?
+        {
             Response::Snapshot(r) => Ok(r),
             other => Err(unreachable(unexpected(&other))),
         }
@@ -105,7 +114,11 @@ impl RaftNetwork<CpgTypes> for PeerNetwork {
         rpc: VoteRequest<MemberId>,
         option: RPCOption,
     ) -> Result<VoteResponse<MemberId>, RpcErr> {
-        match self.call(Request::Vote(rpc), &option).await.map_err(unreachable)? {
+        match self
+            .call(Request::Vote(rpc), &option)
+            .await
+            .map_err(unreachable)?
+        {
             Response::Vote(r) => Ok(r),
             other => Err(unreachable(unexpected(&other))),
         }

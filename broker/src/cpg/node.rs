@@ -128,9 +128,15 @@ impl Cpg {
         };
         let listener = TcpListener::bind(config.listen).await.map_err(bind_err)?;
         let bound = listener.local_addr().map_err(bind_err)?;
-        let addr = config.advertise.clone().unwrap_or_else(|| bound.to_string());
+        let addr = config
+            .advertise
+            .clone()
+            .unwrap_or_else(|| bound.to_string());
         let secret = Arc::new(config.secret.clone());
-        let transport = Arc::new(TcpTransport::new(Arc::clone(&secret), config.max_frame_bytes));
+        let transport = Arc::new(TcpTransport::new(
+            Arc::clone(&secret),
+            config.max_frame_bytes,
+        ));
         let id = CpgRng.next_u64();
         let launched = Self::launch(config.clone(), id, addr, transport).await?;
         let server = tokio::spawn(tcp::serve(
@@ -170,7 +176,10 @@ impl Cpg {
         let raft = Raft::new(id, raft_config, network, LogStore::default(), sm)
             .await
             .map_err(|e| CpgError::Config(format!("openraft refused to start: {e}")))?;
-        let lease = Arc::new(Mutex::new(Lease::new(config.lease_ms, config.failure_timeout_ms)));
+        let lease = Arc::new(Mutex::new(Lease::new(
+            config.lease_ms,
+            config.failure_timeout_ms,
+        )));
         let (quorum_tx, _) = watch::channel(false);
         let service = Arc::new(Service::new(
             id,
@@ -225,7 +234,10 @@ impl Cpg {
         let m = self.inner.raft.metrics();
         let m = m.borrow();
         let index = m.membership_config.log_id().map_or(0, |l| l.index);
-        (index, m.membership_config.membership().voter_ids().collect())
+        (
+            index,
+            m.membership_config.membership().voter_ids().collect(),
+        )
     }
 
     /// One line of openraft's view of this member (for simulation failure reports).
@@ -342,7 +354,9 @@ impl Cpg {
             self.check_running()?;
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return Err(CpgError::NotCommitted("no leader accepted it in time".into()));
+                return Err(CpgError::NotCommitted(
+                    "no leader accepted it in time".into(),
+                ));
             }
             let local = tokio::time::timeout(left, self.inner.raft.client_write(cmd.clone())).await;
             let leader_addr = match local {
@@ -364,7 +378,11 @@ impl Cpg {
             match self.inner.transport.call(&addr, env, left).await {
                 Ok(Response::Written(o)) => return Ok(o),
                 Ok(Response::NotLeader { .. }) => tokio::time::sleep(retry).await,
-                Ok(other) => return Err(CpgError::Indeterminate(format!("leader answered {other:?}"))),
+                Ok(other) => {
+                    return Err(CpgError::Indeterminate(format!(
+                        "leader answered {other:?}"
+                    )));
+                }
                 Err(e) => return Err(CpgError::Indeterminate(e.to_string())),
             }
         }
@@ -407,7 +425,11 @@ impl Cpg {
                 },
             };
             let left = deadline.saturating_duration_since(Instant::now());
-            match inner.transport.call(&addr, env, left.min(write_timeout(&inner.config))).await {
+            match inner
+                .transport
+                .call(&addr, env, left.min(write_timeout(&inner.config)))
+                .await
+            {
                 Ok(Response::Joined) => {
                     tracing::info!(member = inner.id, via = %addr, "admitted to the CPG cluster");
                     return Ok(());
@@ -471,7 +493,9 @@ impl Cpg {
                 .as_ref()
                 .map(|r| {
                     r.iter()
-                        .map(|(id, matched)| (*id, last.saturating_sub(matched.map_or(0, |l| l.index))))
+                        .map(|(id, matched)| {
+                            (*id, last.saturating_sub(matched.map_or(0, |l| l.index)))
+                        })
                         .collect()
                 })
                 .unwrap_or_default();
@@ -499,7 +523,8 @@ impl Cpg {
             } else {
                 BTreeSet::new()
             };
-            let propose = !failed.is_empty() && monitor.removal.as_ref().is_none_or(JoinHandle::is_finished);
+            let propose =
+                !failed.is_empty() && monitor.removal.as_ref().is_none_or(JoinHandle::is_finished);
             if propose {
                 lease.removing(&failed);
             }
@@ -532,10 +557,13 @@ impl Cpg {
                             .map(|(_, a)| a)
                             .collect();
                         monitor.next_peer = monitor.next_peer.wrapping_add(1);
-                        others.get(monitor.next_peer % others.len().max(1)).map(|a| (*a).clone())
+                        others
+                            .get(monitor.next_peer % others.len().max(1))
+                            .map(|a| (*a).clone())
                     });
                 if let Some(addr) = target {
-                    monitor.ping = Some(self.spawn_ping(addr, membership_index, Arc::clone(&monitor.hint)));
+                    monitor.ping =
+                        Some(self.spawn_ping(addr, membership_index, Arc::clone(&monitor.hint)));
                 }
             }
             q

@@ -70,9 +70,12 @@ impl Service {
     fn not_leader(&self) -> Response {
         let m = self.raft.metrics();
         let m = m.borrow();
-        let leader = m
-            .current_leader
-            .and_then(|l| m.membership_config.membership().get_node(&l).map(|n| n.addr.clone()));
+        let leader = m.current_leader.and_then(|l| {
+            m.membership_config
+                .membership()
+                .get_node(&l)
+                .map(|n| n.addr.clone())
+        });
         Response::NotLeader { leader }
     }
 
@@ -84,8 +87,12 @@ impl Service {
             // A member the newest (maybe uncommitted) configuration drops is on its way out and
             // gets no new lease; it is told it was removed only once that is committed, since
             // an uncommitted removal may still need its vote.
-            let in_newest = membership.get_joint_config().last().is_some_and(|c| c.contains(&from));
-            let committed = m.membership_config.log_id().map(|l| l.index) <= m.last_applied.map(|l| l.index);
+            let in_newest = membership
+                .get_joint_config()
+                .last()
+                .is_some_and(|c| c.contains(&from));
+            let committed =
+                m.membership_config.log_id().map(|l| l.index) <= m.last_applied.map(|l| l.index);
             let removed = committed && !membership.voter_ids().any(|v| v == from);
             let index = m.membership_config.log_id().map_or(0, |l| l.index);
             (m.state == ServerState::Leader, index, in_newest, removed)
@@ -99,7 +106,11 @@ impl Service {
             if !removed {
                 lease.heard(from, now);
             }
-            if in_newest { lease.grant_ms(from, now) } else { 0 }
+            if in_newest {
+                lease.grant_ms(from, now)
+            } else {
+                0
+            }
         };
         Response::Pong {
             membership_index,
@@ -115,7 +126,12 @@ impl Service {
             if m.state != ServerState::Leader {
                 None
             } else {
-                Some(m.membership_config.membership().voter_ids().any(|v| v == id))
+                Some(
+                    m.membership_config
+                        .membership()
+                        .voter_ids()
+                        .any(|v| v == id),
+                )
             }
         };
         match is_voter {
@@ -125,7 +141,8 @@ impl Service {
         }
         let raft = &self.raft;
         let admitted = tokio::time::timeout(self.write_timeout, async {
-            raft.add_learner(id, BasicNode { addr: addr.clone() }, true).await?;
+            raft.add_learner(id, BasicNode { addr: addr.clone() }, true)
+                .await?;
             raft.change_membership(ChangeMembers::AddVoterIds(BTreeSet::from([id])), false)
                 .await
         })

@@ -7,11 +7,11 @@ use std::io::Cursor;
 use std::sync::Arc;
 
 use openraft::storage::RaftStateMachine;
-use parking_lot::Mutex;
 use openraft::{
-    EntryPayload, LogId, RaftSnapshotBuilder, Snapshot, SnapshotMeta, StorageError,
-    StorageIOError, StoredMembership,
+    EntryPayload, LogId, RaftSnapshotBuilder, Snapshot, SnapshotMeta, StorageError, StorageIOError,
+    StoredMembership,
 };
+use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, watch};
 
@@ -52,7 +52,8 @@ impl EventSink {
         if self.tx.try_send(emitted.event).is_err() {
             // A gap would break virtual synchrony, so deliver nothing more and let the majority
             // remove this member.
-            self.stop.send_if_modified(|s| s.replace(StopReason::Overrun).is_none());
+            self.stop
+                .send_if_modified(|s| s.replace(StopReason::Overrun).is_none());
         }
     }
 }
@@ -86,10 +87,6 @@ impl StateMachine {
             })
             .collect()
     }
-
-    fn encode(data: &SnapshotData) -> Result<Vec<u8>, StorageError<MemberId>> {
-        postcard::to_stdvec(data).map_err(|e| StorageIOError::write_state_machine(&e).into())
-    }
 }
 
 /// Builds snapshots from a copy of the state taken when openraft asks.
@@ -100,12 +97,17 @@ pub(crate) struct SnapshotBuilder {
 
 impl RaftSnapshotBuilder<CpgTypes> for SnapshotBuilder {
     async fn build_snapshot(&mut self) -> Result<Snapshot<CpgTypes>, StorageError<MemberId>> {
-        let bytes = StateMachine::encode(&self.data)?;
+        let bytes =
+            postcard::to_stdvec(&self.data).map_err(|e| StorageIOError::write_state_machine(&e))?;
         let last = self.data.last_applied;
         let meta = SnapshotMeta {
             last_log_id: last,
             last_membership: self.data.membership.clone(),
-            snapshot_id: format!("{}-{}", last.map_or(0, |l| l.leader_id.term), last.map_or(0, |l| l.index)),
+            snapshot_id: format!(
+                "{}-{}",
+                last.map_or(0, |l| l.leader_id.term),
+                last.map_or(0, |l| l.index)
+            ),
         };
         *self.current.lock() = Some((meta.clone(), bytes.clone()));
         Ok(Snapshot {

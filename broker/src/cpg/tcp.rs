@@ -100,7 +100,8 @@ pub(crate) async fn serve(
             let _permit = permit;
             // A failing set_nodelay only costs latency.
             let _ = stream.set_nodelay(true);
-            match tokio::time::timeout(handshake_timeout, auth::accept(&mut stream, &secret)).await {
+            match tokio::time::timeout(handshake_timeout, auth::accept(&mut stream, &secret)).await
+            {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => {
                     tracing::warn!(%peer, member = service.id(), error = %e, "cluster peer refused");

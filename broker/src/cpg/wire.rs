@@ -89,7 +89,8 @@ where
     T: Serialize,
 {
     let body = postcard::to_stdvec(msg).map_err(|e| TransportError::Codec(e.to_string()))?;
-    let len = u32::try_from(body.len()).map_err(|_| TransportError::Codec("frame too large".into()))?;
+    let len =
+        u32::try_from(body.len()).map_err(|_| TransportError::Codec("frame too large".into()))?;
     let mut buf = Vec::with_capacity(4 + body.len());
     buf.extend_from_slice(&len.to_be_bytes());
     buf.extend_from_slice(&body);

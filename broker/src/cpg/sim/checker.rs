@@ -10,15 +10,36 @@ use crate::cpg::{CpgConfig, CpgEvent, MemberId};
 /// Something that happened in a simulated run.
 #[derive(Clone, Debug)]
 pub(crate) enum Record {
-    Started { member: MemberId },
-    Crashed { member: MemberId },
-    Event { member: MemberId, event: CpgEvent },
-    Quorum { member: MemberId, has_quorum: bool },
-    Partitioned { minority: Vec<MemberId> },
+    Started {
+        member: MemberId,
+    },
+    Crashed {
+        member: MemberId,
+    },
+    Event {
+        member: MemberId,
+        event: CpgEvent,
+    },
+    Quorum {
+        member: MemberId,
+        has_quorum: bool,
+    },
+    Partitioned {
+        minority: Vec<MemberId>,
+    },
     Healed,
-    FinalSent { member: MemberId, ok: bool },
-    Note { member: MemberId, text: String },
-    Quiesced { live: Vec<MemberId>, finals: Vec<String> },
+    FinalSent {
+        member: MemberId,
+        ok: bool,
+    },
+    Note {
+        member: MemberId,
+        text: String,
+    },
+    Quiesced {
+        live: Vec<MemberId>,
+        finals: Vec<String>,
+    },
 }
 
 /// The run, in the order things happened, with virtual times in ms.
@@ -49,7 +70,10 @@ impl Trace {
         let mut s = String::new();
         for (t, r) in self.records.iter().skip(skip) {
             // Writing to a String cannot fail.
-            let _ = writeln!(s, "{t:>8} ms {r:?}");
+            let _ = match r {
+                Record::Note { member, text } => writeln!(s, "{t:>8} ms note {member}: {text}"),
+                _ => writeln!(s, "{t:>8} ms {r:?}"),
+            };
         }
         s
     }
@@ -69,13 +93,22 @@ pub(crate) fn check(trace: &Trace, config: &CpgConfig, max_delay_ms: u64) -> Res
                 return Err(format!("member {member} delivered before it was admitted"));
             }
             let list = per_member.entry(*member).or_default();
-            if list.last().is_some_and(|last| last.index() >= event.index()) {
-                return Err(format!("member {member}: index {} not increasing", event.index()));
+            if list
+                .last()
+                .is_some_and(|last| last.index() >= event.index())
+            {
+                return Err(format!(
+                    "member {member}: index {} not increasing",
+                    event.index()
+                ));
             }
             list.push(event);
             match global.get(&event.index()) {
                 Some(seen) if *seen != event => {
-                    return Err(format!("index {} delivered differently: {seen:?} vs {event:?}", event.index()));
+                    return Err(format!(
+                        "index {} delivered differently: {seen:?} vs {event:?}",
+                        event.index()
+                    ));
                 }
                 _ => {
                     global.insert(event.index(), event);
@@ -85,11 +118,15 @@ pub(crate) fn check(trace: &Trace, config: &CpgConfig, max_delay_ms: u64) -> Res
     }
     // Virtual synchrony: each member saw every event of the group from its join to its end.
     for (member, list) in &per_member {
-        let (Some(first), Some(last)) = (list.first(), list.last()) else { continue };
+        let (Some(first), Some(last)) = (list.first(), list.last()) else {
+            continue;
+        };
         let mine: BTreeSet<u64> = list.iter().map(|e| e.index()).collect();
         for idx in global.range(first.index()..=last.index()).map(|(i, _)| *i) {
             if !mine.contains(&idx) {
-                return Err(format!("member {member} skipped index {idx} within its membership"));
+                return Err(format!(
+                    "member {member} skipped index {idx} within its membership"
+                ));
             }
         }
     }
@@ -103,7 +140,10 @@ fn quorum_at(trace: &Trace, member: MemberId, upto: usize) -> bool {
         .iter()
         .rev()
         .find_map(|(_, r)| match r {
-            Record::Quorum { member: m, has_quorum } if *m == member => Some(*has_quorum),
+            Record::Quorum {
+                member: m,
+                has_quorum,
+            } if *m == member => Some(*has_quorum),
             Record::Crashed { member: m } if *m == member => Some(false),
             _ => None,
         })
@@ -113,26 +153,41 @@ fn quorum_at(trace: &Trace, member: MemberId, upto: usize) -> bool {
 fn check_minorities(trace: &Trace, config: &CpgConfig, max_delay_ms: u64) -> Result<(), String> {
     let recs = &trace.records;
     for (pos, (t_p, r)) in recs.iter().enumerate() {
-        let Record::Partitioned { minority } = r else { continue };
+        let Record::Partitioned { minority } = r else {
+            continue;
+        };
         let end = recs[pos + 1..]
             .iter()
-            .position(|(_, r)| matches!(r, Record::Partitioned { .. } | Record::Healed | Record::Quiesced { .. }))
+            .position(|(_, r)| {
+                matches!(
+                    r,
+                    Record::Partitioned { .. } | Record::Healed | Record::Quiesced { .. }
+                )
+            })
             .map_or(recs.len(), |p| pos + 1 + p);
         let t_h = recs.get(end).map_or(u64::MAX, |(t, _)| *t);
         let quiet_from = t_p + 2 * max_delay_ms + 10;
         let lease_deadline = t_p + config.lease_ms + config.heartbeat_ms + 10;
         for &m in minority {
             for (t, r) in &recs[pos..end] {
-                if let Record::Event { member, event } = r {
-                    if *member == m && *t > quiet_from {
-                        return Err(format!("member {m} cut off at {t_p} ms delivered at {t} ms: {event:?}"));
-                    }
+                if let Record::Event { member, event } = r
+                    && *member == m
+                    && *t > quiet_from
+                {
+                    return Err(format!(
+                        "member {m} cut off at {t_p} ms delivered at {t} ms: {event:?}"
+                    ));
                 }
             }
             if t_h > lease_deadline {
-                let upto = recs[..end].iter().position(|(t, _)| *t > lease_deadline).unwrap_or(end);
+                let upto = recs[..end]
+                    .iter()
+                    .position(|(t, _)| *t > lease_deadline)
+                    .unwrap_or(end);
                 if quorum_at(trace, m, upto) {
-                    return Err(format!("member {m} cut off at {t_p} ms still claims quorum at {lease_deadline} ms"));
+                    return Err(format!(
+                        "member {m} cut off at {t_p} ms still claims quorum at {lease_deadline} ms"
+                    ));
                 }
             }
         }
@@ -143,17 +198,29 @@ fn check_minorities(trace: &Trace, config: &CpgConfig, max_delay_ms: u64) -> Res
 fn check_failures_after_lease(trace: &Trace) -> Result<(), String> {
     let mut declared: BTreeSet<MemberId> = BTreeSet::new();
     for (pos, (t, r)) in trace.records.iter().enumerate() {
-        let Record::Event { event: CpgEvent::ConfChg { failed, .. }, .. } = r else { continue };
+        let Record::Event {
+            event: CpgEvent::ConfChg { failed, .. },
+            ..
+        } = r
+        else {
+            continue;
+        };
         for f in failed {
             if declared.insert(f.id) && quorum_at(trace, f.id, pos) {
-                return Err(format!("member {} declared failed at {t} ms while it still had quorum", f.id));
+                return Err(format!(
+                    "member {} declared failed at {t} ms while it still had quorum",
+                    f.id
+                ));
             }
         }
     }
     Ok(())
 }
 
-fn check_quiescence(trace: &Trace, per_member: &BTreeMap<MemberId, Vec<&CpgEvent>>) -> Result<(), String> {
+fn check_quiescence(
+    trace: &Trace,
+    per_member: &BTreeMap<MemberId, Vec<&CpgEvent>>,
+) -> Result<(), String> {
     let Some((live, finals)) = trace.records.iter().rev().find_map(|(_, r)| match r {
         Record::Quiesced { live, finals } => Some((live, finals)),
         _ => None,
@@ -165,7 +232,9 @@ fn check_quiescence(trace: &Trace, per_member: &BTreeMap<MemberId, Vec<&CpgEvent
     }
     for (_, r) in &trace.records {
         if let Record::FinalSent { member, ok: false } = r {
-            return Err(format!("no progress: final multicast of member {member} failed with a healed majority"));
+            return Err(format!(
+                "no progress: final multicast of member {member} failed with a healed majority"
+            ));
         }
     }
     for m in live {

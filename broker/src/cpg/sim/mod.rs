@@ -62,15 +62,26 @@ impl Sim {
     }
 
     async fn boot(&mut self, i: usize) {
-        let founder = self.slots.iter().all(|s| s.member.is_none()) && i == 0 && self.trace.lock().is_empty();
+        let founder =
+            self.slots.iter().all(|s| s.member.is_none()) && i == 0 && self.trace.lock().is_empty();
         let seeds = if founder {
             Vec::new()
         } else {
-            (0..self.slots.len()).filter(|&j| j != i).map(|j| self.slots[j].addr.clone()).collect()
+            (0..self.slots.len())
+                .filter(|&j| j != i)
+                .map(|j| self.slots[j].addr.clone())
+                .collect()
         };
         let id: MemberId = self.net.gen_range(1, u64::MAX);
         let addr = self.slots[i].addr.clone();
-        let Ok(l) = Cpg::launch(sim_config(seeds), id, addr.clone(), self.net.transport(&addr)).await else {
+        let Ok(l) = Cpg::launch(
+            sim_config(seeds),
+            id,
+            addr.clone(),
+            self.net.transport(&addr),
+        )
+        .await
+        else {
             return;
         };
         self.net.register(&addr, Arc::clone(&l.service));
@@ -85,7 +96,13 @@ impl Sim {
         let mut events = l.events;
         tokio::spawn(async move {
             while let Some(ev) = events.recv().await {
-                trace.lock().push(Self::now_ms(start), Record::Event { member: id, event: ev });
+                trace.lock().push(
+                    Self::now_ms(start),
+                    Record::Event {
+                        member: id,
+                        event: ev,
+                    },
+                );
             }
         });
         let mut quorum = l.cpg.quorum();
@@ -93,7 +110,13 @@ impl Sim {
         tokio::spawn(async move {
             while quorum.changed().await.is_ok() {
                 let q = *quorum.borrow();
-                trace.lock().push(Self::now_ms(start), Record::Quorum { member: id, has_quorum: q });
+                trace.lock().push(
+                    Self::now_ms(start),
+                    Record::Quorum {
+                        member: id,
+                        has_quorum: q,
+                    },
+                );
             }
         });
         self.slots[i].member = Some(l.cpg);
@@ -137,7 +160,10 @@ impl Sim {
     /// fewer than a majority of the voters (with crashed members, a "minority" of slots can be
     /// the majority of voters).
     fn partition(&self, minority: &[usize]) {
-        let side = minority.iter().map(|&i| (self.slots[i].addr.clone(), 1u8)).collect();
+        let side = minority
+            .iter()
+            .map(|&i| (self.slots[i].addr.clone(), 1u8))
+            .collect();
         self.net.partition(side);
         let voters = self.voters();
         let cut: Vec<MemberId> = minority
@@ -145,7 +171,11 @@ impl Sim {
             .filter_map(|&i| self.slots[i].member.as_ref().map(Cpg::id))
             .collect();
         let cut_voters = cut.iter().filter(|m| voters.contains(m)).count();
-        let members = if (voters.len() - cut_voters) * 2 > voters.len() { cut } else { Vec::new() };
+        let members = if (voters.len() - cut_voters) * 2 > voters.len() {
+            cut
+        } else {
+            Vec::new()
+        };
         self.record(Record::Partitioned { minority: members });
     }
 
@@ -157,7 +187,10 @@ impl Sim {
     /// Restarts members that stopped on their own (evicted, fell behind), as a supervisor would.
     async fn supervise(&mut self) {
         for i in 0..self.slots.len() {
-            let stopped = self.slots[i].member.as_ref().is_some_and(|m| m.stop_reason().is_some());
+            let stopped = self.slots[i]
+                .member
+                .as_ref()
+                .is_some_and(|m| m.stop_reason().is_some());
             if stopped {
                 self.crash(i).await;
             }
@@ -195,14 +228,20 @@ fn run_seed(seed: u64) -> Trace {
         .build()
         .expect("a current-thread runtime builds");
     seed_thread_rng(seed);
-    let trace = rt.block_on(async move {
+    rt.block_on(async move {
         let net = SimNet::new(seed, 20);
         let n = usize::try_from(net.gen_range(3, 6)).unwrap_or(3);
         let mut sim = Sim {
             net,
             start: Instant::now(),
             trace: Arc::new(Mutex::new(Trace::default())),
-            slots: (0..n).map(|i| Slot { addr: format!("m{i}"), member: None, in_group: false }).collect(),
+            slots: (0..n)
+                .map(|i| Slot {
+                    addr: format!("m{i}"),
+                    member: None,
+                    in_group: false,
+                })
+                .collect(),
         };
         for i in 0..n {
             sim.boot(i).await;
@@ -224,7 +263,9 @@ fn run_seed(seed: u64) -> Trace {
                     let minority: Vec<usize> = (0..k.max(1)).map(|j| (first + j) % n).collect();
                     sim.partition(&minority);
                 }
-                3 => sim.net.set_loss(u32::try_from(sim.net.gen_range(0, 60)).unwrap_or(0)),
+                3 => sim
+                    .net
+                    .set_loss(u32::try_from(sim.net.gen_range(0, 60)).unwrap_or(0)),
                 _ => sim.heal(),
             }
             let tag = format!("s{step}");
@@ -244,22 +285,28 @@ fn run_seed(seed: u64) -> Trace {
         sim.supervise().await;
         for _ in 0..3 {
             for i in 0..n {
-                if let Some(m) = sim.slots[i].member.clone() {
-                    if !sim.slots[i].in_group {
-                        sim.slots[i].in_group = m.join(GROUP).await.is_ok();
-                    }
+                if let Some(m) = sim.slots[i].member.clone()
+                    && !sim.slots[i].in_group
+                {
+                    sim.slots[i].in_group = m.join(GROUP).await.is_ok();
                 }
             }
         }
         tokio::time::sleep(Duration::from_secs(2)).await;
         for slot in &sim.slots {
             if let Some(m) = &slot.member {
-                sim.record(Record::Note { member: m.id(), text: m.raft_summary() });
+                sim.record(Record::Note {
+                    member: m.id(),
+                    text: m.raft_summary(),
+                });
             }
         }
         let mut finals = Vec::new();
         for slot in &sim.slots {
-            let m = slot.member.clone().filter(|m| slot.in_group && m.stop_reason().is_none());
+            let m = slot
+                .member
+                .clone()
+                .filter(|m| slot.in_group && m.stop_reason().is_none());
             let Some(m) = m else { continue };
             let payload = format!("final-{}", m.id());
             let ok = m.mcast(GROUP, Bytes::from(payload.clone())).await.is_ok();
@@ -271,32 +318,50 @@ fn run_seed(seed: u64) -> Trace {
             .slots
             .iter()
             .filter(|s| s.in_group)
-            .filter_map(|s| s.member.as_ref().filter(|m| m.stop_reason().is_none()).map(Cpg::id))
+            .filter_map(|s| {
+                s.member
+                    .as_ref()
+                    .filter(|m| m.stop_reason().is_none())
+                    .map(Cpg::id)
+            })
             .collect();
         sim.record(Record::Quiesced { live, finals });
         for i in 0..n {
             sim.crash(i).await;
         }
-        let trace = sim.trace.lock().clone();
-        trace
-    });
-    trace
+        sim.trace.lock().clone()
+    })
 }
 
 fn check_seed(seed: u64) {
     let trace = run_seed(seed);
     if let Err(why) = checker::check(&trace, &sim_config(Vec::new()), 20) {
-        let lines = std::env::var("CPG_SIM_DUMP_LINES").ok().and_then(|s| s.parse().ok()).unwrap_or(80);
-        panic!("seed {seed} failed: {why}\nreplay with CPG_SIM_SEED={seed}\n{}", trace.dump_tail(lines));
+        let lines = std::env::var("CPG_SIM_DUMP_LINES")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(80);
+        panic!(
+            "seed {seed} failed: {why}\nreplay with CPG_SIM_SEED={seed}\n{}",
+            trace.dump_tail(lines)
+        );
     }
 }
 
 fn seeds() -> Vec<u64> {
-    if let Some(seed) = std::env::var("CPG_SIM_SEED").ok().and_then(|s| s.parse().ok()) {
+    if let Some(seed) = std::env::var("CPG_SIM_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+    {
         return vec![seed];
     }
-    let count: u64 = std::env::var("CPG_SIM_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(16);
-    let base: u64 = std::env::var("CPG_SIM_SEED_BASE").ok().and_then(|s| s.parse().ok()).unwrap_or(0);
+    let count: u64 = std::env::var("CPG_SIM_SEEDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(16);
+    let base: u64 = std::env::var("CPG_SIM_SEED_BASE")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
     (base..base + count).collect()
 }
 
@@ -312,7 +377,11 @@ fn a_seed_replays_exactly() {
     let seed = seeds().first().copied().unwrap_or(0);
     let a = run_seed(seed);
     let b = run_seed(seed);
-    assert_eq!(a.dump_tail(usize::MAX), b.dump_tail(usize::MAX), "seed {seed} did not replay");
+    assert_eq!(
+        a.dump_tail(usize::MAX),
+        b.dump_tail(usize::MAX),
+        "seed {seed} did not replay"
+    );
     assert!(a.deliveries() > 0, "seed {seed} delivered nothing");
 }
 

@@ -102,14 +102,19 @@ impl SimTransport {
         tokio::time::sleep(there).await;
         let (connected, service) = {
             let st = self.net.state.lock();
-            (SimNet::connected(&st, &self.from, addr), st.services.get(addr).cloned())
+            (
+                SimNet::connected(&st, &self.from, addr),
+                st.services.get(addr).cloned(),
+            )
         };
         if !connected {
             return std::future::pending().await;
         }
         let Some(service) = service else {
             // Nobody listens there: like a TCP reset, the caller learns at once.
-            return Err(TransportError::Unreachable(format!("nothing listens at {addr}")));
+            return Err(TransportError::Unreachable(format!(
+                "nothing listens at {addr}"
+            )));
         };
         let resp = service.handle(env).await;
         let Some(back) = self.net.hop(addr, &self.from) else {
