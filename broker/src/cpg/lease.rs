@@ -24,6 +24,7 @@ use super::types::MemberId;
 pub(crate) struct Lease {
     lease: Duration,
     failure_timeout: Duration,
+    fresh: Duration,
     granted_until: Option<Instant>,
     leader_until: Option<Instant>,
     leading_term: Option<u64>,
@@ -34,10 +35,11 @@ pub(crate) struct Lease {
 
 impl Lease {
     /// Fresh state: no lease, not leading.
-    pub fn new(lease_ms: u64, failure_timeout_ms: u64) -> Self {
+    pub fn new(lease_ms: u64, failure_timeout_ms: u64, heartbeat_ms: u64) -> Self {
         Self {
             lease: Duration::from_millis(lease_ms),
             failure_timeout: Duration::from_millis(failure_timeout_ms),
+            fresh: Duration::from_millis(heartbeat_ms.saturating_mul(3)),
             granted_until: None,
             leader_until: None,
             leading_term: None,
@@ -119,7 +121,10 @@ impl Lease {
     }
 
     /// Members of `voters` (other than the leader) to remove at `now`: silent for
-    /// `failure_timeout_ms`, or lagging more than `max_lag_entries` for as long.
+    /// `failure_timeout_ms`, or lagging more than `max_lag_entries` for as long. Nothing is
+    /// removed unless every member that stays was heard within three heartbeats: the joint
+    /// configuration needs a majority of the members that stay, and one that has just crashed
+    /// too would wedge it.
     pub fn failed(
         &mut self,
         now: Instant,
@@ -145,7 +150,15 @@ impl Lease {
             }
         }
         self.last_heard.retain(|id, _| voters.contains(id));
-        out
+        let stay_fresh = voters
+            .iter()
+            .filter(|id| **id != leader && !out.contains(id))
+            .all(|id| {
+                self.last_heard
+                    .get(id)
+                    .is_some_and(|h| now.duration_since(*h) <= self.fresh)
+            });
+        if stay_fresh { out } else { BTreeSet::new() }
     }
 }
 
@@ -155,7 +168,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn lease_runs_from_the_send_time_of_the_granted_ping() {
-        let mut l = Lease::new(500, 1_200);
+        let mut l = Lease::new(500, 1_200, 50);
         let sent = Instant::now();
         tokio::time::advance(Duration::from_millis(100)).await;
         l.granted(sent, 10_000);
@@ -166,12 +179,12 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn follower_lease_never_outlives_the_leaders() {
-        let mut leader = Lease::new(500, 1_200);
+        let mut leader = Lease::new(500, 1_200, 50);
         leader.leading(3);
         leader.leader_acked(Instant::now(), Some(300), 50);
         let grant = leader.grant_ms(2, Instant::now());
         assert_eq!(grant, 150);
-        let mut follower = Lease::new(500, 1_200);
+        let mut follower = Lease::new(500, 1_200, 50);
         follower.granted(Instant::now(), grant);
         tokio::time::advance(Duration::from_millis(151)).await;
         assert!(!leader.leader_has_quorum(Instant::now()));
@@ -180,7 +193,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn member_being_removed_gets_no_grant() {
-        let mut leader = Lease::new(500, 1_200);
+        let mut leader = Lease::new(500, 1_200, 50);
         leader.leading(3);
         leader.leader_acked(Instant::now(), Some(0), 0);
         leader.removing(&BTreeSet::from([2]));
@@ -190,7 +203,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn new_leader_waits_a_full_failure_timeout_before_removing_anyone() {
-        let mut l = Lease::new(500, 1_200);
+        let mut l = Lease::new(500, 1_200, 50);
         let voters = BTreeSet::from([1, 2, 3]);
         l.leading(7);
         let none = BTreeMap::new();
@@ -199,6 +212,11 @@ mod tests {
         tokio::time::advance(Duration::from_millis(1_000)).await;
         l.heard(2, Instant::now());
         tokio::time::advance(Duration::from_millis(201)).await;
+        assert!(
+            l.failed(Instant::now(), 1, &voters, &none, 10).is_empty(),
+            "2 was not heard lately, so removing 3 could wedge the joint configuration"
+        );
+        l.heard(2, Instant::now());
         assert_eq!(
             l.failed(Instant::now(), 1, &voters, &none, 10),
             BTreeSet::from([3])
@@ -207,7 +225,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn lagging_member_is_removed_only_after_lagging_for_the_failure_timeout() {
-        let mut l = Lease::new(500, 1_200);
+        let mut l = Lease::new(500, 1_200, 50);
         let voters = BTreeSet::from([1, 2]);
         l.leading(1);
         let lag = BTreeMap::from([(2, 100)]);

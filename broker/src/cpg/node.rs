@@ -50,9 +50,18 @@ struct Inner {
 }
 
 impl Drop for Inner {
+    /// Dropping the last handle is a crash as far as the other members can tell: tasks stop
+    /// at once and consensus shuts down in the background.
     fn drop(&mut self) {
         for t in self.tasks.get_mut().drain(..) {
             t.abort();
+        }
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            let raft = self.raft.clone();
+            rt.spawn(async move {
+                // An error means it had already stopped.
+                let _ = raft.shutdown().await;
+            });
         }
     }
 }
@@ -179,6 +188,7 @@ impl Cpg {
         let lease = Arc::new(Mutex::new(Lease::new(
             config.lease_ms,
             config.failure_timeout_ms,
+            config.heartbeat_ms,
         )));
         let (quorum_tx, _) = watch::channel(false);
         let service = Arc::new(Service::new(
@@ -228,15 +238,16 @@ impl Cpg {
         self.inner.quorum_tx.subscribe()
     }
 
-    /// The log index of this member's newest membership and its voters (for the simulation).
+    /// The log index of this member's newest membership and its voter sets (two during a joint
+    /// change), for the simulation.
     #[cfg(test)]
-    pub(crate) fn voters(&self) -> (u64, BTreeSet<MemberId>) {
+    pub(crate) fn voters(&self) -> (u64, Vec<BTreeSet<MemberId>>) {
         let m = self.inner.raft.metrics();
         let m = m.borrow();
         let index = m.membership_config.log_id().map_or(0, |l| l.index);
         (
             index,
-            m.membership_config.membership().voter_ids().collect(),
+            m.membership_config.membership().get_joint_config().clone(),
         )
     }
 
@@ -447,9 +458,7 @@ impl Cpg {
     /// Runs lease renewal, quorum reporting and (on the leader) failure detection every
     /// heartbeat, until the member stops.
     pub(crate) fn spawn_monitor(&self) {
-        let me = self.clone();
         let weak = Arc::downgrade(&self.inner);
-        drop(me);
         let task = tokio::spawn(async move {
             let Some(inner) = weak.upgrade() else { return };
             let period = Duration::from_millis(inner.config.heartbeat_ms);

@@ -8,6 +8,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
 
 use super::auth;
 use super::service::Service;
@@ -85,7 +86,10 @@ pub(crate) async fn serve(
     handshake_timeout: Duration,
 ) {
     let slots = Arc::new(Semaphore::new(MAX_INBOUND_CONNS));
+    // Owning the connection tasks means aborting `serve` closes every connection too.
+    let mut conns = JoinSet::new();
     loop {
+        while conns.try_join_next().is_some() {}
         let Ok((mut stream, peer)) = listener.accept().await else {
             tokio::time::sleep(Duration::from_millis(10)).await;
             continue;
@@ -96,7 +100,7 @@ pub(crate) async fn serve(
         };
         let service = Arc::clone(&service);
         let secret = Arc::clone(&secret);
-        tokio::spawn(async move {
+        conns.spawn(async move {
             let _permit = permit;
             // A failing set_nodelay only costs latency.
             let _ = stream.set_nodelay(true);

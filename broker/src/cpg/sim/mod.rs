@@ -10,7 +10,7 @@
 mod checker;
 mod net;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -123,8 +123,9 @@ impl Sim {
         self.slots[i].in_group = false;
     }
 
-    /// The voting members as the member with the newest membership sees them.
-    fn voters(&self) -> std::collections::BTreeSet<MemberId> {
+    /// The voter sets (two during a joint change) as the member with the newest membership
+    /// sees them.
+    fn voter_sets(&self) -> Vec<BTreeSet<MemberId>> {
         self.slots
             .iter()
             .filter_map(|s| s.member.as_ref().map(Cpg::voters))
@@ -133,17 +134,27 @@ impl Sim {
             .unwrap_or_default()
     }
 
-    /// Crashes slot `i` unless that would leave fewer than a majority of the voters alive: no
-    /// consensus protocol progresses past that, so it is outside the fault model.
+    /// All voters of the newest membership.
+    fn voters(&self) -> BTreeSet<MemberId> {
+        self.voter_sets().into_iter().flatten().collect()
+    }
+
+    /// Crashes slot `i` unless that would leave fewer than a majority alive in any voter set
+    /// of the newest membership: no consensus protocol progresses past that, so it is outside
+    /// the fault model.
     async fn crash_if_majority_survives(&mut self, i: usize) {
-        let voters = self.voters();
-        let live_voters = self
+        let live: BTreeSet<MemberId> = self
             .slots
             .iter()
             .enumerate()
-            .filter(|(j, s)| *j != i && s.member.as_ref().is_some_and(|m| voters.contains(&m.id())))
-            .count();
-        if live_voters * 2 > voters.len() {
+            .filter(|(j, _)| *j != i)
+            .filter_map(|(_, s)| s.member.as_ref().map(Cpg::id))
+            .collect();
+        let survives = self
+            .voter_sets()
+            .iter()
+            .all(|set| set.intersection(&live).count() * 2 > set.len());
+        if survives {
             self.crash(i).await;
         }
     }
