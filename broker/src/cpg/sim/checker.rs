@@ -152,6 +152,12 @@ fn quorum_at(trace: &Trace, member: MemberId, upto: usize) -> bool {
 
 fn check_minorities(trace: &Trace, config: &CpgConfig, max_delay_ms: u64) -> Result<(), String> {
     let recs = &trace.records;
+    let mut first_delivery: BTreeMap<u64, u64> = BTreeMap::new();
+    for (t, r) in recs {
+        if let Record::Event { event, .. } = r {
+            first_delivery.entry(event.index()).or_insert(*t);
+        }
+    }
     for (pos, (t_p, r)) in recs.iter().enumerate() {
         let Record::Partitioned { minority } = r else {
             continue;
@@ -170,9 +176,14 @@ fn check_minorities(trace: &Trace, config: &CpgConfig, max_delay_ms: u64) -> Res
         let lease_deadline = t_p + config.lease_ms + config.heartbeat_ms + 10;
         for &m in minority {
             for (t, r) in &recs[pos..end] {
+                // Old entries (committed before the cut) may still reach it from a leader on
+                // its side; an entry nobody had delivered before the cut must not.
                 if let Record::Event { member, event } = r
                     && *member == m
                     && *t > quiet_from
+                    && first_delivery
+                        .get(&event.index())
+                        .is_none_or(|f| *f > quiet_from)
                 {
                     return Err(format!(
                         "member {m} cut off at {t_p} ms delivered at {t} ms: {event:?}"
