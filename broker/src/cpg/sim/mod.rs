@@ -368,7 +368,7 @@ fn seeds() -> Vec<u64> {
     let count: u64 = std::env::var("CPG_SIM_SEEDS")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(16);
+        .unwrap_or(32);
     let base: u64 = std::env::var("CPG_SIM_SEED_BASE")
         .ok()
         .and_then(|s| s.parse().ok())
