@@ -17,6 +17,7 @@ mod event;
 mod groups;
 mod lease;
 mod log_store;
+mod monitor;
 mod network;
 mod node;
 mod runtime;
