@@ -172,7 +172,9 @@ fn check_minorities(trace: &Trace, config: &CpgConfig, max_delay_ms: u64) -> Res
             })
             .map_or(recs.len(), |p| pos + 1 + p);
         let t_h = recs.get(end).map_or(u64::MAX, |(t, _)| *t);
-        let quiet_from = t_p + 2 * max_delay_ms + 10;
+        // A commit made before the cut reaches a follower with the next heartbeat, so it may
+        // still deliver for one heartbeat plus a round trip.
+        let quiet_from = t_p + config.heartbeat_ms + 2 * max_delay_ms + 10;
         let lease_deadline = t_p + config.lease_ms + config.heartbeat_ms + 10;
         for &m in minority {
             for (t, r) in &recs[pos..end] {
