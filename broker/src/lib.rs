@@ -9,5 +9,6 @@ pub mod auth;
 pub mod client;
 pub mod config;
 pub mod core;
+pub mod cpg;
 pub mod server;
 pub mod store;

@@ -1,0 +1,245 @@
+//! Quorum leases and failure detection, the timing half of the guarantees.
+//!
+//! * The leader's own lease runs `lease_ms` from the last heartbeat a majority acknowledged.
+//! * A follower has quorum until the leader's lease ends, measured conservatively: the leader
+//!   answers a ping with what is left of its lease, and the follower counts that from when it
+//!   *sent* the ping. So a member cut off with (or from) the leader loses quorum within
+//!   `lease_ms` of the cut.
+//! * The leader removes a member only after `failure_timeout_ms` without a ping from it
+//!   (counted from when it became leader, since it knows nothing older). Any lease the member
+//!   still holds was granted at most `lease_ms` after a ping this or an earlier leader received,
+//!   so with `failure_timeout_ms > 2 * lease_ms + heartbeat_ms` it has expired first.
+//! * A follower whose log lags by more than `max_lag_entries` for `failure_timeout_ms` is also
+//!   removed: a slow member never holds the group back.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::types::MemberId;
+
+/// Lease and failure-detector state of one member.
+#[derive(Debug)]
+pub(crate) struct Lease {
+    lease: Duration,
+    failure_timeout: Duration,
+    fresh: Duration,
+    granted_until: Option<Instant>,
+    leader_until: Option<Instant>,
+    leading_term: Option<u64>,
+    last_heard: BTreeMap<MemberId, Instant>,
+    lagging_since: BTreeMap<MemberId, Instant>,
+    removing: BTreeSet<MemberId>,
+}
+
+impl Lease {
+    /// Fresh state: no lease, not leading.
+    pub fn new(lease_ms: u64, failure_timeout_ms: u64, heartbeat_ms: u64) -> Self {
+        Self {
+            lease: Duration::from_millis(lease_ms),
+            failure_timeout: Duration::from_millis(failure_timeout_ms),
+            fresh: Duration::from_millis(heartbeat_ms.saturating_mul(3)),
+            granted_until: None,
+            leader_until: None,
+            leading_term: None,
+            last_heard: BTreeMap::new(),
+            lagging_since: BTreeMap::new(),
+            removing: BTreeSet::new(),
+        }
+    }
+
+    /// The leader granted `granted_ms` to the ping sent at `sent_at`.
+    pub fn granted(&mut self, sent_at: Instant, granted_ms: u64) {
+        let until = sent_at + self.lease.min(Duration::from_millis(granted_ms));
+        if self.granted_until.is_none_or(|u| u < until) {
+            self.granted_until = Some(until);
+        }
+    }
+
+    /// Whether a follower's lease still runs at `now`.
+    pub fn follower_has_quorum(&self, now: Instant) -> bool {
+        self.granted_until.is_some_and(|u| now < u)
+    }
+
+    /// The leader's last majority acknowledgement is `millis_since_quorum_ack` old, as of a
+    /// report up to `staleness_ms` old (openraft publishes it on its ticks).
+    pub fn leader_acked(
+        &mut self,
+        now: Instant,
+        millis_since_quorum_ack: Option<u64>,
+        staleness_ms: u64,
+    ) {
+        self.leader_until = millis_since_quorum_ack.and_then(|ms| {
+            let used = Duration::from_millis(ms.saturating_add(staleness_ms));
+            (now + self.lease).checked_sub(used)
+        });
+    }
+
+    /// Whether this leader's own lease runs at `now`.
+    pub fn leader_has_quorum(&self, now: Instant) -> bool {
+        self.leader_until.is_some_and(|u| now < u)
+    }
+
+    /// What is left of this leader's lease for `member` at `now` (0: no grant).
+    pub fn grant_ms(&self, member: MemberId, now: Instant) -> u64 {
+        if self.removing.contains(&member) {
+            return 0;
+        }
+        self.leader_until
+            .map(|u| u.saturating_duration_since(now))
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+    }
+
+    /// A ping from `member` reached the leader at `now`.
+    pub fn heard(&mut self, member: MemberId, now: Instant) {
+        self.last_heard.insert(member, now);
+    }
+
+    /// Called on every leader tick; starts the failure clocks afresh in a new term, because a
+    /// new leader cannot know when the previous one last heard from anybody.
+    pub fn leading(&mut self, term: u64) {
+        if self.leading_term != Some(term) {
+            self.leading_term = Some(term);
+            self.last_heard.clear();
+            self.lagging_since.clear();
+            self.removing.clear();
+        }
+        self.granted_until = None;
+    }
+
+    /// The leader proposed removing `members`: from now on in this term it grants them no
+    /// lease, since the removal may commit at any later moment.
+    pub fn removing(&mut self, members: &BTreeSet<MemberId>) {
+        self.removing.extend(members);
+    }
+
+    /// Not leading (any more).
+    pub fn following(&mut self) {
+        self.leading_term = None;
+        self.leader_until = None;
+    }
+
+    /// Members of `voters` (other than the leader) to remove at `now`: silent for
+    /// `failure_timeout_ms`, or lagging more than `max_lag_entries` for as long. Nothing is
+    /// removed unless every member that stays was heard within three heartbeats: the joint
+    /// configuration needs a majority of the members that stay, and one that has just crashed
+    /// too would wedge it.
+    pub fn failed(
+        &mut self,
+        now: Instant,
+        leader: MemberId,
+        voters: &BTreeSet<MemberId>,
+        lag_entries: &BTreeMap<MemberId, u64>,
+        max_lag_entries: u64,
+    ) -> BTreeSet<MemberId> {
+        let mut out = BTreeSet::new();
+        for &id in voters.iter().filter(|&&id| id != leader) {
+            let heard = *self.last_heard.entry(id).or_insert(now);
+            if now.duration_since(heard) > self.failure_timeout {
+                out.insert(id);
+            }
+            let lag = lag_entries.get(&id).copied().unwrap_or(0);
+            if lag > max_lag_entries {
+                let since = *self.lagging_since.entry(id).or_insert(now);
+                if now.duration_since(since) > self.failure_timeout {
+                    out.insert(id);
+                }
+            } else {
+                self.lagging_since.remove(&id);
+            }
+        }
+        self.last_heard.retain(|id, _| voters.contains(id));
+        let stay_fresh = voters
+            .iter()
+            .filter(|id| **id != leader && !out.contains(id))
+            .all(|id| {
+                self.last_heard
+                    .get(id)
+                    .is_some_and(|h| now.duration_since(*h) <= self.fresh)
+            });
+        if stay_fresh { out } else { BTreeSet::new() }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn lease_runs_from_the_send_time_of_the_granted_ping() {
+        let mut l = Lease::new(500, 1_200, 50);
+        let sent = Instant::now();
+        tokio::time::advance(Duration::from_millis(100)).await;
+        l.granted(sent, 10_000);
+        assert!(l.follower_has_quorum(Instant::now()));
+        tokio::time::advance(Duration::from_millis(401)).await;
+        assert!(!l.follower_has_quorum(Instant::now()));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn follower_lease_never_outlives_the_leaders() {
+        let mut leader = Lease::new(500, 1_200, 50);
+        leader.leading(3);
+        leader.leader_acked(Instant::now(), Some(300), 50);
+        let grant = leader.grant_ms(2, Instant::now());
+        assert_eq!(grant, 150);
+        let mut follower = Lease::new(500, 1_200, 50);
+        follower.granted(Instant::now(), grant);
+        tokio::time::advance(Duration::from_millis(151)).await;
+        assert!(!leader.leader_has_quorum(Instant::now()));
+        assert!(!follower.follower_has_quorum(Instant::now()));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn member_being_removed_gets_no_grant() {
+        let mut leader = Lease::new(500, 1_200, 50);
+        leader.leading(3);
+        leader.leader_acked(Instant::now(), Some(0), 0);
+        leader.removing(&BTreeSet::from([2]));
+        assert_eq!(leader.grant_ms(2, Instant::now()), 0);
+        assert!(leader.grant_ms(4, Instant::now()) > 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn new_leader_waits_a_full_failure_timeout_before_removing_anyone() {
+        let mut l = Lease::new(500, 1_200, 50);
+        let voters = BTreeSet::from([1, 2, 3]);
+        l.leading(7);
+        let none = BTreeMap::new();
+        assert!(l.failed(Instant::now(), 1, &voters, &none, 10).is_empty());
+        l.heard(2, Instant::now());
+        tokio::time::advance(Duration::from_millis(1_000)).await;
+        l.heard(2, Instant::now());
+        tokio::time::advance(Duration::from_millis(201)).await;
+        assert!(
+            l.failed(Instant::now(), 1, &voters, &none, 10).is_empty(),
+            "2 was not heard lately, so removing 3 could wedge the joint configuration"
+        );
+        l.heard(2, Instant::now());
+        assert_eq!(
+            l.failed(Instant::now(), 1, &voters, &none, 10),
+            BTreeSet::from([3])
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn lagging_member_is_removed_only_after_lagging_for_the_failure_timeout() {
+        let mut l = Lease::new(500, 1_200, 50);
+        let voters = BTreeSet::from([1, 2]);
+        l.leading(1);
+        let lag = BTreeMap::from([(2, 100)]);
+        for _ in 0..11 {
+            l.heard(2, Instant::now());
+            assert!(l.failed(Instant::now(), 1, &voters, &lag, 10).is_empty());
+            tokio::time::advance(Duration::from_millis(100)).await;
+        }
+        l.heard(2, Instant::now());
+        tokio::time::advance(Duration::from_millis(150)).await;
+        l.heard(2, Instant::now());
+        assert_eq!(
+            l.failed(Instant::now(), 1, &voters, &lag, 10),
+            BTreeSet::from([2])
+        );
+    }
+}

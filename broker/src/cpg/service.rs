@@ -1,0 +1,173 @@
+//! Answers what peers ask of this member: Raft RPCs go to openraft, pings renew leases and prove
+//! liveness, joins admit new members, forwarded writes are proposed by the leader.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use openraft::error::{ClientWriteError, RaftError};
+use openraft::{BasicNode, ChangeMembers, Raft, ServerState};
+use parking_lot::Mutex;
+use tokio::time::Instant;
+
+use super::lease::Lease;
+use super::types::{Command, CpgTypes, MemberId};
+use super::wire::{Envelope, Request, Response};
+
+/// The server side of one member.
+pub(crate) struct Service {
+    id: MemberId,
+    raft: Raft<CpgTypes>,
+    lease: Arc<Mutex<Lease>>,
+    write_timeout: Duration,
+}
+
+impl Service {
+    /// Serves member `id` backed by `raft`; admissions and writes give up after `write_timeout`.
+    pub fn new(
+        id: MemberId,
+        raft: Raft<CpgTypes>,
+        lease: Arc<Mutex<Lease>>,
+        write_timeout: Duration,
+    ) -> Self {
+        Self {
+            id,
+            raft,
+            lease,
+            write_timeout,
+        }
+    }
+
+    /// The member this service answers for.
+    pub fn id(&self) -> MemberId {
+        self.id
+    }
+
+    /// Answers one request.
+    pub async fn handle(&self, env: Envelope) -> Response {
+        if env.to.is_some_and(|to| to != self.id) {
+            return Response::WrongTarget;
+        }
+        match env.req {
+            Request::Append(r) => match self.raft.append_entries(r).await {
+                Ok(r) => Response::Append(r),
+                Err(e) => Response::Failed(e.to_string()),
+            },
+            Request::Vote(r) => match self.raft.vote(r).await {
+                Ok(r) => Response::Vote(r),
+                Err(e) => Response::Failed(e.to_string()),
+            },
+            Request::Snapshot(r) => match self.raft.install_snapshot(r).await {
+                Ok(r) => Response::Snapshot(r),
+                Err(e) => Response::Failed(e.to_string()),
+            },
+            Request::Ping { from } => self.ping(from),
+            Request::Join { id, addr } => self.admit(id, addr).await,
+            Request::Write(cmd) => self.write(cmd).await,
+        }
+    }
+
+    fn not_leader(&self) -> Response {
+        let m = self.raft.metrics();
+        let m = m.borrow();
+        let leader = m.current_leader.and_then(|l| {
+            m.membership_config
+                .membership()
+                .get_node(&l)
+                .map(|n| n.addr.clone())
+        });
+        Response::NotLeader { leader }
+    }
+
+    fn ping(&self, from: MemberId) -> Response {
+        let (is_leader, membership_index, in_newest, removed) = {
+            let m = self.raft.metrics();
+            let m = m.borrow();
+            let membership = m.membership_config.membership();
+            // A member the newest (maybe uncommitted) configuration drops is on its way out and
+            // gets no new lease; it is told it was removed only once that is committed, since
+            // an uncommitted removal may still need its vote.
+            let in_newest = membership
+                .get_joint_config()
+                .last()
+                .is_some_and(|c| c.contains(&from));
+            let committed =
+                m.membership_config.log_id().map(|l| l.index) <= m.last_applied.map(|l| l.index);
+            let removed = committed && !membership.voter_ids().any(|v| v == from);
+            let index = m.membership_config.log_id().map_or(0, |l| l.index);
+            (m.state == ServerState::Leader, index, in_newest, removed)
+        };
+        if !is_leader {
+            return self.not_leader();
+        }
+        let granted_ms = {
+            let now = Instant::now();
+            let mut lease = self.lease.lock();
+            if !removed {
+                lease.heard(from, now);
+            }
+            if in_newest {
+                lease.grant_ms(from, now)
+            } else {
+                0
+            }
+        };
+        Response::Pong {
+            membership_index,
+            member: !removed,
+            granted_ms,
+        }
+    }
+
+    async fn admit(&self, id: MemberId, addr: String) -> Response {
+        let is_voter = {
+            let m = self.raft.metrics();
+            let m = m.borrow();
+            if m.state != ServerState::Leader {
+                None
+            } else {
+                Some(
+                    m.membership_config
+                        .membership()
+                        .voter_ids()
+                        .any(|v| v == id),
+                )
+            }
+        };
+        match is_voter {
+            None => return self.not_leader(),
+            Some(true) => return Response::Joined,
+            Some(false) => {}
+        }
+        let raft = &self.raft;
+        let admitted = tokio::time::timeout(self.write_timeout, async {
+            raft.add_learner(id, BasicNode { addr: addr.clone() }, true)
+                .await?;
+            raft.change_membership(ChangeMembers::AddVoterIds(BTreeSet::from([id])), false)
+                .await
+        })
+        .await;
+        match admitted {
+            Ok(Ok(_)) => {
+                tracing::info!(member = self.id, joined = id, %addr, "admitted a new cluster member");
+                Response::Joined
+            }
+            Ok(Err(RaftError::APIError(ClientWriteError::ForwardToLeader(_)))) => self.not_leader(),
+            Ok(Err(e)) => Response::Failed(e.to_string()),
+            Err(_) => Response::Failed("admission timed out".into()),
+        }
+    }
+
+    async fn write(&self, cmd: Command) -> Response {
+        match tokio::time::timeout(self.write_timeout, self.raft.client_write(cmd)).await {
+            Ok(Ok(r)) => Response::Written(r.data),
+            Ok(Err(RaftError::APIError(ClientWriteError::ForwardToLeader(f)))) => {
+                Response::NotLeader {
+                    leader: f.leader_node.map(|n| n.addr),
+                }
+            }
+            Ok(Err(e)) => Response::Failed(e.to_string()),
+            Err(_) => Response::Failed("write timed out".into()),
+        }
+    }
+}
