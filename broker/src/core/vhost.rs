@@ -237,6 +237,16 @@ impl VHost {
         self.exchanges.values()
     }
 
+    /// All open channels and their consumer state (read-only, for the admin API).
+    pub fn channels(&self) -> impl Iterator<Item = (&ChannelKey, &ChannelState)> {
+        self.channels.iter()
+    }
+
+    /// Messages delivered on a channel and not yet acknowledged.
+    pub fn channel_unacked(&self, key: ChannelKey) -> usize {
+        self.channels.get(&key).map_or(0, |c| c.unacked.len())
+    }
+
     fn not_found_queue(&self, name: &str) -> AmqpError {
         AmqpError::not_found(format!("no queue '{name}' in vhost '{}'", self.name))
     }

@@ -4,6 +4,7 @@
 
 use super::channel::{BodyParts, ChannelCtx, HeldAck, HeldPublish, PendingPublish, Transaction};
 use super::outbox::{Outbox, Pending};
+use super::stats::ConnStats;
 use super::{Broker, now_ms};
 use crate::amqp::frame::{
     self, FRAME_BODY, FRAME_HEADER, FRAME_HEARTBEAT, FRAME_METHOD, PROTOCOL_HEADER, RawFrame,
@@ -125,6 +126,8 @@ struct Connection {
     publish_waits_for_unblock: bool,
     /// prefetch-size of the basic.qos being handled (amq-protocol does not decode it).
     qos_prefetch_size: u32,
+    /// Metrics counted during a batch, added to the broker's totals once per wake-up.
+    stats: ConnStats,
 }
 
 /// Serves one accepted socket until it closes.
@@ -153,10 +156,12 @@ pub async fn serve(broker: Arc<Broker>, stream: TcpStream, peer: SocketAddr) {
         blocked_sent: false,
         publish_waits_for_unblock: false,
         qos_prefetch_size: 0,
+        stats: ConnStats::default(),
     };
     let result = conn.run(stream).await;
     conn.release();
     broker.unregister(id);
+    conn.stats.closed(&broker.stats, id); // metrics
     let user = conn.user.as_ref().map(|u| u.name.as_str()).unwrap_or("-");
     match result {
         Ok(()) => {
@@ -213,7 +218,9 @@ impl Connection {
         heartbeat.reset();
         let mut heartbeat_armed = false;
         loop {
+            self.stats.flush(&self.broker.stats); // metrics: once per wake-up
             if !self.writer.is_empty() {
+                self.stats.bytes_out += self.writer.as_slice().len() as u64; // metrics
                 stream.write_all(self.writer.as_slice()).await?;
                 self.writer.clear();
                 self.report_written();
@@ -255,6 +262,7 @@ impl Connection {
                     // A read that filled most of the space asks for a bigger buffer next time.
                     read_chunk = if n >= read_chunk / 2 { READ_CHUNK_BUSY } else { READ_CHUNK_IDLE };
                     last_recv = Instant::now();
+                    self.stats.bytes_in += n as u64; // metrics
                     self.on_bytes(&mut rbuf);
                 }
                 _ = self.outbox.notified() => self.drain_outbox(),
@@ -576,6 +584,8 @@ impl Connection {
         );
         self.phase = Phase::Running;
         tracing::info!(conn = self.id, peer = %self.peer, user = %user.name, vhost = name, "connection opened");
+        self.broker
+            .connection_opened(self.id, self.peer, &user.name, name); // admin registry
         if self.broker.publishers_blocked() {
             self.send_blocked(true);
         }
@@ -917,6 +927,7 @@ impl Connection {
             AMQPClass::Queue(m) => match m {
                 queue::AMQPMethod::Declare(d) => {
                     let nowait = d.nowait;
+                    let created = !d.passive && v.get().queue(d.queue.as_str()).is_none(); // log
                     let declared = v
                         .get()
                         .queue_declare(
@@ -933,6 +944,9 @@ impl Connection {
                         )
                         .map_err(err)?;
                     ch.last_queue = Some(declared.name.to_string());
+                    if created {
+                        tracing::info!(conn, channel = id, vhost = %v.get().name(), queue = %declared.name, "queue declared");
+                    }
                     if !nowait {
                         reply(
                             w,
@@ -995,6 +1009,7 @@ impl Connection {
                         .get()
                         .queue_delete(conn, &q, d.if_unused, d.if_empty, fx)
                         .map_err(err)?;
+                    tracing::info!(conn, channel = id, vhost = %v.get().name(), queue = %q, "queue deleted");
                     if !d.nowait {
                         reply(
                             w,
@@ -1087,6 +1102,8 @@ impl Connection {
                             AMQPClass::Basic(basic::AMQPMethod::GetEmpty(basic::GetEmpty {})),
                         ),
                         Some(got) => {
+                            self.stats.delivered += 1; // metrics
+                            self.stats.redelivered += u64::from(got.redelivered); // metrics
                             reply(
                                 w,
                                 AMQPClass::Basic(basic::AMQPMethod::GetOk(basic::GetOk {
@@ -1107,10 +1124,14 @@ impl Connection {
                         tag: a.delivery_tag,
                         multiple: a.multiple,
                     }),
-                    None => v
-                        .get()
-                        .basic_ack(key, a.delivery_tag, a.multiple, now, fx)
-                        .map_err(err)?,
+                    None => {
+                        let before = v.get().channel_unacked(key); // metrics
+                        v.get()
+                            .basic_ack(key, a.delivery_tag, a.multiple, now, fx)
+                            .map_err(err)?;
+                        let after = v.get().channel_unacked(key); // metrics
+                        self.stats.acked += before.saturating_sub(after) as u64; // metrics
+                    }
                 },
                 basic::AMQPMethod::Nack(n) => match &mut ch.tx {
                     Some(tx) => tx.acks.push(HeldAck::Nack {
@@ -1231,6 +1252,11 @@ impl Connection {
                 now,
                 &mut self.fx,
             )?;
+            match outcome {
+                PublishOutcome::Routed => self.stats.routed += 1, // metrics
+                PublishOutcome::Unroutable => self.stats.unroutable += 1, // metrics
+                PublishOutcome::Rejected => {}
+            }
             if p.mandatory && outcome == PublishOutcome::Unroutable {
                 self.send_return(id, &p.message);
             }
@@ -1370,9 +1396,11 @@ impl Connection {
                 return;
             }
         };
+        self.stats.published += 1; // metrics
         if self.broker.publishers_blocked() && self.caps.connection_blocked {
             // Stop reading this publisher's socket until the watermark clears.
             self.publish_waits_for_unblock = true;
+            self.stats.set_blocked(&self.broker.stats, self.id, true); // metrics
         }
         let ch = self
             .channels
@@ -1405,6 +1433,11 @@ impl Connection {
         match outcome {
             Err(e) => self.channel_error(id, e, class_id, method_id, v),
             Ok(outcome) => {
+                match outcome {
+                    PublishOutcome::Routed => self.stats.routed += 1, // metrics
+                    PublishOutcome::Unroutable => self.stats.unroutable += 1, // metrics
+                    PublishOutcome::Rejected => {}
+                }
                 if p.mandatory && outcome == PublishOutcome::Unroutable {
                     self.send_return(id, &message);
                 }
@@ -1441,6 +1474,7 @@ impl Connection {
                 continue;
             }
             self.confirms.clear();
+            self.stats.confirmed += ch.confirms.len() as u64; // metrics
             ch.take_confirms(&mut self.confirms);
             for &(tag, multiple, ack) in &self.confirms {
                 let m = if ack {
@@ -1480,6 +1514,8 @@ impl Connection {
         self.writer.header_payload(id, &m.header_payload);
         self.writer.body(id, &m.body, self.frame_max);
         *self.written.entry(id).or_insert(0) += 1;
+        self.stats.delivered += 1; // metrics
+        self.stats.redelivered += u64::from(d.redelivered); // metrics
     }
 
     fn write_cancel(&mut self, c: &Cancelled) {
@@ -1539,6 +1575,7 @@ impl Connection {
     fn send_blocked(&mut self, blocked: bool) {
         if !blocked {
             self.publish_waits_for_unblock = false;
+            self.stats.set_blocked(&self.broker.stats, self.id, false); // metrics
         }
         if !self.caps.connection_blocked
             || self.blocked_sent == blocked

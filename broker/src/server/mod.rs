@@ -5,6 +5,8 @@
 pub mod channel;
 pub mod connection;
 pub mod outbox;
+pub mod registry;
+pub mod stats;
 
 use crate::auth::UserStore;
 use crate::config::Config;
@@ -31,9 +33,13 @@ pub fn now_ms() -> u64 {
 pub struct Broker {
     /// Configuration in force.
     pub config: Config,
-    /// Users.
+    /// Users and their permissions (changed at run time by the admin API).
     pub users: UserStore,
-    vhosts: HashMap<String, Arc<Mutex<VHost>>>,
+    /// Message and byte counters for `/metrics`.
+    pub stats: stats::BrokerStats,
+    /// Live connections and this node's state, for the admin API.
+    pub registry: registry::Registry,
+    vhosts: RwLock<HashMap<String, Arc<Mutex<VHost>>>>,
     outboxes: RwLock<HashMap<u64, Arc<Outbox>>>,
     next_conn_id: AtomicU64,
     blocked: AtomicBool,
@@ -55,9 +61,11 @@ impl Broker {
             })
             .collect();
         Arc::new(Self {
-            users: UserStore::new(config.users.clone()),
+            users: UserStore::new(config.users.clone(), &config.vhosts),
+            stats: stats::BrokerStats::default(),
+            registry: registry::Registry::default(),
             config,
-            vhosts,
+            vhosts: RwLock::new(vhosts),
             outboxes: RwLock::new(HashMap::new()),
             next_conn_id: AtomicU64::new(1),
             blocked: AtomicBool::new(false),
@@ -66,7 +74,7 @@ impl Broker {
 
     /// A vhost by name.
     pub fn vhost(&self, name: &str) -> Option<Arc<Mutex<VHost>>> {
-        self.vhosts.get(name).cloned()
+        self.vhosts.read().get(name).cloned()
     }
 
     /// Registers a new connection; returns its id and mailbox.
@@ -80,6 +88,7 @@ impl Broker {
     /// Forgets a closed connection.
     pub fn unregister(&self, id: u64) {
         self.outboxes.write().remove(&id);
+        self.registry.remove(id);
     }
 
     /// Whether publishers are blocked (memory above the high watermark).
@@ -159,6 +168,7 @@ pub async fn start(config: Config) -> std::io::Result<Running> {
     let listener = TcpListener::bind(config.amqp_listen).await?;
     let amqp_addr = listener.local_addr()?;
     let broker = Broker::new(config);
+    let _ = broker.registry.amqp_addr.set(amqp_addr);
     tokio::spawn(accept_loop(listener, broker.clone()));
     tokio::spawn(tick_loop(broker.clone()));
     tokio::spawn(memory_monitor(broker.clone()));
@@ -190,7 +200,7 @@ async fn tick_loop(broker: Arc<Broker>) {
     let mut fx = Effects::default();
     loop {
         interval.tick().await;
-        for vhost in broker.vhosts.values() {
+        for (_, vhost) in broker.vhosts() {
             let mut v = vhost.lock();
             v.tick(now_ms(), &mut fx);
             broker.route_effects(0, &mut fx);
