@@ -186,8 +186,12 @@ impl Call {
         if self.body.iter().all(u8::is_ascii_whitespace) {
             return Ok(json!({}));
         }
-        serde_json::from_slice(&self.body)
-            .map_err(|e| ApiError::bad_request(format!("the body is not valid JSON: {e}")))
+        let v: Value = serde_json::from_slice(&self.body)
+            .map_err(|e| ApiError::bad_request(format!("the body is not valid JSON: {e}")))?;
+        if !v.is_object() {
+            return Err(ApiError::bad_request("the body must be a JSON object"));
+        }
+        Ok(v)
     }
 
     /// A query parameter.

@@ -242,9 +242,17 @@ impl VHost {
         self.channels.iter()
     }
 
-    /// Messages delivered on a channel and not yet acknowledged.
-    pub fn channel_unacked(&self, key: ChannelKey) -> usize {
-        self.channels.get(&key).map_or(0, |c| c.unacked.len())
+    /// How many unacknowledged messages an ack of `tag` (with `multiple`) on this channel
+    /// settles; read-only, for the acked-messages metric. An unknown tag settles none.
+    pub fn ackable(&self, key: ChannelKey, tag: u64, multiple: bool) -> usize {
+        let Some(ch) = self.channels.get(&key) else {
+            return 0;
+        };
+        match (multiple, tag) {
+            (true, 0) => ch.unacked.len(),
+            (true, _) => ch.unacked.partition_point(|u| u.tag <= tag),
+            (false, _) => usize::from(ch.unacked.binary_search_by_key(&tag, |u| u.tag).is_ok()),
+        }
     }
 
     fn not_found_queue(&self, name: &str) -> AmqpError {

@@ -1125,12 +1125,11 @@ impl Connection {
                         multiple: a.multiple,
                     }),
                     None => {
-                        let before = v.get().channel_unacked(key); // metrics
+                        let acked = v.get().ackable(key, a.delivery_tag, a.multiple); // metrics
                         v.get()
                             .basic_ack(key, a.delivery_tag, a.multiple, now, fx)
                             .map_err(err)?;
-                        let after = v.get().channel_unacked(key); // metrics
-                        self.stats.acked += before.saturating_sub(after) as u64; // metrics
+                        self.stats.acked += acked as u64; // metrics
                     }
                 },
                 basic::AMQPMethod::Nack(n) => match &mut ch.tx {

@@ -106,3 +106,30 @@ impl ConnStats {
         to.connections_closed.inc();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_flush_adds_the_batch_once_and_blocked_counts_each_connection_once() {
+        let total = BrokerStats::default();
+        let mut a = ConnStats {
+            published: 3,
+            bytes_in: 10,
+            ..ConnStats::default()
+        };
+        a.flush(&total);
+        a.flush(&total);
+        assert_eq!((total.published.get(), total.bytes_in.get()), (3, 10));
+        let mut b = ConnStats::default();
+        a.set_blocked(&total, 1, true);
+        a.set_blocked(&total, 1, true);
+        b.set_blocked(&total, 2, true);
+        assert_eq!(total.blocked_publishers.get(), 2);
+        a.set_blocked(&total, 1, false);
+        b.closed(&total, 2);
+        assert_eq!(total.blocked_publishers.get(), 0);
+        assert_eq!(total.connections_closed.get(), 1);
+    }
+}
