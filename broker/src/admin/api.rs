@@ -376,7 +376,15 @@ pub fn route(b: &Arc<Broker>, c: &Call) -> Result<Reply> {
             }
             Ok(empty_reply(StatusCode::NO_CONTENT))
         }
-        ["definitions"] if get => ok(definitions::export(b)),
+        ["definitions"] if get => {
+            // The export holds password hashes: administrators only, as in RabbitMQ.
+            if !c.user.tags.iter().any(|t| t == super::TAG_ADMINISTRATOR) {
+                return Err(ApiError::forbidden(
+                    "exporting definitions (with password hashes) needs the administrator tag",
+                ));
+            }
+            ok(definitions::export(b))
+        }
         ["definitions"] if post => {
             let body = c.json()?;
             definitions::import(b, &body, &c.user.name)?;
