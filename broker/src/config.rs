@@ -17,9 +17,12 @@ pub struct UserConfig {
     /// Only accept this user from loopback addresses (RabbitMQ's rule for `guest`).
     #[serde(default)]
     pub loopback_only: bool,
-    /// Vhosts the user may open; empty means all.
+    /// Vhosts the user may open; empty means all configured vhosts.
     #[serde(default)]
     pub vhosts: Vec<String>,
+    /// Management tags: `administrator` (full admin API) or `monitoring` (read-only).
+    #[serde(default)]
+    pub tags: Vec<String>,
 }
 
 /// Everything the broker reads at start-up.
@@ -28,6 +31,18 @@ pub struct UserConfig {
 pub struct Config {
     /// AMQP listener address.
     pub amqp_listen: SocketAddr,
+    /// Admin HTTP listener address (metrics, health, JSON API).
+    pub admin_listen: SocketAddr,
+    /// This node's id, shown in the admin API and used as the queues' `owner`.
+    pub node_id: String,
+    /// The cluster's name, shown in `/api/overview`.
+    pub cluster_name: String,
+    /// Failure zone of this node (free text, e.g. a rack or availability zone).
+    pub zone: String,
+    /// Also put the per-queue gauges of `/metrics/detailed` on `/metrics`.
+    pub metrics_per_queue: bool,
+    /// At most this many queues get per-queue series (bounds label cardinality).
+    pub metrics_max_queues: usize,
     /// Directory holding the broker's state.
     pub data_dir: PathBuf,
     /// Largest frame the broker accepts and offers in connection.tune, in bytes.
@@ -56,6 +71,12 @@ impl Default for Config {
     fn default() -> Self {
         Self {
             amqp_listen: SocketAddr::from(([127, 0, 0, 1], 5672)),
+            admin_listen: SocketAddr::from(([127, 0, 0, 1], 15672)),
+            node_id: default_node_id(),
+            cluster_name: "ringmq".to_owned(),
+            zone: String::new(),
+            metrics_per_queue: false,
+            metrics_max_queues: 10_000,
             data_dir: PathBuf::from("data"),
             frame_max: 131_072,
             channel_max: 2047,
@@ -71,9 +92,20 @@ impl Default for Config {
                 password: "guest".to_owned(),
                 loopback_only: true,
                 vhosts: Vec::new(),
+                tags: vec!["administrator".to_owned()],
             }],
         }
     }
+}
+
+/// `ringmq@HOSTNAME`, RabbitMQ's node naming.
+fn default_node_id() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_owned())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "localhost".to_owned());
+    format!("ringmq@{host}")
 }
 
 /// 40% of physical memory, RabbitMQ's default relative watermark; 1 GiB when unknown.

@@ -4,6 +4,8 @@
 //! channels on sockets), [`core`] (the pure vhost state machine). [`config`] and [`auth`] are
 //! what an operator sets.
 
+pub mod admin;
+pub mod admin_client;
 pub mod amqp;
 pub mod auth;
 pub mod client;

@@ -35,6 +35,8 @@ pub struct Broker {
     child: Child,
     /// AMQP address it listens on.
     pub addr: SocketAddr,
+    /// Admin HTTP address it listens on.
+    pub admin: SocketAddr,
     /// Its data directory.
     pub data_dir: PathBuf,
     /// Lines it wrote to stderr (its log), collected in the background.
@@ -94,7 +96,13 @@ impl Broker {
     fn spawn(data_dir: PathBuf) -> Self {
         let config = data_dir.join("ringmq.yaml");
         let mut child = Command::new(binary("ringmq-broker"))
-            .args(["--amqp-listen", "127.0.0.1:0", "--data-dir"])
+            .args([
+                "--amqp-listen",
+                "127.0.0.1:0",
+                "--admin-listen",
+                "127.0.0.1:0",
+            ])
+            .arg("--data-dir")
             .arg(data_dir.join("data"))
             .arg("--config")
             .arg(&config)
@@ -116,8 +124,18 @@ impl Broker {
         stdout
             .read_line(&mut line)
             .expect("the broker prints its address");
+        let mut admin_line = String::new();
+        stdout
+            .read_line(&mut admin_line)
+            .expect("the broker prints its admin address");
         // Keep the pipe open (and drained) for as long as the broker runs.
         std::thread::spawn(move || std::io::copy(&mut stdout, &mut std::io::sink()));
+        let admin = admin_line
+            .trim()
+            .strip_prefix("ringmq-broker listening admin=")
+            .unwrap_or_else(|| panic!("unexpected second line from the broker: {admin_line:?}"))
+            .parse()
+            .expect("a socket address");
         let addr = line
             .trim()
             .strip_prefix("ringmq-broker listening amqp=")
@@ -132,6 +150,7 @@ impl Broker {
         Broker {
             child,
             addr,
+            admin,
             data_dir,
             log,
         }
@@ -154,6 +173,21 @@ impl Broker {
         let conn = self.connect().await;
         let ch = conn.create_channel().await.expect("opening a channel");
         (conn, ch)
+    }
+
+    /// `http://ADMIN_ADDR`.
+    pub fn admin_url(&self) -> String {
+        format!("http://{}", self.admin)
+    }
+
+    /// An admin API client logged in as `user`.
+    pub fn admin_as(&self, user: &str, password: &str) -> ringmq::admin_client::AdminClient {
+        ringmq::admin_client::AdminClient::new(&self.admin_url(), Some(user), Some(password))
+    }
+
+    /// An admin API client logged in as guest (an administrator).
+    pub fn admin_client(&self) -> ringmq::admin_client::AdminClient {
+        self.admin_as("guest", "guest")
     }
 
     /// The process id (to kill it from a test).

@@ -431,3 +431,57 @@ async fn kill_9_at_random_points_loses_no_confirmed_message_and_resurrects_no_ac
         confirmed.len()
     );
 }
+
+#[tokio::test]
+async fn changes_made_through_the_admin_api_are_durable_when_acknowledged() {
+    let mut b = Broker::start();
+    let admin = b.admin_client();
+    let put = admin.call("PUT", "/api/vhosts/extra", None).unwrap();
+    assert!(put.status < 300, "{put:?}");
+    let body = serde_json::json!({"durable": true, "auto_delete": false, "arguments": {}});
+    for vh in ["%2F", "extra"] {
+        let r = admin
+            .call("PUT", &format!("/api/queues/{vh}/from-api"), Some(&body))
+            .unwrap();
+        assert_eq!(r.status, 201, "{r:?}");
+    }
+    {
+        let (_c, ch) = b.channel().await;
+        ch.confirm_select(ConfirmSelectOptions::default())
+            .await
+            .unwrap();
+        for i in 0..3u8 {
+            publish_confirmed(&ch, "from-api", &[i], persistent()).await;
+        }
+    }
+    let r = admin
+        .call("DELETE", "/api/queues/%2F/from-api/contents", None)
+        .unwrap();
+    assert!(r.status < 300, "{r:?}");
+    // SIGKILL right after the answers: they must already be on disk.
+    b.crash_and_restart();
+    let admin = b.admin_client();
+    let q = admin.get("/api/queues/%2F/from-api").unwrap();
+    assert_eq!(
+        q.status, 200,
+        "a queue declared through the API survives a crash"
+    );
+    assert_eq!(
+        q.body["messages"], 0,
+        "a purge through the API is durable: {}",
+        q.body
+    );
+    assert_eq!(
+        admin.get("/api/queues/extra/from-api").unwrap().status,
+        200,
+        "so does a run-time vhost holding it"
+    );
+    let r = admin.call("DELETE", "/api/vhosts/extra", None).unwrap();
+    assert!(r.status < 300, "{r:?}");
+    b.crash_and_restart();
+    assert_eq!(
+        b.admin_client().get("/api/vhosts/extra").unwrap().status,
+        404,
+        "a deleted vhost stays deleted"
+    );
+}

@@ -14,6 +14,9 @@ struct Args {
     /// AMQP listener address [default: 127.0.0.1:5672].
     #[arg(long, env = "RINGMQ_AMQP_LISTEN", value_name = "ADDR")]
     amqp_listen: Option<SocketAddr>,
+    /// Admin HTTP listener (metrics, health, JSON API) [default: 127.0.0.1:15672].
+    #[arg(long, env = "RINGMQ_ADMIN_LISTEN", value_name = "ADDR")]
+    admin_listen: Option<SocketAddr>,
     /// Directory for the broker's state [default: ./data].
     #[arg(long, env = "RINGMQ_DATA_DIR", value_name = "DIR")]
     data_dir: Option<PathBuf>,
@@ -53,6 +56,9 @@ fn main() -> anyhow::Result<()> {
     if let Some(addr) = args.amqp_listen {
         config.amqp_listen = addr;
     }
+    if let Some(addr) = args.admin_listen {
+        config.admin_listen = addr;
+    }
     if let Some(dir) = args.data_dir {
         config.data_dir = dir;
     }
@@ -64,8 +70,13 @@ fn main() -> anyhow::Result<()> {
     runtime.block_on(async move {
         let running = ringmq::server::start(config.clone()).await?;
         tracing::info!(amqp = %running.amqp_addr, data_dir = %config.data_dir.display(), "ringmq-broker ready");
-        // A machine-readable line for scripts and tests that start the broker on port 0.
+        let admin_addr = ringmq::admin::start(running.broker.clone(), config.admin_listen)
+            .await
+            .with_context(|| format!("cannot listen on {} (admin)", config.admin_listen))?;
+        tracing::info!(admin = %admin_addr, "admin listener ready");
+        // Machine-readable lines for scripts and tests that start the broker on port 0.
         println!("ringmq-broker listening amqp={}", running.amqp_addr);
+        println!("ringmq-broker listening admin={admin_addr}");
         shutdown_signal().await;
         tracing::info!("shutting down: writing the journal");
         running.broker.journal.shutdown();

@@ -260,6 +260,24 @@ impl VHost {
         self.exchanges.values()
     }
 
+    /// All open channels and their consumer state (read-only, for the admin API).
+    pub fn channels(&self) -> impl Iterator<Item = (&ChannelKey, &ChannelState)> {
+        self.channels.iter()
+    }
+
+    /// How many unacknowledged messages an ack of `tag` (with `multiple`) on this channel
+    /// settles; read-only, for the acked-messages metric. An unknown tag settles none.
+    pub fn ackable(&self, key: ChannelKey, tag: u64, multiple: bool) -> usize {
+        let Some(ch) = self.channels.get(&key) else {
+            return 0;
+        };
+        match (multiple, tag) {
+            (true, 0) => ch.unacked.len(),
+            (true, _) => ch.unacked.partition_point(|u| u.tag <= tag),
+            (false, _) => usize::from(ch.unacked.binary_search_by_key(&tag, |u| u.tag).is_ok()),
+        }
+    }
+
     fn not_found_queue(&self, name: &str) -> AmqpError {
         AmqpError::not_found(format!("no queue '{name}' in vhost '{}'", self.name))
     }

@@ -4,6 +4,7 @@
 
 use super::channel::{BodyParts, ChannelCtx, HeldAck, HeldPublish, PendingPublish, Transaction};
 use super::outbox::{Outbox, Pending};
+use super::stats::ConnStats;
 use super::{Broker, now_ms};
 use crate::amqp::frame::{
     self, FRAME_BODY, FRAME_HEADER, FRAME_HEARTBEAT, FRAME_METHOD, PROTOCOL_HEADER, RawFrame,
@@ -130,6 +131,8 @@ struct Connection {
     /// Confirms of persistent messages and replies to durable declarations wait this way;
     /// output before them goes out at once.
     gates: std::collections::VecDeque<(usize, u64)>,
+    /// Metrics counted during a batch, added to the broker's totals once per wake-up.
+    stats: ConnStats,
 }
 
 /// Serves one accepted socket until it closes.
@@ -159,10 +162,12 @@ pub async fn serve(broker: Arc<Broker>, stream: TcpStream, peer: SocketAddr) {
         publish_waits_for_unblock: false,
         qos_prefetch_size: 0,
         gates: std::collections::VecDeque::new(),
+        stats: ConnStats::default(),
     };
     let result = conn.run(stream).await;
     conn.release();
     broker.unregister(id);
+    conn.stats.closed(&broker.stats, id); // metrics
     let user = conn.user.as_ref().map(|u| u.name.as_str()).unwrap_or("-");
     match result {
         Ok(()) => {
@@ -220,9 +225,11 @@ impl Connection {
         let mut heartbeat_armed = false;
         let mut synced = self.broker.journal.synced();
         loop {
+            self.stats.flush(&self.broker.stats); // metrics: once per wake-up
             let writable = self.writable(*synced.borrow());
             let held = writable < self.writer.len();
             if writable > 0 {
+                self.stats.bytes_out += writable as u64; // metrics
                 stream
                     .write_all(&self.writer.as_slice()[..writable])
                     .await?;
@@ -275,6 +282,7 @@ impl Connection {
                     // A read that filled most of the space asks for a bigger buffer next time.
                     read_chunk = if n >= read_chunk / 2 { READ_CHUNK_BUSY } else { READ_CHUNK_IDLE };
                     last_recv = Instant::now();
+                    self.stats.bytes_in += n as u64; // metrics
                     self.on_bytes(&mut rbuf);
                 }
                 _ = self.outbox.notified() => self.drain_outbox(),
@@ -599,6 +607,8 @@ impl Connection {
         );
         self.phase = Phase::Running;
         tracing::info!(conn = self.id, peer = %self.peer, user = %user.name, vhost = name, "connection opened");
+        self.broker
+            .connection_opened(self.id, self.peer, &user.name, name); // admin registry
         if self.broker.publishers_blocked() {
             self.send_blocked(true);
         }
@@ -940,6 +950,7 @@ impl Connection {
             AMQPClass::Queue(m) => match m {
                 queue::AMQPMethod::Declare(d) => {
                     let nowait = d.nowait;
+                    let created = !d.passive && v.get().queue(d.queue.as_str()).is_none(); // log
                     let declared = v
                         .get()
                         .queue_declare(
@@ -956,6 +967,9 @@ impl Connection {
                         )
                         .map_err(err)?;
                     ch.last_queue = Some(declared.name.to_string());
+                    if created {
+                        tracing::info!(conn, channel = id, vhost = %v.get().name(), queue = %declared.name, "queue declared");
+                    }
                     if !nowait {
                         reply(
                             w,
@@ -1018,6 +1032,7 @@ impl Connection {
                         .get()
                         .queue_delete(conn, &q, d.if_unused, d.if_empty, fx)
                         .map_err(err)?;
+                    tracing::info!(conn, channel = id, vhost = %v.get().name(), queue = %q, "queue deleted");
                     if !d.nowait {
                         reply(
                             w,
@@ -1110,6 +1125,8 @@ impl Connection {
                             AMQPClass::Basic(basic::AMQPMethod::GetEmpty(basic::GetEmpty {})),
                         ),
                         Some(got) => {
+                            self.stats.delivered += 1; // metrics
+                            self.stats.redelivered += u64::from(got.redelivered); // metrics
                             reply(
                                 w,
                                 AMQPClass::Basic(basic::AMQPMethod::GetOk(basic::GetOk {
@@ -1130,10 +1147,13 @@ impl Connection {
                         tag: a.delivery_tag,
                         multiple: a.multiple,
                     }),
-                    None => v
-                        .get()
-                        .basic_ack(key, a.delivery_tag, a.multiple, now, fx)
-                        .map_err(err)?,
+                    None => {
+                        let acked = v.get().ackable(key, a.delivery_tag, a.multiple); // metrics
+                        v.get()
+                            .basic_ack(key, a.delivery_tag, a.multiple, now, fx)
+                            .map_err(err)?;
+                        self.stats.acked += acked as u64; // metrics
+                    }
                 },
                 basic::AMQPMethod::Nack(n) => match &mut ch.tx {
                     Some(tx) => tx.acks.push(HeldAck::Nack {
@@ -1254,6 +1274,11 @@ impl Connection {
                 now,
                 &mut self.fx,
             )?;
+            match outcome {
+                PublishOutcome::Routed => self.stats.routed += 1, // metrics
+                PublishOutcome::Unroutable => self.stats.unroutable += 1, // metrics
+                PublishOutcome::Rejected => {}
+            }
             if p.mandatory && outcome == PublishOutcome::Unroutable {
                 self.send_return(id, &p.message);
             }
@@ -1393,9 +1418,11 @@ impl Connection {
                 return;
             }
         };
+        self.stats.published += 1; // metrics
         if self.broker.publishers_blocked() && self.caps.connection_blocked {
             // Stop reading this publisher's socket until the watermark clears.
             self.publish_waits_for_unblock = true;
+            self.stats.set_blocked(&self.broker.stats, self.id, true); // metrics
         }
         let ch = self
             .channels
@@ -1428,6 +1455,11 @@ impl Connection {
         match outcome {
             Err(e) => self.channel_error(id, e, class_id, method_id, v),
             Ok(outcome) => {
+                match outcome {
+                    PublishOutcome::Routed => self.stats.routed += 1, // metrics
+                    PublishOutcome::Unroutable => self.stats.unroutable += 1, // metrics
+                    PublishOutcome::Rejected => {}
+                }
                 if p.mandatory && outcome == PublishOutcome::Unroutable {
                     self.send_return(id, &message);
                 }
@@ -1464,6 +1496,7 @@ impl Connection {
                 continue;
             }
             self.confirms.clear();
+            self.stats.confirmed += ch.confirms.len() as u64; // metrics
             ch.take_confirms(&mut self.confirms);
             for &(tag, multiple, ack) in &self.confirms {
                 let m = if ack {
@@ -1503,6 +1536,8 @@ impl Connection {
         self.writer.header_payload(id, &m.header_payload);
         self.writer.body(id, &m.body, self.frame_max);
         *self.written.entry(id).or_insert(0) += 1;
+        self.stats.delivered += 1; // metrics
+        self.stats.redelivered += u64::from(d.redelivered); // metrics
     }
 
     fn write_cancel(&mut self, c: &Cancelled) {
@@ -1562,6 +1597,7 @@ impl Connection {
     fn send_blocked(&mut self, blocked: bool) {
         if !blocked {
             self.publish_waits_for_unblock = false;
+            self.stats.set_blocked(&self.broker.stats, self.id, false); // metrics
         }
         if !self.caps.connection_blocked
             || self.blocked_sent == blocked

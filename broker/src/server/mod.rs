@@ -5,6 +5,8 @@
 pub mod channel;
 pub mod connection;
 pub mod outbox;
+pub mod registry;
+pub mod stats;
 
 use crate::auth::UserStore;
 use crate::config::Config;
@@ -34,9 +36,13 @@ pub fn now_ms() -> u64 {
 pub struct Broker {
     /// Configuration in force.
     pub config: Config,
-    /// Users.
+    /// Users and their permissions (changed at run time by the admin API).
     pub users: UserStore,
-    vhosts: HashMap<String, Arc<Mutex<VHost>>>,
+    /// Message and byte counters for `/metrics`.
+    pub stats: stats::BrokerStats,
+    /// Live connections and this node's state, for the admin API.
+    pub registry: registry::Registry,
+    vhosts: RwLock<HashMap<String, Arc<Mutex<VHost>>>>,
     outboxes: RwLock<HashMap<u64, Arc<Outbox>>>,
     next_conn_id: AtomicU64,
     blocked: AtomicBool,
@@ -71,7 +77,18 @@ impl Broker {
         let now = now_ms();
         let mut vhosts = HashMap::new();
         let mut restored = 0usize;
-        for (i, name) in config.vhosts.iter().enumerate() {
+        // The configured vhosts, and those the data dir holds durable objects for (created
+        // at run time through the admin API).
+        let mut names: Vec<String> = config.vhosts.clone();
+        names.extend(
+            recovered
+                .disk
+                .wiring
+                .keys()
+                .filter(|v| !config.vhosts.contains(v))
+                .cloned(),
+        );
+        for (i, name) in names.iter().enumerate() {
             let mut vhost = VHost::new(name, seed.wrapping_add(i as u64));
             if let Some(wiring) = recovered.disk.wiring.get(name).cloned() {
                 let queues: Vec<(u64, String)> = wiring
@@ -92,14 +109,6 @@ impl Broker {
             vhost.set_record_ops(true);
             vhosts.insert(name.clone(), Arc::new(Mutex::new(vhost)));
         }
-        for name in recovered
-            .disk
-            .wiring
-            .keys()
-            .filter(|v| !config.vhosts.contains(v))
-        {
-            tracing::warn!(vhost = %name, "the data dir holds a vhost that is not configured; its durable objects stay on disk but are not served");
-        }
         tracing::info!(
             records = recovered.records,
             messages = restored,
@@ -114,9 +123,11 @@ impl Broker {
             recovered.next_segment,
         )?;
         Ok(Arc::new(Self {
-            users: UserStore::new(config.users.clone()),
+            users: UserStore::new(config.users.clone(), &names),
+            stats: stats::BrokerStats::default(),
+            registry: registry::Registry::default(),
             config,
-            vhosts,
+            vhosts: RwLock::new(vhosts),
             outboxes: RwLock::new(HashMap::new()),
             next_conn_id: AtomicU64::new(1),
             blocked: AtomicBool::new(false),
@@ -124,6 +135,23 @@ impl Broker {
             journal,
             _data_dir: data_dir,
         }))
+    }
+
+    /// Hands every vhost's pending durable changes to the journal and waits until everything
+    /// submitted so far is on disk: what the admin API does before it answers a change.
+    pub async fn persist_all_and_wait(&self) {
+        let mut fx = Effects::default();
+        for (_, vhost) in self.vhosts() {
+            let mut v = vhost.lock();
+            self.persist(&mut v, &mut fx);
+        }
+        let target = self.journal.last_submitted();
+        let mut synced = self.journal.synced();
+        while *synced.borrow() < target {
+            if synced.changed().await.is_err() {
+                return;
+            }
+        }
     }
 
     /// Hands what a batch of commands changed in durable state to the journal: the durable
@@ -156,7 +184,7 @@ impl Broker {
 
     /// A vhost by name.
     pub fn vhost(&self, name: &str) -> Option<Arc<Mutex<VHost>>> {
-        self.vhosts.get(name).cloned()
+        self.vhosts.read().get(name).cloned()
     }
 
     /// Registers a new connection; returns its id and mailbox.
@@ -170,6 +198,7 @@ impl Broker {
     /// Forgets a closed connection.
     pub fn unregister(&self, id: u64) {
         self.outboxes.write().remove(&id);
+        self.registry.remove(id);
     }
 
     /// Whether publishers are blocked (memory above the high watermark).
@@ -257,6 +286,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     let amqp_addr = listener
         .local_addr()
         .map_err(|e| StartError::Listen(addr, e))?;
+    let _ = broker.registry.amqp_addr.set(amqp_addr);
     tokio::spawn(accept_loop(listener, broker.clone()));
     tokio::spawn(tick_loop(broker.clone()));
     tokio::spawn(memory_monitor(broker.clone()));
@@ -288,7 +318,7 @@ async fn tick_loop(broker: Arc<Broker>) {
     let mut fx = Effects::default();
     loop {
         interval.tick().await;
-        for vhost in broker.vhosts.values() {
+        for (_, vhost) in broker.vhosts() {
             let mut v = vhost.lock();
             v.tick(now_ms(), &mut fx);
             broker.route_effects(0, &mut fx);

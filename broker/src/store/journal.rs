@@ -62,6 +62,11 @@ pub enum Job {
         /// Its durable wiring.
         wiring: DurableWiring,
     },
+    /// A vhost was deleted with everything in it.
+    VhostDeleted {
+        /// Vhost name.
+        vhost: String,
+    },
 }
 
 /// Counters of the journal's work, read by metrics and benchmarks.
@@ -202,6 +207,11 @@ impl Journal {
             let _ = tx.send((seq, job));
         }
         seq
+    }
+
+    /// The sequence number of the last submission (0 before the first).
+    pub fn last_submitted(&self) -> u64 {
+        self.submitter.lock().next_seq - 1
     }
 
     /// Watches the sequence number up to which everything submitted is durable.
@@ -363,8 +373,16 @@ impl Writer {
                         }
                     }
                 }
-                Job::Wiring { vhost, wiring } => {
-                    self.state.wiring.insert(vhost, wiring);
+                Job::Wiring { .. } | Job::VhostDeleted { .. } => {
+                    match job {
+                        Job::Wiring { vhost, wiring } => {
+                            self.state.wiring.insert(vhost, wiring);
+                        }
+                        Job::VhostDeleted { vhost } => {
+                            self.state.wiring.remove(&vhost);
+                        }
+                        Job::Records(_) => unreachable!("matched above"),
+                    }
                     self.live_uids = self.state.live_uids();
                     wiring_changed = true;
                     // Messages of deleted queues are garbage now, written or not.

@@ -1,21 +1,50 @@
-//! `ringmqctl`: the command-line tool for ringmq. `bench` is a load generator in the manner of
-//! RabbitMQ's PerfTest that works against any AMQP 0-9-1 broker.
+//! `ringmqctl`: the command-line tool for ringmq. The admin commands (`status`, `list`,
+//! `declare`, `delete`, `purge`, `close`, `definitions`) call the broker's admin HTTP API;
+//! `bench` is a load generator in the manner of RabbitMQ's PerfTest that works against any
+//! AMQP 0-9-1 broker; `sink` measures the bench tool's own ceiling.
 
+mod admin;
 mod bench;
 mod sink;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 
 /// Command-line tool for ringmq.
 #[derive(Debug, Parser)]
 #[command(name = "ringmqctl", version, about)]
 struct Cli {
+    #[command(flatten)]
+    conn: admin::Conn,
     #[command(subcommand)]
     command: Command,
 }
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Show the node, its members, object and message totals.
+    Status,
+    /// List queues, exchanges, bindings, connections, channels, users, vhosts or permissions.
+    List(admin::ListArgs),
+    /// Create (or check) a queue, exchange, binding, vhost, user or permission.
+    #[command(subcommand)]
+    Declare(admin::Declare),
+    /// Delete a queue, exchange, binding, vhost, user or permission.
+    #[command(subcommand)]
+    Delete(admin::Delete),
+    /// Remove a queue's ready messages.
+    #[command(subcommand)]
+    Purge(admin::Purge),
+    /// Close a client connection.
+    #[command(subcommand)]
+    Close(admin::Close),
+    /// Export or import definitions (users, vhosts, permissions, queues, exchanges, bindings).
+    #[command(subcommand)]
+    Definitions(admin::Definitions),
+    /// Print a shell completion script.
+    Completions {
+        /// bash, zsh, fish, elvish or powershell.
+        shell: clap_complete::Shell,
+    },
     /// Measure throughput and latency of a broker (any AMQP 0-9-1 broker).
     Bench(bench::BenchArgs),
     /// A stand-in broker that drops publishes and feeds consumers endlessly: run `bench`
@@ -25,7 +54,24 @@ enum Command {
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
+    let conn = &cli.conn;
     let result = match cli.command {
+        Command::Status => admin::status(conn),
+        Command::List(args) => admin::list(conn, &args),
+        Command::Declare(d) => admin::declare(conn, &d),
+        Command::Delete(d) => admin::delete(conn, &d),
+        Command::Purge(p) => admin::purge(conn, &p),
+        Command::Close(c) => admin::close(conn, &c),
+        Command::Definitions(d) => admin::definitions(conn, &d),
+        Command::Completions { shell } => {
+            clap_complete::generate(
+                shell,
+                &mut Cli::command(),
+                "ringmqctl",
+                &mut std::io::stdout(),
+            );
+            Ok(())
+        }
         Command::Bench(args) => bench::run(args),
         Command::Sink(args) => sink::run(args),
     };

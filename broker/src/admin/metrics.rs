@@ -1,0 +1,221 @@
+//! `/metrics` and `/metrics/detailed` in the Prometheus (OpenMetrics) text format.
+//!
+//! Counters are the connections' atomics ([`crate::server::stats::BrokerStats`]); every gauge
+//! is computed here, at scrape time, from the vhosts and the process: nothing is maintained
+//! per message for them. Per-queue series carry the labels `vhost` and `queue` and are capped
+//! at `metrics_max_queues` queues.
+
+use crate::server::{Broker, rss_bytes};
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use std::path::Path;
+
+/// The content type of the exposition.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// Totals over every vhost, computed under each vhost's lock in turn.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Totals {
+    /// Vhosts.
+    pub vhosts: u64,
+    /// Exchanges (predeclared ones included).
+    pub exchanges: u64,
+    /// Queues.
+    pub queues: u64,
+    /// Open channels.
+    pub channels: u64,
+    /// Consumers.
+    pub consumers: u64,
+    /// Ready messages.
+    pub ready: u64,
+    /// Delivered, unacknowledged messages.
+    pub unacked: u64,
+}
+
+/// Counts what the vhosts hold now.
+pub fn totals(broker: &Broker) -> Totals {
+    let mut t = Totals::default();
+    for (_, vhost) in broker.vhosts() {
+        let v = vhost.lock();
+        t.vhosts += 1;
+        t.exchanges += v.exchanges().count() as u64;
+        t.channels += v.channels().count() as u64;
+        for q in v.queues() {
+            t.queues += 1;
+            t.consumers += q.consumers.len() as u64;
+            t.ready += q.ready_count() as u64;
+            t.unacked += q.unacked_count() as u64;
+        }
+    }
+    t
+}
+
+/// Free bytes on the file system holding `dir` (for a non-root user), if it can be read.
+pub fn disk_free_bytes(dir: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `path` is NUL-terminated and `st` is a valid out-parameter.
+    if unsafe { libc::statvfs(path.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    Some(st.f_bavail as u64 * st.f_frsize as u64)
+}
+
+fn gauge(reg: &mut Registry, name: &str, help: &str, value: u64) {
+    let g: Gauge = Gauge::default();
+    g.set(i64::try_from(value).unwrap_or(i64::MAX));
+    reg.register(name, help, g);
+}
+
+/// The exposition text. `per_queue` adds the labelled per-queue gauges.
+pub fn render(broker: &Broker, per_queue: bool) -> String {
+    let mut reg = Registry::with_prefix("ringmq");
+    let s = &broker.stats;
+    for (name, help, c) in [
+        (
+            "messages_published",
+            "Messages published by clients",
+            &s.published,
+        ),
+        (
+            "messages_routed",
+            "Published messages enqueued on at least one queue",
+            &s.routed,
+        ),
+        (
+            "messages_unroutable",
+            "Published messages no queue took",
+            &s.unroutable,
+        ),
+        (
+            "messages_delivered",
+            "Messages delivered to consumers or fetched with basic.get",
+            &s.delivered,
+        ),
+        (
+            "messages_redelivered",
+            "Deliveries of messages delivered before",
+            &s.redelivered,
+        ),
+        (
+            "messages_acked",
+            "Messages acknowledged by consumers",
+            &s.acked,
+        ),
+        (
+            "messages_confirmed",
+            "Publisher confirms issued (one per message)",
+            &s.confirmed,
+        ),
+        (
+            "received_bytes",
+            "Bytes read from AMQP clients",
+            &s.bytes_in,
+        ),
+        ("sent_bytes", "Bytes written to AMQP clients", &s.bytes_out),
+        (
+            "connections_opened",
+            "Connections opened",
+            &s.connections_opened,
+        ),
+        (
+            "connections_closed",
+            "Connections closed",
+            &s.connections_closed,
+        ),
+    ] {
+        reg.register(name, help, c.clone());
+    }
+    reg.register(
+        "blocked_publishers",
+        "Publishing connections held back by the memory alarm",
+        s.blocked_publishers.clone(),
+    );
+    let t = totals(broker);
+    let c = &broker.config;
+    gauge(
+        &mut reg,
+        "connections",
+        "Open AMQP connections",
+        broker.registry.connection_count() as u64,
+    );
+    gauge(&mut reg, "channels", "Open channels", t.channels);
+    gauge(&mut reg, "consumers", "Consumers", t.consumers);
+    gauge(&mut reg, "queues", "Queues", t.queues);
+    gauge(&mut reg, "exchanges", "Exchanges", t.exchanges);
+    gauge(&mut reg, "vhosts", "Virtual hosts", t.vhosts);
+    gauge(
+        &mut reg,
+        "messages_ready",
+        "Ready messages in all queues",
+        t.ready,
+    );
+    gauge(
+        &mut reg,
+        "messages_unacked",
+        "Delivered, unacknowledged messages in all queues",
+        t.unacked,
+    );
+    gauge(
+        &mut reg,
+        "memory_used_bytes",
+        "Resident memory of the broker process",
+        rss_bytes().unwrap_or(0),
+    );
+    gauge(
+        &mut reg,
+        "memory_high_watermark_bytes",
+        "Resident memory above which publishers are blocked",
+        c.memory_high_watermark_bytes,
+    );
+    gauge(
+        &mut reg,
+        "memory_alarm",
+        "1 while the memory high watermark is exceeded",
+        u64::from(broker.publishers_blocked()),
+    );
+    gauge(
+        &mut reg,
+        "disk_free_bytes",
+        "Free bytes on the data directory's file system",
+        disk_free_bytes(&c.data_dir).unwrap_or(0),
+    );
+    if per_queue {
+        let ready: Family<Vec<(String, String)>, Gauge> = Family::default();
+        let unacked: Family<Vec<(String, String)>, Gauge> = Family::default();
+        let consumers: Family<Vec<(String, String)>, Gauge> = Family::default();
+        let mut left = c.metrics_max_queues;
+        'vhosts: for (name, vhost) in broker.vhosts() {
+            let v = vhost.lock();
+            for q in v.queues() {
+                if left == 0 {
+                    break 'vhosts;
+                }
+                left -= 1;
+                let labels = vec![
+                    ("vhost".to_owned(), name.clone()),
+                    ("queue".to_owned(), q.name.to_string()),
+                ];
+                ready.get_or_create(&labels).set(q.ready_count() as i64);
+                unacked.get_or_create(&labels).set(q.unacked_count() as i64);
+                consumers
+                    .get_or_create(&labels)
+                    .set(q.consumers.len() as i64);
+            }
+        }
+        reg.register("queue_messages_ready", "Ready messages per queue", ready);
+        reg.register(
+            "queue_messages_unacked",
+            "Unacknowledged messages per queue",
+            unacked,
+        );
+        reg.register("queue_consumers", "Consumers per queue", consumers);
+    }
+    let mut out = String::new();
+    // Writing into a String cannot fail.
+    let _ = encode(&mut out, &reg);
+    out
+}

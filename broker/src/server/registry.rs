@@ -1,0 +1,159 @@
+//! What the admin API sees of the running broker: live connections (who, from where, which
+//! vhost), this node's addresses and readiness, and the run-time changes to vhosts.
+//!
+//! Connections register here on connection.open and leave when their task ends; nothing here
+//! is touched per message.
+
+use super::{Broker, now_ms};
+use crate::amqp::codes;
+use crate::core::VHost;
+use parking_lot::{Mutex, RwLock};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+
+/// An open connection, as listed by `GET /api/connections`.
+#[derive(Debug, Clone)]
+pub struct ConnInfo {
+    /// The broker's id for it (also the `conn` field of its log lines).
+    pub id: u64,
+    /// RabbitMQ-style name: `PEER -> LOCAL`.
+    pub name: String,
+    /// Client address.
+    pub peer: SocketAddr,
+    /// Logged-in user.
+    pub user: String,
+    /// Open vhost.
+    pub vhost: String,
+    /// When connection.open succeeded (ms since the epoch).
+    pub connected_at_ms: u64,
+}
+
+/// Live connections and this node's state.
+#[derive(Debug, Default)]
+pub struct Registry {
+    conns: RwLock<HashMap<u64, ConnInfo>>,
+    /// Where the AMQP listener is bound.
+    pub amqp_addr: OnceLock<SocketAddr>,
+    /// Where the admin listener is bound.
+    pub admin_addr: OnceLock<SocketAddr>,
+    /// Both listeners are up.
+    pub ready: AtomicBool,
+    /// The node was asked to leave (`POST /api/members/{id}/leave`): not ready any more.
+    pub leaving: AtomicBool,
+}
+
+impl Registry {
+    /// Open connections, oldest first.
+    pub fn connections(&self) -> Vec<ConnInfo> {
+        let mut v: Vec<ConnInfo> = self.conns.read().values().cloned().collect();
+        v.sort_by_key(|c| c.id);
+        v
+    }
+
+    /// The number of open connections.
+    pub fn connection_count(&self) -> usize {
+        self.conns.read().len()
+    }
+
+    /// A connection by id.
+    pub fn connection(&self, id: u64) -> Option<ConnInfo> {
+        self.conns.read().get(&id).cloned()
+    }
+
+    /// Forgets a connection (its task ended).
+    pub(super) fn remove(&self, id: u64) {
+        self.conns.write().remove(&id);
+    }
+
+    /// Whether the node accepts clients: listeners up and not leaving.
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::Relaxed) && !self.leaving.load(Ordering::Relaxed)
+    }
+}
+
+impl Broker {
+    /// A connection finished connection.open: it shows in the admin API from now on.
+    pub fn connection_opened(&self, id: u64, peer: SocketAddr, user: &str, vhost: &str) {
+        let local = self
+            .registry
+            .amqp_addr
+            .get()
+            .copied()
+            .unwrap_or(self.config.amqp_listen);
+        self.registry.conns.write().insert(
+            id,
+            ConnInfo {
+                id,
+                name: format!("{peer} -> {local}"),
+                peer,
+                user: user.to_owned(),
+                vhost: vhost.to_owned(),
+                connected_at_ms: now_ms(),
+            },
+        );
+        self.stats.connections_opened.inc();
+    }
+
+    /// Asks connection `id` to close with 320 CONNECTION_FORCED; returns whether it exists.
+    /// The connection sends connection.close from its own task (its outbox's `close` slot).
+    pub fn force_close(&self, id: u64, reason: &str) -> bool {
+        if self.registry.connection(id).is_none() {
+            return false;
+        }
+        let Some(outbox) = self.outboxes.read().get(&id).cloned() else {
+            return false;
+        };
+        tracing::info!(conn = id, reason, "closing connection on request");
+        outbox.push(|p| p.close = Some((codes::CONNECTION_FORCED, reason.to_owned())));
+        true
+    }
+
+    /// All vhosts, sorted by name.
+    pub fn vhosts(&self) -> Vec<(String, Arc<Mutex<VHost>>)> {
+        let mut v: Vec<_> = self
+            .vhosts
+            .read()
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
+    }
+
+    /// Creates a vhost; returns false if it existed.
+    pub fn add_vhost(&self, name: &str) -> bool {
+        let mut vhosts = self.vhosts.write();
+        if vhosts.contains_key(name) {
+            return false;
+        }
+        let seed = now_ms() ^ (vhosts.len() as u64).rotate_left(48);
+        let mut vhost = VHost::new(name, seed);
+        // Durable queues of a vhost made at run time journal their ops like any other.
+        vhost.set_record_ops(true);
+        vhosts.insert(name.to_owned(), Arc::new(Mutex::new(vhost)));
+        tracing::info!(vhost = name, "vhost created");
+        true
+    }
+
+    /// Deletes a vhost, closing its connections (320) and forgetting its permissions;
+    /// returns false if it did not exist.
+    pub fn remove_vhost(&self, name: &str) -> bool {
+        if self.vhosts.write().remove(name).is_none() {
+            return false;
+        }
+        self.journal
+            .submit(crate::store::journal::Job::VhostDeleted {
+                vhost: name.to_owned(),
+            });
+        self.users.forget_vhost(name);
+        for c in self.registry.connections() {
+            if c.vhost == name {
+                self.force_close(c.id, &format!("vhost '{name}' is deleted"));
+            }
+        }
+        tracing::info!(vhost = name, "vhost deleted");
+        true
+    }
+}
