@@ -238,3 +238,58 @@ pub fn reply_code(e: &lapin::Error) -> Option<u16> {
         _ => None,
     }
 }
+
+/// Sends `frames` on a fresh raw connection (channel 1 open) and returns the reply code of
+/// the channel.close the broker answers with. Raw, because lapin reports a server's
+/// channel.close that arrives before the test's next call as a bare state error, losing
+/// the code the test wants to check.
+pub async fn channel_close_code_after(broker: &Broker, frames: &[u8]) -> u16 {
+    use tokio::io::AsyncWriteExt;
+    let target = ringmq::client::Target::parse(&broker.uri()).expect("the harness URI parses");
+    let mut c = ringmq::client::RawClient::connect(&target)
+        .await
+        .expect("raw handshake");
+    c.stream.write_all(frames).await.expect("the broker reads");
+    let wait = async {
+        loop {
+            match c.read_method().await {
+                Err(ringmq::client::ClientError::Closed {
+                    scope: "channel",
+                    code,
+                    ..
+                }) => return code,
+                Err(e) => panic!("expected channel.close, got {e}"),
+                Ok(_) => continue,
+            }
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(5), wait)
+        .await
+        .expect("channel.close within 5 s")
+}
+
+/// A basic.publish with content on channel 1, for [`channel_close_code_after`].
+pub fn publish_frames(
+    exchange: &str,
+    routing_key: &str,
+    properties: &ringmq::amqp::Properties,
+    body: &[u8],
+) -> Vec<u8> {
+    use ringmq::amqp::{AMQPClass, basic};
+    let mut w = ringmq::amqp::writer::FrameWriter::default();
+    w.method(
+        1,
+        AMQPClass::Basic(basic::AMQPMethod::Publish(basic::Publish {
+            exchange: exchange.into(),
+            routing_key: routing_key.into(),
+            mandatory: false,
+            immediate: false,
+        })),
+    );
+    w.header_payload(
+        1,
+        &ringmq::amqp::writer::FrameWriter::encode_header_payload(body.len() as u64, properties),
+    );
+    w.body(1, body, 131_072);
+    w.as_slice().to_vec()
+}

@@ -430,19 +430,12 @@ async fn invalid_expiration_closes_the_channel_with_precondition_failed() {
     let b = Broker::start();
     let (_c, ch) = b.channel().await;
     declare(&ch, "q", FieldTable::default()).await.unwrap();
-    publish(
-        &ch,
-        "",
-        "q",
-        b"x",
-        BasicProperties::default().with_expiration("soon".into()),
-    )
-    .await;
-    let e = ch
-        .basic_qos(0, BasicQosOptions::default())
-        .await
-        .unwrap_err();
-    assert_eq!(reply_code(&e), Some(406));
+    let props = ringmq::amqp::Properties::default().with_expiration("soon".into());
+    let frames = ringmq_tests::publish_frames("", "q", &props, b"x");
+    assert_eq!(
+        ringmq_tests::channel_close_code_after(&b, &frames).await,
+        406
+    );
 }
 
 #[tokio::test]

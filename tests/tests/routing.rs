@@ -476,12 +476,11 @@ async fn internal_exchange_refuses_direct_publishes() {
     )
     .await
     .unwrap();
-    publish(&ch, "int", "", b"x").await;
-    let e = ch
-        .basic_qos(0, BasicQosOptions::default())
-        .await
-        .unwrap_err();
-    assert_eq!(reply_code(&e), Some(403));
+    let frames = ringmq_tests::publish_frames("int", "", &Default::default(), b"x");
+    assert_eq!(
+        ringmq_tests::channel_close_code_after(&b, &frames).await,
+        403
+    );
 }
 
 #[tokio::test]
@@ -489,13 +488,11 @@ async fn publishing_to_a_missing_exchange_closes_the_channel_with_404() {
     let b = Broker::start();
     let c = b.connect().await;
     let ch = c.create_channel().await.unwrap();
-    publish(&ch, "missing", "", b"x").await;
-    let e = ch
-        .basic_qos(0, BasicQosOptions::default())
-        .await
-        .unwrap_err();
-    assert_eq!(reply_code(&e), Some(404));
-    let ch = c.create_channel().await.unwrap();
+    let frames = ringmq_tests::publish_frames("missing", "", &Default::default(), b"x");
+    assert_eq!(
+        ringmq_tests::channel_close_code_after(&b, &frames).await,
+        404
+    );
     queue(&ch, "still-works").await;
 }
 
