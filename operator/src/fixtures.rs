@@ -329,9 +329,15 @@ impl AdminApi for FakeAdmin {
 impl Context {
     /// A context whose client talks to a scripted API server and whose brokers are `admin`.
     pub fn test(admin: FakeAdmin) -> (Arc<Context>, ApiServerVerifier) {
+        Self::test_with(Arc::new(admin))
+    }
+
+    /// A context whose client talks to a scripted API server and whose brokers are reached
+    /// through `connector` (a real broker's admin API in the real-broker tests).
+    pub fn test_with(connector: Arc<dyn AdminConnector>) -> (Arc<Context>, ApiServerVerifier) {
         let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
         let client = Client::new(service, "default");
-        let ctx = Context::new(client, Arc::new(Metrics::default()), Arc::new(admin));
+        let ctx = Context::new(client, Arc::new(Metrics::default()), connector);
         (Arc::new(ctx), ApiServerVerifier(handle))
     }
 }

@@ -9,6 +9,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use serde_json::{Value, json};
 
 use super::{cluster, queue};
+use crate::admin::AdminConnector;
 use crate::controller::Context;
 use crate::crd::{ClusterStatus, OperationKind, OperationStep, QueueStatus};
 use crate::fixtures::{
@@ -745,4 +746,171 @@ async fn finalizer_does_not_hang_when_the_cluster_is_being_deleted() {
     .await;
     result.expect("reconcile succeeds");
     assert!(admin.state().calls.is_empty());
+}
+
+// ---- against a real broker ---------------------------------------------------------------
+//
+// The reconcilers and the status collector talk to a running `ringmq-broker`'s admin API;
+// only the Kubernetes API server is scripted (none can run on these machines). Every
+// cluster's admin endpoint names a Kubernetes Service that does not exist here, so the
+// connector sends the calls to the test's broker, keeping the credentials the reconciler
+// read from the cluster's Secret.
+
+struct RealBroker {
+    base_url: String,
+    http: crate::admin::HttpConnectorFactory,
+}
+
+impl AdminConnector for RealBroker {
+    fn connect(&self, endpoint: crate::admin::AdminEndpoint) -> Arc<dyn crate::admin::AdminApi> {
+        self.http.connect(crate::admin::AdminEndpoint {
+            base_url: self.base_url.clone(),
+            ..endpoint
+        })
+    }
+}
+
+/// A broker whose administrator is the fixture's default user (admin / s3cret).
+fn real_broker() -> (ringmq_tests::Broker, Arc<RealBroker>) {
+    let broker = ringmq_tests::Broker::start_with_config(
+        "users:\n  - name: admin\n    password: s3cret\n    tags: [administrator]\n  - name: guest\n    password: guest\n    loopback_only: true\n    tags: [administrator]\n",
+    );
+    let connector = Arc::new(RealBroker {
+        base_url: broker.admin_url(),
+        http: Default::default(),
+    });
+    (broker, connector)
+}
+
+#[tokio::test]
+async fn queue_reconciler_declares_on_a_real_broker_and_repairs_drift() {
+    let (broker, connector) = real_broker();
+    let (ctx, verifier) = Context::test_with(connector.clone());
+    let q = fixtures::queue(
+        json!({"vhost": "/", "arguments": {"x-max-length": 1000}}),
+        true,
+        None,
+    );
+    let (result, status) = run_scripted(
+        verifier,
+        queue::reconcile(Arc::new(q), ctx),
+        |mut v| async move {
+            cluster_and_secret(&mut v).await;
+            v.event("Declared").await;
+            let s = queue_status(&mut v).await;
+            (v, s)
+        },
+    )
+    .await;
+    result.expect("reconcile succeeds against the real broker");
+    assert!(status.declared);
+    assert!(
+        status.primary.is_some(),
+        "the broker names the queue's owner"
+    );
+    let api = connector.connect(crate::admin::AdminEndpoint {
+        base_url: String::new(),
+        username: "admin".into(),
+        password: "s3cret".into(),
+    });
+    assert!(
+        api.queue("/", "orders").await.unwrap().is_some(),
+        "the queue exists on the broker"
+    );
+    let seen = broker
+        .admin_client()
+        .get("/api/queues/%2F/orders")
+        .unwrap()
+        .body;
+    assert_eq!(seen["durable"], true, "{seen}");
+    assert_eq!(seen["arguments"]["x-max-length"], 1000, "{seen}");
+
+    // Deleted behind the operator's back: the next reconcile declares it again and says so.
+    assert!(api.delete_queue("/", "orders").await.unwrap());
+    let (ctx, verifier) = Context::test_with(connector.clone());
+    let previous = QueueStatus {
+        declared: true,
+        ..QueueStatus::default()
+    };
+    let q = fixtures::queue(
+        json!({"vhost": "/", "arguments": {"x-max-length": 1000}}),
+        true,
+        Some(previous),
+    );
+    let (result, event) = run_scripted(
+        verifier,
+        queue::reconcile(Arc::new(q), ctx),
+        |mut v| async move {
+            cluster_and_secret(&mut v).await;
+            let e = v.event("DriftRepaired").await;
+            let _ = queue_status(&mut v).await;
+            (v, e)
+        },
+    )
+    .await;
+    result.expect("drift repair succeeds");
+    assert_eq!(event.body["type"], "Warning");
+    assert!(
+        api.queue("/", "orders").await.unwrap().is_some(),
+        "the queue is back on the broker"
+    );
+}
+
+#[tokio::test]
+async fn the_status_collector_reads_members_and_depth_from_a_real_broker() {
+    let (broker, connector) = real_broker();
+    let api = connector.connect(crate::admin::AdminEndpoint {
+        base_url: String::new(),
+        username: "admin".into(),
+        password: "s3cret".into(),
+    });
+    let overview = api.overview().await.expect("overview");
+    assert_eq!(overview.members.len(), 1);
+    let me = overview.members[0].id.clone();
+    let decl = crate::admin::QueueDeclaration {
+        durable: true,
+        auto_delete: false,
+        arguments: Default::default(),
+    };
+    assert_eq!(
+        api.declare_queue("/", "depth", &decl).await.unwrap(),
+        crate::admin::Declared::Created
+    );
+    assert_eq!(
+        api.declare_queue("/", "depth", &decl).await.unwrap(),
+        crate::admin::Declared::AlreadyThere
+    );
+    let other = crate::admin::QueueDeclaration {
+        durable: false,
+        ..decl.clone()
+    };
+    assert!(matches!(
+        api.declare_queue("/", "depth", &other).await,
+        Err(crate::admin::AdminError::Conflict(_))
+    ));
+    let conn = lapin::Connection::connect(&broker.uri(), Default::default())
+        .await
+        .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    for _ in 0..5 {
+        ch.basic_publish(
+            "".into(),
+            "depth".into(),
+            Default::default(),
+            b"m",
+            Default::default(),
+        )
+        .await
+        .unwrap();
+    }
+    ch.basic_qos(0, Default::default()).await.unwrap();
+    let info = api.queue("/", "depth").await.unwrap().unwrap();
+    assert_eq!(info.messages, 5);
+    assert_eq!(info.owner.as_deref(), Some(me.as_str()));
+    let member = api.member(&me).await.unwrap().expect("the member is known");
+    assert!(member.owned_queues >= 1, "{member:?}");
+    assert!(api.member("no-such-member").await.unwrap().is_none());
+    api.leave(&me).await.expect("leave is accepted");
+    assert!(api.delete_queue("/", "depth").await.unwrap());
+    assert!(!api.delete_queue("/", "depth").await.unwrap());
 }
