@@ -889,6 +889,60 @@ async fn connections_and_channels_are_listed_and_force_closed() {
         1
     );
 
+    // Force-close one channel: the other channel and the connection keep working.
+    let ch1 = chans.iter().find(|x| x["consumer_count"] == 1).unwrap()["name"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    expect(
+        &c,
+        "DELETE",
+        &format!("/api/channels/{}", ringmq::admin_client::seg(&ch1)),
+        None,
+        204,
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while expect(&c, "GET", "/api/channels", None, 200)
+        .as_array()
+        .unwrap()
+        .len()
+        != 1
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the channel was not closed"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        expect(&c, "GET", "/api/queues/%2F/q", None, 200)["consumers"],
+        0,
+        "its consumer went with it"
+    );
+    let again = conn
+        .create_channel()
+        .await
+        .expect("the connection is still open");
+    again
+        .queue_declare(
+            "q".into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    expect_error(
+        &c,
+        "DELETE",
+        &format!("/api/channels/{}", ringmq::admin_client::seg(&ch1)),
+        None,
+        404,
+        "not_found",
+    );
+    expect_error(&c, "DELETE", "/api/channels/nope", None, 404, "not_found");
     expect_error(
         &c,
         "DELETE",

@@ -309,6 +309,24 @@ pub fn route(b: &Arc<Broker>, c: &Call) -> Result<Reply> {
             ))
         }
         ["channels"] if get => ok(Value::Array(channels_json(b))),
+        ["channels", name] if del => {
+            // Channel names are "CONNECTION (NUMBER)", as GET /api/channels lists them.
+            let (conn_name, number) = name
+                .strip_suffix(')')
+                .and_then(|n| n.rsplit_once(" ("))
+                .and_then(|(c, n)| Some((c, n.parse::<u16>().ok()?)))
+                .ok_or_else(|| ApiError::not_found(format!("no channel '{name}': names look like 'CONNECTION (NUMBER)', see GET /api/channels")))?;
+            let ci = connection(b, conn_name)?;
+            let open = channels_json(b).iter().any(|x| x["name"] == **name);
+            if !open {
+                return Err(ApiError::not_found(format!("no channel '{name}'")));
+            }
+            let reason = format!("Closed via management API by '{}'", c.user.name);
+            if !b.force_close_channel(ci.id, number, &reason) {
+                return Err(ApiError::not_found(format!("no channel '{name}'")));
+            }
+            Ok(empty_reply(StatusCode::NO_CONTENT))
+        }
         ["users"] if get => ok(Value::Array(
             b.users.users().iter().map(user_json).collect(),
         )),

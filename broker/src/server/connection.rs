@@ -1586,12 +1586,45 @@ impl Connection {
         if let Some(blocked) = pending.blocked.take() {
             self.send_blocked(blocked);
         }
+        if !pending.close_channels.is_empty() {
+            let closing: Vec<(u16, String)> = pending.close_channels.drain(..).collect();
+            self.force_close_channels(closing);
+        }
         if let Some((code, text)) = pending.close.take()
             && self.phase == Phase::Running
         {
             self.connection_error(ConnError::new(code, text));
         }
         self.spare = pending;
+    }
+
+    /// Closes channels an operator asked to close (admin API), as a channel error 320.
+    fn force_close_channels(&mut self, channels: Vec<(u16, String)>) {
+        let Some(vhost) = self.vhost.clone() else {
+            return;
+        };
+        let mut v = Lazy {
+            vhost: &vhost,
+            guard: None,
+        };
+        for (id, reason) in channels {
+            if self.channels.get(&id).is_some_and(|ch| !ch.closing) {
+                self.channel_error(
+                    id,
+                    AmqpError::new(codes::CONNECTION_FORCED, reason),
+                    0,
+                    0,
+                    &mut v,
+                );
+            }
+        }
+        if let Some(guard) = v.guard.as_mut() {
+            self.broker.route_effects(self.id, &mut self.fx);
+            let gate = self.broker.persist(guard, &mut self.fx);
+            drop(v.guard.take());
+            self.hold_output(gate);
+            self.write_own_effects();
+        }
     }
 
     fn send_blocked(&mut self, blocked: bool) {

@@ -15,6 +15,8 @@ pub struct Pending {
     pub cancelled: Vec<Cancelled>,
     /// The broker asks the connection to close (code, text).
     pub close: Option<(u16, String)>,
+    /// The broker asks the connection to close these channels (number, reason).
+    pub close_channels: Vec<(u16, String)>,
     /// Publishers are blocked (Some(true)) or unblocked (Some(false)) since the last drain.
     pub blocked: Option<bool>,
 }

@@ -110,6 +110,20 @@ impl Broker {
         true
     }
 
+    /// Asks connection `id` to close its channel `channel` with 320 CONNECTION_FORCED;
+    /// returns false when there is no such connection.
+    pub fn force_close_channel(&self, id: u64, channel: u16, reason: &str) -> bool {
+        if self.registry.connection(id).is_none() {
+            return false;
+        }
+        let Some(outbox) = self.outboxes.read().get(&id).cloned() else {
+            return false;
+        };
+        tracing::info!(conn = id, channel, reason, "closing channel on request");
+        outbox.push(|p| p.close_channels.push((channel, reason.to_owned())));
+        true
+    }
+
     /// All vhosts, sorted by name.
     pub fn vhosts(&self) -> Vec<(String, Arc<Mutex<VHost>>)> {
         let mut v: Vec<_> = self
