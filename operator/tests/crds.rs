@@ -294,3 +294,17 @@ fn cel_rules_make_queue_identity_and_cluster_persistence_immutable() {
         "replicas may change"
     );
 }
+
+#[test]
+fn the_chart_ships_the_same_dashboard_the_broker_tests_check() {
+    let tested =
+        std::fs::read_to_string(repo("dashboards/ringmq-overview.json")).expect("dashboard exists");
+    let shipped = std::fs::read_to_string(repo(
+        "charts/ringmq-operator/dashboards/ringmq-overview.json",
+    ))
+    .expect("the chart holds the dashboard");
+    assert!(
+        tested == shipped,
+        "charts/ringmq-operator/dashboards/ringmq-overview.json is stale: copy dashboards/ringmq-overview.json there"
+    );
+}

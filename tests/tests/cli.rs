@@ -112,3 +112,46 @@ fn pika_works_unchanged() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// The environment contract the operator's StatefulSet relies on: the node id and a default
+/// administrator from a Kubernetes Secret.
+#[test]
+fn node_id_and_default_user_come_from_the_environment() {
+    use std::io::BufRead;
+    let dir = std::env::temp_dir().join(format!("ringmq-env-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut child = Command::new(binary("ringmq-broker"))
+        .args([
+            "--amqp-listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--data-dir",
+        ])
+        .arg(&dir)
+        .env("RINGMQ_NODE_ID", "ringmq-3")
+        .env("RINGMQ_DEFAULT_USER", "ops")
+        .env("RINGMQ_DEFAULT_PASS", "from-a-secret")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let _amqp = lines.next().unwrap().unwrap();
+    let admin = lines.next().unwrap().unwrap();
+    let admin = admin
+        .strip_prefix("ringmq-broker listening admin=")
+        .unwrap()
+        .to_owned();
+    let client = ringmq::admin_client::AdminClient::new(
+        &format!("http://{admin}"),
+        Some("ops"),
+        Some("from-a-secret"),
+    );
+    let overview = client.get("/api/overview").unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(overview.status, 200, "{overview:?}");
+    assert_eq!(overview.body["node"], "ringmq-3", "{}", overview.body);
+}

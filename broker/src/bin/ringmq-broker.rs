@@ -23,6 +23,26 @@ struct Args {
     /// YAML configuration file; command-line flags and RINGMQ_* variables override it.
     #[arg(long, env = "RINGMQ_CONFIG", value_name = "FILE")]
     config: Option<PathBuf>,
+    /// This node's id in the admin API and the cluster [default: ringmq@HOSTNAME].
+    #[arg(long, env = "RINGMQ_NODE_ID", value_name = "ID")]
+    node_id: Option<String>,
+    /// An administrator user to create at start (with --default-pass); how the operator
+    /// hands a cluster its default user from a Kubernetes Secret.
+    #[arg(
+        long,
+        env = "RINGMQ_DEFAULT_USER",
+        value_name = "NAME",
+        requires = "default_pass"
+    )]
+    default_user: Option<String>,
+    /// Password of --default-user.
+    #[arg(
+        long,
+        env = "RINGMQ_DEFAULT_PASS",
+        value_name = "PASSWORD",
+        hide_env_values = true
+    )]
+    default_pass: Option<String>,
     /// Log filter in RUST_LOG syntax [default: info].
     #[arg(long, env = "RINGMQ_LOG", value_name = "FILTER")]
     log: Option<String>,
@@ -61,6 +81,19 @@ fn main() -> anyhow::Result<()> {
     }
     if let Some(dir) = args.data_dir {
         config.data_dir = dir;
+    }
+    if let Some(id) = args.node_id {
+        config.node_id = id;
+    }
+    if let (Some(name), Some(password)) = (args.default_user, args.default_pass) {
+        config.users.retain(|u| u.name != name);
+        config.users.push(ringmq::config::UserConfig {
+            name,
+            password,
+            loopback_only: false,
+            vhosts: Vec::new(),
+            tags: vec!["administrator".to_owned()],
+        });
     }
     config.validate()?;
     raise_open_file_limit();
