@@ -1452,3 +1452,39 @@ fn broker_help_documents_admin_listen_and_ctl_help_lists_the_commands() {
         assert!(help.contains(cmd), "ringmqctl --help lacks {cmd}:\n{help}");
     }
 }
+
+#[tokio::test]
+async fn journal_metrics_move_with_persistent_publishes() {
+    let b = Broker::start();
+    let (_c, ch) = b.channel().await;
+    ch.queue_declare(
+        "dq".into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    for i in 0..100u8 {
+        let c = ch
+            .basic_publish(
+                "".into(),
+                "dq".into(),
+                BasicPublishOptions::default(),
+                &[i],
+                BasicProperties::default().with_delivery_mode(2),
+            )
+            .await
+            .unwrap();
+        assert!(c.await.unwrap().is_ack());
+    }
+    assert!(metric(&b, "ringmq_journal_fsyncs_total") >= 1.0);
+    assert!(metric(&b, "ringmq_journal_records_written_total") >= 100.0);
+    assert!(metric(&b, "ringmq_journal_fsync_seconds_count") >= 1.0);
+    assert!(metric(&b, "ringmq_journal_written_bytes_total") > 100.0);
+}

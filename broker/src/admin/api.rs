@@ -553,7 +553,7 @@ fn overview(b: &Broker) -> Value {
             "high_watermark_bytes": b.config.memory_high_watermark_bytes,
             "alarm": b.publishers_blocked(),
         },
-        "disk_free_bytes": metrics::disk_free_bytes(&b.config.data_dir),
+        "disk_free_bytes": crate::server::disk_free_bytes(&b.config.data_dir),
         "blocked_publishers": s.blocked_publishers.get(),
     })
 }

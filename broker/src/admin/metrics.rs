@@ -5,12 +5,11 @@
 //! per message for them. Per-queue series carry the labels `vhost` and `queue` and are capped
 //! at `metrics_max_queues` queues.
 
-use crate::server::{Broker, rss_bytes};
+use crate::server::{Broker, disk_free_bytes, rss_bytes};
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
-use std::path::Path;
 
 /// The content type of the exposition.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -50,18 +49,6 @@ pub fn totals(broker: &Broker) -> Totals {
         }
     }
     t
-}
-
-/// Free bytes on the file system holding `dir` (for a non-root user), if it can be read.
-pub fn disk_free_bytes(dir: &Path) -> Option<u64> {
-    use std::os::unix::ffi::OsStrExt;
-    let path = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
-    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-    // SAFETY: `path` is NUL-terminated and `st` is a valid out-parameter.
-    if unsafe { libc::statvfs(path.as_ptr(), &mut st) } != 0 {
-        return None;
-    }
-    Some(st.f_bavail as u64 * st.f_frsize as u64)
 }
 
 fn gauge(reg: &mut Registry, name: &str, help: &str, value: u64) {
@@ -129,6 +116,43 @@ pub fn render(broker: &Broker, per_queue: bool) -> String {
     ] {
         reg.register(name, help, c.clone());
     }
+    let j = &broker.journal.stats;
+    for (name, help, value) in [
+        (
+            "journal_fsyncs",
+            "fdatasync calls of the journal (one per group commit)",
+            &j.fsyncs,
+        ),
+        (
+            "journal_records_written",
+            "Journal records written",
+            &j.records_written,
+        ),
+        (
+            "journal_records_cancelled",
+            "Enqueue records never written because the message was consumed first",
+            &j.records_cancelled,
+        ),
+        (
+            "journal_written_bytes",
+            "Bytes written to the journal, compaction included",
+            &j.bytes_written,
+        ),
+        (
+            "journal_segments_compacted",
+            "Journal segments compacted and deleted",
+            &j.segments_compacted,
+        ),
+    ] {
+        let c: prometheus_client::metrics::counter::Counter = Default::default();
+        c.inc_by(value.load(std::sync::atomic::Ordering::Relaxed));
+        reg.register(name, help, c);
+    }
+    reg.register(
+        "journal_fsync_seconds",
+        "Duration of the journal's fdatasync calls",
+        j.fsync_seconds.clone(),
+    );
     reg.register(
         "blocked_publishers",
         "Publishing connections held back by the memory alarm",
@@ -174,7 +198,7 @@ pub fn render(broker: &Broker, per_queue: bool) -> String {
     gauge(
         &mut reg,
         "memory_alarm",
-        "1 while the memory high watermark is exceeded",
+        "1 while a resource alarm (memory or disk) blocks publishers",
         u64::from(broker.publishers_blocked()),
     );
     gauge(
