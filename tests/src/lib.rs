@@ -293,3 +293,41 @@ pub fn publish_frames(
     w.body(1, body, 131_072);
     w.as_slice().to_vec()
 }
+
+/// Ready messages in `queue` (a passive declare).
+pub async fn depth(ch: &lapin::Channel, queue: &str) -> u32 {
+    let passive = lapin::options::QueueDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    ch.queue_declare(queue.into(), passive, Default::default())
+        .await
+        .expect("the queue exists")
+        .message_count()
+}
+
+/// Takes every ready message of `queue` with basic.get (no-ack), bodies as UTF-8 text.
+pub async fn bodies(ch: &lapin::Channel, queue: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    while let Some(m) = ch
+        .basic_get(
+            queue.into(),
+            lapin::options::BasicGetOptions { no_ack: true },
+        )
+        .await
+        .expect("basic.get")
+    {
+        out.push(String::from_utf8(m.delivery.data.clone()).expect("UTF-8 body"));
+    }
+    out
+}
+
+/// One raw frame: type, channel, payload and frame-end, for tests that speak bytes.
+pub fn frame(kind: u8, channel: u16, payload: &[u8]) -> Vec<u8> {
+    let mut v = vec![kind];
+    v.extend_from_slice(&channel.to_be_bytes());
+    v.extend_from_slice(&(payload.len() as u32).to_be_bytes());
+    v.extend_from_slice(payload);
+    v.push(0xCE);
+    v
+}

@@ -8,7 +8,7 @@ use ringmq::amqp::frame::PROTOCOL_HEADER;
 use ringmq::amqp::writer::FrameWriter;
 use ringmq::amqp::{AMQPClass, channel, queue};
 use ringmq::client::{ClientError, RawClient, Target, encode_publish};
-use ringmq_tests::Broker;
+use ringmq_tests::{Broker, frame};
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -52,15 +52,6 @@ async fn channel_close_code(c: &mut RawClient) -> u16 {
             Ok(_) => continue,
         }
     }
-}
-
-fn frame(kind: u8, channel: u16, payload: &[u8]) -> Vec<u8> {
-    let mut v = vec![kind];
-    v.extend_from_slice(&channel.to_be_bytes());
-    v.extend_from_slice(&(payload.len() as u32).to_be_bytes());
-    v.extend_from_slice(payload);
-    v.push(0xCE);
-    v
 }
 
 /// A durable queue with messages, and a check after the abuse that they are all still there

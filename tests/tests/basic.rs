@@ -5,7 +5,7 @@ use lapin::message::Delivery;
 use lapin::options::*;
 use lapin::types::{AMQPValue, FieldArray, FieldTable};
 use lapin::{BasicProperties, Channel, Confirmation, Consumer};
-use ringmq_tests::{Broker, reply_code};
+use ringmq_tests::{Broker, depth, reply_code};
 use std::time::Duration;
 
 async fn declare(ch: &Channel, name: &str) {
@@ -42,20 +42,6 @@ async fn nothing_within(c: &mut Consumer, ms: u64) -> bool {
     tokio::time::timeout(Duration::from_millis(ms), c.next())
         .await
         .is_err()
-}
-
-async fn depth(ch: &Channel, q: &str) -> u32 {
-    ch.queue_declare(
-        q.into(),
-        QueueDeclareOptions {
-            passive: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await
-    .unwrap()
-    .message_count()
 }
 
 #[tokio::test]

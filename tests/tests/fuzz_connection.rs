@@ -7,22 +7,13 @@ use lapin::BasicProperties;
 use lapin::options::*;
 use lapin::types::FieldTable;
 use ringmq::client::{ClientError, RawClient, Target};
-use ringmq_tests::Broker;
+use ringmq_tests::{Broker, frame};
 use std::time::Duration;
 use tokio::io::AsyncWriteExt;
 
 const SPEC_CODES: &[u16] = &[
     320, 402, 403, 404, 405, 406, 501, 502, 503, 504, 505, 506, 530, 540, 541,
 ];
-
-fn frame(kind: u8, channel: u16, payload: &[u8]) -> Vec<u8> {
-    let mut v = vec![kind];
-    v.extend_from_slice(&channel.to_be_bytes());
-    v.extend_from_slice(&(payload.len() as u32).to_be_bytes());
-    v.extend_from_slice(payload);
-    v.push(0xCE);
-    v
-}
 
 #[tokio::test]
 async fn random_frames_after_the_handshake_never_take_the_broker_down() {

@@ -5,7 +5,7 @@ use lapin::Confirmation;
 use lapin::options::*;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel};
-use ringmq_tests::{Broker, reply_code};
+use ringmq_tests::{Broker, bodies, depth, reply_code};
 use std::time::Duration;
 
 fn args(pairs: &[(&str, AMQPValue)]) -> FieldTable {
@@ -31,32 +31,6 @@ async fn publish(ch: &Channel, ex: &str, key: &str, body: &[u8], props: BasicPro
     )
     .await
     .unwrap();
-}
-
-async fn bodies(ch: &Channel, q: &str) -> Vec<String> {
-    let mut out = Vec::new();
-    while let Some(m) = ch
-        .basic_get(q.into(), BasicGetOptions { no_ack: true })
-        .await
-        .unwrap()
-    {
-        out.push(String::from_utf8(m.delivery.data.clone()).unwrap());
-    }
-    out
-}
-
-async fn depth(ch: &Channel, q: &str) -> u32 {
-    ch.queue_declare(
-        q.into(),
-        QueueDeclareOptions {
-            passive: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await
-    .unwrap()
-    .message_count()
 }
 
 #[tokio::test]

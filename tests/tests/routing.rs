@@ -4,7 +4,7 @@ use futures_lite::StreamExt;
 use lapin::options::*;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, ExchangeKind};
-use ringmq_tests::{Broker, reply_code};
+use ringmq_tests::{Broker, bodies, reply_code};
 use std::time::Duration;
 
 async fn queue(ch: &Channel, name: &str) {
@@ -53,18 +53,6 @@ async fn count(ch: &Channel, q: &str) -> u32 {
     .await
     .unwrap()
     .message_count()
-}
-
-async fn bodies(ch: &Channel, q: &str) -> Vec<String> {
-    let mut out = Vec::new();
-    while let Some(m) = ch
-        .basic_get(q.into(), BasicGetOptions { no_ack: true })
-        .await
-        .unwrap()
-    {
-        out.push(String::from_utf8(m.delivery.data.clone()).unwrap());
-    }
-    out
 }
 
 /// A round trip on the channel: the broker handles a channel's frames in order, so every
