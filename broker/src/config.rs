@@ -53,6 +53,9 @@ pub struct Config {
     pub heartbeat_s: u16,
     /// Largest message body accepted, in bytes (RabbitMQ's default: 128 MiB).
     pub max_message_size: u64,
+    /// Deepest nesting of field tables and arrays accepted in method arguments and message
+    /// headers (deeper input is a 502 syntax error: the decoder is recursive).
+    pub max_table_depth: usize,
     /// Seconds a new connection has to finish the handshake.
     pub handshake_timeout_s: u64,
     /// Process memory (RSS) above which publishers are blocked with connection.blocked.
@@ -83,6 +86,7 @@ impl Default for Config {
             heartbeat_s: 60,
             max_message_size: 128 * 1024 * 1024,
             handshake_timeout_s: 10,
+            max_table_depth: 32,
             memory_high_watermark_bytes: default_memory_watermark(),
             disk_free_limit_bytes: 50 * 1024 * 1024,
             journal: crate::store::journal::JournalConfig::default(),

@@ -9,6 +9,7 @@ use super::{Broker, now_ms};
 use crate::amqp::frame::{
     self, FRAME_BODY, FRAME_HEADER, FRAME_HEARTBEAT, FRAME_METHOD, PROTOCOL_HEADER, RawFrame,
 };
+use crate::amqp::table_depth::{header_within_depth, method_within_depth};
 use crate::amqp::writer::FrameWriter;
 use crate::amqp::{
     AMQPClass, AMQPValue, FieldTable, ShortString, basic, channel, codes, confirm, connection,
@@ -366,7 +367,10 @@ impl Connection {
     }
 
     fn on_frame_while_closing(&mut self, frame: &RawFrame) {
-        if frame.kind != FRAME_METHOD || frame.channel != 0 {
+        if frame.kind != FRAME_METHOD
+            || frame.channel != 0
+            || !method_within_depth(&frame.payload, self.broker.config.max_table_depth)
+        {
             return;
         }
         match amq_protocol::protocol::parse_class(&frame.payload[..]) {
@@ -399,13 +403,21 @@ impl Connection {
         self.phase = Phase::Closing;
     }
 
-    fn parse_method(frame: &RawFrame) -> Result<AMQPClass, ConnError> {
+    fn parse_method(frame: &RawFrame, max_table_depth: usize) -> Result<AMQPClass, ConnError> {
         let (class_id, method_id) = frame::method_ids(&frame.payload).ok_or_else(|| {
             ConnError::new(
                 codes::FRAME_ERROR,
                 "method frame shorter than its class and method ids",
             )
         })?;
+        if !method_within_depth(&frame.payload, max_table_depth) {
+            return Err(ConnError {
+                code: codes::SYNTAX_ERROR,
+                text: format!("field table nested deeper than {max_table_depth} levels"),
+                class_id,
+                method_id,
+            });
+        }
         match amq_protocol::protocol::parse_class(&frame.payload[..]) {
             Ok(([], m)) => Ok(m),
             _ => {
@@ -470,7 +482,7 @@ impl Connection {
                 "only connection methods are allowed before connection.open-ok",
             ));
         }
-        let method = Self::parse_method(&frame)?;
+        let method = Self::parse_method(&frame, self.broker.config.max_table_depth)?;
         let (class_id, method_id) = (method.get_amqp_class_id(), method.get_amqp_method_id());
         let at = |mut e: ConnError| {
             e.class_id = class_id;
@@ -629,7 +641,7 @@ impl Connection {
                 Ok(())
             }
             FRAME_METHOD => {
-                let method = Self::parse_method(&frame)?;
+                let method = Self::parse_method(&frame, self.broker.config.max_table_depth)?;
                 if let AMQPClass::Basic(basic::AMQPMethod::Qos(_)) = method {
                     // amq-protocol drops prefetch-size: read it from the payload (after the ids).
                     let p = &frame.payload;
@@ -1333,6 +1345,15 @@ impl Connection {
                 return Err(ConnError {
                     code: codes::UNEXPECTED_FRAME,
                     text: "second content header for one message".into(),
+                    class_id,
+                    method_id,
+                });
+            }
+            let max_depth = self.broker.config.max_table_depth;
+            if !header_within_depth(&frame.payload, max_depth) {
+                return Err(ConnError {
+                    code: codes::SYNTAX_ERROR,
+                    text: format!("message headers nested deeper than {max_depth} levels"),
                     class_id,
                     method_id,
                 });
