@@ -56,6 +56,14 @@ pub struct Config {
     /// Deepest nesting of field tables and arrays accepted in method arguments and message
     /// headers (deeper input is a 502 syntax error: the decoder is recursive).
     pub max_table_depth: usize,
+    /// Most open connections (0 = no limit); beyond it connection.open gets 530.
+    pub max_connections: usize,
+    /// Most open connections per user (0 = no limit); beyond it connection.open gets 530.
+    pub max_connections_per_user: usize,
+    /// Most queues per vhost (0 = no limit); beyond it queue.declare gets 406.
+    pub max_queues_per_vhost: usize,
+    /// Most consumers per channel (0 = no limit); beyond it basic.consume gets 406.
+    pub max_consumers_per_channel: usize,
     /// Seconds a new connection has to finish the handshake.
     pub handshake_timeout_s: u64,
     /// Process memory (RSS) above which publishers are blocked with connection.blocked.
@@ -87,6 +95,10 @@ impl Default for Config {
             max_message_size: 128 * 1024 * 1024,
             handshake_timeout_s: 10,
             max_table_depth: 32,
+            max_connections: 0,
+            max_connections_per_user: 0,
+            max_queues_per_vhost: 0,
+            max_consumers_per_channel: 0,
             memory_high_watermark_bytes: default_memory_watermark(),
             disk_free_limit_bytes: 50 * 1024 * 1024,
             journal: crate::store::journal::JournalConfig::default(),
@@ -166,6 +178,14 @@ impl Config {
             return Ok(Self::default());
         }
         serde_saphyr::from_str(text).map_err(|e| e.to_string())
+    }
+
+    /// The limits every vhost enforces.
+    pub fn vhost_limits(&self) -> crate::core::vhost::Limits {
+        crate::core::vhost::Limits {
+            max_queues: self.max_queues_per_vhost,
+            max_consumers_per_channel: self.max_consumers_per_channel,
+        }
     }
 
     /// Checks ranges that the types cannot express.

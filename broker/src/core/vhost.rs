@@ -173,6 +173,16 @@ pub struct VHost {
     names_issued: u64,
     record_ops: bool,
     wiring_dirty: bool,
+    limits: Limits,
+}
+
+/// Per-vhost resource limits; 0 means none.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Limits {
+    /// Most queues in the vhost.
+    pub max_queues: usize,
+    /// Most consumers on one channel.
+    pub max_consumers_per_channel: usize,
 }
 
 fn truthy(b: bool) -> &'static str {
@@ -192,6 +202,7 @@ impl VHost {
             names_issued: 0,
             record_ops: false,
             wiring_dirty: false,
+            limits: Limits::default(),
         };
         for (n, kind) in [
             ("", ExchangeKind::Direct),
@@ -219,6 +230,11 @@ impl VHost {
     /// with no journal and no replica has nobody to read them.
     pub fn set_record_ops(&mut self, on: bool) {
         self.record_ops = on;
+    }
+
+    /// Sets the vhost's resource limits.
+    pub fn set_limits(&mut self, limits: Limits) {
+        self.limits = limits;
     }
 
     /// Whether a durable exchange, queue or binding was created or removed since the last
@@ -598,6 +614,12 @@ impl VHost {
                 d.name
             )));
         }
+        if self.limits.max_queues > 0 && self.queues.len() >= self.limits.max_queues {
+            return Err(AmqpError::precondition(format!(
+                "queue limit in vhost '{}' ({}) is reached",
+                self.name, self.limits.max_queues
+            )));
+        }
         let name: Arc<str> = if d.name.is_empty() {
             self.fresh_name("amq.gen-").into()
         } else {
@@ -858,6 +880,17 @@ impl VHost {
             return Err(exclusive_in_use());
         }
         let qname = q.name.clone();
+        let max = self.limits.max_consumers_per_channel;
+        if max > 0
+            && self
+                .channels
+                .get(&key)
+                .is_some_and(|ch| ch.consumers.len() >= max)
+        {
+            return Err(AmqpError::precondition(format!(
+                "reached maximum ({max}) of consumers per channel"
+            )));
+        }
         let tag: Arc<str> = if c.tag.is_empty() {
             self.fresh_name("amq.ctag-").into()
         } else {

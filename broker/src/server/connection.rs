@@ -611,6 +611,9 @@ impl Connection {
                 format!("vhost {name} not found"),
             ));
         };
+        self.broker
+            .connection_opened(self.id, self.peer, &user.name, name)
+            .map_err(|limit| ConnError::new(codes::NOT_ALLOWED, limit))?;
         self.vhost = Some(vhost);
         self.vhost_name = name.to_owned();
         self.writer.method(
@@ -619,8 +622,6 @@ impl Connection {
         );
         self.phase = Phase::Running;
         tracing::info!(conn = self.id, peer = %self.peer, user = %user.name, vhost = name, "connection opened");
-        self.broker
-            .connection_opened(self.id, self.peer, &user.name, name); // admin registry
         if self.broker.publishers_blocked() {
             self.send_blocked(true);
         }

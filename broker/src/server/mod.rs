@@ -107,6 +107,7 @@ impl Broker {
                 }
             }
             vhost.set_record_ops(true);
+            vhost.set_limits(config.vhost_limits());
             vhosts.insert(name.clone(), Arc::new(Mutex::new(vhost)));
         }
         tracing::info!(

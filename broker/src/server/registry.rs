@@ -75,14 +75,39 @@ impl Registry {
 
 impl Broker {
     /// A connection finished connection.open: it shows in the admin API from now on.
-    pub fn connection_opened(&self, id: u64, peer: SocketAddr, user: &str, vhost: &str) {
+    /// Records an opened connection, unless it would exceed `max_connections` or
+    /// `max_connections_per_user` (checked and recorded under one lock, so concurrent opens
+    /// cannot overshoot); the error says which limit.
+    pub fn connection_opened(
+        &self,
+        id: u64,
+        peer: SocketAddr,
+        user: &str,
+        vhost: &str,
+    ) -> Result<(), String> {
         let local = self
             .registry
             .amqp_addr
             .get()
             .copied()
             .unwrap_or(self.config.amqp_listen);
-        self.registry.conns.write().insert(
+        let mut conns = self.registry.conns.write();
+        let c = &self.config;
+        if c.max_connections > 0 && conns.len() >= c.max_connections {
+            return Err(format!(
+                "connection limit ({}) is reached",
+                c.max_connections
+            ));
+        }
+        if c.max_connections_per_user > 0
+            && conns.values().filter(|x| x.user == user).count() >= c.max_connections_per_user
+        {
+            return Err(format!(
+                "connection limit ({}) for user '{user}' is reached",
+                c.max_connections_per_user
+            ));
+        }
+        conns.insert(
             id,
             ConnInfo {
                 id,
@@ -94,6 +119,7 @@ impl Broker {
             },
         );
         self.stats.connections_opened.inc();
+        Ok(())
     }
 
     /// Asks connection `id` to close with 320 CONNECTION_FORCED; returns whether it exists.
@@ -146,6 +172,7 @@ impl Broker {
         let mut vhost = VHost::new(name, seed);
         // Durable queues of a vhost made at run time journal their ops like any other.
         vhost.set_record_ops(true);
+        vhost.set_limits(self.config.vhost_limits());
         vhosts.insert(name.to_owned(), Arc::new(Mutex::new(vhost)));
         tracing::info!(vhost = name, "vhost created");
         true
