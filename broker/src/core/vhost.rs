@@ -55,13 +55,6 @@ pub struct Effects {
     pub backlogged: bool,
 }
 
-impl Effects {
-    /// True when there is nothing to hand on.
-    pub fn is_empty(&self) -> bool {
-        self.deliveries.is_empty() && self.cancelled.is_empty() && self.ops.is_empty()
-    }
-}
-
 /// exchange.declare, decoded.
 #[derive(Debug, Clone, Default)]
 pub struct ExchangeDeclare {

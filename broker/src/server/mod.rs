@@ -217,23 +217,22 @@ impl Broker {
             return;
         }
         let outboxes = self.outboxes.read();
-        let mut i = 0;
-        while i < fx.deliveries.len() {
-            let conn = fx.deliveries[i].channel.conn;
+        // One pass: keep this connection's deliveries in order, group the others by target
+        // (a batch reaches few connections, so a short list beats a map).
+        let mut groups: Vec<(u64, Vec<crate::core::Delivery>)> = Vec::new();
+        let mut mine = Vec::with_capacity(fx.deliveries.len());
+        for d in fx.deliveries.drain(..) {
+            let conn = d.channel.conn;
             if conn == own {
-                i += 1;
-                continue;
+                mine.push(d);
+            } else if let Some((_, group)) = groups.iter_mut().find(|(c, _)| *c == conn) {
+                group.push(d);
+            } else {
+                groups.push((conn, vec![d]));
             }
-            // Move every delivery for `conn` in one push.
-            let mut batch = Vec::new();
-            let mut j = i;
-            while j < fx.deliveries.len() {
-                if fx.deliveries[j].channel.conn == conn {
-                    batch.push(fx.deliveries.remove(j));
-                } else {
-                    j += 1;
-                }
-            }
+        }
+        fx.deliveries = mine;
+        for (conn, batch) in groups {
             if let Some(outbox) = outboxes.get(&conn) {
                 outbox.push(|p| p.deliveries.extend(batch));
             }
