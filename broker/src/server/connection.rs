@@ -664,6 +664,9 @@ impl Connection {
                 self.close_reason =
                     format!("client closed: {} {}", close.reply_code, close.reply_text);
                 self.close_all_channels(v);
+                // Exclusive queues go before close-ok, so a client that saw close-ok finds
+                // them gone (RabbitMQ's order; a test relies on it).
+                v.get().connection_closed(self.id, &mut self.fx);
                 self.writer.method(
                     0,
                     AMQPClass::Connection(connection::AMQPMethod::CloseOk(connection::CloseOk {})),
