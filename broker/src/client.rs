@@ -46,6 +46,8 @@ pub struct RawClient {
     pub rbuf: BytesMut,
     /// Negotiated frame-max.
     pub frame_max: u32,
+    /// `known-hosts` from connection.open-ok: a cluster's member addresses, comma-separated.
+    pub known_hosts: String,
 }
 
 /// The parts of an AMQP URI the client uses.
@@ -85,6 +87,7 @@ impl RawClient {
             stream,
             rbuf: BytesMut::with_capacity(256 * 1024),
             frame_max: 131_072,
+            known_hosts: String::new(),
         };
         c.stream.write_all(PROTOCOL_HEADER).await?;
         match c.read_method().await? {
@@ -147,11 +150,7 @@ impl RawClient {
             })),
         )
         .await?;
-        c.expect(
-            |m| matches!(m, AMQPClass::Connection(connection::AMQPMethod::OpenOk(_))),
-            "connection.open-ok",
-        )
-        .await?;
+        c.known_hosts = c.read_open_ok().await?;
         c.send(
             1,
             AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
@@ -201,6 +200,32 @@ impl RawClient {
                 | AMQPClass::Basic(basic::AMQPMethod::Ack(_)) => continue,
                 m => return Err(ClientError::Protocol(format!("expected {what}, got {m:?}"))),
             }
+        }
+    }
+
+    /// Waits for connection.open-ok and returns its reserved shortstr (known-hosts), which
+    /// the method decoder drops.
+    async fn read_open_ok(&mut self) -> Result<String, ClientError> {
+        loop {
+            let f = self.read_frame().await?;
+            if f.kind != FRAME_METHOD {
+                continue;
+            }
+            if frame::method_ids(&f.payload) == Some((10, 41)) {
+                let len = f.payload.get(4).copied().unwrap_or(0) as usize;
+                let hosts = f.payload.get(5..5 + len).unwrap_or_default();
+                return Ok(String::from_utf8_lossy(hosts).into_owned());
+            }
+            let (_, m) = amq_protocol::protocol::parse_class(&f.payload[..])
+                .map_err(|e| ClientError::Protocol(format!("undecodable method: {e:?}")))?;
+            return Err(match m {
+                AMQPClass::Connection(connection::AMQPMethod::Close(c)) => ClientError::Closed {
+                    scope: "connection",
+                    code: c.reply_code,
+                    text: c.reply_text.to_string(),
+                },
+                m => ClientError::Protocol(format!("expected connection.open-ok, got {m:?}")),
+            });
         }
     }
 

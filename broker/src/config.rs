@@ -70,6 +70,22 @@ pub struct Config {
     pub memory_high_watermark_bytes: u64,
     /// Free space on the data dir's file system below which publishers are blocked.
     pub disk_free_limit_bytes: u64,
+    /// Cluster port (`--cluster-listen`); `None` runs a standalone broker.
+    pub cluster_listen: Option<SocketAddr>,
+    /// Members to ask for admission (`--cluster-seeds`, `host:port` or DNS names that
+    /// resolve to the peers); empty founds a new cluster.
+    pub cluster_seeds: Vec<String>,
+    /// File holding the shared cluster secret (`--cluster-secret-file`); every member must
+    /// use the same. Required with `cluster_listen`.
+    pub cluster_secret_file: Option<PathBuf>,
+    /// Host name or address other members and clients use to reach this broker, when the
+    /// listeners bind a wildcard address (a pod's DNS name in Kubernetes).
+    pub advertise_host: Option<String>,
+    /// How long a silent member stays in the cluster before the others remove it.
+    pub cluster_failure_timeout_ms: u64,
+    /// How long a starting member tries to be admitted and receive the cluster map before
+    /// it gives up and exits.
+    pub cluster_join_timeout_ms: u64,
     /// Journal tuning.
     pub journal: crate::store::journal::JournalConfig,
     /// Virtual hosts that exist at start.
@@ -101,6 +117,12 @@ impl Default for Config {
             max_consumers_per_channel: 0,
             memory_high_watermark_bytes: default_memory_watermark(),
             disk_free_limit_bytes: 50 * 1024 * 1024,
+            cluster_listen: None,
+            cluster_seeds: Vec::new(),
+            cluster_secret_file: None,
+            advertise_host: None,
+            cluster_failure_timeout_ms: 1_200,
+            cluster_join_timeout_ms: 30_000,
             journal: crate::store::journal::JournalConfig::default(),
             vhosts: vec!["/".to_owned()],
             users: vec![UserConfig {
@@ -195,6 +217,17 @@ impl Config {
                 "frame_max {} is below the protocol minimum of 4096 bytes",
                 self.frame_max
             )));
+        }
+        if self.cluster_listen.is_some() && self.cluster_secret_file.is_none() {
+            return Err(ConfigError::Invalid(
+                "a cluster member needs the shared secret: set --cluster-secret-file (or cluster_secret_file)".into(),
+            ));
+        }
+        if self.cluster_listen.is_none() && !self.cluster_seeds.is_empty() {
+            return Err(ConfigError::Invalid(
+                "--cluster-seeds needs --cluster-listen (the port other members reach this one on)"
+                    .into(),
+            ));
         }
         if self.vhosts.is_empty() {
             return Err(ConfigError::Invalid(

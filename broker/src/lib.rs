@@ -9,6 +9,7 @@ pub mod admin_client;
 pub mod amqp;
 pub mod auth;
 pub mod client;
+pub mod cluster;
 pub mod config;
 pub mod core;
 pub mod cpg;

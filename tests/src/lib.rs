@@ -41,6 +41,8 @@ pub struct Broker {
     pub data_dir: PathBuf,
     /// Lines it wrote to stderr (its log), collected in the background.
     pub log: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    /// Cluster port address, for a broker whose config sets `cluster_listen`.
+    pub cluster: Option<String>,
 }
 
 impl Broker {
@@ -70,6 +72,20 @@ impl Broker {
     pub fn crash_and_restart(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        *self = Self::spawn(std::mem::take(&mut self.data_dir));
+    }
+
+    /// Stops the broker with SIGKILL and waits for it to be gone.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Starts a killed broker again on its data directory with a new configuration (a
+    /// restarted cluster member lists the live members as seeds).
+    pub fn restart_with_config(&mut self, yaml: &str) {
+        self.kill();
+        std::fs::write(self.data_dir.join("ringmq.yaml"), yaml).expect("temp dir is writable");
         *self = Self::spawn(std::mem::take(&mut self.data_dir));
     }
 
@@ -106,7 +122,7 @@ impl Broker {
             .arg(data_dir.join("data"))
             .arg("--config")
             .arg(&config)
-            .env("RINGMQ_LOG", "info")
+            .env("RINGMQ_LOG", "info,openraft=warn")
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -128,6 +144,21 @@ impl Broker {
         stdout
             .read_line(&mut admin_line)
             .expect("the broker prints its admin address");
+        let clustered =
+            std::fs::read_to_string(&config).is_ok_and(|yaml| yaml.contains("cluster_listen"));
+        let cluster = clustered.then(|| {
+            let mut cluster_line = String::new();
+            stdout
+                .read_line(&mut cluster_line)
+                .expect("a cluster member prints its cluster address");
+            cluster_line
+                .trim()
+                .strip_prefix("ringmq-broker listening cluster=")
+                .unwrap_or_else(|| {
+                    panic!("unexpected third line from the broker: {cluster_line:?}")
+                })
+                .to_owned()
+        });
         // Keep the pipe open (and drained) for as long as the broker runs.
         std::thread::spawn(move || std::io::copy(&mut stdout, &mut std::io::sink()));
         let admin = admin_line
@@ -153,6 +184,7 @@ impl Broker {
             admin,
             data_dir,
             log,
+            cluster,
         }
     }
 

@@ -16,6 +16,7 @@ async fn start(b: &Broker) -> (RawClient, connection::Start) {
         stream,
         rbuf: Default::default(),
         frame_max: 131_072,
+        known_hosts: String::new(),
     };
     c.stream.write_all(PROTOCOL_HEADER).await.unwrap();
     match c.read_method().await.unwrap() {

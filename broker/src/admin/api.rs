@@ -29,7 +29,7 @@ pub fn route(b: &Arc<Broker>, c: &Call) -> Result<Reply> {
     match p.as_slice() {
         ["overview"] if get => ok(overview(b)),
         ["whoami"] if get => ok(json!({"name": c.user.name, "tags": c.user.tags})),
-        ["members"] if get => ok(json!([member(b)])),
+        ["members"] if get => ok(members(b)),
         ["members", id] if get => {
             this_member(b, id)?;
             let mut m = member(b);
@@ -447,7 +447,7 @@ pub fn route(b: &Arc<Broker>, c: &Call) -> Result<Reply> {
     }
 }
 
-fn created(was_new: bool) -> Reply {
+pub(super) fn created(was_new: bool) -> Reply {
     empty_reply(if was_new {
         StatusCode::CREATED
     } else {
@@ -455,7 +455,7 @@ fn created(was_new: bool) -> Reply {
     })
 }
 
-fn flag(body: &Value, key: &str, default: bool) -> Result<bool> {
+pub(super) fn flag(body: &Value, key: &str, default: bool) -> Result<bool> {
     match body.get(key) {
         None | Some(Value::Null) => Ok(default),
         Some(Value::Bool(v)) => Ok(*v),
@@ -465,15 +465,15 @@ fn flag(body: &Value, key: &str, default: bool) -> Result<bool> {
     }
 }
 
-fn no_vhost(name: &str) -> ApiError {
+pub(super) fn no_vhost(name: &str) -> ApiError {
     ApiError::not_found(format!(
         "no vhost '{name}': create it with PUT /api/vhosts/{{name}} (URL-encode '/' as %2F)"
     ))
 }
-fn no_queue(vh: &str, name: &str) -> ApiError {
+pub(super) fn no_queue(vh: &str, name: &str) -> ApiError {
     ApiError::not_found(format!("no queue '{name}' in vhost '{vh}'"))
 }
-fn no_exchange(vh: &str, name: &str) -> ApiError {
+pub(super) fn no_exchange(vh: &str, name: &str) -> ApiError {
     ApiError::not_found(format!("no exchange '{name}' in vhost '{vh}'"))
 }
 fn no_user(name: &str) -> ApiError {
@@ -516,6 +516,32 @@ fn member(b: &Broker) -> Value {
     })
 }
 
+/// Every member in ring order when clustered (with `ring_position` and whether it holds the
+/// cluster map), else this broker alone.
+fn members(b: &Broker) -> Value {
+    let Some(cluster) = b.cluster() else {
+        return json!([member(b)]);
+    };
+    Value::Array(
+        cluster
+            .members()
+            .iter()
+            .enumerate()
+            .filter_map(|(position, m)| {
+                let info = m.info.as_ref()?;
+                Some(json!({
+                    "id": info.node_id,
+                    "amqp": info.amqp,
+                    "admin": info.admin,
+                    "zone": info.zone,
+                    "state": if m.synced { "running" } else { "joining" },
+                    "ring_position": position,
+                }))
+            })
+            .collect(),
+    )
+}
+
 fn overview(b: &Broker) -> Value {
     let t = metrics::totals(b);
     let s = &b.stats;
@@ -523,7 +549,7 @@ fn overview(b: &Broker) -> Value {
         "node": b.config.node_id,
         "cluster_name": b.config.cluster_name,
         "ringmq_version": env!("CARGO_PKG_VERSION"),
-        "members": [member(b)],
+        "members": members(b),
         "object_totals": {
             "connections": b.registry.connection_count(),
             "channels": t.channels,

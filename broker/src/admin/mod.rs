@@ -7,6 +7,7 @@
 //! JSON object `{"error": ..., "reason": ...}`.
 
 mod api;
+mod clustered;
 pub mod definitions;
 pub mod json;
 pub mod metrics;
@@ -307,7 +308,11 @@ async fn handle(broker: &Arc<Broker>, peer: SocketAddr, req: Request<Incoming>) 
         query,
         body,
     };
-    let reply = match api::route(broker, &call) {
+    let clustered = match broker.cluster() {
+        Some(cluster) => clustered::route(broker, cluster, &call).await,
+        None => None,
+    };
+    let reply = match clustered.unwrap_or_else(|| api::route(broker, &call)) {
         Ok(r) => r,
         Err(e) => e.into_reply(),
     };

@@ -59,6 +59,25 @@ impl FrameWriter {
         self.frame(&AMQPFrame::Method(channel, method));
     }
 
+    /// connection.open-ok with `known_hosts` in its reserved shortstr (amq-protocol's
+    /// `OpenOk` has no field for it). Truncated to 255 bytes at a comma, the shortstr limit.
+    pub fn open_ok(&mut self, known_hosts: &str) {
+        let mut hosts = known_hosts;
+        while hosts.len() > 255 {
+            hosts = hosts.rsplit_once(',').map_or("", |(head, _)| head);
+        }
+        let payload_len = 4 + 1 + hosts.len();
+        self.buf.push(1);
+        self.buf.extend_from_slice(&0u16.to_be_bytes());
+        self.buf
+            .extend_from_slice(&(payload_len as u32).to_be_bytes());
+        self.buf.extend_from_slice(&10u16.to_be_bytes());
+        self.buf.extend_from_slice(&41u16.to_be_bytes());
+        self.buf.push(hosts.len() as u8);
+        self.buf.extend_from_slice(hosts.as_bytes());
+        self.buf.push(FRAME_END);
+    }
+
     /// A heartbeat frame.
     pub fn heartbeat(&mut self) {
         self.buf
@@ -167,6 +186,38 @@ mod tests {
             ("ctag", 42, true)
         );
         assert_eq!((d.exchange.as_str(), d.routing_key.as_str()), ("ex", "rk"));
+    }
+
+    #[test]
+    fn open_ok_with_known_hosts_decodes_as_open_ok() {
+        use amq_protocol::protocol::connection;
+        for hosts in ["", "127.0.0.1:5672,127.0.0.1:5673"] {
+            let mut w = FrameWriter::default();
+            w.open_ok(hosts);
+            let bytes = w.as_slice();
+            assert_eq!(&bytes[12..12 + hosts.len()], hosts.as_bytes());
+            let (rest, frame) = parse_frame(bytes).unwrap();
+            assert!(rest.is_empty());
+            assert!(matches!(
+                frame,
+                AMQPFrame::Method(0, AMQPClass::Connection(connection::AMQPMethod::OpenOk(_)))
+            ));
+        }
+    }
+
+    #[test]
+    fn known_hosts_beyond_a_shortstr_are_cut_at_a_comma() {
+        let hosts = vec!["10.0.0.1:5672"; 40].join(",");
+        let mut w = FrameWriter::default();
+        w.open_ok(&hosts);
+        let len = usize::from(w.as_slice()[11]);
+        assert!(len <= 255);
+        assert!(
+            !std::str::from_utf8(&w.as_slice()[12..12 + len])
+                .unwrap()
+                .ends_with(',')
+        );
+        assert!(parse_frame(w.as_slice()).is_ok());
     }
 
     #[test]

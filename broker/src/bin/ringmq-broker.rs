@@ -44,6 +44,23 @@ struct Args {
     )]
     default_pass: Option<String>,
     /// Log filter in RUST_LOG syntax [default: info].
+    /// Cluster port: makes this broker a cluster member.
+    #[arg(long, env = "RINGMQ_CLUSTER_LISTEN", value_name = "ADDR")]
+    cluster_listen: Option<SocketAddr>,
+    /// Members to ask for admission (comma-separated `host:port`); none founds a cluster.
+    #[arg(
+        long,
+        env = "RINGMQ_CLUSTER_SEEDS",
+        value_name = "A,B,C",
+        value_delimiter = ','
+    )]
+    cluster_seeds: Vec<String>,
+    /// File with the shared cluster secret.
+    #[arg(long, env = "RINGMQ_CLUSTER_SECRET_FILE", value_name = "FILE")]
+    cluster_secret_file: Option<PathBuf>,
+    /// Host other members and clients reach this broker at (when listening on 0.0.0.0).
+    #[arg(long, env = "RINGMQ_ADVERTISE_HOST", value_name = "HOST")]
+    advertise_host: Option<String>,
     #[arg(long, env = "RINGMQ_LOG", value_name = "FILTER")]
     log: Option<String>,
     /// Log format.
@@ -59,8 +76,10 @@ enum LogFormat {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let filter = tracing_subscriber::EnvFilter::try_new(args.log.as_deref().unwrap_or("info"))
-        .context("--log is not a valid filter (example: info,ringmq=debug)")?;
+    // openraft logs every vote and append at info; its warnings are what an operator needs.
+    let filter =
+        tracing_subscriber::EnvFilter::try_new(args.log.as_deref().unwrap_or("info,openraft=warn"))
+            .context("--log is not a valid filter (example: info,ringmq=debug)")?;
     let subscriber = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
@@ -81,6 +100,18 @@ fn main() -> anyhow::Result<()> {
     }
     if let Some(dir) = args.data_dir {
         config.data_dir = dir;
+    }
+    if let Some(addr) = args.cluster_listen {
+        config.cluster_listen = Some(addr);
+    }
+    if !args.cluster_seeds.is_empty() {
+        config.cluster_seeds = args.cluster_seeds;
+    }
+    if let Some(file) = args.cluster_secret_file {
+        config.cluster_secret_file = Some(file);
+    }
+    if let Some(host) = args.advertise_host {
+        config.advertise_host = Some(host);
     }
     if let Some(id) = args.node_id {
         config.node_id = id;
@@ -107,9 +138,16 @@ fn main() -> anyhow::Result<()> {
             .await
             .with_context(|| format!("cannot listen on {} (admin)", config.admin_listen))?;
         tracing::info!(admin = %admin_addr, "admin listener ready");
+        let cluster = match config.cluster_listen {
+            Some(listen) => Some(join_cluster(&running, &config, listen, admin_addr).await?),
+            None => None,
+        };
         // Machine-readable lines for scripts and tests that start the broker on port 0.
         println!("ringmq-broker listening amqp={}", running.amqp_addr);
         println!("ringmq-broker listening admin={admin_addr}");
+        if let Some(cluster) = cluster {
+            println!("ringmq-broker listening cluster={}", cluster.addr());
+        }
         shutdown_signal().await;
         tracing::info!("shutting down: writing the journal");
         running.broker.journal.shutdown();
@@ -119,6 +157,55 @@ fn main() -> anyhow::Result<()> {
 
 /// Raises the soft limit on open files to the hard limit: every connection is a descriptor,
 /// and distributions often default the soft limit to 1024.
+/// Joins (or founds) the cluster and lets the listeners serve once this member holds the
+/// cluster map.
+async fn join_cluster(
+    running: &ringmq::server::Running,
+    config: &Config,
+    listen: SocketAddr,
+    admin_addr: SocketAddr,
+) -> anyhow::Result<std::sync::Arc<ringmq::cluster::Cluster>> {
+    let secret_file = config
+        .cluster_secret_file
+        .as_ref()
+        .context("--cluster-secret-file is required with --cluster-listen")?;
+    let secret = std::fs::read(secret_file)
+        .with_context(|| format!("cannot read the cluster secret {}", secret_file.display()))?;
+    let secret = secret.trim_ascii().to_vec();
+    anyhow::ensure!(
+        !secret.is_empty(),
+        "the cluster secret file {} is empty",
+        secret_file.display()
+    );
+    let advertised = |addr: SocketAddr| match &config.advertise_host {
+        Some(host) => format!("{host}:{}", addr.port()),
+        None => addr.to_string(),
+    };
+    let settings = ringmq::cluster::ClusterSettings {
+        listen,
+        advertise: config
+            .advertise_host
+            .as_ref()
+            .map(|h| format!("{h}:{}", listen.port())),
+        seeds: config.cluster_seeds.clone(),
+        secret,
+        failure_timeout_ms: config.cluster_failure_timeout_ms,
+        info: ringmq::cluster::MemberInfo {
+            node_id: config.node_id.clone(),
+            amqp: advertised(running.amqp_addr),
+            admin: advertised(admin_addr),
+            zone: config.zone.clone(),
+        },
+        join_timeout: std::time::Duration::from_millis(config.cluster_join_timeout_ms),
+    };
+    let cluster = ringmq::cluster::Cluster::start(running.broker.clone(), settings)
+        .await
+        .with_context(|| format!("cannot join the cluster on {listen}"))?;
+    let _ = running.broker.cluster.set(cluster.clone());
+    running.broker.start_serving();
+    Ok(cluster)
+}
+
 fn raise_open_file_limit() {
     let mut limit = libc::rlimit {
         rlim_cur: 0,

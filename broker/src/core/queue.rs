@@ -56,6 +56,9 @@ pub struct Queue {
     pub last_used_ms: u64,
     /// The queue has had a consumer (auto-delete only deletes a queue that had one).
     pub had_consumer: bool,
+    /// Node id of the cluster member that owns the queue (where it was declared); `None`
+    /// outside a cluster, where the one broker owns everything.
+    pub home: Option<Arc<str>>,
     levels: Vec<VecDeque<Entry>>,
     unacked: HashMap<u64, Entry>,
     ready_count: usize,
@@ -88,6 +91,7 @@ impl Queue {
             next_consumer: 0,
             last_used_ms: now_ms,
             had_consumer: false,
+            home: None,
             levels: (0..levels).map(|_| VecDeque::new()).collect(),
             unacked: HashMap::new(),
             ready_count: 0,

@@ -230,6 +230,32 @@ impl VHost {
         self.limits = limits;
     }
 
+    /// Records which cluster member owns queue `name` (a no-op if there is no such queue).
+    pub fn set_queue_home(&mut self, name: &str, node: &str) {
+        if let Some(q) = self.queues.get_mut(name) {
+            q.home = Some(node.into());
+        }
+    }
+
+    /// A fresh server-made queue name (`amq.gen-…`). A cluster member makes the name up
+    /// before it multicasts the declare, so that every member creates the same queue.
+    pub fn fresh_queue_name(&mut self) -> String {
+        self.fresh_name("amq.gen-")
+    }
+
+    /// Makes sure a broker-owned exchange exists (such as `amq.qpid` in a cluster); the
+    /// `amq.` prefix keeps clients from declaring or deleting it.
+    pub fn ensure_system_exchange(&mut self, name: &str, kind: ExchangeKind) {
+        let name: Arc<str> = name.into();
+        self.exchanges.entry(name.clone()).or_insert_with(|| {
+            Exchange::new(name, kind, true, false, false, FieldTable::default())
+        });
+    }
+
+    pub(super) fn mark_wiring_changed(&mut self) {
+        self.wiring_dirty = true;
+    }
+
     /// Whether a durable exchange, queue or binding was created or removed since the last
     /// call: the durable wiring must then be saved before the command is answered.
     pub fn take_wiring_changed(&mut self) -> bool {
@@ -557,6 +583,26 @@ impl VHost {
         d: QueueDeclare,
         now_ms: u64,
     ) -> CoreResult<QueueDeclared> {
+        self.declare_queue(conn, d, now_ms, false)
+    }
+
+    /// queue.declare of a shared queue whose `amq.gen-` name a cluster member made up for a
+    /// client that sent an empty name: the reserved prefix is the server's own here.
+    pub fn queue_declare_server_named(
+        &mut self,
+        d: QueueDeclare,
+        now_ms: u64,
+    ) -> CoreResult<QueueDeclared> {
+        self.declare_queue(0, d, now_ms, true)
+    }
+
+    fn declare_queue(
+        &mut self,
+        conn: u64,
+        d: QueueDeclare,
+        now_ms: u64,
+        server_named: bool,
+    ) -> CoreResult<QueueDeclared> {
         let vhost = self.name.clone();
         if let Some(q) = self.queues.get_mut(d.name.as_str()) {
             if let Some(owner) = q.exclusive_owner
@@ -601,7 +647,7 @@ impl VHost {
         if d.passive {
             return Err(self.not_found_queue(&d.name));
         }
-        if d.name.starts_with("amq.") {
+        if d.name.starts_with("amq.") && !(server_named && d.name.starts_with("amq.gen-")) {
             return Err(AmqpError::access_refused(format!(
                 "queue name '{}' contains reserved prefix 'amq.*'",
                 d.name
@@ -720,7 +766,7 @@ impl VHost {
         Ok(self.remove_queue(queue, fx))
     }
 
-    fn remove_queue(&mut self, name: &str, fx: &mut Effects) -> u32 {
+    pub(super) fn remove_queue(&mut self, name: &str, fx: &mut Effects) -> u32 {
         let Some(q) = self.queues.remove(name) else {
             return 0;
         };

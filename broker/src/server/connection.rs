@@ -4,6 +4,7 @@
 
 use super::channel::{BodyParts, ChannelCtx, HeldAck, HeldPublish, PendingPublish, Transaction};
 use super::outbox::{Outbox, Pending};
+use super::shared_wiring::{self, Awaited, Waiting};
 use super::stats::ConnStats;
 use super::{Broker, now_ms};
 use crate::amqp::frame::{
@@ -16,6 +17,7 @@ use crate::amqp::{
     exchange, queue, tx,
 };
 use crate::auth::{MECHANISMS, User};
+use crate::cluster::OpOutcome;
 use crate::core::vhost::{Cancelled, Delivery};
 use crate::core::{
     AmqpError, ChannelKey, Consume, Effects, ExchangeDeclare, Message, PublishOutcome,
@@ -134,6 +136,18 @@ struct Connection {
     gates: std::collections::VecDeque<(usize, u64)>,
     /// Metrics counted during a batch, added to the broker's totals once per wake-up.
     stats: ConnStats,
+    /// A wiring change sent through the cluster, not yet committed: the connection reads no
+    /// further frames until it is, so later methods see its effect (as on one broker).
+    cluster_wait: Option<ClusterWait>,
+}
+
+/// A method whose shared-wiring op is in flight through the cluster.
+struct ClusterWait {
+    channel: u16,
+    class_id: u16,
+    method_id: u16,
+    waiting: Waiting,
+    outcome: tokio::sync::oneshot::Receiver<OpOutcome>,
 }
 
 /// Serves one accepted socket until it closes.
@@ -164,6 +178,7 @@ pub async fn serve(broker: Arc<Broker>, stream: TcpStream, peer: SocketAddr) {
         qos_prefetch_size: 0,
         gates: std::collections::VecDeque::new(),
         stats: ConnStats::default(),
+        cluster_wait: None,
     };
     let result = conn.run(stream).await;
     conn.release();
@@ -263,7 +278,7 @@ impl Connection {
                 tokio::time::sleep(FLOW_PAUSE).await;
                 continue;
             }
-            let reading = !self.publish_waits_for_unblock;
+            let reading = !self.publish_waits_for_unblock && self.cluster_wait.is_none();
             if rbuf.capacity() - rbuf.len() < read_chunk / 2 {
                 rbuf.reserve(read_chunk);
             }
@@ -287,6 +302,10 @@ impl Connection {
                     self.on_bytes(&mut rbuf);
                 }
                 _ = self.outbox.notified() => self.drain_outbox(),
+                outcome = committed(&mut self.cluster_wait) => {
+                    self.on_committed(outcome);
+                    self.on_bytes(&mut rbuf);
+                }
                 _ = heartbeat.tick(), if heartbeat_armed => {
                     let limit = Duration::from_secs(u64::from(self.heartbeat_s) * 2);
                     if last_recv.elapsed() > limit {
@@ -317,7 +336,7 @@ impl Connection {
             self.phase,
             Phase::Start | Phase::Tune | Phase::Open | Phase::Running | Phase::Closing
         ) {
-            if self.publish_waits_for_unblock {
+            if self.publish_waits_for_unblock || self.cluster_wait.is_some() {
                 break;
             }
             let frame = match frame::split_frame(rbuf, self.frame_max) {
@@ -616,10 +635,14 @@ impl Connection {
             .map_err(|limit| ConnError::new(codes::NOT_ALLOWED, limit))?;
         self.vhost = Some(vhost);
         self.vhost_name = name.to_owned();
-        self.writer.method(
-            0,
-            AMQPClass::Connection(connection::AMQPMethod::OpenOk(connection::OpenOk {})),
-        );
+        // open-ok's reserved shortstr is 0-8's known-hosts: a cluster fills it with the
+        // members' AMQP addresses, the failover candidates.
+        let known_hosts = self
+            .broker
+            .cluster()
+            .map(|c| c.known_hosts().join(","))
+            .unwrap_or_default();
+        self.writer.open_ok(&known_hosts);
         self.phase = Phase::Running;
         tracing::info!(conn = self.id, peer = %self.peer, user = %user.name, vhost = name, "connection opened");
         if self.broker.publishers_blocked() {
@@ -848,6 +871,22 @@ impl Connection {
             class_id,
             method_id,
         };
+        if let Some(cluster) = self.broker.cluster().cloned() {
+            let ch = self.channels.get(&id).expect("checked by the caller");
+            if let Some((op, waiting)) =
+                shared_wiring::to_op(&method, ch, v.get(), cluster.node_id()).map_err(err)?
+            {
+                let outcome = cluster.submit(&self.vhost_name, op);
+                self.cluster_wait = Some(ClusterWait {
+                    channel: id,
+                    class_id,
+                    method_id,
+                    waiting,
+                    outcome,
+                });
+                return Ok(());
+            }
+        }
         let now = now_ms();
         let ch = self.channels.get_mut(&id).expect("checked by the caller");
         let key = ch.key;
@@ -1623,6 +1662,61 @@ impl Connection {
         self.spare = pending;
     }
 
+    /// Answers a method whose shared-wiring op the cluster committed (or could not).
+    fn on_committed(&mut self, outcome: Option<OpOutcome>) {
+        let Some(wait) = self.cluster_wait.take() else {
+            return;
+        };
+        let Some(vhost) = self.vhost.clone() else {
+            return;
+        };
+        let mut v = Lazy {
+            vhost: &vhost,
+            guard: None,
+        };
+        let outcome = outcome.unwrap_or_else(|| {
+            Err(AmqpError::new(
+                codes::INTERNAL_ERROR,
+                "the cluster layer stopped before the change was committed",
+            ))
+        });
+        let open = self
+            .channels
+            .get(&wait.channel)
+            .is_some_and(|ch| !ch.closing);
+        match outcome {
+            Ok((reply, gate)) if open => {
+                if let Awaited::QueueDeclared(name) = &wait.waiting.awaited
+                    && let Some(ch) = self.channels.get_mut(&wait.channel)
+                {
+                    ch.last_queue = Some(name.clone());
+                }
+                if !wait.waiting.nowait {
+                    self.writer.method(
+                        wait.channel,
+                        shared_wiring::reply_method(&wait.waiting.awaited, &reply),
+                    );
+                }
+                self.hold_output(gate);
+            }
+            Ok(_) => {}
+            Err(e) if e.is_connection_error() => self.connection_error(ConnError {
+                code: e.code,
+                text: e.text,
+                class_id: wait.class_id,
+                method_id: wait.method_id,
+            }),
+            Err(e) => self.channel_error(wait.channel, e, wait.class_id, wait.method_id, &mut v),
+        }
+        if let Some(guard) = v.guard.as_mut() {
+            self.broker.route_effects(self.id, &mut self.fx);
+            let gate = self.broker.persist(guard, &mut self.fx);
+            drop(v.guard.take());
+            self.hold_output(gate);
+            self.write_own_effects();
+        }
+    }
+
     /// Closes channels an operator asked to close (admin API), as a channel error 320.
     fn force_close_channels(&mut self, channels: Vec<(u16, String)>) {
         let Some(vhost) = self.vhost.clone() else {
@@ -1742,6 +1836,15 @@ impl Connection {
         self.fx.cancelled.retain(|c| c.channel.conn != self.id);
         self.broker.route_effects(self.id, &mut self.fx);
         self.broker.persist(&mut v, &mut self.fx);
+    }
+}
+
+/// The outcome of the in-flight cluster op, if there is one (pending forever otherwise, so
+/// `select!` can always poll it). `None` means the cluster layer dropped the request.
+async fn committed(wait: &mut Option<ClusterWait>) -> Option<OpOutcome> {
+    match wait {
+        Some(w) => (&mut w.outcome).await.ok(),
+        None => std::future::pending().await,
     }
 }
 

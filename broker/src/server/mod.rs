@@ -6,6 +6,7 @@ pub mod channel;
 pub mod connection;
 pub mod outbox;
 pub mod registry;
+pub mod shared_wiring;
 pub mod stats;
 
 use crate::auth::UserStore;
@@ -49,6 +50,11 @@ pub struct Broker {
     blocked_reason: Mutex<&'static str>,
     /// The journal all durable queues write to.
     pub journal: Journal,
+    /// This broker's cluster membership, once it joined (never set when standalone).
+    pub cluster: std::sync::OnceLock<Arc<crate::cluster::Cluster>>,
+    /// Whether the listeners accept clients: a cluster member only starts once it holds
+    /// the cluster map, so no client sees a wiring the cluster does not have.
+    serving: tokio::sync::watch::Sender<bool>,
     _data_dir: DataDir,
 }
 
@@ -134,6 +140,8 @@ impl Broker {
             blocked: AtomicBool::new(false),
             blocked_reason: Mutex::new(""),
             journal,
+            cluster: std::sync::OnceLock::new(),
+            serving: tokio::sync::watch::channel(false).0,
             _data_dir: data_dir,
         }))
     }
@@ -181,6 +189,22 @@ impl Broker {
             }
         }
         gate
+    }
+
+    /// Lets the listeners accept clients (see `serving`).
+    pub fn start_serving(&self) {
+        self.serving.send_replace(true);
+    }
+
+    /// Waits until the listeners may accept clients.
+    pub async fn serving(&self) {
+        let mut rx = self.serving.subscribe();
+        let _ = rx.wait_for(|s| *s).await;
+    }
+
+    /// This broker's cluster membership, if it is a cluster member.
+    pub fn cluster(&self) -> Option<&Arc<crate::cluster::Cluster>> {
+        self.cluster.get()
     }
 
     /// A vhost by name.
@@ -287,6 +311,9 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         .local_addr()
         .map_err(|e| StartError::Listen(addr, e))?;
     let _ = broker.registry.amqp_addr.set(amqp_addr);
+    if broker.config.cluster_listen.is_none() {
+        broker.start_serving();
+    }
     tokio::spawn(accept_loop(listener, broker.clone()));
     tokio::spawn(tick_loop(broker.clone()));
     tokio::spawn(memory_monitor(broker.clone()));
@@ -294,6 +321,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
 }
 
 async fn accept_loop(listener: TcpListener, broker: Arc<Broker>) {
+    broker.serving().await;
     loop {
         match listener.accept().await {
             Ok((stream, peer)) => {

@@ -1,0 +1,160 @@
+//! Who is in the cluster, in ring order, with the addresses they announced, and who still
+//! waits for the cluster map. Driven only by CPG events, so every member holds the same
+//! picture after the same events; no I/O, so the decisions (who sends a joiner its
+//! snapshot, what `known-hosts` says) are tested without sockets.
+
+use crate::cpg::MemberId;
+use serde::{Deserialize, Serialize};
+
+/// What a member announces about itself once it has joined.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemberInfo {
+    /// Stable node id (survives restarts, unlike the CPG incarnation id); queues name their
+    /// owner by it.
+    pub node_id: String,
+    /// AMQP address clients reach it at (`host:port`).
+    pub amqp: String,
+    /// Admin HTTP address (`host:port`).
+    pub admin: String,
+    /// Failure zone.
+    pub zone: String,
+}
+
+/// One member as the map knows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemberState {
+    /// CPG incarnation id.
+    pub id: MemberId,
+    /// What it announced; `None` until its hello is delivered.
+    pub info: Option<MemberInfo>,
+    /// It holds the cluster map (it founded the cluster or installed a snapshot).
+    pub synced: bool,
+}
+
+/// The members in ring order (join order).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Membership {
+    members: Vec<MemberState>,
+}
+
+impl Membership {
+    /// Applies a configuration change: `members` is the group after it (any order). Members
+    /// that are gone leave the ring; new ones join at its end, not yet synced — unless the
+    /// group is the new member alone, which founds the map with what it has.
+    pub fn on_conf_change(&mut self, members: &[MemberId]) {
+        self.members.retain(|m| members.contains(&m.id));
+        let alone = members.len() == 1;
+        for &id in members {
+            if !self.members.iter().any(|m| m.id == id) {
+                self.members.push(MemberState {
+                    id,
+                    info: None,
+                    synced: alone,
+                });
+            }
+        }
+    }
+
+    /// A member announced its addresses.
+    pub fn on_hello(&mut self, id: MemberId, info: MemberInfo) {
+        if let Some(m) = self.members.iter_mut().find(|m| m.id == id) {
+            m.info = Some(info);
+        }
+    }
+
+    /// A snapshot addressed to `to` was delivered: from now on it holds the map.
+    pub fn on_snapshot(&mut self, to: MemberId) {
+        if let Some(m) = self.members.iter_mut().find(|m| m.id == to) {
+            m.synced = true;
+        }
+    }
+
+    /// Replaces the whole picture (a joiner installing a snapshot).
+    pub fn install(&mut self, other: Membership) {
+        *self = other;
+    }
+
+    /// The members a snapshot must be sent to, if `me` is the one whose duty that is: the
+    /// first synced member in ring order. Every member computes the same answer, so exactly
+    /// one sends (and, if it fails, the next one after the configuration change).
+    pub fn snapshot_duty(&self, me: MemberId) -> Vec<MemberId> {
+        let sender = self.members.iter().find(|m| m.synced).map(|m| m.id);
+        if sender != Some(me) {
+            return Vec::new();
+        }
+        self.members
+            .iter()
+            .filter(|m| !m.synced)
+            .map(|m| m.id)
+            .collect()
+    }
+
+    /// Whether `id` holds the map.
+    pub fn is_synced(&self, id: MemberId) -> bool {
+        self.members.iter().any(|m| m.id == id && m.synced)
+    }
+
+    /// The members in ring order.
+    pub fn members(&self) -> &[MemberState] {
+        &self.members
+    }
+
+    /// AMQP addresses of the live members, in ring order: what `known-hosts` and the
+    /// `amq.qpid` notices tell clients.
+    pub fn known_hosts(&self) -> Vec<String> {
+        self.members
+            .iter()
+            .filter_map(|m| m.info.as_ref().map(|i| i.amqp.clone()))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(n: u8) -> MemberInfo {
+        MemberInfo {
+            node_id: format!("n{n}"),
+            amqp: format!("127.0.0.1:{}", 5670 + u16::from(n)),
+            admin: String::new(),
+            zone: String::new(),
+        }
+    }
+
+    #[test]
+    fn the_founder_is_synced_and_sends_joiners_their_snapshot() {
+        let mut m = Membership::default();
+        m.on_conf_change(&[10]);
+        assert!(m.is_synced(10));
+        m.on_conf_change(&[10, 20]);
+        m.on_conf_change(&[10, 20, 30]);
+        assert_eq!(m.snapshot_duty(10), vec![20, 30]);
+        assert!(m.snapshot_duty(20).is_empty());
+        m.on_snapshot(20);
+        assert_eq!(m.snapshot_duty(10), vec![30]);
+    }
+
+    #[test]
+    fn the_duty_passes_on_when_the_sender_fails() {
+        let mut m = Membership::default();
+        m.on_conf_change(&[10]);
+        m.on_conf_change(&[10, 20]);
+        m.on_snapshot(20);
+        m.on_conf_change(&[10, 20, 30]);
+        m.on_conf_change(&[20, 30]);
+        assert_eq!(m.snapshot_duty(20), vec![30]);
+    }
+
+    #[test]
+    fn a_joiner_is_not_synced_and_known_hosts_follow_hellos_in_ring_order() {
+        let mut m = Membership::default();
+        m.on_conf_change(&[30, 10]);
+        assert!(!m.is_synced(10) && !m.is_synced(30));
+        m.on_hello(10, info(1));
+        m.on_hello(30, info(3));
+        assert_eq!(m.known_hosts(), vec!["127.0.0.1:5673", "127.0.0.1:5671"]);
+        m.on_conf_change(&[10]);
+        assert_eq!(m.known_hosts(), vec!["127.0.0.1:5671"]);
+    }
+}

@@ -1,0 +1,417 @@
+//! A broker as a cluster member: starts CPG, joins the cluster group, applies delivered
+//! events to the broker's vhosts in agreed order, and answers the requests its own clients
+//! made.
+
+use super::membership::{MemberInfo, MemberState, Membership};
+use super::message::{ClusterMsg, Snapshot};
+use super::notice;
+use super::op::{OpReply, WiringOp};
+use crate::core::{AmqpError, Effects};
+use crate::cpg::{Cpg, CpgConfig, CpgError, CpgEvent, CpgEvents, MemberId};
+use crate::server::{Broker, now_ms};
+use bytes::Bytes;
+use parking_lot::{Mutex, RwLock};
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+use tokio::sync::{oneshot, watch};
+
+/// The CPG group every member of a cluster joins.
+pub const GROUP: &str = "ringmq";
+
+/// How long a client's wiring change may wait for its commit before it is answered with an
+/// error (no quorum, a partition): the client learns, instead of hanging.
+const COMMIT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Most events a joiner buffers while it waits for its snapshot; beyond it the member gives
+/// up rather than grow without bound (its supervisor restarts it).
+const MAX_BUFFERED_EVENTS: usize = 100_000;
+
+/// What a broker needs to join a cluster.
+#[derive(Debug, Clone)]
+pub struct ClusterSettings {
+    /// Cluster port address.
+    pub listen: SocketAddr,
+    /// Address other members dial (`host:port`); `None` = the bound address.
+    pub advertise: Option<String>,
+    /// Members to ask for admission; empty founds a new cluster.
+    pub seeds: Vec<String>,
+    /// Shared cluster secret.
+    pub secret: Vec<u8>,
+    /// How long a silent member stays in the cluster (CPG `failure_timeout_ms`).
+    pub failure_timeout_ms: u64,
+    /// This member's addresses and identity, announced to the others.
+    pub info: MemberInfo,
+    /// How long to wait for admission and the cluster map before giving up.
+    pub join_timeout: Duration,
+}
+
+/// Why a broker could not become a cluster member.
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    /// The CPG layer did not start or admit us.
+    #[error("cluster layer: {0}")]
+    Cpg(#[from] CpgError),
+    /// No member sent the cluster map in time.
+    #[error("no cluster map received within {0:?}")]
+    NoSnapshot(Duration),
+}
+
+/// The answer to a client's wiring change: the reply, and the journal sequence number that
+/// must be durable before it is sent (a durable change was saved), or the AMQP error.
+pub type OpOutcome = Result<(OpReply, Option<u64>), AmqpError>;
+
+/// A running cluster member.
+pub struct Cluster {
+    cpg: Cpg,
+    me: MemberId,
+    node_id: String,
+    pending: Mutex<HashMap<u64, oneshot::Sender<OpOutcome>>>,
+    next_request: AtomicU64,
+    membership: RwLock<Membership>,
+}
+
+impl std::fmt::Debug for Cluster {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Cluster")
+            .field("me", &self.me)
+            .field("node_id", &self.node_id)
+            .field("addr", &self.cpg.addr())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Cluster {
+    /// Starts CPG, joins the cluster group and returns once this member holds the cluster
+    /// map (at once for the founder; after the snapshot for a joiner).
+    pub async fn start(
+        broker: Arc<Broker>,
+        settings: ClusterSettings,
+    ) -> Result<Arc<Cluster>, ClusterError> {
+        let config = CpgConfig {
+            listen: settings.listen,
+            advertise: settings.advertise.clone(),
+            seeds: settings.seeds.clone(),
+            secret: settings.secret.clone(),
+            failure_timeout_ms: settings.failure_timeout_ms,
+            join_timeout_ms: settings.join_timeout.as_millis() as u64,
+            ..CpgConfig::default()
+        };
+        let (cpg, events) = Cpg::start(config).await?;
+        let cluster = Arc::new(Cluster {
+            me: cpg.id(),
+            cpg,
+            node_id: settings.info.node_id.clone(),
+            pending: Mutex::new(HashMap::new()),
+            next_request: AtomicU64::new(1),
+            membership: RwLock::new(Membership::default()),
+        });
+        let (synced_tx, mut synced_rx) = watch::channel(false);
+        let applier = Applier {
+            broker,
+            cluster: cluster.clone(),
+            info: settings.info,
+            synced: false,
+            synced_tx,
+            buffered: Vec::new(),
+        };
+        tokio::spawn(applier.run(events));
+        cluster.cpg.join(GROUP).await?;
+        let waited = tokio::time::timeout(settings.join_timeout, synced_rx.wait_for(|s| *s)).await;
+        if !matches!(waited, Ok(Ok(_))) {
+            cluster.cpg.shutdown().await;
+            return Err(ClusterError::NoSnapshot(settings.join_timeout));
+        }
+        tracing::info!(
+            member = cluster.me,
+            addr = cluster.cpg.addr(),
+            "joined the cluster"
+        );
+        Ok(cluster)
+    }
+
+    /// Address of the cluster port (useful with port 0).
+    pub fn addr(&self) -> &str {
+        self.cpg.addr()
+    }
+
+    /// This member's node id.
+    pub fn node_id(&self) -> &str {
+        &self.node_id
+    }
+
+    /// The members in ring order.
+    pub fn members(&self) -> Vec<MemberState> {
+        self.membership.read().members().to_vec()
+    }
+
+    /// AMQP addresses of the live members (`known-hosts`).
+    pub fn known_hosts(&self) -> Vec<String> {
+        self.membership.read().known_hosts()
+    }
+
+    /// Whether this member currently holds quorum.
+    pub fn has_quorum(&self) -> bool {
+        *self.cpg.quorum().borrow()
+    }
+
+    /// Multicasts a wiring change for `vhost`; the receiver yields the outcome once this
+    /// member applied it (or an error if it could not be committed in time).
+    pub fn submit(self: &Arc<Self>, vhost: &str, op: WiringOp) -> oneshot::Receiver<OpOutcome> {
+        let (tx, rx) = oneshot::channel();
+        let request = self.next_request.fetch_add(1, Ordering::Relaxed);
+        self.pending.lock().insert(request, tx);
+        let msg = ClusterMsg::Op {
+            origin: self.me,
+            request,
+            vhost: vhost.to_owned(),
+            op,
+        };
+        let cluster = self.clone();
+        tokio::spawn(async move {
+            let sent = tokio::time::timeout(COMMIT_TIMEOUT, cluster.mcast(&msg)).await;
+            let error = match sent {
+                Ok(Ok(())) => return,
+                Ok(Err(e)) => e.to_string(),
+                Err(_) => format!("not committed within {COMMIT_TIMEOUT:?} (no quorum?)"),
+            };
+            tracing::warn!(request, %error, "wiring change not committed");
+            if let Some(tx) = cluster.pending.lock().remove(&request) {
+                let _ = tx.send(Err(AmqpError::new(
+                    crate::amqp::codes::RESOURCE_ERROR,
+                    format!("the cluster could not commit this change: {error}"),
+                )));
+            }
+        });
+        rx
+    }
+
+    async fn mcast(&self, msg: &ClusterMsg) -> Result<(), CpgError> {
+        self.cpg
+            .mcast(GROUP, Bytes::from(msg.encode()))
+            .await
+            .map(|_| ())
+    }
+
+    fn answer(&self, request: u64, outcome: OpOutcome) {
+        if let Some(tx) = self.pending.lock().remove(&request) {
+            let _ = tx.send(outcome);
+        }
+    }
+}
+
+/// Applies the cluster group's events to the broker, in agreed order.
+struct Applier {
+    broker: Arc<Broker>,
+    cluster: Arc<Cluster>,
+    info: MemberInfo,
+    synced: bool,
+    synced_tx: watch::Sender<bool>,
+    buffered: Vec<CpgEvent>,
+}
+
+impl Applier {
+    async fn run(mut self, mut events: CpgEvents) {
+        while let Some(ev) = events.recv().await {
+            if ev.group() != GROUP {
+                continue;
+            }
+            if self.synced {
+                self.handle(ev);
+            } else if !self.before_sync(ev) {
+                break;
+            }
+        }
+        // CPG stopped: evicted (cut off or too slow) or shut down. A member that is not in
+        // the cluster must not go on serving a wiring it can no longer keep in step; its
+        // supervisor restarts it and it rejoins with the others' map.
+        tracing::error!(reason = ?self.cluster.cpg.stop_reason(), "this broker left the cluster; exiting so that it restarts and rejoins");
+        self.broker.journal.shutdown();
+        std::process::exit(3);
+    }
+
+    /// Handles an event that arrives before this member holds the map. Returns false to
+    /// give up.
+    fn before_sync(&mut self, ev: CpgEvent) -> bool {
+        let me = self.cluster.me;
+        match &ev {
+            CpgEvent::ConfChg {
+                members, joined, ..
+            } if joined.iter().any(|m| m.id == me) => {
+                let ids: Vec<MemberId> = members.iter().map(|m| m.id).collect();
+                self.cluster.membership.write().on_conf_change(&ids);
+                self.send_hello();
+                if ids == [me] {
+                    tracing::info!(
+                        member = me,
+                        "founding the cluster with this broker's wiring"
+                    );
+                    self.now_synced();
+                }
+            }
+            CpgEvent::Deliver { payload, .. } => match ClusterMsg::decode(payload) {
+                Some(ClusterMsg::Snapshot(s)) if s.to == me => {
+                    self.install(*s);
+                    self.now_synced();
+                }
+                _ => self.buffered.push(ev),
+            },
+            _ => self.buffered.push(ev),
+        }
+        if self.buffered.len() > MAX_BUFFERED_EVENTS {
+            tracing::error!(
+                events = MAX_BUFFERED_EVENTS,
+                "no cluster map arrived while the event buffer filled"
+            );
+            return false;
+        }
+        true
+    }
+
+    fn now_synced(&mut self) {
+        self.synced = true;
+        self.publish_known_hosts();
+        let _ = self.synced_tx.send(true);
+    }
+
+    fn send_hello(&self) {
+        let cluster = self.cluster.clone();
+        let msg = ClusterMsg::Hello(self.info.clone());
+        tokio::spawn(async move {
+            if let Err(e) = cluster.mcast(&msg).await {
+                tracing::warn!(error = %e, "could not announce this member's addresses");
+            }
+        });
+    }
+
+    /// Installs the map a synced member sent, then the events that followed it.
+    fn install(&mut self, snapshot: Snapshot) {
+        let now = now_ms();
+        let mut fx = Effects::default();
+        for (name, wiring) in snapshot.vhosts {
+            self.broker.add_vhost(&name);
+            let Some(vhost) = self.broker.vhost(&name) else {
+                continue;
+            };
+            let mut v = vhost.lock();
+            for skipped in v.install_shared_wiring(wiring, now, &mut fx) {
+                tracing::warn!(vhost = %name, %skipped, "cluster wiring not installed");
+            }
+            notice::ensure_exchange(&mut v);
+            self.broker.route_effects(0, &mut fx);
+            self.broker.persist(&mut v, &mut fx);
+        }
+        {
+            let mut m = self.cluster.membership.write();
+            m.install(snapshot.membership);
+            m.on_snapshot(self.cluster.me);
+        }
+        tracing::info!(through = snapshot.through, "cluster map installed");
+        let through = snapshot.through;
+        for ev in std::mem::take(&mut self.buffered) {
+            if ev.index() > through {
+                self.handle(ev);
+            }
+        }
+    }
+
+    fn handle(&mut self, ev: CpgEvent) {
+        match ev {
+            CpgEvent::ConfChg {
+                index,
+                members,
+                joined,
+                left,
+                failed,
+                ..
+            } => {
+                let ids: Vec<MemberId> = members.iter().map(|m| m.id).collect();
+                let duty = {
+                    let mut m = self.cluster.membership.write();
+                    m.on_conf_change(&ids);
+                    m.snapshot_duty(self.cluster.me)
+                };
+                tracing::info!(
+                    members = ids.len(),
+                    joined = ?joined.iter().map(|m| &m.addr).collect::<Vec<_>>(),
+                    left = ?left.iter().map(|m| &m.addr).collect::<Vec<_>>(),
+                    failed = ?failed.iter().map(|m| &m.addr).collect::<Vec<_>>(),
+                    "cluster membership changed"
+                );
+                for to in duty {
+                    self.send_snapshot(to, index);
+                }
+                self.publish_known_hosts();
+            }
+            CpgEvent::Deliver {
+                sender, payload, ..
+            } => match ClusterMsg::decode(&payload) {
+                Some(ClusterMsg::Hello(info)) => {
+                    self.cluster.membership.write().on_hello(sender, info);
+                    self.publish_known_hosts();
+                }
+                Some(ClusterMsg::Op {
+                    origin,
+                    request,
+                    vhost,
+                    op,
+                }) => {
+                    let outcome = self.apply(&vhost, &op);
+                    if origin == self.cluster.me {
+                        self.cluster.answer(request, outcome);
+                    }
+                }
+                Some(ClusterMsg::Snapshot(s)) => {
+                    self.cluster.membership.write().on_snapshot(s.to);
+                }
+                None => tracing::warn!(sender, "undecodable cluster message ignored"),
+            },
+        }
+    }
+
+    fn apply(&self, vhost: &str, op: &WiringOp) -> OpOutcome {
+        let Some(vhost_ref) = self.broker.vhost(vhost) else {
+            return Err(AmqpError::not_found(format!("no vhost '{vhost}'")));
+        };
+        let mut v = vhost_ref.lock();
+        let mut fx = Effects::default();
+        let result = op.apply(&mut v, now_ms(), &mut fx);
+        self.broker.route_effects(0, &mut fx);
+        let gate = self.broker.persist(&mut v, &mut fx);
+        result.map(|reply| (reply, gate))
+    }
+
+    /// Builds the map as it is right after event `through` and multicasts it to `to`.
+    fn send_snapshot(&self, to: MemberId, through: u64) {
+        let mut vhosts = BTreeMap::new();
+        for (name, vhost) in self.broker.vhosts() {
+            vhosts.insert(name, vhost.lock().shared_wiring());
+        }
+        let msg = ClusterMsg::Snapshot(Box::new(Snapshot {
+            to,
+            through,
+            membership: self.cluster.membership.read().clone(),
+            vhosts,
+        }));
+        let cluster = self.cluster.clone();
+        tokio::spawn(async move {
+            if let Err(e) = cluster.mcast(&msg).await {
+                tracing::warn!(to, error = %e, "could not send the cluster map");
+            }
+        });
+    }
+
+    fn publish_known_hosts(&self) {
+        let hosts = self.cluster.known_hosts();
+        let now = now_ms();
+        let mut fx = Effects::default();
+        for (_, vhost) in self.broker.vhosts() {
+            let mut v = vhost.lock();
+            notice::publish(&mut v, &hosts, now, &mut fx);
+            self.broker.route_effects(0, &mut fx);
+            self.broker.persist(&mut v, &mut fx);
+        }
+    }
+}

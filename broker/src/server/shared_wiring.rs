@@ -1,0 +1,212 @@
+//! Which client methods change the cluster's shared wiring, and how they become
+//! [`WiringOp`]s and back into replies. A clustered broker sends these through CPG instead
+//! of applying them itself, and answers once the change is committed and applied here.
+
+use super::channel::ChannelCtx;
+use crate::amqp::{AMQPClass, exchange, queue};
+use crate::cluster::{OpReply, WiringOp};
+use crate::core::{AmqpError, VHost};
+
+/// The reply a committed op turns into.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Awaited {
+    /// exchange.declare-ok.
+    ExchangeDeclared,
+    /// exchange.delete-ok.
+    ExchangeDeleted,
+    /// exchange.bind-ok.
+    ExchangeBound,
+    /// exchange.unbind-ok.
+    ExchangeUnbound,
+    /// queue.declare-ok for this queue (it also becomes the channel's last queue).
+    QueueDeclared(String),
+    /// queue.bind-ok.
+    QueueBound,
+    /// queue.unbind-ok.
+    QueueUnbound,
+    /// queue.delete-ok.
+    QueueDeleted,
+}
+
+/// A method waiting for its op to be committed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Waiting {
+    /// What to answer.
+    pub awaited: Awaited,
+    /// The client asked for no answer (the op is still awaited, so later methods see it).
+    pub nowait: bool,
+}
+
+/// The op for `method` if it changes shared wiring; `None` if the member handles it alone
+/// (passive declares, exclusive queues, everything else). Errors are those this member can
+/// tell without the cluster (an unknown last queue, if-unused/if-empty of a queue here).
+pub fn to_op(
+    method: &AMQPClass,
+    ch: &ChannelCtx,
+    v: &mut VHost,
+    node_id: &str,
+) -> Result<Option<(WiringOp, Waiting)>, AmqpError> {
+    let is_local_queue =
+        |v: &VHost, name: &str| v.queue(name).is_some_and(|q| q.exclusive_owner.is_some());
+    let need_queue = |name: &str| {
+        ch.queue_name(name)
+            .ok_or_else(|| AmqpError::not_found("no previously declared queue"))
+    };
+    let waiting = |awaited, nowait| Waiting { awaited, nowait };
+    Ok(Some(match method {
+        AMQPClass::Exchange(m) => match m {
+            exchange::AMQPMethod::Declare(d) if !d.passive => (
+                WiringOp::DeclareExchange {
+                    name: d.exchange.to_string(),
+                    kind: d.kind.to_string(),
+                    durable: d.durable,
+                    auto_delete: d.auto_delete,
+                    internal: d.internal,
+                    arguments: d.arguments.clone(),
+                },
+                waiting(Awaited::ExchangeDeclared, d.nowait),
+            ),
+            exchange::AMQPMethod::Delete(d) => (
+                WiringOp::DeleteExchange {
+                    name: d.exchange.to_string(),
+                    if_unused: d.if_unused,
+                },
+                waiting(Awaited::ExchangeDeleted, d.nowait),
+            ),
+            exchange::AMQPMethod::Bind(b) => (
+                WiringOp::BindExchange {
+                    destination: b.destination.to_string(),
+                    source: b.source.to_string(),
+                    routing_key: b.routing_key.to_string(),
+                    arguments: b.arguments.clone(),
+                },
+                waiting(Awaited::ExchangeBound, b.nowait),
+            ),
+            exchange::AMQPMethod::Unbind(b) => (
+                WiringOp::UnbindExchange {
+                    destination: b.destination.to_string(),
+                    source: b.source.to_string(),
+                    routing_key: b.routing_key.to_string(),
+                    arguments: b.arguments.clone(),
+                },
+                waiting(Awaited::ExchangeUnbound, b.nowait),
+            ),
+            _ => return Ok(None),
+        },
+        AMQPClass::Queue(m) => match m {
+            queue::AMQPMethod::Declare(d) if !d.passive && !d.exclusive => {
+                if is_local_queue(v, d.queue.as_str()) {
+                    return Ok(None);
+                }
+                let server_named = d.queue.as_str().is_empty();
+                let name = if server_named {
+                    v.fresh_queue_name()
+                } else {
+                    d.queue.to_string()
+                };
+                (
+                    WiringOp::DeclareQueue {
+                        name: name.clone(),
+                        durable: d.durable,
+                        auto_delete: d.auto_delete,
+                        arguments: d.arguments.clone(),
+                        owner: node_id.to_owned(),
+                        server_named,
+                    },
+                    waiting(Awaited::QueueDeclared(name), d.nowait),
+                )
+            }
+            queue::AMQPMethod::Bind(b) => {
+                let q = need_queue(b.queue.as_str())?;
+                if is_local_queue(v, &q) {
+                    return Ok(None);
+                }
+                let routing_key =
+                    if b.routing_key.as_str().is_empty() && b.queue.as_str().is_empty() {
+                        q.clone()
+                    } else {
+                        b.routing_key.to_string()
+                    };
+                (
+                    WiringOp::BindQueue {
+                        queue: q,
+                        exchange: b.exchange.to_string(),
+                        routing_key,
+                        arguments: b.arguments.clone(),
+                    },
+                    waiting(Awaited::QueueBound, b.nowait),
+                )
+            }
+            queue::AMQPMethod::Unbind(b) => {
+                let q = need_queue(b.queue.as_str())?;
+                if is_local_queue(v, &q) {
+                    return Ok(None);
+                }
+                (
+                    WiringOp::UnbindQueue {
+                        queue: q,
+                        exchange: b.exchange.to_string(),
+                        routing_key: b.routing_key.to_string(),
+                        arguments: b.arguments.clone(),
+                    },
+                    waiting(Awaited::QueueUnbound, false),
+                )
+            }
+            queue::AMQPMethod::Delete(d) => {
+                let q = need_queue(d.queue.as_str())?;
+                match v.queue(&q) {
+                    Some(found) if found.exclusive_owner.is_some() => return Ok(None),
+                    Some(found) if d.if_unused && !found.consumers.is_empty() => {
+                        return Err(AmqpError::precondition(format!(
+                            "queue '{q}' in vhost '{}' in use",
+                            v.name()
+                        )));
+                    }
+                    Some(found) if d.if_empty && found.ready_count() > 0 => {
+                        return Err(AmqpError::precondition(format!(
+                            "queue '{q}' in vhost '{}' is not empty",
+                            v.name()
+                        )));
+                    }
+                    _ => {}
+                }
+                (
+                    WiringOp::DeleteQueue { name: q },
+                    waiting(Awaited::QueueDeleted, d.nowait),
+                )
+            }
+            _ => return Ok(None),
+        },
+        _ => return Ok(None),
+    }))
+}
+
+/// The -ok method for a committed op.
+pub fn reply_method(awaited: &Awaited, reply: &OpReply) -> AMQPClass {
+    match awaited {
+        Awaited::ExchangeDeclared => {
+            AMQPClass::Exchange(exchange::AMQPMethod::DeclareOk(exchange::DeclareOk {}))
+        }
+        Awaited::ExchangeDeleted => {
+            AMQPClass::Exchange(exchange::AMQPMethod::DeleteOk(exchange::DeleteOk {}))
+        }
+        Awaited::ExchangeBound => {
+            AMQPClass::Exchange(exchange::AMQPMethod::BindOk(exchange::BindOk {}))
+        }
+        Awaited::ExchangeUnbound => {
+            AMQPClass::Exchange(exchange::AMQPMethod::UnbindOk(exchange::UnbindOk {}))
+        }
+        Awaited::QueueDeclared(name) => {
+            AMQPClass::Queue(queue::AMQPMethod::DeclareOk(queue::DeclareOk {
+                queue: name.as_str().into(),
+                message_count: reply.message_count,
+                consumer_count: reply.consumer_count,
+            }))
+        }
+        Awaited::QueueBound => AMQPClass::Queue(queue::AMQPMethod::BindOk(queue::BindOk {})),
+        Awaited::QueueUnbound => AMQPClass::Queue(queue::AMQPMethod::UnbindOk(queue::UnbindOk {})),
+        Awaited::QueueDeleted => AMQPClass::Queue(queue::AMQPMethod::DeleteOk(queue::DeleteOk {
+            message_count: reply.message_count,
+        })),
+    }
+}

@@ -1,0 +1,411 @@
+//! Three real broker processes on 127.0.0.1 as one cluster: wiring declared on one member is
+//! there on every member, conflicts resolve the same way everywhere, clients learn the
+//! members from `known-hosts` and `amq.qpid`, and a member killed with SIGKILL rejoins and
+//! catches up with what changed while it was down.
+
+use lapin::options::{
+    BasicGetOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
+    QueueDeleteOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use ringmq_tests::{Broker, reply_code};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+/// A cluster secret file shared by the members of one test.
+fn secret(name: &str) -> PathBuf {
+    let path = std::env::temp_dir().join(format!(
+        "ringmq-cluster-secret-{}-{name}",
+        std::process::id()
+    ));
+    std::fs::write(&path, "test-cluster-secret\n").expect("temp dir is writable");
+    path
+}
+
+fn member_yaml(node: &str, seeds: &[&str], secret: &std::path::Path) -> String {
+    let seeds: Vec<String> = seeds.iter().map(|s| format!("\"{s}\"")).collect();
+    format!(
+        "node_id: {node}\ncluster_listen: 127.0.0.1:0\ncluster_secret_file: {}\ncluster_seeds: [{}]\ncluster_join_timeout_ms: 10000\n",
+        secret.display(),
+        seeds.join(", ")
+    )
+}
+
+/// Starts `n` members: the first founds the cluster, each next one asks the ones before.
+fn start_cluster(name: &str, n: usize) -> (Vec<Broker>, PathBuf) {
+    let secret = secret(name);
+    let mut members: Vec<Broker> = Vec::new();
+    for i in 0..n {
+        let seeds: Vec<String> = members.iter().filter_map(|m| m.cluster.clone()).collect();
+        let seeds: Vec<&str> = seeds.iter().map(String::as_str).collect();
+        members.push(Broker::start_with_config(&member_yaml(
+            &format!("{name}-{i}"),
+            &seeds,
+            &secret,
+        )));
+    }
+    (members, secret)
+}
+
+async fn passive_queue(b: &Broker, name: &str) -> Result<u32, Option<u16>> {
+    let (_c, ch) = b.channel().await;
+    ch.queue_declare(
+        name.into(),
+        QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .map(|q| q.message_count())
+    .map_err(|e| reply_code(&e))
+}
+
+async fn passive_exchange(b: &Broker, name: &str) -> Result<(), Option<u16>> {
+    let (_c, ch) = b.channel().await;
+    ch.exchange_declare(
+        name.into(),
+        lapin::ExchangeKind::Topic,
+        ExchangeDeclareOptions {
+            passive: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .map_err(|e| reply_code(&e))
+}
+
+#[tokio::test]
+async fn wiring_declared_on_one_member_exists_on_every_member() {
+    let (members, _secret) = start_cluster("wiring", 3);
+    let (_ca, a) = members[0].channel().await;
+    a.exchange_declare(
+        "orders".into(),
+        lapin::ExchangeKind::Topic,
+        ExchangeDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    a.queue_declare(
+        "billing".into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    a.queue_bind(
+        "billing".into(),
+        "orders".into(),
+        "order.#".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    for m in &members {
+        assert_eq!(passive_queue(m, "billing").await, Ok(0), "on {}", m.addr);
+        assert_eq!(passive_exchange(m, "orders").await, Ok(()), "on {}", m.addr);
+    }
+
+    // A server-named queue made on another member has the same name everywhere.
+    let (_cb, b) = members[1].channel().await;
+    let named = b
+        .queue_declare(
+            "".into(),
+            QueueDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    assert!(named.name().as_str().starts_with("amq.gen-"));
+    assert_eq!(
+        passive_queue(&members[2], named.name().as_str()).await,
+        Ok(0)
+    );
+
+    // Redeclaring with other properties on another member is the error RabbitMQ gives.
+    let e = b
+        .queue_declare(
+            "billing".into(),
+            QueueDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(reply_code(&e), Some(406));
+
+    // A delete on the third member removes it everywhere.
+    let (_cc, c) = members[2].channel().await;
+    c.queue_delete("billing".into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
+    for m in &members {
+        assert_eq!(
+            passive_queue(m, "billing").await,
+            Err(Some(404)),
+            "on {}",
+            m.addr
+        );
+    }
+
+    // The admin API of any member lists every member, in ring order.
+    let listed = members[1].admin_client().get("/api/members").unwrap().body;
+    let ids: Vec<&str> = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["wiring-0", "wiring-1", "wiring-2"]);
+}
+
+#[tokio::test]
+async fn concurrent_conflicting_declares_resolve_the_same_way_everywhere() {
+    let (members, _secret) = start_cluster("conflict", 3);
+    let mut tasks = Vec::new();
+    for round in 0..10 {
+        for (i, m) in members.iter().enumerate() {
+            let uri = m.uri();
+            tasks.push(tokio::spawn(async move {
+                let conn = lapin::Connection::connect(&uri, Default::default())
+                    .await
+                    .unwrap();
+                let ch = conn.create_channel().await.unwrap();
+                let durable = i % 2 == 0;
+                ch.queue_declare(
+                    format!("contested-{round}").as_str().into(),
+                    QueueDeclareOptions {
+                        durable,
+                        ..Default::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await
+                .map(|_| durable)
+                .map_err(|e| reply_code(&e))
+            }));
+        }
+    }
+    let mut results = Vec::new();
+    for t in tasks {
+        results.push(t.await.unwrap());
+    }
+    for round in 0..10 {
+        let mine = &results[round * 3..round * 3 + 3];
+        let winners: Vec<bool> = mine.iter().filter_map(|r| r.ok()).collect();
+        assert!(!winners.is_empty(), "round {round}: {mine:?}");
+        assert!(
+            winners.iter().all(|d| *d == winners[0]),
+            "round {round}: only one durability can win: {mine:?}"
+        );
+        assert!(
+            mine.iter().all(|r| r.is_ok() || *r == Err(Some(406))),
+            "round {round}: losers get 406: {mine:?}"
+        );
+        let name = format!("contested-{round}");
+        let durable: Vec<bool> = members
+            .iter()
+            .map(|m| {
+                let q = m
+                    .admin_client()
+                    .get(&format!("/api/queues/%2F/{name}"))
+                    .unwrap()
+                    .body;
+                q["durable"].as_bool().unwrap()
+            })
+            .collect();
+        assert_eq!(
+            durable,
+            vec![winners[0]; 3],
+            "round {round}: every member agrees"
+        );
+    }
+}
+
+#[tokio::test]
+async fn clients_learn_the_members_from_known_hosts_and_amq_qpid() {
+    let (mut members, _secret) = start_cluster("hosts", 3);
+    let addrs: Vec<String> = members.iter().map(|m| m.addr.to_string()).collect();
+    for m in &members {
+        let target = ringmq::client::Target::parse(&m.uri()).unwrap();
+        let raw = ringmq::client::RawClient::connect(&target).await.unwrap();
+        let mut hosts: Vec<String> = raw.known_hosts.split(',').map(str::to_owned).collect();
+        hosts.sort();
+        let mut want = addrs.clone();
+        want.sort();
+        assert_eq!(hosts, want, "known-hosts from {}", m.addr);
+    }
+
+    let (_c, ch) = members[2].channel().await;
+    ch.queue_declare(
+        "failover".into(),
+        QueueDeclareOptions {
+            exclusive: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    ch.queue_bind(
+        "failover".into(),
+        "amq.qpid".into(),
+        "cluster".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    members[1].kill();
+
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let survivors: Vec<String> = vec![addrs[0].clone(), addrs[2].clone()];
+    loop {
+        let got = ch
+            .basic_get("failover".into(), BasicGetOptions { no_ack: true })
+            .await
+            .unwrap();
+        if let Some(msg) = got {
+            assert!(msg.delivery.data.is_empty(), "notices have an empty body");
+            let headers = msg
+                .delivery
+                .properties
+                .headers()
+                .clone()
+                .unwrap_or_default();
+            let Some(AMQPValue::FieldArray(list)) = headers.inner().get("qpid.known.hosts") else {
+                panic!("no qpid.known.hosts header in {headers:?}");
+            };
+            let hosts: Vec<String> = list
+                .as_slice()
+                .iter()
+                .map(|v| match v {
+                    AMQPValue::LongString(s) => s.to_string(),
+                    other => panic!("host entry {other:?}"),
+                })
+                .collect();
+            if hosts == survivors {
+                break;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no notice listing only the survivors {survivors:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_member_killed_with_sigkill_rejoins_and_catches_up() {
+    let (mut members, secret) = start_cluster("rejoin", 3);
+    let (_ca, a) = members[0].channel().await;
+    for name in ["kept", "dropped"] {
+        a.queue_declare(
+            name.into(),
+            QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    }
+    members[1].kill();
+    // Changes while it is down: two of three members are a majority.
+    a.queue_declare(
+        "added".into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    a.queue_delete("dropped".into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
+
+    let seeds: Vec<String> = [&members[0], &members[2]]
+        .iter()
+        .filter_map(|m| m.cluster.clone())
+        .collect();
+    let seeds: Vec<&str> = seeds.iter().map(String::as_str).collect();
+    members[1].restart_with_config(&member_yaml("rejoin-1", &seeds, &secret));
+    let back = &members[1];
+    assert_eq!(passive_queue(back, "kept").await, Ok(0));
+    assert_eq!(passive_queue(back, "added").await, Ok(0));
+    assert_eq!(
+        passive_queue(back, "dropped").await,
+        Err(Some(404)),
+        "a queue deleted while the member was down is gone from it too"
+    );
+    // It takes part again: a declare on it reaches the others.
+    let (_cb, b) = back.channel().await;
+    b.queue_declare(
+        "after".into(),
+        QueueDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(passive_queue(&members[0], "after").await, Ok(0));
+    assert_eq!(passive_queue(&members[2], "after").await, Ok(0));
+}
+
+#[test]
+fn a_member_with_the_wrong_secret_is_refused() {
+    let (members, _secret) = start_cluster("stranger", 1);
+    let wrong = std::env::temp_dir().join(format!("ringmq-wrong-secret-{}", std::process::id()));
+    std::fs::write(&wrong, "not-the-secret").unwrap();
+    let data = std::env::temp_dir().join(format!("ringmq-stranger-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&data);
+    std::fs::create_dir_all(&data).unwrap();
+    let config = data.join("ringmq.yaml");
+    std::fs::write(&config, "cluster_join_timeout_ms: 3000\n").unwrap();
+    let out = std::process::Command::new(ringmq_tests::binary("ringmq-broker"))
+        .args([
+            "--amqp-listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+        ])
+        .arg("--data-dir")
+        .arg(data.join("data"))
+        .arg("--config")
+        .arg(&config)
+        .args(["--cluster-listen", "127.0.0.1:0", "--cluster-seeds"])
+        .arg(members[0].cluster.as_deref().unwrap())
+        .arg("--cluster-secret-file")
+        .arg(&wrong)
+        .env("RINGMQ_LOG", "warn")
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_dir_all(&data);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("cannot join the cluster"),
+        "a clear reason: {stderr}"
+    );
+    assert!(
+        members[0]
+            .log
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|l| l.contains("cluster peer refused")),
+        "the member logs the stranger"
+    );
+}
