@@ -409,3 +409,85 @@ fn a_member_with_the_wrong_secret_is_refused() {
         "the member logs the stranger"
     );
 }
+
+#[tokio::test]
+async fn ringmqctl_local_cluster_starts_a_working_cluster_and_stops_it() {
+    use std::io::BufRead;
+    let dir = std::env::temp_dir().join(format!("ringmq-local-cluster-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut ctl = std::process::Command::new(ringmq_tests::binary("ringmqctl"))
+        .args([
+            "local-cluster",
+            "--members",
+            "3",
+            "--base-port",
+            "0",
+            "--data-dir",
+        ])
+        .arg(&dir)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(ctl.stdout.take().unwrap()).lines();
+    let mut uris = Vec::new();
+    while uris.len() < 3 {
+        let line = lines
+            .next()
+            .expect("local-cluster prints one line per member")
+            .unwrap();
+        if let Some(uri) = line.split_whitespace().find(|w| w.starts_with("amqp://")) {
+            uris.push(format!("{uri}%2f"));
+        }
+    }
+    let connect = |uri: String| async move {
+        lapin::Connection::connect(&uri, Default::default())
+            .await
+            .unwrap()
+    };
+    let first = connect(uris[0].clone()).await;
+    let ch = first.create_channel().await.unwrap();
+    ch.queue_declare(
+        "local".into(),
+        QueueDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let last = connect(uris[2].clone()).await;
+    let ch = last.create_channel().await.unwrap();
+    ch.queue_declare(
+        "local".into(),
+        QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .expect("the queue declared on the first member exists on the last");
+
+    // SAFETY: signalling the child process this test started.
+    unsafe { libc::kill(ctl.id() as libc::pid_t, libc::SIGTERM) };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while matches!(ctl.try_wait(), Ok(None)) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let status = ctl.try_wait().unwrap();
+    if status.is_none() {
+        let _ = ctl.kill();
+    }
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "local-cluster exits cleanly"
+    );
+    for uri in &uris {
+        let addr = uri
+            .trim_start_matches("amqp://guest:guest@")
+            .trim_end_matches("/%2f");
+        assert!(
+            std::net::TcpStream::connect(addr).is_err(),
+            "member at {addr} stopped with local-cluster"
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

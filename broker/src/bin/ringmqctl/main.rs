@@ -1,10 +1,12 @@
 //! `ringmqctl`: the command-line tool for ringmq. The admin commands (`status`, `list`,
 //! `declare`, `delete`, `purge`, `close`, `definitions`) call the broker's admin HTTP API;
 //! `bench` is a load generator in the manner of RabbitMQ's PerfTest that works against any
-//! AMQP 0-9-1 broker; `sink` measures the bench tool's own ceiling.
+//! AMQP 0-9-1 broker; `sink` measures the bench tool's own ceiling; `local-cluster` runs a
+//! cluster of brokers on one machine.
 
 mod admin;
 mod bench;
+mod local_cluster;
 mod sink;
 
 use clap::{CommandFactory, Parser, Subcommand};
@@ -47,6 +49,8 @@ enum Command {
     },
     /// Measure throughput and latency of a broker (any AMQP 0-9-1 broker).
     Bench(bench::BenchArgs),
+    /// Start N brokers on loopback as one cluster (the quick start); Ctrl-C stops them.
+    LocalCluster(local_cluster::LocalClusterArgs),
     /// A stand-in broker that drops publishes and feeds consumers endlessly: run `bench`
     /// against it to measure the load tool's own ceiling.
     Sink(sink::SinkArgs),
@@ -74,6 +78,7 @@ fn main() -> std::process::ExitCode {
         }
         Command::Bench(args) => bench::run(args),
         Command::Sink(args) => sink::run(args),
+        Command::LocalCluster(args) => local_cluster::run(args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
