@@ -491,3 +491,109 @@ async fn ringmqctl_local_cluster_starts_a_working_cluster_and_stops_it() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    let at = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[at]
+}
+
+/// Figures for docs/cluster.md (not a pass/fail test): commit latency of a queue.declare in a
+/// three-member cluster, and the time from `kill -9` of a member until a survivor lists it
+/// no more. `CLUSTER_BENCH_RUNS` sets the number of kills (default 50).
+/// `cargo build --workspace --bins && cargo test -p ringmq-tests --test cluster -- --ignored --nocapture`
+#[tokio::test]
+#[ignore = "benchmark: run by hand"]
+async fn cluster_bench() {
+    let (mut members, secret) = start_cluster("bench", 3);
+    let single = Broker::start();
+    for (label, b) in [
+        ("standalone broker", &single),
+        ("cluster member", &members[1]),
+    ] {
+        let (_c, ch) = b.channel().await;
+        let mut samples = Vec::new();
+        let declares: usize = std::env::var("CLUSTER_BENCH_DECLARES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1000);
+        for i in 0..declares {
+            let started = Instant::now();
+            ch.queue_declare(
+                format!("lat-{i}").as_str().into(),
+                QueueDeclareOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+            samples.push(started.elapsed());
+        }
+        samples.sort();
+        println!(
+            "queue.declare round trip, {label}: median {:?} p99 {:?} ({declares} declares)",
+            percentile(&samples, 0.5),
+            percentile(&samples, 0.99)
+        );
+    }
+
+    let runs: usize = std::env::var("CLUSTER_BENCH_RUNS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(50);
+    let mut detect = Vec::new();
+    for run in 0..runs {
+        let victim = 1 + run % 2;
+        let survivor = &members[0];
+        let admin = survivor.admin_client();
+        let listed = |admin: &ringmq::admin_client::AdminClient| {
+            admin
+                .get("/api/members")
+                .unwrap()
+                .body
+                .as_array()
+                .unwrap()
+                .len()
+        };
+        assert_eq!(listed(&admin), 3);
+        members[victim].kill();
+        let killed = Instant::now();
+        while listed(&admin) == 3 {
+            if killed.elapsed() > Duration::from_secs(10) {
+                for m in &members {
+                    let log = m.log.lock().unwrap();
+                    let tail = &log[log.len().saturating_sub(40)..];
+                    eprintln!("---- {} ----\n{}", m.addr, tail.join("\n"));
+                }
+                panic!("run {run}: not detected");
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        detect.push(killed.elapsed());
+        let seeds: Vec<String> = members
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i != victim)
+            .filter_map(|(_, m)| m.cluster.clone())
+            .collect();
+        let seeds: Vec<&str> = seeds.iter().map(String::as_str).collect();
+        members[victim].restart_with_config(&member_yaml(
+            &format!("bench-{victim}"),
+            &seeds,
+            &secret,
+        ));
+        let rejoined = Instant::now();
+        while listed(&admin) < 3 {
+            assert!(
+                rejoined.elapsed() < Duration::from_secs(10),
+                "run {run}: no rejoin"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+    detect.sort();
+    println!(
+        "kill -9 of a member -> survivors' membership change: median {:?} p99 {:?} ({} runs)",
+        percentile(&detect, 0.5),
+        percentile(&detect, 0.99),
+        detect.len()
+    );
+}
