@@ -550,6 +550,11 @@ fn overview(b: &Broker) -> Value {
         "cluster_name": b.config.cluster_name,
         "ringmq_version": env!("CARGO_PKG_VERSION"),
         "members": members(b),
+        "cluster": b.cluster().map(|c| json!({
+            "member": c.node_id(),
+            "cluster_port": c.addr(),
+            "quorum": c.has_quorum(),
+        })),
         "object_totals": {
             "connections": b.registry.connection_count(),
             "channels": t.channels,

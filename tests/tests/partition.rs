@@ -1,0 +1,368 @@
+//! A network partition between real broker processes, each in its own network namespace,
+//! joined by veth pairs to a bridge in a hub namespace; nftables rules on the bridge cut one
+//! member off. Checks: the cut-off member reports lost quorum and refuses wiring changes (no
+//! split brain), the majority removes it and goes on, and after the cut heals the removed
+//! member stops (exit 3) and rejoins when restarted. Needs root, `ip` and `nft`; elsewhere it
+//! skips with a message. Everything runs in namespaces the test creates and deletes.
+
+use lapin::options::QueueDeclareOptions;
+use lapin::types::FieldTable;
+use ringmq_tests::{binary, reply_code};
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn run(args: &[&str]) {
+    let out = Command::new(args[0])
+        .args(&args[1..])
+        .output()
+        .unwrap_or_else(|e| panic!("{args:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn can_run() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    let tools = ["ip", "nft"].iter().all(|t| {
+        Command::new(t)
+            .arg("-V")
+            .output()
+            .is_ok_and(|o| o.status.success())
+    });
+    root && tools
+}
+
+/// Four namespaces (hub with a bridge, and one per member), deleted on drop.
+struct Net {
+    hub: String,
+    members: Vec<String>,
+}
+
+impl Net {
+    fn create(n: usize) -> Self {
+        let prefix = format!("rmq{}", std::process::id());
+        let net = Net {
+            hub: format!("{prefix}-hub"),
+            members: (0..n).map(|i| format!("{prefix}-m{i}")).collect(),
+        };
+        run(&["ip", "netns", "add", &net.hub]);
+        for ns in &net.members {
+            run(&["ip", "netns", "add", ns]);
+        }
+        let hub = net.hub.as_str();
+        run(&["ip", "-n", hub, "link", "set", "lo", "up"]);
+        run(&["ip", "-n", hub, "link", "add", "br0", "type", "bridge"]);
+        run(&[
+            "ip",
+            "-n",
+            hub,
+            "addr",
+            "add",
+            "10.77.0.254/24",
+            "dev",
+            "br0",
+        ]);
+        run(&["ip", "-n", hub, "link", "set", "br0", "up"]);
+        for (i, ns) in net.members.iter().enumerate() {
+            let port = format!("v{i}");
+            run(&[
+                "ip", "-n", hub, "link", "add", &port, "type", "veth", "peer", "name", "eth0",
+                "netns", ns,
+            ]);
+            run(&["ip", "-n", hub, "link", "set", &port, "master", "br0", "up"]);
+            run(&["ip", "-n", ns, "link", "set", "lo", "up"]);
+            run(&[
+                "ip",
+                "-n",
+                ns,
+                "addr",
+                "add",
+                &format!("{}/24", Self::addr(i)),
+                "dev",
+                "eth0",
+            ]);
+            run(&["ip", "-n", ns, "link", "set", "eth0", "up"]);
+        }
+        net
+    }
+
+    fn addr(i: usize) -> String {
+        format!("10.77.0.{}", i + 1)
+    }
+
+    /// Drops every frame between member `i` and the others on the bridge.
+    fn isolate(&self, i: usize) {
+        let others: Vec<String> = (0..self.members.len())
+            .filter(|j| *j != i)
+            .map(|j| format!("\"v{j}\""))
+            .collect();
+        let others = others.join(", ");
+        let rules = format!(
+            "table bridge ringmq_partition {{\n chain forward {{\n  type filter hook forward priority 0; policy accept;\n  iifname \"v{i}\" oifname {{ {others} }} drop\n  iifname {{ {others} }} oifname \"v{i}\" drop\n }}\n}}\n"
+        );
+        let mut nft = Command::new("ip")
+            .args(["netns", "exec", &self.hub, "nft", "-f", "-"])
+            .stdin(Stdio::piped())
+            .spawn()
+            .unwrap();
+        use std::io::Write;
+        nft.stdin
+            .take()
+            .unwrap()
+            .write_all(rules.as_bytes())
+            .unwrap();
+        assert!(nft.wait().unwrap().success(), "nft rules: {rules}");
+    }
+
+    fn heal(&self) {
+        run(&[
+            "ip",
+            "netns",
+            "exec",
+            &self.hub,
+            "nft",
+            "delete",
+            "table",
+            "bridge",
+            "ringmq_partition",
+        ]);
+    }
+
+    /// Moves the calling thread into the hub namespace, so its sockets reach every member.
+    fn enter_hub(&self) {
+        let file = std::fs::File::open(format!("/var/run/netns/{}", self.hub)).unwrap();
+        use std::os::fd::AsRawFd;
+        // SAFETY: setns on a namespace file descriptor we opened; affects only this thread.
+        let rc = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
+        assert_eq!(rc, 0, "setns into the hub namespace");
+    }
+}
+
+impl Drop for Net {
+    fn drop(&mut self) {
+        for ns in self.members.iter().chain(std::iter::once(&self.hub)) {
+            let _ = Command::new("ip").args(["netns", "del", ns]).status();
+        }
+    }
+}
+
+/// A broker process inside a member namespace; killed by PID on drop (its data dir stays
+/// for a restart; the scenario removes it at the end).
+struct Member {
+    child: Child,
+    amqp: String,
+    admin: String,
+    data: std::path::PathBuf,
+}
+
+impl Member {
+    fn start(net: &Net, i: usize, seeds: &[String], secret: &std::path::Path) -> Self {
+        let ip = Net::addr(i);
+        let data =
+            std::env::temp_dir().join(format!("ringmq-partition-{}-{i}", std::process::id()));
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", &net.members[i]])
+            .arg(binary("ringmq-broker"))
+            .args(["--amqp-listen", &format!("{ip}:5672")])
+            .args(["--admin-listen", &format!("{ip}:15672")])
+            .args(["--cluster-listen", &format!("{ip}:25672")])
+            .arg("--cluster-secret-file")
+            .arg(secret)
+            .arg("--data-dir")
+            .arg(&data)
+            .args(["--node-id", &format!("m{i}")])
+            .env("RINGMQ_LOG", "warn")
+            .env("RINGMQ_DEFAULT_USER", "test")
+            .env("RINGMQ_DEFAULT_PASS", "test")
+            .stdout(Stdio::piped());
+        if !seeds.is_empty() {
+            cmd.args(["--cluster-seeds", &seeds.join(",")]);
+        }
+        let mut child = cmd.spawn().unwrap();
+        let mut out = BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        for _ in 0..3 {
+            line.clear();
+            out.read_line(&mut line).unwrap();
+            assert!(
+                line.starts_with("ringmq-broker listening"),
+                "member {i}: {line:?}"
+            );
+        }
+        std::thread::spawn(move || std::io::copy(&mut out, &mut std::io::sink()));
+        Member {
+            child,
+            amqp: format!("amqp://test:test@{ip}:5672/%2f"),
+            admin: format!("http://{ip}:15672"),
+            data,
+        }
+    }
+
+    fn overview(&self) -> serde_json::Value {
+        ringmq::admin_client::AdminClient::new(&self.admin, Some("test"), Some("test"))
+            .get("/api/overview")
+            .unwrap()
+            .body
+    }
+}
+
+impl Drop for Member {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+async fn declare(uri: &str, name: &str) -> Result<(), Option<u16>> {
+    let conn = lapin::Connection::connect(uri, Default::default())
+        .await
+        .map_err(|_| None)?;
+    let ch = conn.create_channel().await.map_err(|_| None)?;
+    ch.queue_declare(
+        name.into(),
+        QueueDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .map(|_| ())
+    .map_err(|e| reply_code(&e))
+}
+
+fn wait_for(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    while !done() {
+        assert!(Instant::now() < deadline, "{what} within {limit:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn a_cut_off_member_stops_changing_wiring_and_rejoins_after_the_cut_heals() {
+    if !can_run() {
+        eprintln!("skipping the partition test: it needs root and the ip and nft tools");
+        return;
+    }
+    let net = Net::create(3);
+    // Only this thread moves into the hub namespace; the test's other threads stay put.
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            net.enter_hub();
+            partition_scenario(&net);
+        })
+        .join()
+        .expect("the scenario passes");
+    });
+}
+
+fn partition_scenario(net: &Net) {
+    let secret =
+        std::env::temp_dir().join(format!("ringmq-partition-secret-{}", std::process::id()));
+    std::fs::write(&secret, "partition-test-secret").unwrap();
+    let cluster_addr = |i: usize| format!("{}:25672", Net::addr(i));
+    let mut members = vec![Member::start(net, 0, &[], &secret)];
+    members.push(Member::start(net, 1, &[cluster_addr(0)], &secret));
+    members.push(Member::start(
+        net,
+        2,
+        &[cluster_addr(0), cluster_addr(1)],
+        &secret,
+    ));
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    assert_eq!(rt.block_on(declare(&members[0].amqp, "before")), Ok(()));
+
+    net.isolate(0);
+    wait_for(
+        "the cut-off member reports lost quorum",
+        Duration::from_secs(5),
+        || members[0].overview()["cluster"]["quorum"] == false,
+    );
+    wait_for(
+        "the majority removes the cut-off member",
+        Duration::from_secs(10),
+        || members[1].overview()["members"].as_array().map(Vec::len) == Some(2),
+    );
+    assert_eq!(
+        rt.block_on(declare(&members[1].amqp, "during")),
+        Ok(()),
+        "the majority goes on"
+    );
+    let started = Instant::now();
+    assert_eq!(
+        rt.block_on(declare(&members[0].amqp, "split-brain")),
+        Err(Some(506)),
+        "the minority refuses wiring changes"
+    );
+    assert!(started.elapsed() < Duration::from_secs(15));
+    assert_eq!(
+        rt.block_on(async {
+            let conn = lapin::Connection::connect(&members[1].amqp, Default::default())
+                .await
+                .unwrap();
+            let ch = conn.create_channel().await.unwrap();
+            ch.queue_declare(
+                "split-brain".into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|e| reply_code(&e))
+            .map(|_| ())
+        }),
+        Err(Some(404)),
+        "nothing the minority was asked for reached the majority"
+    );
+
+    net.heal();
+    let mut exit = None;
+    wait_for(
+        "the removed member stops once it hears of its removal",
+        Duration::from_secs(15),
+        || {
+            exit = members[0].child.try_wait().unwrap();
+            exit.is_some()
+        },
+    );
+    assert_eq!(
+        exit.and_then(|s| s.code()),
+        Some(3),
+        "exit status 3: restart me"
+    );
+    members[0] = Member::start(net, 0, &[cluster_addr(1), cluster_addr(2)], &secret);
+    assert_eq!(
+        rt.block_on(async {
+            let conn = lapin::Connection::connect(&members[0].amqp, Default::default())
+                .await
+                .unwrap();
+            let ch = conn.create_channel().await.unwrap();
+            ch.queue_declare(
+                "during".into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .map(|_| ())
+            .map_err(|e| reply_code(&e))
+        }),
+        Ok(()),
+        "the rejoined member has what the majority did meanwhile"
+    );
+    let _ = std::fs::remove_file(&secret);
+    for m in members.drain(..) {
+        let data = m.data.clone();
+        drop(m);
+        let _ = std::fs::remove_dir_all(data);
+    }
+}
