@@ -2,10 +2,12 @@
 //! events to the broker's vhosts in agreed order, and answers the requests its own clients
 //! made.
 
+use super::map::{Action, ClusterMap, WiringStore};
 use super::membership::{MemberInfo, MemberState, Membership};
-use super::message::{ClusterMsg, Snapshot};
+use super::message::ClusterMsg;
 use super::notice;
 use super::op::{OpReply, WiringOp};
+use crate::core::shared::SharedWiring;
 use crate::core::{AmqpError, Effects};
 use crate::cpg::{Cpg, CpgConfig, CpgError, CpgEvent, CpgEvents, MemberId};
 use crate::server::{Broker, now_ms};
@@ -24,10 +26,6 @@ pub const GROUP: &str = "ringmq";
 /// How long a client's wiring change may wait for its commit before it is answered with an
 /// error (no quorum, a partition): the client learns, instead of hanging.
 const COMMIT_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// Most events a joiner buffers while it waits for its snapshot; beyond it the member gives
-/// up rather than grow without bound (its supervisor restarts it).
-const MAX_BUFFERED_EVENTS: usize = 100_000;
 
 /// What a broker needs to join a cluster.
 #[derive(Debug, Clone)]
@@ -110,12 +108,11 @@ impl Cluster {
         });
         let (synced_tx, mut synced_rx) = watch::channel(false);
         let applier = Applier {
-            broker,
+            map: ClusterMap::new(cluster.me),
+            store: BrokerStore { broker },
             cluster: cluster.clone(),
             info: settings.info,
-            synced: false,
             synced_tx,
-            buffered: Vec::new(),
         };
         tokio::spawn(applier.run(events));
         cluster.cpg.join(GROUP).await?;
@@ -202,176 +199,13 @@ impl Cluster {
     }
 }
 
-/// Applies the cluster group's events to the broker, in agreed order.
-struct Applier {
+/// The broker's vhosts as the cluster map's wiring store.
+struct BrokerStore {
     broker: Arc<Broker>,
-    cluster: Arc<Cluster>,
-    info: MemberInfo,
-    synced: bool,
-    synced_tx: watch::Sender<bool>,
-    buffered: Vec<CpgEvent>,
 }
 
-impl Applier {
-    async fn run(mut self, mut events: CpgEvents) {
-        while let Some(ev) = events.recv().await {
-            if ev.group() != GROUP {
-                continue;
-            }
-            if self.synced {
-                self.handle(ev);
-            } else if !self.before_sync(ev) {
-                break;
-            }
-        }
-        // CPG stopped: evicted (cut off or too slow) or shut down. A member that is not in
-        // the cluster must not go on serving a wiring it can no longer keep in step; its
-        // supervisor restarts it and it rejoins with the others' map.
-        tracing::error!(reason = ?self.cluster.cpg.stop_reason(), "this broker left the cluster; exiting so that it restarts and rejoins");
-        self.broker.journal.shutdown();
-        std::process::exit(3);
-    }
-
-    /// Handles an event that arrives before this member holds the map. Returns false to
-    /// give up.
-    fn before_sync(&mut self, ev: CpgEvent) -> bool {
-        let me = self.cluster.me;
-        match &ev {
-            CpgEvent::ConfChg {
-                members, joined, ..
-            } if joined.iter().any(|m| m.id == me) => {
-                let ids: Vec<MemberId> = members.iter().map(|m| m.id).collect();
-                self.cluster.membership.write().on_conf_change(&ids);
-                self.send_hello();
-                if ids == [me] {
-                    tracing::info!(
-                        member = me,
-                        "founding the cluster with this broker's wiring"
-                    );
-                    self.now_synced();
-                }
-            }
-            CpgEvent::Deliver { payload, .. } => match ClusterMsg::decode(payload) {
-                Some(ClusterMsg::Snapshot(s)) if s.to == me => {
-                    self.install(*s);
-                    self.now_synced();
-                }
-                _ => self.buffered.push(ev),
-            },
-            _ => self.buffered.push(ev),
-        }
-        if self.buffered.len() > MAX_BUFFERED_EVENTS {
-            tracing::error!(
-                events = MAX_BUFFERED_EVENTS,
-                "no cluster map arrived while the event buffer filled"
-            );
-            return false;
-        }
-        true
-    }
-
-    fn now_synced(&mut self) {
-        self.synced = true;
-        self.publish_known_hosts();
-        let _ = self.synced_tx.send(true);
-    }
-
-    fn send_hello(&self) {
-        let cluster = self.cluster.clone();
-        let msg = ClusterMsg::Hello(self.info.clone());
-        tokio::spawn(async move {
-            if let Err(e) = cluster.mcast(&msg).await {
-                tracing::warn!(error = %e, "could not announce this member's addresses");
-            }
-        });
-    }
-
-    /// Installs the map a synced member sent, then the events that followed it.
-    fn install(&mut self, snapshot: Snapshot) {
-        let now = now_ms();
-        let mut fx = Effects::default();
-        for (name, wiring) in snapshot.vhosts {
-            self.broker.add_vhost(&name);
-            let Some(vhost) = self.broker.vhost(&name) else {
-                continue;
-            };
-            let mut v = vhost.lock();
-            for skipped in v.install_shared_wiring(wiring, now, &mut fx) {
-                tracing::warn!(vhost = %name, %skipped, "cluster wiring not installed");
-            }
-            notice::ensure_exchange(&mut v);
-            self.broker.route_effects(0, &mut fx);
-            self.broker.persist(&mut v, &mut fx);
-        }
-        {
-            let mut m = self.cluster.membership.write();
-            m.install(snapshot.membership);
-            m.on_snapshot(self.cluster.me);
-        }
-        tracing::info!(through = snapshot.through, "cluster map installed");
-        let through = snapshot.through;
-        for ev in std::mem::take(&mut self.buffered) {
-            if ev.index() > through {
-                self.handle(ev);
-            }
-        }
-    }
-
-    fn handle(&mut self, ev: CpgEvent) {
-        match ev {
-            CpgEvent::ConfChg {
-                index,
-                members,
-                joined,
-                left,
-                failed,
-                ..
-            } => {
-                let ids: Vec<MemberId> = members.iter().map(|m| m.id).collect();
-                let duty = {
-                    let mut m = self.cluster.membership.write();
-                    m.on_conf_change(&ids);
-                    m.snapshot_duty(self.cluster.me)
-                };
-                tracing::info!(
-                    members = ids.len(),
-                    joined = ?joined.iter().map(|m| &m.addr).collect::<Vec<_>>(),
-                    left = ?left.iter().map(|m| &m.addr).collect::<Vec<_>>(),
-                    failed = ?failed.iter().map(|m| &m.addr).collect::<Vec<_>>(),
-                    "cluster membership changed"
-                );
-                for to in duty {
-                    self.send_snapshot(to, index);
-                }
-                self.publish_known_hosts();
-            }
-            CpgEvent::Deliver {
-                sender, payload, ..
-            } => match ClusterMsg::decode(&payload) {
-                Some(ClusterMsg::Hello(info)) => {
-                    self.cluster.membership.write().on_hello(sender, info);
-                    self.publish_known_hosts();
-                }
-                Some(ClusterMsg::Op {
-                    origin,
-                    request,
-                    vhost,
-                    op,
-                }) => {
-                    let outcome = self.apply(&vhost, &op);
-                    if origin == self.cluster.me {
-                        self.cluster.answer(request, outcome);
-                    }
-                }
-                Some(ClusterMsg::Snapshot(s)) => {
-                    self.cluster.membership.write().on_snapshot(s.to);
-                }
-                None => tracing::warn!(sender, "undecodable cluster message ignored"),
-            },
-        }
-    }
-
-    fn apply(&self, vhost: &str, op: &WiringOp) -> OpOutcome {
+impl WiringStore for BrokerStore {
+    fn apply(&mut self, vhost: &str, op: &WiringOp) -> OpOutcome {
         let Some(vhost_ref) = self.broker.vhost(vhost) else {
             return Err(AmqpError::not_found(format!("no vhost '{vhost}'")));
         };
@@ -383,22 +217,103 @@ impl Applier {
         result.map(|reply| (reply, gate))
     }
 
-    /// Builds the map as it is right after event `through` and multicasts it to `to`.
-    fn send_snapshot(&self, to: MemberId, through: u64) {
-        let mut vhosts = BTreeMap::new();
-        for (name, vhost) in self.broker.vhosts() {
-            vhosts.insert(name, vhost.lock().shared_wiring());
+    fn export(&mut self) -> BTreeMap<String, SharedWiring> {
+        self.broker
+            .vhosts()
+            .into_iter()
+            .map(|(name, vhost)| (name, vhost.lock().shared_wiring()))
+            .collect()
+    }
+
+    fn install(&mut self, vhosts: BTreeMap<String, SharedWiring>) {
+        let now = now_ms();
+        let mut fx = Effects::default();
+        for (name, wiring) in vhosts {
+            self.broker.add_vhost(&name);
+            let Some(vhost) = self.broker.vhost(&name) else {
+                continue;
+            };
+            let mut v = vhost.lock();
+            for skipped in v.install_shared_wiring(wiring, now, &mut fx) {
+                tracing::warn!(vhost = %name, %skipped, "cluster wiring not installed");
+            }
+            self.broker.route_effects(0, &mut fx);
+            self.broker.persist(&mut v, &mut fx);
         }
-        let msg = ClusterMsg::Snapshot(Box::new(Snapshot {
-            to,
-            through,
-            membership: self.cluster.membership.read().clone(),
-            vhosts,
-        }));
+        tracing::info!("cluster map installed");
+    }
+}
+
+/// Feeds the cluster group's events to the map, in agreed order, and carries out what it
+/// asks for.
+struct Applier {
+    map: ClusterMap,
+    store: BrokerStore,
+    cluster: Arc<Cluster>,
+    info: MemberInfo,
+    synced_tx: watch::Sender<bool>,
+}
+
+impl Applier {
+    async fn run(mut self, mut events: CpgEvents) {
+        while let Some(ev) = events.recv().await {
+            if ev.group() != GROUP {
+                continue;
+            }
+            if let CpgEvent::ConfChg {
+                members,
+                joined,
+                left,
+                failed,
+                ..
+            } = &ev
+            {
+                let addrs = |ms: &[crate::cpg::Member]| {
+                    ms.iter().map(|m| m.addr.clone()).collect::<Vec<_>>()
+                };
+                tracing::info!(members = members.len(), joined = ?addrs(joined), left = ?addrs(left), failed = ?addrs(failed), "cluster membership changed");
+            }
+            match self.map.on_event(ev, &mut self.store) {
+                Ok(actions) => self.act(actions),
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot follow the cluster");
+                    break;
+                }
+            }
+        }
+        // CPG stopped: evicted (cut off or too slow) or shut down. A member that is not in
+        // the cluster must not go on serving a wiring it can no longer keep in step; its
+        // supervisor restarts it and it rejoins with the others' map.
+        tracing::error!(reason = ?self.cluster.cpg.stop_reason(), "this broker left the cluster; exiting so that it restarts and rejoins");
+        self.store.broker.journal.shutdown();
+        std::process::exit(3);
+    }
+
+    fn act(&mut self, actions: Vec<Action>) {
+        for action in actions {
+            match action {
+                Action::SendHello => self.multicast(ClusterMsg::Hello(self.info.clone())),
+                Action::SendSnapshot { to, through } => {
+                    let msg = self.map.snapshot(to, through, &mut self.store);
+                    self.multicast(msg);
+                }
+                Action::Answer { request, outcome } => self.cluster.answer(request, outcome),
+                Action::HostsChanged => {
+                    *self.cluster.membership.write() = self.map.membership().clone();
+                    self.publish_known_hosts();
+                }
+                Action::Synced => {
+                    let _ = self.synced_tx.send(true);
+                }
+            }
+        }
+    }
+
+    fn multicast(&self, msg: ClusterMsg) {
         let cluster = self.cluster.clone();
         tokio::spawn(async move {
             if let Err(e) = cluster.mcast(&msg).await {
-                tracing::warn!(to, error = %e, "could not send the cluster map");
+                tracing::warn!(error = %e, "cluster multicast failed");
             }
         });
     }
@@ -407,11 +322,12 @@ impl Applier {
         let hosts = self.cluster.known_hosts();
         let now = now_ms();
         let mut fx = Effects::default();
-        for (_, vhost) in self.broker.vhosts() {
+        let broker = &self.store.broker;
+        for (_, vhost) in broker.vhosts() {
             let mut v = vhost.lock();
             notice::publish(&mut v, &hosts, now, &mut fx);
-            self.broker.route_effects(0, &mut fx);
-            self.broker.persist(&mut v, &mut fx);
+            broker.route_effects(0, &mut fx);
+            broker.persist(&mut v, &mut fx);
         }
     }
 }
