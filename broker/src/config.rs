@@ -83,6 +83,9 @@ pub struct Config {
     pub advertise_host: Option<String>,
     /// How long a silent member stays in the cluster before the others remove it.
     pub cluster_failure_timeout_ms: u64,
+    /// Node id of the member that founds the cluster when no seed admits it within
+    /// `cluster_join_timeout_ms` (the operator names pod 0). Every other member only joins.
+    pub cluster_founder: Option<String>,
     /// How long a starting member tries to be admitted and receive the cluster map before
     /// it gives up and exits.
     pub cluster_join_timeout_ms: u64,
@@ -123,6 +126,7 @@ impl Default for Config {
             advertise_host: None,
             cluster_failure_timeout_ms: 1_200,
             cluster_join_timeout_ms: 30_000,
+            cluster_founder: None,
             journal: crate::store::journal::JournalConfig::default(),
             vhosts: vec!["/".to_owned()],
             users: vec![UserConfig {

@@ -597,3 +597,32 @@ async fn cluster_bench() {
         detect.len()
     );
 }
+
+#[tokio::test]
+async fn the_configured_founder_founds_when_no_seed_answers() {
+    let secret = secret("founder");
+    // Port 1 on loopback: nobody listens, as when the first pod resolves the headless
+    // Service and finds no peer.
+    let yaml = format!(
+        "{}cluster_founder: founder-0\n",
+        member_yaml("founder-0", &["127.0.0.1:1"], &secret).replace(
+            "cluster_join_timeout_ms: 10000",
+            "cluster_join_timeout_ms: 1500"
+        )
+    );
+    let founder = Broker::start_with_config(&yaml);
+    let (_c, ch) = founder.channel().await;
+    ch.queue_declare(
+        "q".into(),
+        QueueDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let joiner = Broker::start_with_config(&member_yaml(
+        "founder-1",
+        &[founder.cluster.as_deref().unwrap()],
+        &secret,
+    ));
+    assert_eq!(passive_queue(&joiner, "q").await, Ok(0));
+}

@@ -197,6 +197,7 @@ async fn join_cluster(
             zone: config.zone.clone(),
         },
         join_timeout: std::time::Duration::from_millis(config.cluster_join_timeout_ms),
+        found_if_no_seed_answers: config.cluster_founder.as_deref() == Some(&config.node_id),
     };
     let cluster = ringmq::cluster::Cluster::start(running.broker.clone(), settings)
         .await

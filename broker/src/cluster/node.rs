@@ -44,6 +44,10 @@ pub struct ClusterSettings {
     pub info: MemberInfo,
     /// How long to wait for admission and the cluster map before giving up.
     pub join_timeout: Duration,
+    /// When no seed admits this member within `join_timeout`, found the cluster instead of
+    /// giving up: the configured founder of a cluster whose seeds are a DNS name that every
+    /// member shares (a Kubernetes headless Service), where the first pod finds nobody.
+    pub found_if_no_seed_answers: bool,
 }
 
 /// Why a broker could not become a cluster member.
@@ -97,7 +101,22 @@ impl Cluster {
             join_timeout_ms: settings.join_timeout.as_millis() as u64,
             ..CpgConfig::default()
         };
-        let (cpg, events) = Cpg::start(config).await?;
+        let (cpg, events) = match Cpg::start(config.clone()).await {
+            Err(CpgError::JoinTimeout { timeout_ms })
+                if settings.found_if_no_seed_answers && !config.seeds.is_empty() =>
+            {
+                tracing::warn!(
+                    timeout_ms,
+                    "no seed admitted this member: founding the cluster (this member is the configured founder)"
+                );
+                Cpg::start(CpgConfig {
+                    seeds: Vec::new(),
+                    ..config
+                })
+                .await?
+            }
+            started => started?,
+        };
         let cluster = Arc::new(Cluster {
             me: cpg.id(),
             cpg,
