@@ -41,6 +41,8 @@ pub const DATA_DIR: &str = "/var/lib/ringmq";
 pub const CONFIG_HASH_ANNOTATION: &str = "ringmq.io/config-hash";
 /// Key of the peer-authentication secret in the cluster Secret.
 pub const CLUSTER_SECRET_KEY: &str = "cluster-secret";
+/// Directory under [`CONFIG_DIR`] where the cluster secret is mounted as a file.
+pub const CLUSTER_SECRET_DIR: &str = "cluster";
 
 /// Labels selecting the brokers of one cluster; stable, because a StatefulSet's selector is
 /// immutable.
@@ -107,11 +109,12 @@ pub fn broker_config(cluster: &Cluster) -> serde_json::Value {
         "admin_listen": format!("0.0.0.0:{ADMIN_PORT}"),
         "cluster_listen": format!("0.0.0.0:{CLUSTER_PORT}"),
         "data_dir": DATA_DIR,
-        "cluster": {
-            "name": cluster.name_any(),
-            "seeds": [format!("{}:{CLUSTER_PORT}", seed_host(cluster))],
-            "queue_backups": cluster.spec.queue_backups,
-        },
+        "cluster_name": cluster.name_any(),
+        "cluster_seeds": [format!("{}:{CLUSTER_PORT}", seed_host(cluster))],
+        "cluster_secret_file": format!("{CONFIG_DIR}/{CLUSTER_SECRET_DIR}/{CLUSTER_SECRET_KEY}"),
+        // Pod 0 finds nobody behind the headless Service on the first start: it founds.
+        "cluster_founder": format!("{}-0", cluster.name_any()),
+        "cluster_join_timeout_ms": 15_000,
     });
     if cluster.spec.tls.is_some() {
         config["amqps_listen"] = serde_json::json!(format!("0.0.0.0:{AMQPS_PORT}"));
@@ -306,14 +309,30 @@ pub fn stateful_set(
             ..Default::default()
         },
     ];
-    let mut volumes = vec![Volume {
-        name: "config".into(),
-        config_map: Some(ConfigMapVolumeSource {
-            name: format!("{name}-config"),
-            ..Default::default()
-        }),
+    mounts.push(VolumeMount {
+        name: "cluster-secret".into(),
+        mount_path: format!("{CONFIG_DIR}/{CLUSTER_SECRET_DIR}"),
+        read_only: Some(true),
         ..Default::default()
-    }];
+    });
+    let mut volumes = vec![
+        Volume {
+            name: "config".into(),
+            config_map: Some(ConfigMapVolumeSource {
+                name: format!("{name}-config"),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+        Volume {
+            name: "cluster-secret".into(),
+            secret: Some(SecretVolumeSource {
+                secret_name: Some(cluster.cluster_secret_name()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+    ];
     if let Some(tls) = &cluster.spec.tls {
         ports.push(container_port("amqps", AMQPS_PORT));
         mounts.push(VolumeMount {
@@ -384,11 +403,12 @@ pub fn stateful_set(
                 value: Some(format!("{CONFIG_DIR}/ringmq.yaml")),
                 ..Default::default()
             },
-            env_from_secret(
-                "RINGMQ_CLUSTER_SECRET",
-                &cluster.cluster_secret_name(),
-                CLUSTER_SECRET_KEY,
-            ),
+            // Other members and clients reach this pod by its stable DNS name.
+            EnvVar {
+                name: "RINGMQ_ADVERTISE_HOST".into(),
+                value: Some(format!("$(RINGMQ_NODE_ID).{}", seed_host(cluster))),
+                ..Default::default()
+            },
             env_from_secret("RINGMQ_DEFAULT_USER", &user_secret, "username"),
             env_from_secret("RINGMQ_DEFAULT_PASS", &user_secret, "password"),
         ]),
@@ -493,7 +513,7 @@ mod tests {
     fn config_change_rolls_pods_through_the_hash_annotation() {
         let c = cluster(serde_json::json!({"image": "ringmq:1"}));
         let tuned =
-            cluster(serde_json::json!({"image": "ringmq:1", "config": {"heartbeat_secs": 10}}));
+            cluster(serde_json::json!({"image": "ringmq:1", "config": {"heartbeat_s": 10}}));
         let hash = |s: StatefulSet| {
             s.spec
                 .and_then(|s| s.template.metadata)
@@ -503,10 +523,22 @@ mod tests {
         };
         assert_ne!(hash(sts(&c, 3)), hash(sts(&tuned, 3)));
         assert_eq!(
-            broker_config(&tuned)["heartbeat_secs"],
+            broker_config(&tuned)["heartbeat_s"],
             10,
             "overrides win over defaults"
         );
+    }
+
+    #[test]
+    fn the_broker_accepts_the_config_the_operator_writes() {
+        let c = cluster(serde_json::json!({"image": "ringmq:1", "config": {"heartbeat_s": 10}}));
+        let yaml = serde_saphyr::to_string(&broker_config(&c)).expect("config");
+        let parsed = ringmq::config::Config::from_yaml(&yaml)
+            .unwrap_or_else(|e| panic!("the broker refuses the operator's config: {e}\n{yaml}"));
+        parsed.validate().expect("valid");
+        assert_eq!(parsed.heartbeat_s, 10);
+        assert_eq!(parsed.cluster_founder.as_deref(), Some("ringmq-0"));
+        assert_eq!(parsed.cluster_seeds, ["ringmq-nodes.ns.svc:25672"]);
     }
 
     #[test]
