@@ -195,8 +195,12 @@ impl User {
     }
 }
 
-/// The mechanisms offered in connection.start.
+/// The mechanisms offered in connection.start on every connection.
 pub const MECHANISMS: &str = "PLAIN AMQPLAIN";
+
+/// The mechanism that logs in as the subject CN of a verified TLS client certificate;
+/// offered only on TLS connections that presented one.
+pub const MECHANISM_EXTERNAL: &str = "EXTERNAL";
 
 impl UserStore {
     /// A store of the configured users. A user with no `vhosts` gets full permissions on
@@ -243,6 +247,28 @@ impl UserStore {
             _ => return Err(AuthError::Malformed("unsupported mechanism")),
         };
         self.check_password(&name, &password, peer)?;
+        Ok(self.logged_in(name))
+    }
+
+    /// SASL EXTERNAL: `name` is the common name of a client certificate that the TLS layer
+    /// verified, so no password is checked; the user must still exist (RabbitMQ's rule) and
+    /// its loopback restriction still holds.
+    pub fn authenticate_external(&self, name: &str, peer: IpAddr) -> Result<User, AuthError> {
+        let loopback_only = self
+            .inner
+            .read()
+            .users
+            .get(name)
+            .map(|u| u.loopback_only)
+            .ok_or_else(|| AuthError::Refused(name.to_owned()))?;
+        if loopback_only && !peer.is_loopback() {
+            return Err(AuthError::LoopbackOnly(name.to_owned()));
+        }
+        Ok(self.logged_in(name.to_owned()))
+    }
+
+    /// The logged-in view of a user: the vhosts it has a permission on now.
+    fn logged_in(&self, name: String) -> User {
         let inner = self.inner.read();
         let vhosts = inner
             .permissions
@@ -250,7 +276,7 @@ impl UserStore {
             .filter(|(u, _)| *u == name)
             .map(|(_, v)| v.clone())
             .collect();
-        Ok(User { name, vhosts })
+        User { name, vhosts }
     }
 
     /// Checks a name and password (AMQP login and the admin API's basic auth); returns the

@@ -31,6 +31,27 @@ pub struct UserConfig {
 pub struct Config {
     /// AMQP listener address.
     pub amqp_listen: SocketAddr,
+    /// Whether the plaintext AMQP listener runs; `false` with `amqps_listen` set makes the
+    /// broker TLS-only (`--no-plaintext`).
+    pub amqp_listen_enabled: bool,
+    /// TLS (amqps) listener address; none means no TLS listener. Needs `tls_cert_file` and
+    /// `tls_key_file`.
+    pub amqps_listen: Option<SocketAddr>,
+    /// PEM certificate chain the TLS listener presents (leaf first).
+    pub tls_cert_file: Option<PathBuf>,
+    /// PEM private key (PKCS#8, PKCS#1 or SEC1) of `tls_cert_file`.
+    pub tls_key_file: Option<PathBuf>,
+    /// PEM CA certificates that client certificates must chain to; with it the broker asks
+    /// clients for a certificate and offers SASL EXTERNAL to those that present one.
+    pub tls_ca_file: Option<PathBuf>,
+    /// Verify client certificates against `tls_ca_file` (RabbitMQ's `verify_peer`); only
+    /// meaningful with a CA file.
+    pub tls_verify_peer: bool,
+    /// Refuse TLS clients that present no certificate (RabbitMQ's `fail_if_no_peer_cert`).
+    pub tls_fail_if_no_peer_cert: bool,
+    /// How often the certificate, key and CA files are checked for changes, in seconds; a
+    /// change is loaded for new connections without a restart.
+    pub tls_reload_interval_s: u64,
     /// Admin HTTP listener address (metrics, health, JSON API).
     pub admin_listen: SocketAddr,
     /// This node's id, shown in the admin API and used as the queues' `owner`.
@@ -82,6 +103,14 @@ impl Default for Config {
     fn default() -> Self {
         Self {
             amqp_listen: SocketAddr::from(([127, 0, 0, 1], 5672)),
+            amqp_listen_enabled: true,
+            amqps_listen: None,
+            tls_cert_file: None,
+            tls_key_file: None,
+            tls_ca_file: None,
+            tls_verify_peer: true,
+            tls_fail_if_no_peer_cert: false,
+            tls_reload_interval_s: 5,
             admin_listen: SocketAddr::from(([127, 0, 0, 1], 15672)),
             node_id: default_node_id(),
             cluster_name: "ringmq".to_owned(),
@@ -195,6 +224,31 @@ impl Config {
                 "frame_max {} is below the protocol minimum of 4096 bytes",
                 self.frame_max
             )));
+        }
+        if self.amqps_listen.is_some()
+            && (self.tls_cert_file.is_none() || self.tls_key_file.is_none())
+        {
+            return Err(ConfigError::Invalid(
+                "amqps_listen needs tls_cert_file and tls_key_file (--tls-cert, --tls-key)".into(),
+            ));
+        }
+        if !self.amqp_listen_enabled && self.amqps_listen.is_none() {
+            return Err(ConfigError::Invalid(
+                "the plaintext listener is disabled and no amqps_listen is set: \
+                 clients could not connect at all"
+                    .into(),
+            ));
+        }
+        if self.tls_fail_if_no_peer_cert && self.tls_ca_file.is_none() {
+            return Err(ConfigError::Invalid(
+                "tls_fail_if_no_peer_cert needs tls_ca_file (--tls-ca) to verify certificates"
+                    .into(),
+            ));
+        }
+        if self.tls_reload_interval_s == 0 {
+            return Err(ConfigError::Invalid(
+                "tls_reload_interval_s must be at least 1".into(),
+            ));
         }
         if self.vhosts.is_empty() {
             return Err(ConfigError::Invalid(

@@ -11,6 +11,8 @@ use std::time::Duration;
 
 pub use lapin;
 
+pub mod tls;
+
 /// Path of a binary built from this workspace (`ringmq-broker`, `ringmqctl`), next to the
 /// test executable's `deps/` directory.
 pub fn binary(name: &str) -> PathBuf {
@@ -33,8 +35,10 @@ static NEXT_DIR: AtomicU32 = AtomicU32::new(0);
 /// A broker process owned by a test; killed (by its PID) when dropped.
 pub struct Broker {
     child: Child,
-    /// AMQP address it listens on.
+    /// AMQP address it listens on (the TLS one when the plaintext listener is disabled).
     pub addr: SocketAddr,
+    /// TLS (amqps) address, when the configuration enables it (`amqps_listen`).
+    pub amqps: Option<SocketAddr>,
     /// Admin HTTP address it listens on.
     pub admin: SocketAddr,
     /// Its data directory.
@@ -119,37 +123,43 @@ impl Broker {
                 sink.lock().expect("log lock").push(line);
             }
         });
+        // Lines: `amqp=` (unless the plaintext listener is off), `amqps=` (with TLS), and
+        // `admin=` last.
         let mut stdout = BufReader::new(child.stdout.take().expect("piped"));
-        let mut line = String::new();
-        stdout
-            .read_line(&mut line)
-            .expect("the broker prints its address");
-        let mut admin_line = String::new();
-        stdout
-            .read_line(&mut admin_line)
-            .expect("the broker prints its admin address");
+        let (mut amqp, mut amqps, mut admin) = (None, None, None);
+        for _ in 0..3 {
+            let mut line = String::new();
+            stdout
+                .read_line(&mut line)
+                .expect("the broker prints its addresses");
+            let parse = |prefix: &str| -> Option<SocketAddr> {
+                let addr = line.trim().strip_prefix(prefix)?;
+                Some(addr.parse().expect("a socket address"))
+            };
+            if let Some(a) = parse("ringmq-broker listening amqp=") {
+                amqp = Some(a);
+            } else if let Some(a) = parse("ringmq-broker listening amqps=") {
+                amqps = Some(a);
+            } else if let Some(a) = parse("ringmq-broker listening admin=") {
+                admin = Some(a);
+                break;
+            } else {
+                panic!(
+                    "unexpected line from the broker: {line:?}; log: {:?}",
+                    log.lock().unwrap()
+                );
+            }
+        }
         // Keep the pipe open (and drained) for as long as the broker runs.
         std::thread::spawn(move || std::io::copy(&mut stdout, &mut std::io::sink()));
-        let admin = admin_line
-            .trim()
-            .strip_prefix("ringmq-broker listening admin=")
-            .unwrap_or_else(|| panic!("unexpected second line from the broker: {admin_line:?}"))
-            .parse()
-            .expect("a socket address");
-        let addr = line
-            .trim()
-            .strip_prefix("ringmq-broker listening amqp=")
-            .unwrap_or_else(|| {
-                panic!(
-                    "unexpected first line from the broker: {line:?}; log: {:?}",
-                    log.lock().unwrap()
-                )
-            })
-            .parse()
-            .expect("a socket address");
+        let admin = admin.expect("the broker prints its admin address last");
+        let addr = amqp
+            .or(amqps)
+            .expect("the broker prints at least one AMQP address");
         Broker {
             child,
             addr,
+            amqps,
             admin,
             data_dir,
             log,

@@ -15,7 +15,7 @@ use crate::amqp::{
     AMQPClass, AMQPValue, FieldTable, ShortString, basic, channel, codes, confirm, connection,
     exchange, queue, tx,
 };
-use crate::auth::{MECHANISMS, User};
+use crate::auth::{MECHANISM_EXTERNAL, MECHANISMS, User};
 use crate::core::vhost::{Cancelled, Delivery};
 use crate::core::{
     AmqpError, ChannelKey, Consume, Effects, ExchangeDeclare, Message, PublishOutcome,
@@ -27,8 +27,7 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// Read buffer space for a busy connection: many frames per syscall.
 const READ_CHUNK_BUSY: usize = 64 * 1024;
@@ -103,8 +102,19 @@ struct ClientCaps {
     authentication_failure_close: bool,
 }
 
+/// What a TLS connection learnt in its handshake.
+#[derive(Debug, Clone, Default)]
+pub struct TlsPeer {
+    /// The subject common name of the client certificate the broker verified: the user SASL
+    /// EXTERNAL logs in as. None when the client presented no certificate (or it has no CN),
+    /// and then EXTERNAL is not offered.
+    pub external: Option<String>,
+}
+
 struct Connection {
     id: u64,
+    /// Set for connections that came through the TLS listener.
+    tls: Option<TlsPeer>,
     broker: Arc<Broker>,
     peer: SocketAddr,
     outbox: Arc<Outbox>,
@@ -136,11 +146,17 @@ struct Connection {
     stats: ConnStats,
 }
 
-/// Serves one accepted socket until it closes.
-pub async fn serve(broker: Arc<Broker>, stream: TcpStream, peer: SocketAddr) {
+/// Serves one accepted socket until it closes: a plain TCP stream, or a TLS stream after its
+/// handshake (`tls` then says what the handshake learnt). Generic so that the plaintext path
+/// is compiled for `TcpStream` alone and pays nothing for TLS.
+pub async fn serve<S>(broker: Arc<Broker>, stream: S, peer: SocketAddr, tls: Option<TlsPeer>)
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
     let (id, outbox) = broker.register();
     let mut conn = Connection {
         id,
+        tls,
         frame_max: broker.config.frame_max,
         channel_max: broker.config.channel_max,
         heartbeat_s: 0,
@@ -181,7 +197,10 @@ pub async fn serve(broker: Arc<Broker>, stream: TcpStream, peer: SocketAddr) {
 }
 
 impl Connection {
-    async fn run(&mut self, mut stream: TcpStream) -> std::io::Result<()> {
+    async fn run<S>(&mut self, mut stream: S) -> std::io::Result<()>
+    where
+        S: AsyncRead + AsyncWrite + Unpin,
+    {
         let handshake_deadline =
             Instant::now() + Duration::from_secs(self.broker.config.handshake_timeout_s);
         let mut header = [0u8; 8];
@@ -199,6 +218,7 @@ impl Connection {
         if &header != PROTOCOL_HEADER {
             // Spec §4.2.2: answer with the header we speak, then close.
             stream.write_all(PROTOCOL_HEADER).await?;
+            stream.flush().await?;
             self.close_reason = format!("bad protocol header {header:?}");
             // Close gracefully: closing with unread input would reset the connection and
             // could discard the header before the client reads it.
@@ -234,6 +254,8 @@ impl Connection {
                 stream
                     .write_all(&self.writer.as_slice()[..writable])
                     .await?;
+                // A no-op on TCP; pushes TLS records rustls may still hold.
+                stream.flush().await?;
                 self.writer.consume(writable);
                 for (len, _) in self.gates.iter_mut() {
                     *len -= writable;
@@ -466,10 +488,19 @@ impl Connection {
                 version_major: 0,
                 version_minor: 9,
                 server_properties: props,
-                mechanisms: MECHANISMS.into(),
+                mechanisms: self.mechanisms().into(),
                 locales: "en_US".into(),
             })),
         );
+    }
+
+    /// PLAIN and AMQPLAIN always; EXTERNAL only on a TLS connection whose client presented a
+    /// certificate the broker verified (as RabbitMQ's `rabbitmq_auth_mechanism_ssl`).
+    fn mechanisms(&self) -> String {
+        match self.tls.as_ref().and_then(|t| t.external.as_ref()) {
+            Some(_) => format!("{MECHANISMS} {MECHANISM_EXTERNAL}"),
+            None => MECHANISMS.to_owned(),
+        }
     }
 
     fn on_handshake_frame(&mut self, frame: RawFrame) -> Result<(), ConnError> {
@@ -526,17 +557,23 @@ impl Connection {
             };
         }
         let mechanism = ok.mechanism.as_str();
-        if !MECHANISMS.split(' ').any(|m| m == mechanism) {
+        if !self.mechanisms().split(' ').any(|m| m == mechanism) {
             return Err(ConnError::new(
                 codes::COMMAND_INVALID,
                 format!("unknown authentication mechanism '{mechanism}'"),
             ));
         }
-        match self
-            .broker
-            .users
-            .authenticate(mechanism, ok.response.as_bytes(), self.peer.ip())
-        {
+        let external = self.tls.as_ref().and_then(|t| t.external.as_deref());
+        let result = match (mechanism, external) {
+            (MECHANISM_EXTERNAL, Some(cn)) => {
+                self.broker.users.authenticate_external(cn, self.peer.ip())
+            }
+            _ => self
+                .broker
+                .users
+                .authenticate(mechanism, ok.response.as_bytes(), self.peer.ip()),
+        };
+        match result {
             Ok(user) => self.user = Some(user),
             Err(e) => {
                 tracing::warn!(conn = self.id, peer = %self.peer, error = ?e, "login refused");
