@@ -12,8 +12,15 @@ use thiserror::Error;
 pub struct UserConfig {
     /// Login name.
     pub name: String,
-    /// Password.
-    pub password: String,
+    /// Password in plaintext; hashed with PBKDF2 when the file is loaded. Give this or
+    /// `password_hash`.
+    #[serde(default)]
+    pub password: Option<String>,
+    /// A stored hash instead of a password: `$pbkdf2-sha256$...` (`ringmqctl hash-password`
+    /// prints one) or RabbitMQ's `rabbit_password_hashing_sha256` base64. Empty: no password
+    /// logs in (EXTERNAL only).
+    #[serde(default)]
+    pub password_hash: Option<String>,
     /// Only accept this user from loopback addresses (RabbitMQ's rule for `guest`).
     #[serde(default)]
     pub loopback_only: bool,
@@ -23,6 +30,26 @@ pub struct UserConfig {
     /// Management tags: `administrator` (full admin API) or `monitoring` (read-only).
     #[serde(default)]
     pub tags: Vec<String>,
+}
+
+impl UserConfig {
+    /// The user's stored password: the given hash, or the plaintext password hashed with
+    /// PBKDF2 at `iterations`.
+    pub fn stored_password(
+        &self,
+        iterations: u32,
+    ) -> Result<crate::auth::PasswordHash, ConfigError> {
+        use crate::auth::PasswordHash;
+        match (&self.password, &self.password_hash) {
+            (Some(p), None) => Ok(PasswordHash::new(p, iterations)),
+            (None, Some(h)) => PasswordHash::parse(h, None)
+                .map_err(|e| ConfigError::Invalid(format!("user '{}': {e}", self.name))),
+            _ => Err(ConfigError::Invalid(format!(
+                "user '{}' needs exactly one of password or password_hash",
+                self.name
+            ))),
+        }
+    }
 }
 
 /// Everything the broker reads at start-up.
@@ -97,6 +124,10 @@ pub struct Config {
     pub vhosts: Vec<String>,
     /// Users. Default: `guest`/`guest`, loopback only.
     pub users: Vec<UserConfig>,
+    /// PBKDF2 iterations for passwords hashed by this broker (config users, admin API,
+    /// `ringmqctl hash-password` has its own flag). Stored hashes keep the count they were
+    /// made with.
+    pub password_hash_iterations: u32,
 }
 
 impl Default for Config {
@@ -134,11 +165,13 @@ impl Default for Config {
             vhosts: vec!["/".to_owned()],
             users: vec![UserConfig {
                 name: "guest".to_owned(),
-                password: "guest".to_owned(),
+                password: Some("guest".to_owned()),
+                password_hash: None,
                 loopback_only: true,
                 vhosts: Vec::new(),
                 tags: vec!["administrator".to_owned()],
             }],
+            password_hash_iterations: crate::auth::password::DEFAULT_ITERATIONS,
         }
     }
 }
@@ -244,6 +277,17 @@ impl Config {
                 "tls_fail_if_no_peer_cert needs tls_ca_file (--tls-ca) to verify certificates"
                     .into(),
             ));
+        }
+        use crate::auth::password::{MAX_ITERATIONS, MIN_ITERATIONS};
+        if !(MIN_ITERATIONS..=MAX_ITERATIONS).contains(&self.password_hash_iterations) {
+            return Err(ConfigError::Invalid(format!(
+                "password_hash_iterations {} is outside {MIN_ITERATIONS}..={MAX_ITERATIONS}",
+                self.password_hash_iterations
+            )));
+        }
+        for u in &self.users {
+            // The cheapest cost: this only checks that a password or a valid hash is there.
+            u.stored_password(MIN_ITERATIONS)?;
         }
         if self.tls_reload_interval_s == 0 {
             return Err(ConfigError::Invalid(

@@ -32,6 +32,10 @@ pub fn binary(name: &str) -> PathBuf {
 
 static NEXT_DIR: AtomicU32 = AtomicU32::new(0);
 
+/// PBKDF2 iterations the test brokers hash passwords with (the environment variable of the
+/// same name overrides it).
+pub const TEST_HASH_ITERATIONS: u32 = 10_000;
+
 /// A broker process owned by a test; killed (by its PID) when dropped.
 pub struct Broker {
     child: Child,
@@ -99,6 +103,8 @@ impl Broker {
     /// Runs the broker binary on `data_dir` (holding `ringmq.yaml`), waiting for its address.
     fn spawn(data_dir: PathBuf) -> Self {
         let config = data_dir.join("ringmq.yaml");
+        let yaml_sets_iterations =
+            std::fs::read_to_string(&config).is_ok_and(|y| y.contains("password_hash_iterations"));
         let mut child = Command::new(binary("ringmq-broker"))
             .args([
                 "--amqp-listen",
@@ -111,6 +117,13 @@ impl Broker {
             .arg("--config")
             .arg(&config)
             .env("RINGMQ_LOG", "info")
+            // The default PBKDF2 cost (600,000 iterations) takes over a second per password
+            // in a debug build; a test that cares sets password_hash_iterations in its YAML.
+            .envs((!yaml_sets_iterations).then(|| {
+                let n = std::env::var("RINGMQ_PASSWORD_HASH_ITERATIONS")
+                    .unwrap_or_else(|_| TEST_HASH_ITERATIONS.to_string());
+                ("RINGMQ_PASSWORD_HASH_ITERATIONS", n)
+            }))
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()

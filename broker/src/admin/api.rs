@@ -2,7 +2,7 @@
 
 use super::json::{properties_key, table_from_json, table_to_json};
 use super::{ApiError, Call, Reply, definitions, empty_reply, json_reply, metrics};
-use crate::auth::{HASHING_ALGORITHM, PasswordHash, Permission, UserRecord};
+use crate::auth::{PasswordHash, Permission, UserRecord};
 use crate::core::exchange::Destination;
 use crate::core::queue::Queue;
 use crate::core::{Effects, ExchangeDeclare, QueueDeclare, VHost};
@@ -865,7 +865,8 @@ pub(super) fn parse_tags(v: Option<&Value>) -> Result<Vec<String>> {
 }
 
 /// Creates or changes a user from a RabbitMQ-style body (`password`, or `password_hash` with
-/// `hashing_algorithm` rabbit_password_hashing_sha256, and `tags`); returns whether it is new.
+/// `hashing_algorithm` ringmq_pbkdf2_sha256 or rabbit_password_hashing_sha256, and `tags`);
+/// returns whether it is new.
 pub(super) fn put_user(b: &Broker, name: &str, body: &Value) -> Result<bool> {
     if name.is_empty() {
         return Err(ApiError::bad_request("a user needs a non-empty name"));
@@ -873,26 +874,10 @@ pub(super) fn put_user(b: &Broker, name: &str, body: &Value) -> Result<bool> {
     let tags = parse_tags(body.get("tags"))?;
     let existing = b.users.user(name);
     let password = match (body.get("password"), body.get("password_hash")) {
-        (Some(Value::String(p)), _) => PasswordHash::new(p),
+        (Some(Value::String(p)), _) => b.users.hash_password(p),
         (_, Some(Value::String(h))) => {
-            match body.get("hashing_algorithm").and_then(Value::as_str) {
-                None | Some(HASHING_ALGORITHM) => {}
-                Some(other) => {
-                    return Err(ApiError::bad_request(format!(
-                        "hashing_algorithm '{other}' is not supported: use {HASHING_ALGORITHM} \
-                         (RabbitMQ's default) or send \"password\""
-                    )));
-                }
-            }
-            if h.is_empty() {
-                PasswordHash::locked()
-            } else {
-                PasswordHash::from_base64(h).ok_or_else(|| {
-                    ApiError::bad_request(
-                        "password_hash must be base64 of a 4-byte salt and a SHA-256 digest",
-                    )
-                })?
-            }
+            PasswordHash::parse(h, body.get("hashing_algorithm").and_then(Value::as_str))
+                .map_err(|e| ApiError::bad_request(e.to_string()))?
         }
         _ => match &existing {
             Some(u) => u.password.clone(),

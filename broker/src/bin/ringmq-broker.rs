@@ -58,6 +58,9 @@ struct Args {
         hide_env_values = true
     )]
     default_pass: Option<String>,
+    /// PBKDF2 iterations for passwords this broker hashes [default: 600000].
+    #[arg(long, env = "RINGMQ_PASSWORD_HASH_ITERATIONS", value_name = "N")]
+    password_hash_iterations: Option<u32>,
     /// Log filter in RUST_LOG syntax [default: info].
     #[arg(long, env = "RINGMQ_LOG", value_name = "FILTER")]
     log: Option<String>,
@@ -103,6 +106,9 @@ fn main() -> anyhow::Result<()> {
     if let Some(file) = args.tls_ca {
         config.tls_ca_file = Some(file);
     }
+    if let Some(n) = args.password_hash_iterations {
+        config.password_hash_iterations = n;
+    }
     if args.no_plaintext {
         config.amqp_listen_enabled = false;
     }
@@ -119,7 +125,8 @@ fn main() -> anyhow::Result<()> {
         config.users.retain(|u| u.name != name);
         config.users.push(ringmq::config::UserConfig {
             name,
-            password,
+            password: Some(password),
+            password_hash: None,
             loopback_only: false,
             vhosts: Vec::new(),
             tags: vec!["administrator".to_owned()],

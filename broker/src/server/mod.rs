@@ -128,7 +128,11 @@ impl Broker {
             recovered.next_segment,
         )?;
         Ok(Arc::new(Self {
-            users: UserStore::new(config.users.clone(), &names),
+            users: UserStore::new(
+                config.users.clone(),
+                &names,
+                config.password_hash_iterations,
+            ),
             stats: stats::BrokerStats::default(),
             registry: registry::Registry::default(),
             config,
