@@ -1,6 +1,8 @@
 //! The user store and SASL mechanisms PLAIN, AMQPLAIN and EXTERNAL.
 
 pub mod password;
+pub mod permissions;
+pub mod ratelimit;
 
 use crate::config::UserConfig;
 use amq_protocol::types::{AMQPValue, FieldTable};
@@ -8,6 +10,9 @@ use parking_lot::{Mutex, RwLock};
 pub use password::{HashError, PasswordHash};
 use std::collections::{BTreeMap, HashSet};
 use std::net::IpAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 /// Why a login was refused; the text goes into the ACCESS_REFUSED reply.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -18,6 +23,11 @@ pub enum AuthError {
     Refused(String),
     /// The user may only connect from loopback.
     LoopbackOnly(String),
+    /// Too many failed logins from this address lately; the password was not checked.
+    TooManyFailures {
+        /// Seconds until the address may try again.
+        retry_after_s: u64,
+    },
 }
 
 impl AuthError {
@@ -32,6 +42,10 @@ impl AuthError {
             AuthError::LoopbackOnly(user) => {
                 format!("ACCESS_REFUSED - User '{user}' can only connect via localhost")
             }
+            AuthError::TooManyFailures { retry_after_s } => format!(
+                "ACCESS_REFUSED - too many failed logins from this address; \
+                 try again in {retry_after_s} s"
+            ),
         }
     }
 }
@@ -49,10 +63,11 @@ pub struct UserRecord {
     pub loopback_only: bool,
 }
 
-/// What a user may do in one vhost: RabbitMQ's configure/write/read regular expressions.
-/// Today only their existence is enforced (a user with no entry cannot open the vhost); the
-/// regexes are stored and exported, and enforced by issue 4.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// What a user may do in one vhost: RabbitMQ's configure/write/read regular expressions
+/// (enforced through [`permissions::Permissions`]; a user with no entry cannot open the
+/// vhost at all).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Permission {
     /// Resources the user may declare and delete.
     pub configure: String,
@@ -76,8 +91,8 @@ impl Permission {
 #[derive(Debug, Default)]
 struct Users {
     users: BTreeMap<String, UserRecord>,
-    /// (user, vhost) → permission.
-    permissions: BTreeMap<(String, String), Permission>,
+    /// (user, vhost) → permission as given, and compiled.
+    permissions: BTreeMap<(String, String), (Permission, Arc<permissions::Permissions>)>,
 }
 
 /// Users allowed to log in and their permissions; changed at run time by the admin API.
@@ -89,6 +104,9 @@ pub struct UserStore {
     /// PBKDF2 iterations for passwords hashed here.
     iterations: u32,
     verified: VerifiedCache,
+    limiter: ratelimit::LoginLimiter,
+    /// Bumped by every permission change, so connections refresh their copy with one load.
+    permissions_generation: AtomicU64,
 }
 
 /// Most remembered successful logins; the set is emptied when full (a bound, not an LRU:
@@ -193,19 +211,23 @@ impl UserStore {
             inner: RwLock::new(Users::default()),
             iterations,
             verified: VerifiedCache::new(),
+            limiter: ratelimit::LoginLimiter::new(0, Duration::ZERO, 1),
+            permissions_generation: AtomicU64::new(0),
         };
         {
             let mut inner = store.inner.write();
             for u in users {
-                let allowed = if u.vhosts.is_empty() {
-                    vhosts.to_vec()
-                } else {
-                    u.vhosts.clone()
-                };
-                for v in allowed {
-                    inner
-                        .permissions
-                        .insert((u.name.clone(), v), Permission::full());
+                for (v, p) in u.vhost_permissions(vhosts) {
+                    match permissions::Permissions::compile(&u.name, &v, &p) {
+                        Ok(compiled) => {
+                            inner
+                                .permissions
+                                .insert((u.name.clone(), v), (p, Arc::new(compiled)));
+                        }
+                        Err(e) => {
+                            tracing::error!(user = %u.name, vhost = %v, error = %e, "permission not granted: invalid expression");
+                        }
+                    }
                 }
                 let password = u.stored_password(iterations).unwrap_or_else(|e| {
                     tracing::error!(user = %u.name, error = %e, "user locked: unusable password");
@@ -225,6 +247,32 @@ impl UserStore {
         store
     }
 
+    /// Refuses logins from an address after `max_failures` failures within `window`
+    /// (0 = never), without checking the password, until the window has passed.
+    pub fn with_login_limit(mut self, max_failures: u32, window: Duration) -> Self {
+        self.limiter = ratelimit::LoginLimiter::new(max_failures, window, ratelimit::MAX_SOURCES);
+        self
+    }
+
+    /// Runs one login attempt from `peer` under the failed-login limit: refused at once when
+    /// the address is blocked, counted when it fails.
+    fn limited<T>(
+        &self,
+        peer: IpAddr,
+        attempt: impl FnOnce() -> Result<T, AuthError>,
+    ) -> Result<T, AuthError> {
+        if let Some(wait) = self.limiter.blocked_for(peer, Instant::now()) {
+            return Err(AuthError::TooManyFailures {
+                retry_after_s: wait.as_secs().max(1),
+            });
+        }
+        let result = attempt();
+        if result.is_err() {
+            self.limiter.record_failure(peer, Instant::now());
+        }
+        result
+    }
+
     /// Checks a start-ok response for `mechanism` from `peer`.
     pub fn authenticate(
         &self,
@@ -232,30 +280,34 @@ impl UserStore {
         response: &[u8],
         peer: IpAddr,
     ) -> Result<User, AuthError> {
-        let (name, password) = match mechanism {
-            "PLAIN" => parse_plain(response)?,
-            "AMQPLAIN" => parse_amqplain(response)?,
-            _ => return Err(AuthError::Malformed("unsupported mechanism")),
-        };
-        self.check_password(&name, &password, peer)?;
-        Ok(self.logged_in(name))
+        self.limited(peer, || {
+            let (name, password) = match mechanism {
+                "PLAIN" => parse_plain(response)?,
+                "AMQPLAIN" => parse_amqplain(response)?,
+                _ => return Err(AuthError::Malformed("unsupported mechanism")),
+            };
+            self.verify_password(&name, &password, peer)?;
+            Ok(self.logged_in(name))
+        })
     }
 
     /// SASL EXTERNAL: `name` is the common name of a client certificate that the TLS layer
     /// verified, so no password is checked; the user must still exist (RabbitMQ's rule) and
     /// its loopback restriction still holds.
     pub fn authenticate_external(&self, name: &str, peer: IpAddr) -> Result<User, AuthError> {
-        let loopback_only = self
-            .inner
-            .read()
-            .users
-            .get(name)
-            .map(|u| u.loopback_only)
-            .ok_or_else(|| AuthError::Refused(name.to_owned()))?;
-        if loopback_only && !peer.is_loopback() {
-            return Err(AuthError::LoopbackOnly(name.to_owned()));
-        }
-        Ok(self.logged_in(name.to_owned()))
+        self.limited(peer, || {
+            let loopback_only = self
+                .inner
+                .read()
+                .users
+                .get(name)
+                .map(|u| u.loopback_only)
+                .ok_or_else(|| AuthError::Refused(name.to_owned()))?;
+            if loopback_only && !peer.is_loopback() {
+                return Err(AuthError::LoopbackOnly(name.to_owned()));
+            }
+            Ok(self.logged_in(name.to_owned()))
+        })
     }
 
     /// The logged-in view of a user: the vhosts it has a permission on now.
@@ -270,9 +322,18 @@ impl UserStore {
         User { name, vhosts }
     }
 
-    /// Checks a name and password (AMQP login and the admin API's basic auth); returns the
-    /// user's record.
+    /// Checks a name and password (the admin API's basic auth), under the failed-login
+    /// limit; returns the user's record.
     pub fn check_password(
+        &self,
+        name: &str,
+        password: &str,
+        peer: IpAddr,
+    ) -> Result<UserRecord, AuthError> {
+        self.limited(peer, || self.verify_password(name, password, peer))
+    }
+
+    fn verify_password(
         &self,
         name: &str,
         password: &str,
@@ -329,6 +390,7 @@ impl UserStore {
     pub fn delete_user(&self, name: &str) -> bool {
         let mut inner = self.inner.write();
         inner.permissions.retain(|(u, _), _| u != name);
+        self.permissions_changed();
         inner.users.remove(name).is_some()
     }
 
@@ -338,26 +400,62 @@ impl UserStore {
             .read()
             .permissions
             .iter()
-            .map(|((u, v), p)| (u.clone(), v.clone(), p.clone()))
+            .map(|((u, v), (p, _))| (u.clone(), v.clone(), p.clone()))
             .collect()
     }
 
-    /// Sets a user's permission on a vhost; returns true if it was new.
-    pub fn set_permission(&self, user: &str, vhost: &str, p: Permission) -> bool {
+    /// A user's compiled permission on a vhost, if it has one.
+    pub fn permissions_for(
+        &self,
+        user: &str,
+        vhost: &str,
+    ) -> Option<Arc<permissions::Permissions>> {
         self.inner
+            .read()
+            .permissions
+            .get(&(user.to_owned(), vhost.to_owned()))
+            .map(|(_, compiled)| compiled.clone())
+    }
+
+    /// Changes whenever any permission changes: a connection compares it (one atomic load)
+    /// before trusting the copy it holds.
+    pub fn permissions_generation(&self) -> u64 {
+        self.permissions_generation.load(Ordering::Acquire)
+    }
+
+    fn permissions_changed(&self) {
+        self.permissions_generation.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Sets a user's permission on a vhost; returns true if it was new. Refused when an
+    /// expression does not compile.
+    pub fn set_permission(
+        &self,
+        user: &str,
+        vhost: &str,
+        p: Permission,
+    ) -> Result<bool, permissions::InvalidPattern> {
+        let compiled = Arc::new(permissions::Permissions::compile(user, vhost, &p)?);
+        let new = self
+            .inner
             .write()
             .permissions
-            .insert((user.to_owned(), vhost.to_owned()), p)
-            .is_none()
+            .insert((user.to_owned(), vhost.to_owned()), (p, compiled))
+            .is_none();
+        self.permissions_changed();
+        Ok(new)
     }
 
     /// Removes a user's permission on a vhost; returns whether it existed.
     pub fn clear_permission(&self, user: &str, vhost: &str) -> bool {
-        self.inner
+        let existed = self
+            .inner
             .write()
             .permissions
             .remove(&(user.to_owned(), vhost.to_owned()))
-            .is_some()
+            .is_some();
+        self.permissions_changed();
+        existed
     }
 
     /// Removes every permission on a vhost (it was deleted).
@@ -366,6 +464,7 @@ impl UserStore {
             .write()
             .permissions
             .retain(|(_, v), _| v != vhost);
+        self.permissions_changed();
     }
 }
 
@@ -445,6 +544,7 @@ mod tests {
                 .may_open("/")
         );
         s.clear_permission("guest", "/");
+        assert!(s.permissions_for("guest", "/").is_none());
         assert!(
             !s.authenticate("PLAIN", b"\0guest\0guest", lo)
                 .unwrap()

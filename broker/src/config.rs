@@ -24,15 +24,45 @@ pub struct UserConfig {
     /// Only accept this user from loopback addresses (RabbitMQ's rule for `guest`).
     #[serde(default)]
     pub loopback_only: bool,
-    /// Vhosts the user may open; empty means all configured vhosts.
+    /// Vhosts the user may open, with full permissions; empty means all configured vhosts
+    /// (unless `permissions` is given).
     #[serde(default)]
     pub vhosts: Vec<String>,
+    /// Per-vhost permissions (RabbitMQ's configure/write/read expressions), e.g.
+    /// `{"/": {configure: "^app-", write: ".*", read: ".*"}}`. When given, the user may open
+    /// exactly these vhosts; give this or `vhosts`, not both.
+    #[serde(default)]
+    pub permissions: std::collections::BTreeMap<String, crate::auth::Permission>,
     /// Management tags: `administrator` (full admin API) or `monitoring` (read-only).
     #[serde(default)]
     pub tags: Vec<String>,
 }
 
 impl UserConfig {
+    /// The (vhost, permission) pairs this user gets: its `permissions`, else full access to
+    /// its `vhosts`, else full access to every vhost in `all_vhosts`.
+    pub fn vhost_permissions(
+        &self,
+        all_vhosts: &[String],
+    ) -> Vec<(String, crate::auth::Permission)> {
+        if !self.permissions.is_empty() {
+            return self
+                .permissions
+                .iter()
+                .map(|(v, p)| (v.clone(), p.clone()))
+                .collect();
+        }
+        let vhosts = if self.vhosts.is_empty() {
+            all_vhosts
+        } else {
+            &self.vhosts
+        };
+        vhosts
+            .iter()
+            .map(|v| (v.clone(), crate::auth::Permission::full()))
+            .collect()
+    }
+
     /// The user's stored password: the given hash, or the plaintext password hashed with
     /// PBKDF2 at `iterations`.
     pub fn stored_password(
@@ -112,8 +142,15 @@ pub struct Config {
     pub max_queues_per_vhost: usize,
     /// Most consumers per channel (0 = no limit); beyond it basic.consume gets 406.
     pub max_consumers_per_channel: usize,
+    /// Most unacked deliveries per channel (0 = no limit), whatever the client's prefetch:
+    /// consumers get no more until it acks; a basic.get beyond it gets 406.
+    pub max_unacked_per_channel: u32,
     /// Seconds a new connection has to finish the handshake.
     pub handshake_timeout_s: u64,
+    /// Seconds a client may take no byte the broker writes before its connection is closed
+    /// (it stopped reading; RabbitMQ's TCP `send_timeout`). Until then it gets no more
+    /// deliveries than its channels' write windows and the rest stay in their queues.
+    pub write_stall_timeout_s: u64,
     /// Process memory (RSS) above which publishers are blocked with connection.blocked.
     pub memory_high_watermark_bytes: u64,
     /// Free space on the data dir's file system below which publishers are blocked.
@@ -124,6 +161,11 @@ pub struct Config {
     pub vhosts: Vec<String>,
     /// Users. Default: `guest`/`guest`, loopback only.
     pub users: Vec<UserConfig>,
+    /// Failed logins allowed per source address within `login_failures_window_s` (0 = no
+    /// limit); beyond it logins from that address are refused unchecked until the window ends.
+    pub login_failures_max: u32,
+    /// The window of `login_failures_max`, in seconds.
+    pub login_failures_window_s: u64,
     /// PBKDF2 iterations for passwords hashed by this broker (config users, admin API,
     /// `ringmqctl hash-password` has its own flag). Stored hashes keep the count they were
     /// made with.
@@ -154,11 +196,13 @@ impl Default for Config {
             heartbeat_s: 60,
             max_message_size: 128 * 1024 * 1024,
             handshake_timeout_s: 10,
+            write_stall_timeout_s: 30,
             max_table_depth: 32,
             max_connections: 0,
             max_connections_per_user: 0,
             max_queues_per_vhost: 0,
             max_consumers_per_channel: 0,
+            max_unacked_per_channel: 0,
             memory_high_watermark_bytes: default_memory_watermark(),
             disk_free_limit_bytes: 50 * 1024 * 1024,
             journal: crate::store::journal::JournalConfig::default(),
@@ -169,9 +213,12 @@ impl Default for Config {
                 password_hash: None,
                 loopback_only: true,
                 vhosts: Vec::new(),
+                permissions: Default::default(),
                 tags: vec!["administrator".to_owned()],
             }],
             password_hash_iterations: crate::auth::password::DEFAULT_ITERATIONS,
+            login_failures_max: 5,
+            login_failures_window_s: 10,
         }
     }
 }
@@ -247,6 +294,7 @@ impl Config {
         crate::core::vhost::Limits {
             max_queues: self.max_queues_per_vhost,
             max_consumers_per_channel: self.max_consumers_per_channel,
+            max_unacked_per_channel: self.max_unacked_per_channel,
         }
     }
 
@@ -288,6 +336,22 @@ impl Config {
         for u in &self.users {
             // The cheapest cost: this only checks that a password or a valid hash is there.
             u.stored_password(MIN_ITERATIONS)?;
+            if !u.permissions.is_empty() && !u.vhosts.is_empty() {
+                return Err(ConfigError::Invalid(format!(
+                    "user '{}' has both vhosts and permissions: give one",
+                    u.name
+                )));
+            }
+            for (vhost, p) in &u.permissions {
+                crate::auth::permissions::validate(p).map_err(|e| {
+                    ConfigError::Invalid(format!("user '{}', vhost '{vhost}': {e}", u.name))
+                })?;
+            }
+        }
+        if self.write_stall_timeout_s == 0 {
+            return Err(ConfigError::Invalid(
+                "write_stall_timeout_s must be at least 1".into(),
+            ));
         }
         if self.tls_reload_interval_s == 0 {
             return Err(ConfigError::Invalid(

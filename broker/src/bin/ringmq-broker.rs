@@ -129,6 +129,7 @@ fn main() -> anyhow::Result<()> {
             password_hash: None,
             loopback_only: false,
             vhosts: Vec::new(),
+            permissions: Default::default(),
             tags: vec!["administrator".to_owned()],
         });
     }

@@ -15,6 +15,7 @@ use crate::amqp::{
     AMQPClass, AMQPValue, FieldTable, ShortString, basic, channel, codes, confirm, connection,
     exchange, queue, tx,
 };
+use crate::auth::permissions::{Access, Permissions, Resource};
 use crate::auth::{MECHANISM_EXTERNAL, MECHANISMS, User};
 use crate::core::vhost::{Cancelled, Delivery};
 use crate::core::{
@@ -124,13 +125,17 @@ struct Connection {
     heartbeat_s: u16,
     caps: ClientCaps,
     user: Option<User>,
+    /// The user's permission on the open vhost, as of `perms_generation` of the user store.
+    perms: Option<Arc<Permissions>>,
+    perms_generation: u64,
     vhost: Option<Arc<Mutex<VHost>>>,
     vhost_name: String,
     channels: HashMap<u16, ChannelCtx>,
     writer: FrameWriter,
     fx: Effects,
     spare: Pending,
-    written: HashMap<u16, u32>,
+    /// Deliveries (count, body bytes) per channel buffered since the last socket write.
+    written: HashMap<u16, (u32, u64)>,
     confirms: Vec<(u64, bool, bool)>,
     close_reason: String,
     blocked_sent: bool,
@@ -166,6 +171,8 @@ where
         phase: Phase::Start,
         caps: ClientCaps::default(),
         user: None,
+        perms: None,
+        perms_generation: 0,
         vhost: None,
         vhost_name: String::new(),
         channels: HashMap::new(),
@@ -245,17 +252,23 @@ impl Connection {
         heartbeat.reset();
         let mut heartbeat_armed = false;
         let mut synced = self.broker.journal.synced();
+        let stall = Duration::from_secs(self.broker.config.write_stall_timeout_s);
         loop {
             self.stats.flush(&self.broker.stats); // metrics: once per wake-up
             let writable = self.writable(*synced.borrow());
             let held = writable < self.writer.len();
             if writable > 0 {
                 self.stats.bytes_out += writable as u64; // metrics
-                stream
-                    .write_all(&self.writer.as_slice()[..writable])
-                    .await?;
-                // A no-op on TCP; pushes TLS records rustls may still hold.
-                stream.flush().await?;
+                if !write_with_progress(&mut stream, &self.writer.as_slice()[..writable], stall)
+                    .await?
+                {
+                    tracing::warn!(conn = self.id, peer = %self.peer, timeout_s = stall.as_secs(), "closing connection: the client stopped reading");
+                    self.close_reason = format!(
+                        "write stalled: the client read nothing for {} s",
+                        stall.as_secs()
+                    );
+                    return Ok(());
+                }
                 self.writer.consume(writable);
                 for (len, _) in self.gates.iter_mut() {
                     *len -= writable;
@@ -333,6 +346,7 @@ impl Connection {
     // ---- frames ----------------------------------------------------------------------------
 
     fn on_bytes(&mut self, rbuf: &mut BytesMut) {
+        self.refresh_permissions();
         let vhost = self.vhost.clone();
         let mut lazy = vhost.as_deref().map(|vhost| Lazy { vhost, guard: None });
         while matches!(
@@ -385,6 +399,24 @@ impl Connection {
             && vhost.is_none()
         {
             self.on_bytes(rbuf);
+        }
+    }
+
+    /// Re-reads the user's permission when the store changed it (the admin API), so a
+    /// change applies to the next command without a reconnect. One atomic load per batch.
+    fn refresh_permissions(&mut self) {
+        let generation = self.broker.users.permissions_generation();
+        if generation == self.perms_generation {
+            return;
+        }
+        self.perms_generation = generation;
+        if let Some(user) = &self.user
+            && self.vhost.is_some()
+        {
+            self.perms = self
+                .broker
+                .users
+                .permissions_for(&user.name, &self.vhost_name);
         }
     }
 
@@ -651,6 +683,8 @@ impl Connection {
         self.broker
             .connection_opened(self.id, self.peer, &user.name, name)
             .map_err(|limit| ConnError::new(codes::NOT_ALLOWED, limit))?;
+        self.perms_generation = self.broker.users.permissions_generation();
+        self.perms = self.broker.users.permissions_for(&user.name, name);
         self.vhost = Some(vhost);
         self.vhost_name = name.to_owned();
         self.writer.method(
@@ -896,6 +930,15 @@ impl Connection {
             ch.queue_name(name)
                 .ok_or_else(|| err(AmqpError::not_found("no previously declared queue")))
         };
+        let perms = &self.perms;
+        let permit = |access: Access, resource: Resource| match perms {
+            Some(p) => p
+                .check(access, resource)
+                .map_err(|e| err(AmqpError::access_refused(e.to_string()))),
+            None => Err(err(AmqpError::access_refused(
+                "the user's permission on this vhost was removed",
+            ))),
+        };
         match method {
             AMQPClass::Channel(m) => match m {
                 channel::AMQPMethod::Close(_) => {
@@ -926,6 +969,14 @@ impl Connection {
             AMQPClass::Exchange(m) => match m {
                 exchange::AMQPMethod::Declare(d) => {
                     let nowait = d.nowait;
+                    if !d.passive {
+                        let name = d.exchange.as_str();
+                        permit(Access::Configure, Resource::Exchange(name))?;
+                        if let Some(ae) = string_arg(&d.arguments, "alternate-exchange") {
+                            permit(Access::Read, Resource::Exchange(name))?;
+                            permit(Access::Write, Resource::Exchange(ae))?;
+                        }
+                    }
                     v.get()
                         .exchange_declare(ExchangeDeclare {
                             name: d.exchange.to_string(),
@@ -947,6 +998,7 @@ impl Connection {
                     }
                 }
                 exchange::AMQPMethod::Delete(d) => {
+                    permit(Access::Configure, Resource::Exchange(d.exchange.as_str()))?;
                     v.get()
                         .exchange_delete(d.exchange.as_str(), d.if_unused)
                         .map_err(err)?;
@@ -960,6 +1012,8 @@ impl Connection {
                     }
                 }
                 exchange::AMQPMethod::Bind(b) => {
+                    permit(Access::Write, Resource::Exchange(b.destination.as_str()))?;
+                    permit(Access::Read, Resource::Exchange(b.source.as_str()))?;
                     v.get()
                         .exchange_bind(
                             b.destination.as_str(),
@@ -976,6 +1030,8 @@ impl Connection {
                     }
                 }
                 exchange::AMQPMethod::Unbind(b) => {
+                    permit(Access::Write, Resource::Exchange(b.destination.as_str()))?;
+                    permit(Access::Read, Resource::Exchange(b.source.as_str()))?;
                     v.get()
                         .exchange_unbind(
                             b.destination.as_str(),
@@ -1003,6 +1059,17 @@ impl Connection {
             AMQPClass::Queue(m) => match m {
                 queue::AMQPMethod::Declare(d) => {
                     let nowait = d.nowait;
+                    if !d.passive {
+                        let name = match d.queue.as_str() {
+                            "" => v.get().next_server_queue_name(),
+                            n => n.to_owned(),
+                        };
+                        permit(Access::Configure, Resource::Queue(&name))?;
+                        if let Some(dlx) = string_arg(&d.arguments, "x-dead-letter-exchange") {
+                            permit(Access::Read, Resource::Queue(&name))?;
+                            permit(Access::Write, Resource::Exchange(dlx))?;
+                        }
+                    }
                     let created = !d.passive && v.get().queue(d.queue.as_str()).is_none(); // log
                     let declared = v
                         .get()
@@ -1041,6 +1108,8 @@ impl Connection {
                     } else {
                         b.routing_key.to_string()
                     };
+                    permit(Access::Write, Resource::Queue(&q))?;
+                    permit(Access::Read, Resource::Exchange(b.exchange.as_str()))?;
                     v.get()
                         .queue_bind(conn, &q, b.exchange.as_str(), &rk, b.arguments)
                         .map_err(err)?;
@@ -1053,6 +1122,8 @@ impl Connection {
                 }
                 queue::AMQPMethod::Unbind(b) => {
                     let q = need_queue(ch, b.queue.as_str())?;
+                    permit(Access::Write, Resource::Queue(&q))?;
+                    permit(Access::Read, Resource::Exchange(b.exchange.as_str()))?;
                     v.get()
                         .queue_unbind(
                             conn,
@@ -1069,6 +1140,7 @@ impl Connection {
                 }
                 queue::AMQPMethod::Purge(p) => {
                     let q = need_queue(ch, p.queue.as_str())?;
+                    permit(Access::Read, Resource::Queue(&q))?;
                     let message_count = v.get().queue_purge(conn, &q, fx).map_err(err)?;
                     if !p.nowait {
                         reply(
@@ -1081,6 +1153,7 @@ impl Connection {
                 }
                 queue::AMQPMethod::Delete(d) => {
                     let q = need_queue(ch, d.queue.as_str())?;
+                    permit(Access::Configure, Resource::Queue(&q))?;
                     let message_count = v
                         .get()
                         .queue_delete(conn, &q, d.if_unused, d.if_empty, fx)
@@ -1110,6 +1183,7 @@ impl Connection {
                             "immediate=true",
                         )));
                     }
+                    permit(Access::Write, Resource::Exchange(p.exchange.as_str()))?;
                     ch.pending = Some(PendingPublish {
                         exchange: p.exchange.to_string(),
                         routing_key: p.routing_key.to_string(),
@@ -1134,6 +1208,7 @@ impl Connection {
                 }
                 basic::AMQPMethod::Consume(c) => {
                     let q = need_queue(ch, c.queue.as_str())?;
+                    permit(Access::Read, Resource::Queue(&q))?;
                     let nowait = c.nowait;
                     let tag = v
                         .get()
@@ -1172,6 +1247,7 @@ impl Connection {
                 }
                 basic::AMQPMethod::Get(g) => {
                     let q = need_queue(ch, g.queue.as_str())?;
+                    permit(Access::Read, Resource::Queue(&q))?;
                     match v.get().basic_get(key, &q, g.no_ack, now, fx).map_err(err)? {
                         None => reply(
                             w,
@@ -1597,7 +1673,9 @@ impl Connection {
         );
         self.writer.header_payload(id, &m.header_payload);
         self.writer.body(id, &m.body, self.frame_max);
-        *self.written.entry(id).or_insert(0) += 1;
+        let written = self.written.entry(id).or_insert((0, 0));
+        written.0 += 1;
+        written.1 += m.body.len() as u64;
         self.stats.delivered += 1; // metrics
         self.stats.redelivered += u64::from(d.redelivered); // metrics
     }
@@ -1723,13 +1801,14 @@ impl Connection {
         let now = now_ms();
         {
             let mut v = vhost.lock();
-            for (channel, count) in self.written.drain() {
+            for (channel, (count, bytes)) in self.written.drain() {
                 v.delivered_written(
                     ChannelKey {
                         conn: self.id,
                         channel,
                     },
                     count,
+                    bytes,
                     now,
                     &mut self.fx,
                 );
@@ -1782,6 +1861,32 @@ impl Connection {
     }
 }
 
+/// Writes `buf` and flushes (a no-op on TCP; it pushes the records rustls still holds).
+/// Returns false when the socket took no byte for `stall`: a client that stopped reading
+/// would otherwise hold this task, and what it was sent, forever.
+async fn write_with_progress<S>(
+    stream: &mut S,
+    buf: &[u8],
+    stall: Duration,
+) -> std::io::Result<bool>
+where
+    S: AsyncWrite + Unpin,
+{
+    let mut at = 0;
+    while at < buf.len() {
+        match tokio::time::timeout(stall, stream.write(&buf[at..])).await {
+            Err(_) => return Ok(false),
+            Ok(Ok(0)) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(Ok(n)) => at += n,
+            Ok(Err(e)) => return Err(e),
+        }
+    }
+    match tokio::time::timeout(stall, stream.flush()).await {
+        Err(_) => Ok(false),
+        Ok(r) => r.map(|()| true),
+    }
+}
+
 /// Whether class.method is one the protocol defines (so a decode failure is a syntax error,
 /// not an unknown method).
 fn known_method(class_id: u16, method_id: u16) -> bool {
@@ -1823,6 +1928,15 @@ fn reply_text(code: u16, text: &str) -> String {
         text.to_owned()
     } else {
         format!("{name} - {text}")
+    }
+}
+
+/// A string-valued argument (`alternate-exchange`, `x-dead-letter-exchange`), if present.
+fn string_arg<'a>(args: &'a FieldTable, key: &str) -> Option<&'a str> {
+    match args.inner().get(key)? {
+        AMQPValue::LongString(s) => std::str::from_utf8(s.as_bytes()).ok(),
+        AMQPValue::ShortString(s) => Some(s.as_str()),
+        _ => None,
     }
 }
 

@@ -132,6 +132,10 @@ impl Broker {
                 config.users.clone(),
                 &names,
                 config.password_hash_iterations,
+            )
+            .with_login_limit(
+                config.login_failures_max,
+                Duration::from_secs(config.login_failures_window_s),
             ),
             stats: stats::BrokerStats::default(),
             registry: registry::Registry::default(),
