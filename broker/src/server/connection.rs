@@ -36,6 +36,10 @@ const READ_CHUNK_BUSY: usize = 64 * 1024;
 const READ_CHUNK_IDLE: usize = 2 * 1024;
 /// How long a publisher whose queue is backlogged waits before the broker reads from it again.
 const FLOW_PAUSE: Duration = Duration::from_millis(1);
+/// Most frames handled under one vhost lock before the task lets others run: a client
+/// flooding tiny frames (64 KiB of heartbeats is 8,000 frames) must not hold the lock and
+/// its worker thread for a whole read buffer while other connections wait.
+const FRAMES_PER_BATCH: usize = 1024;
 /// How long the broker waits for close-ok after it sent connection.close.
 const CLOSE_OK_TIMEOUT: Duration = Duration::from_secs(1);
 
@@ -253,6 +257,7 @@ impl Connection {
         let mut heartbeat_armed = false;
         let mut synced = self.broker.journal.synced();
         let stall = Duration::from_secs(self.broker.config.write_stall_timeout_s);
+        let mut more_input = false;
         loop {
             self.stats.flush(&self.broker.stats); // metrics: once per wake-up
             let writable = self.writable(*synced.borrow());
@@ -292,6 +297,13 @@ impl Connection {
                 (Phase::Running, None) => Instant::now() + Duration::from_secs(3600),
                 _ => handshake_deadline,
             };
+            if more_input {
+                // The last batch stopped at its cap: let other tasks run, then go on with
+                // the frames already read.
+                tokio::task::yield_now().await;
+                more_input = self.on_bytes(&mut rbuf);
+                continue;
+            }
             let paced = std::mem::take(&mut self.fx.backlogged);
             if paced {
                 // Flow control: the queue this connection publishes to is backlogged.
@@ -319,7 +331,7 @@ impl Connection {
                     read_chunk = if n >= read_chunk / 2 { READ_CHUNK_BUSY } else { READ_CHUNK_IDLE };
                     last_recv = Instant::now();
                     self.stats.bytes_in += n as u64; // metrics
-                    self.on_bytes(&mut rbuf);
+                    more_input = self.on_bytes(&mut rbuf);
                 }
                 _ = self.outbox.notified() => self.drain_outbox(),
                 _ = heartbeat.tick(), if heartbeat_armed => {
@@ -345,10 +357,14 @@ impl Connection {
 
     // ---- frames ----------------------------------------------------------------------------
 
-    fn on_bytes(&mut self, rbuf: &mut BytesMut) {
+    /// Handles the complete frames in `rbuf`, at most [`FRAMES_PER_BATCH`] of them; returns
+    /// whether it stopped at that cap (complete frames may remain).
+    fn on_bytes(&mut self, rbuf: &mut BytesMut) -> bool {
         self.refresh_permissions();
         let vhost = self.vhost.clone();
         let mut lazy = vhost.as_deref().map(|vhost| Lazy { vhost, guard: None });
+        let mut handled = 0;
+        let mut capped = false;
         while matches!(
             self.phase,
             Phase::Start | Phase::Tune | Phase::Open | Phase::Running | Phase::Closing
@@ -356,6 +372,11 @@ impl Connection {
             if self.publish_waits_for_unblock {
                 break;
             }
+            if handled == FRAMES_PER_BATCH {
+                capped = true;
+                break;
+            }
+            handled += 1;
             let frame = match frame::split_frame(rbuf, self.frame_max) {
                 Ok(Some(f)) => f,
                 Ok(None) => break,
@@ -398,8 +419,9 @@ impl Connection {
             && self.vhost.is_some()
             && vhost.is_none()
         {
-            self.on_bytes(rbuf);
+            return self.on_bytes(rbuf);
         }
+        capped
     }
 
     /// Re-reads the user's permission when the store changed it (the admin API), so a
