@@ -1,10 +1,18 @@
-//! The user store and SASL mechanisms PLAIN and AMQPLAIN.
+//! The user store and SASL mechanisms PLAIN, AMQPLAIN and EXTERNAL.
+
+pub mod password;
+pub mod permissions;
+pub mod ratelimit;
 
 use crate::config::UserConfig;
 use amq_protocol::types::{AMQPValue, FieldTable};
-use parking_lot::RwLock;
-use std::collections::BTreeMap;
+use parking_lot::{Mutex, RwLock};
+pub use password::{HashError, PasswordHash};
+use std::collections::{BTreeMap, HashSet};
 use std::net::IpAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 /// Why a login was refused; the text goes into the ACCESS_REFUSED reply.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -15,6 +23,11 @@ pub enum AuthError {
     Refused(String),
     /// The user may only connect from loopback.
     LoopbackOnly(String),
+    /// Too many failed logins from this address lately; the password was not checked.
+    TooManyFailures {
+        /// Seconds until the address may try again.
+        retry_after_s: u64,
+    },
 }
 
 impl AuthError {
@@ -29,103 +42,12 @@ impl AuthError {
             AuthError::LoopbackOnly(user) => {
                 format!("ACCESS_REFUSED - User '{user}' can only connect via localhost")
             }
+            AuthError::TooManyFailures { retry_after_s } => format!(
+                "ACCESS_REFUSED - too many failed logins from this address; \
+                 try again in {retry_after_s} s"
+            ),
         }
     }
-}
-
-/// A user's password as stored: RabbitMQ's `rabbit_password_hashing_sha256`, i.e.
-/// SHA-256(salt ‖ password) with a 4-byte salt. Plaintext passwords from the config file are
-/// hashed when loaded, so one representation serves login, export and import.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PasswordHash {
-    salt: [u8; 4],
-    digest: [u8; 32],
-}
-
-/// The only hashing algorithm accepted on import (RabbitMQ's default since 3.6).
-pub const HASHING_ALGORITHM: &str = "rabbit_password_hashing_sha256";
-
-impl PasswordHash {
-    /// Hashes `password` with a fresh salt.
-    pub fn new(password: &str) -> Self {
-        Self::with_salt(fresh_salt(), password)
-    }
-
-    fn with_salt(salt: [u8; 4], password: &str) -> Self {
-        use sha2::Digest;
-        let mut h = sha2::Sha256::new();
-        h.update(salt);
-        h.update(password.as_bytes());
-        Self {
-            salt,
-            digest: h.finalize().into(),
-        }
-    }
-
-    /// A hash no password matches: RabbitMQ's empty `password_hash` (a user that cannot log
-    /// in with a password).
-    pub fn locked() -> Self {
-        Self {
-            salt: [0; 4],
-            digest: [0; 32],
-        }
-    }
-
-    fn is_locked(&self) -> bool {
-        self.salt == [0; 4] && self.digest == [0; 32]
-    }
-
-    /// Parses RabbitMQ's `password_hash`: base64 of salt (4 bytes) followed by the digest.
-    pub fn from_base64(text: &str) -> Option<Self> {
-        use base64::Engine;
-        let raw = base64::engine::general_purpose::STANDARD
-            .decode(text.trim())
-            .ok()?;
-        if raw.len() != 36 {
-            return None;
-        }
-        let mut salt = [0u8; 4];
-        salt.copy_from_slice(&raw[..4]);
-        let mut digest = [0u8; 32];
-        digest.copy_from_slice(&raw[4..]);
-        Some(Self { salt, digest })
-    }
-
-    /// The `password_hash` field of a definitions export.
-    pub fn to_base64(&self) -> String {
-        use base64::Engine;
-        if self.is_locked() {
-            return String::new();
-        }
-        let mut raw = Vec::with_capacity(36);
-        raw.extend_from_slice(&self.salt);
-        raw.extend_from_slice(&self.digest);
-        base64::engine::general_purpose::STANDARD.encode(raw)
-    }
-
-    /// Whether `password` is the one hashed.
-    pub fn matches(&self, password: &str) -> bool {
-        !self.is_locked()
-            && constant_time_eq(&Self::with_salt(self.salt, password).digest, &self.digest)
-    }
-}
-
-/// Four salt bytes that differ between users and runs. Not a secret: the salt only keeps equal
-/// passwords from having equal hashes.
-fn fresh_salt() -> [u8; 4] {
-    use sha2::Digest;
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let mut h = sha2::Sha256::new();
-    h.update(COUNTER.fetch_add(1, Ordering::Relaxed).to_le_bytes());
-    h.update(std::process::id().to_le_bytes());
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0);
-    h.update(nanos.to_le_bytes());
-    let out: [u8; 32] = h.finalize().into();
-    [out[0], out[1], out[2], out[3]]
 }
 
 /// A stored user.
@@ -133,7 +55,7 @@ fn fresh_salt() -> [u8; 4] {
 pub struct UserRecord {
     /// Login name.
     pub name: String,
-    /// Salted password hash.
+    /// Stored password (PBKDF2, or RabbitMQ's hash when imported).
     pub password: PasswordHash,
     /// Management tags: `administrator` (everything), `monitoring` (read-only admin API).
     pub tags: Vec<String>,
@@ -141,10 +63,11 @@ pub struct UserRecord {
     pub loopback_only: bool,
 }
 
-/// What a user may do in one vhost: RabbitMQ's configure/write/read regular expressions.
-/// Today only their existence is enforced (a user with no entry cannot open the vhost); the
-/// regexes are stored and exported, and enforced by issue 4.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// What a user may do in one vhost: RabbitMQ's configure/write/read regular expressions
+/// (enforced through [`permissions::Permissions`]; a user with no entry cannot open the
+/// vhost at all).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Permission {
     /// Resources the user may declare and delete.
     pub configure: String,
@@ -168,15 +91,91 @@ impl Permission {
 #[derive(Debug, Default)]
 struct Users {
     users: BTreeMap<String, UserRecord>,
-    /// (user, vhost) → permission.
-    permissions: BTreeMap<(String, String), Permission>,
+    /// (user, vhost) → permission as given, and compiled.
+    permissions: BTreeMap<(String, String), (Permission, Arc<permissions::Permissions>)>,
 }
 
 /// Users allowed to log in and their permissions; changed at run time by the admin API.
-/// Reads (logins) take a shared lock; the lock is never held across an await.
-#[derive(Debug, Default)]
+/// Reads (logins) take a shared lock; the lock is never held across an await, nor while a
+/// password is hashed.
+#[derive(Debug)]
 pub struct UserStore {
     inner: RwLock<Users>,
+    /// PBKDF2 iterations for passwords hashed here.
+    iterations: u32,
+    verified: VerifiedCache,
+    limiter: ratelimit::LoginLimiter,
+    /// Bumped by every permission change, so connections refresh their copy with one load.
+    permissions_generation: AtomicU64,
+}
+
+/// Most remembered successful logins; the set is emptied when full (a bound, not an LRU:
+/// the next login of each user pays one hash again).
+const VERIFIED_CACHE_MAX: usize = 10_000;
+
+/// Successful PBKDF2 checks, so that a client reconnecting with the right password pays one
+/// HMAC (microseconds) instead of the full hash (~170 ms at the default cost). Entries are
+/// HMAC-SHA256 under a key drawn at start and never stored, over (user, stored hash,
+/// password): a changed password or hash never matches an old entry, and the set reveals
+/// nothing without the key. Failed checks are not remembered.
+struct VerifiedCache {
+    key: ring::hmac::Key,
+    seen: Mutex<HashSet<[u8; 32]>>,
+}
+
+impl std::fmt::Debug for VerifiedCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VerifiedCache")
+            .field("entries", &self.seen.lock().len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl VerifiedCache {
+    fn new() -> Self {
+        let rng = ring::rand::SystemRandom::new();
+        let key = ring::hmac::Key::generate(ring::hmac::HMAC_SHA256, &rng)
+            .expect("the operating system's random source is available");
+        Self {
+            key,
+            seen: Mutex::new(HashSet::new()),
+        }
+    }
+
+    fn tag(&self, name: &str, hash: &PasswordHash, password: &str) -> [u8; 32] {
+        let mut ctx = ring::hmac::Context::with_key(&self.key);
+        for part in [name, &hash.encoded(), password] {
+            ctx.update(&(part.len() as u64).to_be_bytes());
+            ctx.update(part.as_bytes());
+        }
+        let mut out = [0u8; 32];
+        out.copy_from_slice(ctx.sign().as_ref());
+        out
+    }
+
+    fn contains(&self, tag: &[u8; 32]) -> bool {
+        self.seen.lock().contains(tag)
+    }
+
+    fn insert(&self, tag: [u8; 32]) {
+        let mut seen = self.seen.lock();
+        if seen.len() >= VERIFIED_CACHE_MAX {
+            seen.clear();
+        }
+        seen.insert(tag);
+    }
+}
+
+/// Runs a CPU-heavy step (a PBKDF2 check) without stalling the other tasks of the worker
+/// thread: on the broker's multi-threaded runtime the worker hands its tasks to another
+/// thread first. Elsewhere (a unit test, a current-thread runtime) it just runs.
+fn cpu_heavy<T>(f: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(f)
+        }
+        _ => f(),
+    }
 }
 
 /// A logged-in user.
@@ -195,31 +194,49 @@ impl User {
     }
 }
 
-/// The mechanisms offered in connection.start.
+/// The mechanisms offered in connection.start on every connection.
 pub const MECHANISMS: &str = "PLAIN AMQPLAIN";
 
+/// The mechanism that logs in as the subject CN of a verified TLS client certificate;
+/// offered only on TLS connections that presented one.
+pub const MECHANISM_EXTERNAL: &str = "EXTERNAL";
+
 impl UserStore {
-    /// A store of the configured users. A user with no `vhosts` gets full permissions on
-    /// every vhost in `vhosts`; otherwise on the ones it lists.
-    pub fn new(users: Vec<UserConfig>, vhosts: &[String]) -> Self {
-        let store = Self::default();
+    /// A store of the configured users, hashing plaintext passwords with PBKDF2 at
+    /// `iterations`. A user with no `vhosts` gets full permissions on every vhost in `vhosts`;
+    /// otherwise on the ones it lists. A user whose `password_hash` does not parse (the
+    /// config check refuses that first) is locked, never let in.
+    pub fn new(users: Vec<UserConfig>, vhosts: &[String], iterations: u32) -> Self {
+        let store = Self {
+            inner: RwLock::new(Users::default()),
+            iterations,
+            verified: VerifiedCache::new(),
+            limiter: ratelimit::LoginLimiter::new(0, Duration::ZERO, 1),
+            permissions_generation: AtomicU64::new(0),
+        };
         {
             let mut inner = store.inner.write();
             for u in users {
-                let allowed = if u.vhosts.is_empty() {
-                    vhosts.to_vec()
-                } else {
-                    u.vhosts.clone()
-                };
-                for v in allowed {
-                    inner
-                        .permissions
-                        .insert((u.name.clone(), v), Permission::full());
+                for (v, p) in u.vhost_permissions(vhosts) {
+                    match permissions::Permissions::compile(&u.name, &v, &p) {
+                        Ok(compiled) => {
+                            inner
+                                .permissions
+                                .insert((u.name.clone(), v), (p, Arc::new(compiled)));
+                        }
+                        Err(e) => {
+                            tracing::error!(user = %u.name, vhost = %v, error = %e, "permission not granted: invalid expression");
+                        }
+                    }
                 }
+                let password = u.stored_password(iterations).unwrap_or_else(|e| {
+                    tracing::error!(user = %u.name, error = %e, "user locked: unusable password");
+                    PasswordHash::locked()
+                });
                 inner.users.insert(
                     u.name.clone(),
                     UserRecord {
-                        password: PasswordHash::new(&u.password),
+                        password,
                         name: u.name,
                         tags: u.tags,
                         loopback_only: u.loopback_only,
@@ -230,6 +247,32 @@ impl UserStore {
         store
     }
 
+    /// Refuses logins from an address after `max_failures` failures within `window`
+    /// (0 = never), without checking the password, until the window has passed.
+    pub fn with_login_limit(mut self, max_failures: u32, window: Duration) -> Self {
+        self.limiter = ratelimit::LoginLimiter::new(max_failures, window, ratelimit::MAX_SOURCES);
+        self
+    }
+
+    /// Runs one login attempt from `peer` under the failed-login limit: refused at once when
+    /// the address is blocked, counted when it fails.
+    fn limited<T>(
+        &self,
+        peer: IpAddr,
+        attempt: impl FnOnce() -> Result<T, AuthError>,
+    ) -> Result<T, AuthError> {
+        if let Some(wait) = self.limiter.blocked_for(peer, Instant::now()) {
+            return Err(AuthError::TooManyFailures {
+                retry_after_s: wait.as_secs().max(1),
+            });
+        }
+        let result = attempt();
+        if result.is_err() {
+            self.limiter.record_failure(peer, Instant::now());
+        }
+        result
+    }
+
     /// Checks a start-ok response for `mechanism` from `peer`.
     pub fn authenticate(
         &self,
@@ -237,12 +280,38 @@ impl UserStore {
         response: &[u8],
         peer: IpAddr,
     ) -> Result<User, AuthError> {
-        let (name, password) = match mechanism {
-            "PLAIN" => parse_plain(response)?,
-            "AMQPLAIN" => parse_amqplain(response)?,
-            _ => return Err(AuthError::Malformed("unsupported mechanism")),
-        };
-        self.check_password(&name, &password, peer)?;
+        self.limited(peer, || {
+            let (name, password) = match mechanism {
+                "PLAIN" => parse_plain(response)?,
+                "AMQPLAIN" => parse_amqplain(response)?,
+                _ => return Err(AuthError::Malformed("unsupported mechanism")),
+            };
+            self.verify_password(&name, &password, peer)?;
+            Ok(self.logged_in(name))
+        })
+    }
+
+    /// SASL EXTERNAL: `name` is the common name of a client certificate that the TLS layer
+    /// verified, so no password is checked; the user must still exist (RabbitMQ's rule) and
+    /// its loopback restriction still holds.
+    pub fn authenticate_external(&self, name: &str, peer: IpAddr) -> Result<User, AuthError> {
+        self.limited(peer, || {
+            let loopback_only = self
+                .inner
+                .read()
+                .users
+                .get(name)
+                .map(|u| u.loopback_only)
+                .ok_or_else(|| AuthError::Refused(name.to_owned()))?;
+            if loopback_only && !peer.is_loopback() {
+                return Err(AuthError::LoopbackOnly(name.to_owned()));
+            }
+            Ok(self.logged_in(name.to_owned()))
+        })
+    }
+
+    /// The logged-in view of a user: the vhosts it has a permission on now.
+    fn logged_in(&self, name: String) -> User {
         let inner = self.inner.read();
         let vhosts = inner
             .permissions
@@ -250,27 +319,52 @@ impl UserStore {
             .filter(|(u, _)| *u == name)
             .map(|(_, v)| v.clone())
             .collect();
-        Ok(User { name, vhosts })
+        User { name, vhosts }
     }
 
-    /// Checks a name and password (AMQP login and the admin API's basic auth); returns the
-    /// user's record.
+    /// Checks a name and password (the admin API's basic auth), under the failed-login
+    /// limit; returns the user's record.
     pub fn check_password(
         &self,
         name: &str,
         password: &str,
         peer: IpAddr,
     ) -> Result<UserRecord, AuthError> {
-        let inner = self.inner.read();
-        let user = inner
-            .users
-            .get(name)
-            .filter(|u| u.password.matches(password))
-            .ok_or_else(|| AuthError::Refused(name.to_owned()))?;
+        self.limited(peer, || self.verify_password(name, password, peer))
+    }
+
+    fn verify_password(
+        &self,
+        name: &str,
+        password: &str,
+        peer: IpAddr,
+    ) -> Result<UserRecord, AuthError> {
+        let refused = || AuthError::Refused(name.to_owned());
+        let user = self.user(name).ok_or_else(refused)?;
+        let matches = if user.password.is_slow() {
+            let tag = self.verified.tag(name, &user.password, password);
+            self.verified.contains(&tag) || {
+                let ok = cpu_heavy(|| user.password.matches(password));
+                if ok {
+                    self.verified.insert(tag);
+                }
+                ok
+            }
+        } else {
+            user.password.matches(password)
+        };
+        if !matches {
+            return Err(refused());
+        }
         if user.loopback_only && !peer.is_loopback() {
             return Err(AuthError::LoopbackOnly(name.to_owned()));
         }
-        Ok(user.clone())
+        Ok(user)
+    }
+
+    /// Hashes a new password the way this store does (PBKDF2 at the configured cost).
+    pub fn hash_password(&self, password: &str) -> PasswordHash {
+        cpu_heavy(|| PasswordHash::new(password, self.iterations))
     }
 
     /// All users, by name.
@@ -296,6 +390,7 @@ impl UserStore {
     pub fn delete_user(&self, name: &str) -> bool {
         let mut inner = self.inner.write();
         inner.permissions.retain(|(u, _), _| u != name);
+        self.permissions_changed();
         inner.users.remove(name).is_some()
     }
 
@@ -305,26 +400,62 @@ impl UserStore {
             .read()
             .permissions
             .iter()
-            .map(|((u, v), p)| (u.clone(), v.clone(), p.clone()))
+            .map(|((u, v), (p, _))| (u.clone(), v.clone(), p.clone()))
             .collect()
     }
 
-    /// Sets a user's permission on a vhost; returns true if it was new.
-    pub fn set_permission(&self, user: &str, vhost: &str, p: Permission) -> bool {
+    /// A user's compiled permission on a vhost, if it has one.
+    pub fn permissions_for(
+        &self,
+        user: &str,
+        vhost: &str,
+    ) -> Option<Arc<permissions::Permissions>> {
         self.inner
+            .read()
+            .permissions
+            .get(&(user.to_owned(), vhost.to_owned()))
+            .map(|(_, compiled)| compiled.clone())
+    }
+
+    /// Changes whenever any permission changes: a connection compares it (one atomic load)
+    /// before trusting the copy it holds.
+    pub fn permissions_generation(&self) -> u64 {
+        self.permissions_generation.load(Ordering::Acquire)
+    }
+
+    fn permissions_changed(&self) {
+        self.permissions_generation.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Sets a user's permission on a vhost; returns true if it was new. Refused when an
+    /// expression does not compile.
+    pub fn set_permission(
+        &self,
+        user: &str,
+        vhost: &str,
+        p: Permission,
+    ) -> Result<bool, permissions::InvalidPattern> {
+        let compiled = Arc::new(permissions::Permissions::compile(user, vhost, &p)?);
+        let new = self
+            .inner
             .write()
             .permissions
-            .insert((user.to_owned(), vhost.to_owned()), p)
-            .is_none()
+            .insert((user.to_owned(), vhost.to_owned()), (p, compiled))
+            .is_none();
+        self.permissions_changed();
+        Ok(new)
     }
 
     /// Removes a user's permission on a vhost; returns whether it existed.
     pub fn clear_permission(&self, user: &str, vhost: &str) -> bool {
-        self.inner
+        let existed = self
+            .inner
             .write()
             .permissions
             .remove(&(user.to_owned(), vhost.to_owned()))
-            .is_some()
+            .is_some();
+        self.permissions_changed();
+        existed
     }
 
     /// Removes every permission on a vhost (it was deleted).
@@ -333,11 +464,8 @@ impl UserStore {
             .write()
             .permissions
             .retain(|(_, v), _| v != vhost);
+        self.permissions_changed();
     }
-}
-
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 /// PLAIN (RFC 4616): `authzid NUL authcid NUL passwd`.
@@ -384,18 +512,26 @@ mod tests {
 
     fn store() -> UserStore {
         let c = crate::config::Config::default();
-        UserStore::new(c.users, &c.vhosts)
+        UserStore::new(c.users, &c.vhosts, password::MIN_ITERATIONS)
     }
 
     #[test]
-    fn rabbitmq_password_hashes_are_accepted() {
-        // A hash as RabbitMQ's `rabbitmqctl hash_password guest` would write it.
-        let h = PasswordHash::with_salt([1, 2, 3, 4], "s3cret");
-        let parsed = PasswordHash::from_base64(&h.to_base64()).unwrap();
-        assert!(parsed.matches("s3cret"));
-        assert!(!parsed.matches("guest"));
-        assert!(PasswordHash::from_base64("not base64!").is_none());
-        assert!(PasswordHash::from_base64("AAAA").is_none());
+    fn a_repeated_login_is_answered_from_the_cache_and_a_changed_password_is_not() {
+        let s = store();
+        let lo = IpAddr::V4(Ipv4Addr::LOCALHOST);
+        let guest = s.user("guest").unwrap();
+        let tag = s.verified.tag("guest", &guest.password, "guest");
+        assert!(!s.verified.contains(&tag));
+        s.check_password("guest", "guest", lo).unwrap();
+        assert!(s.verified.contains(&tag), "a success is remembered");
+        assert!(s.check_password("guest", "wrong", lo).is_err());
+        assert_eq!(s.verified.seen.lock().len(), 1, "a failure is not");
+        s.put_user(UserRecord {
+            password: s.hash_password("new"),
+            ..guest
+        });
+        assert!(s.check_password("guest", "guest", lo).is_err());
+        assert!(s.check_password("guest", "new", lo).is_ok());
     }
 
     #[test]
@@ -408,6 +544,7 @@ mod tests {
                 .may_open("/")
         );
         s.clear_permission("guest", "/");
+        assert!(s.permissions_for("guest", "/").is_none());
         assert!(
             !s.authenticate("PLAIN", b"\0guest\0guest", lo)
                 .unwrap()

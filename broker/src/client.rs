@@ -1,7 +1,8 @@
 //! A minimal AMQP 0-9-1 client that speaks raw frames. Two users need it: the bench tool,
 //! where a general client library would be the bottleneck long before the broker, and tests
 //! that must send malformed input after a valid handshake. It is not a general client: one
-//! channel, no reconnect, no TLS.
+//! channel, no reconnect. It runs over any byte stream (`S`): a TCP socket by default, or a
+//! TLS stream the caller set up (the TLS tests do).
 
 use crate::amqp::frame::{
     self, FRAME_BODY, FRAME_END, FRAME_HEADER, FRAME_METHOD, PROTOCOL_HEADER, RawFrame,
@@ -11,7 +12,7 @@ use crate::amqp::{AMQPClass, AMQPValue, FieldTable, basic, channel, connection};
 use amq_protocol::uri::AMQPUri;
 use bytes::BytesMut;
 use thiserror::Error;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 /// Why a raw-client operation failed.
@@ -39,9 +40,9 @@ pub enum ClientError {
 }
 
 /// A connection with channel 1 open.
-pub struct RawClient {
+pub struct RawClient<S = TcpStream> {
     /// The socket.
-    pub stream: TcpStream,
+    pub stream: S,
     /// Bytes read and not yet split into frames.
     pub rbuf: BytesMut,
     /// Negotiated frame-max.
@@ -78,11 +79,26 @@ impl Target {
     }
 }
 
-impl RawClient {
+impl RawClient<TcpStream> {
     /// Connects, logs in with PLAIN, opens the vhost and channel 1.
     pub async fn connect(target: &Target) -> Result<Self, ClientError> {
         let stream = TcpStream::connect(&target.addr).await?;
         stream.set_nodelay(true)?;
+        let response = format!("\0{}\0{}", target.user, target.password);
+        Self::open(stream, target, "PLAIN", response.as_bytes()).await
+    }
+}
+
+impl<S: AsyncRead + AsyncWrite + Unpin> RawClient<S> {
+    /// Runs the handshake on a connected stream, logging in with `mechanism` and its
+    /// `response` (PLAIN: `\0user\0password`; EXTERNAL: empty), then opens the vhost and
+    /// channel 1. `target.addr` is not used: the stream is already connected.
+    pub async fn open(
+        stream: S,
+        target: &Target,
+        mechanism: &str,
+        response: &[u8],
+    ) -> Result<Self, ClientError> {
         let mut c = RawClient {
             stream,
             rbuf: BytesMut::with_capacity(256 * 1024),
@@ -90,6 +106,7 @@ impl RawClient {
             known_hosts: String::new(),
         };
         c.stream.write_all(PROTOCOL_HEADER).await?;
+        c.stream.flush().await?;
         match c.read_method().await? {
             AMQPClass::Connection(connection::AMQPMethod::Start(_)) => {}
             m => {
@@ -110,13 +127,12 @@ impl RawClient {
             AMQPValue::LongString("ringmq raw client".into()),
         );
         props.insert("capabilities".into(), AMQPValue::FieldTable(caps));
-        let response = format!("\0{}\0{}", target.user, target.password);
         c.send(
             0,
             AMQPClass::Connection(connection::AMQPMethod::StartOk(connection::StartOk {
                 client_properties: props,
-                mechanism: "PLAIN".into(),
-                response: response.as_str().into(),
+                mechanism: mechanism.into(),
+                response: response.into(),
                 locale: "en_US".into(),
             })),
         )
@@ -169,6 +185,7 @@ impl RawClient {
         let mut w = FrameWriter::default();
         w.method(channel, method);
         self.stream.write_all(w.as_slice()).await?;
+        self.stream.flush().await?;
         Ok(())
     }
 

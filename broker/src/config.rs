@@ -12,17 +12,74 @@ use thiserror::Error;
 pub struct UserConfig {
     /// Login name.
     pub name: String,
-    /// Password.
-    pub password: String,
+    /// Password in plaintext; hashed with PBKDF2 when the file is loaded. Give this or
+    /// `password_hash`.
+    #[serde(default)]
+    pub password: Option<String>,
+    /// A stored hash instead of a password: `$pbkdf2-sha256$...` (`ringmqctl hash-password`
+    /// prints one) or RabbitMQ's `rabbit_password_hashing_sha256` base64. Empty: no password
+    /// logs in (EXTERNAL only).
+    #[serde(default)]
+    pub password_hash: Option<String>,
     /// Only accept this user from loopback addresses (RabbitMQ's rule for `guest`).
     #[serde(default)]
     pub loopback_only: bool,
-    /// Vhosts the user may open; empty means all configured vhosts.
+    /// Vhosts the user may open, with full permissions; empty means all configured vhosts
+    /// (unless `permissions` is given).
     #[serde(default)]
     pub vhosts: Vec<String>,
+    /// Per-vhost permissions (RabbitMQ's configure/write/read expressions), e.g.
+    /// `{"/": {configure: "^app-", write: ".*", read: ".*"}}`. When given, the user may open
+    /// exactly these vhosts; give this or `vhosts`, not both.
+    #[serde(default)]
+    pub permissions: std::collections::BTreeMap<String, crate::auth::Permission>,
     /// Management tags: `administrator` (full admin API) or `monitoring` (read-only).
     #[serde(default)]
     pub tags: Vec<String>,
+}
+
+impl UserConfig {
+    /// The (vhost, permission) pairs this user gets: its `permissions`, else full access to
+    /// its `vhosts`, else full access to every vhost in `all_vhosts`.
+    pub fn vhost_permissions(
+        &self,
+        all_vhosts: &[String],
+    ) -> Vec<(String, crate::auth::Permission)> {
+        if !self.permissions.is_empty() {
+            return self
+                .permissions
+                .iter()
+                .map(|(v, p)| (v.clone(), p.clone()))
+                .collect();
+        }
+        let vhosts = if self.vhosts.is_empty() {
+            all_vhosts
+        } else {
+            &self.vhosts
+        };
+        vhosts
+            .iter()
+            .map(|v| (v.clone(), crate::auth::Permission::full()))
+            .collect()
+    }
+
+    /// The user's stored password: the given hash, or the plaintext password hashed with
+    /// PBKDF2 at `iterations`.
+    pub fn stored_password(
+        &self,
+        iterations: u32,
+    ) -> Result<crate::auth::PasswordHash, ConfigError> {
+        use crate::auth::PasswordHash;
+        match (&self.password, &self.password_hash) {
+            (Some(p), None) => Ok(PasswordHash::new(p, iterations)),
+            (None, Some(h)) => PasswordHash::parse(h, None)
+                .map_err(|e| ConfigError::Invalid(format!("user '{}': {e}", self.name))),
+            _ => Err(ConfigError::Invalid(format!(
+                "user '{}' needs exactly one of password or password_hash",
+                self.name
+            ))),
+        }
+    }
 }
 
 /// Everything the broker reads at start-up.
@@ -31,6 +88,27 @@ pub struct UserConfig {
 pub struct Config {
     /// AMQP listener address.
     pub amqp_listen: SocketAddr,
+    /// Whether the plaintext AMQP listener runs; `false` with `amqps_listen` set makes the
+    /// broker TLS-only (`--no-plaintext`).
+    pub amqp_listen_enabled: bool,
+    /// TLS (amqps) listener address; none means no TLS listener. Needs `tls_cert_file` and
+    /// `tls_key_file`.
+    pub amqps_listen: Option<SocketAddr>,
+    /// PEM certificate chain the TLS listener presents (leaf first).
+    pub tls_cert_file: Option<PathBuf>,
+    /// PEM private key (PKCS#8, PKCS#1 or SEC1) of `tls_cert_file`.
+    pub tls_key_file: Option<PathBuf>,
+    /// PEM CA certificates that client certificates must chain to; with it the broker asks
+    /// clients for a certificate and offers SASL EXTERNAL to those that present one.
+    pub tls_ca_file: Option<PathBuf>,
+    /// Verify client certificates against `tls_ca_file` (RabbitMQ's `verify_peer`); only
+    /// meaningful with a CA file.
+    pub tls_verify_peer: bool,
+    /// Refuse TLS clients that present no certificate (RabbitMQ's `fail_if_no_peer_cert`).
+    pub tls_fail_if_no_peer_cert: bool,
+    /// How often the certificate, key and CA files are checked for changes, in seconds; a
+    /// change is loaded for new connections without a restart.
+    pub tls_reload_interval_s: u64,
     /// Admin HTTP listener address (metrics, health, JSON API).
     pub admin_listen: SocketAddr,
     /// This node's id, shown in the admin API and used as the queues' `owner`.
@@ -64,8 +142,15 @@ pub struct Config {
     pub max_queues_per_vhost: usize,
     /// Most consumers per channel (0 = no limit); beyond it basic.consume gets 406.
     pub max_consumers_per_channel: usize,
+    /// Most unacked deliveries per channel (0 = no limit), whatever the client's prefetch:
+    /// consumers get no more until it acks; a basic.get beyond it gets 406.
+    pub max_unacked_per_channel: u32,
     /// Seconds a new connection has to finish the handshake.
     pub handshake_timeout_s: u64,
+    /// Seconds a client may take no byte the broker writes before its connection is closed
+    /// (it stopped reading; RabbitMQ's TCP `send_timeout`). Until then it gets no more
+    /// deliveries than its channels' write windows and the rest stay in their queues.
+    pub write_stall_timeout_s: u64,
     /// Process memory (RSS) above which publishers are blocked with connection.blocked.
     pub memory_high_watermark_bytes: u64,
     /// Free space on the data dir's file system below which publishers are blocked.
@@ -95,12 +180,29 @@ pub struct Config {
     pub vhosts: Vec<String>,
     /// Users. Default: `guest`/`guest`, loopback only.
     pub users: Vec<UserConfig>,
+    /// Failed logins allowed per source address within `login_failures_window_s` (0 = no
+    /// limit); beyond it logins from that address are refused unchecked until the window ends.
+    pub login_failures_max: u32,
+    /// The window of `login_failures_max`, in seconds.
+    pub login_failures_window_s: u64,
+    /// PBKDF2 iterations for passwords hashed by this broker (config users, admin API,
+    /// `ringmqctl hash-password` has its own flag). Stored hashes keep the count they were
+    /// made with.
+    pub password_hash_iterations: u32,
 }
 
 impl Default for Config {
     fn default() -> Self {
         Self {
             amqp_listen: SocketAddr::from(([127, 0, 0, 1], 5672)),
+            amqp_listen_enabled: true,
+            amqps_listen: None,
+            tls_cert_file: None,
+            tls_key_file: None,
+            tls_ca_file: None,
+            tls_verify_peer: true,
+            tls_fail_if_no_peer_cert: false,
+            tls_reload_interval_s: 5,
             admin_listen: SocketAddr::from(([127, 0, 0, 1], 15672)),
             node_id: default_node_id(),
             cluster_name: "ringmq".to_owned(),
@@ -113,11 +215,13 @@ impl Default for Config {
             heartbeat_s: 60,
             max_message_size: 128 * 1024 * 1024,
             handshake_timeout_s: 10,
+            write_stall_timeout_s: 30,
             max_table_depth: 32,
             max_connections: 0,
             max_connections_per_user: 0,
             max_queues_per_vhost: 0,
             max_consumers_per_channel: 0,
+            max_unacked_per_channel: 0,
             memory_high_watermark_bytes: default_memory_watermark(),
             disk_free_limit_bytes: 50 * 1024 * 1024,
             cluster_listen: None,
@@ -131,11 +235,16 @@ impl Default for Config {
             vhosts: vec!["/".to_owned()],
             users: vec![UserConfig {
                 name: "guest".to_owned(),
-                password: "guest".to_owned(),
+                password: Some("guest".to_owned()),
+                password_hash: None,
                 loopback_only: true,
                 vhosts: Vec::new(),
+                permissions: Default::default(),
                 tags: vec!["administrator".to_owned()],
             }],
+            password_hash_iterations: crate::auth::password::DEFAULT_ITERATIONS,
+            login_failures_max: 5,
+            login_failures_window_s: 10,
         }
     }
 }
@@ -211,6 +320,7 @@ impl Config {
         crate::core::vhost::Limits {
             max_queues: self.max_queues_per_vhost,
             max_consumers_per_channel: self.max_consumers_per_channel,
+            max_unacked_per_channel: self.max_unacked_per_channel,
         }
     }
 
@@ -231,6 +341,58 @@ impl Config {
             return Err(ConfigError::Invalid(
                 "--cluster-seeds needs --cluster-listen (the port other members reach this one on)"
                     .into(),
+            ));
+        }
+        if self.amqps_listen.is_some()
+            && (self.tls_cert_file.is_none() || self.tls_key_file.is_none())
+        {
+            return Err(ConfigError::Invalid(
+                "amqps_listen needs tls_cert_file and tls_key_file (--tls-cert, --tls-key)".into(),
+            ));
+        }
+        if !self.amqp_listen_enabled && self.amqps_listen.is_none() {
+            return Err(ConfigError::Invalid(
+                "the plaintext listener is disabled and no amqps_listen is set: \
+                 clients could not connect at all"
+                    .into(),
+            ));
+        }
+        if self.tls_fail_if_no_peer_cert && self.tls_ca_file.is_none() {
+            return Err(ConfigError::Invalid(
+                "tls_fail_if_no_peer_cert needs tls_ca_file (--tls-ca) to verify certificates"
+                    .into(),
+            ));
+        }
+        use crate::auth::password::{MAX_ITERATIONS, MIN_ITERATIONS};
+        if !(MIN_ITERATIONS..=MAX_ITERATIONS).contains(&self.password_hash_iterations) {
+            return Err(ConfigError::Invalid(format!(
+                "password_hash_iterations {} is outside {MIN_ITERATIONS}..={MAX_ITERATIONS}",
+                self.password_hash_iterations
+            )));
+        }
+        for u in &self.users {
+            // The cheapest cost: this only checks that a password or a valid hash is there.
+            u.stored_password(MIN_ITERATIONS)?;
+            if !u.permissions.is_empty() && !u.vhosts.is_empty() {
+                return Err(ConfigError::Invalid(format!(
+                    "user '{}' has both vhosts and permissions: give one",
+                    u.name
+                )));
+            }
+            for (vhost, p) in &u.permissions {
+                crate::auth::permissions::validate(p).map_err(|e| {
+                    ConfigError::Invalid(format!("user '{}', vhost '{vhost}': {e}", u.name))
+                })?;
+            }
+        }
+        if self.write_stall_timeout_s == 0 {
+            return Err(ConfigError::Invalid(
+                "write_stall_timeout_s must be at least 1".into(),
+            ));
+        }
+        if self.tls_reload_interval_s == 0 {
+            return Err(ConfigError::Invalid(
+                "tls_reload_interval_s must be at least 1".into(),
             ));
         }
         if self.vhosts.is_empty() {

@@ -11,6 +11,8 @@ use std::time::Duration;
 
 pub use lapin;
 
+pub mod tls;
+
 /// Path of a binary built from this workspace (`ringmq-broker`, `ringmqctl`), next to the
 /// test executable's `deps/` directory.
 pub fn binary(name: &str) -> PathBuf {
@@ -30,11 +32,17 @@ pub fn binary(name: &str) -> PathBuf {
 
 static NEXT_DIR: AtomicU32 = AtomicU32::new(0);
 
+/// PBKDF2 iterations the test brokers hash passwords with (the environment variable of the
+/// same name overrides it).
+pub const TEST_HASH_ITERATIONS: u32 = 10_000;
+
 /// A broker process owned by a test; killed (by its PID) when dropped.
 pub struct Broker {
     child: Child,
-    /// AMQP address it listens on.
+    /// AMQP address it listens on (the TLS one when the plaintext listener is disabled).
     pub addr: SocketAddr,
+    /// TLS (amqps) address, when the configuration enables it (`amqps_listen`).
+    pub amqps: Option<SocketAddr>,
     /// Admin HTTP address it listens on.
     pub admin: SocketAddr,
     /// Its data directory.
@@ -111,6 +119,8 @@ impl Broker {
     /// Runs the broker binary on `data_dir` (holding `ringmq.yaml`), waiting for its address.
     fn spawn(data_dir: PathBuf) -> Self {
         let config = data_dir.join("ringmq.yaml");
+        let yaml_sets_iterations =
+            std::fs::read_to_string(&config).is_ok_and(|y| y.contains("password_hash_iterations"));
         let mut child = Command::new(binary("ringmq-broker"))
             .args([
                 "--amqp-listen",
@@ -123,6 +133,13 @@ impl Broker {
             .arg("--config")
             .arg(&config)
             .env("RINGMQ_LOG", "info,openraft=warn")
+            // The default PBKDF2 cost (600,000 iterations) takes over a second per password
+            // in a debug build; a test that cares sets password_hash_iterations in its YAML.
+            .envs((!yaml_sets_iterations).then(|| {
+                let n = std::env::var("RINGMQ_PASSWORD_HASH_ITERATIONS")
+                    .unwrap_or_else(|_| TEST_HASH_ITERATIONS.to_string());
+                ("RINGMQ_PASSWORD_HASH_ITERATIONS", n)
+            }))
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -135,15 +152,33 @@ impl Broker {
                 sink.lock().expect("log lock").push(line);
             }
         });
+        // Lines: `amqp=` (unless the plaintext listener is off), `amqps=` (with TLS), and
+        // `admin=` last.
         let mut stdout = BufReader::new(child.stdout.take().expect("piped"));
-        let mut line = String::new();
-        stdout
-            .read_line(&mut line)
-            .expect("the broker prints its address");
-        let mut admin_line = String::new();
-        stdout
-            .read_line(&mut admin_line)
-            .expect("the broker prints its admin address");
+        let (mut amqp, mut amqps, mut admin) = (None, None, None);
+        for _ in 0..3 {
+            let mut line = String::new();
+            stdout
+                .read_line(&mut line)
+                .expect("the broker prints its addresses");
+            let parse = |prefix: &str| -> Option<SocketAddr> {
+                let addr = line.trim().strip_prefix(prefix)?;
+                Some(addr.parse().expect("a socket address"))
+            };
+            if let Some(a) = parse("ringmq-broker listening amqp=") {
+                amqp = Some(a);
+            } else if let Some(a) = parse("ringmq-broker listening amqps=") {
+                amqps = Some(a);
+            } else if let Some(a) = parse("ringmq-broker listening admin=") {
+                admin = Some(a);
+                break;
+            } else {
+                panic!(
+                    "unexpected line from the broker: {line:?}; log: {:?}",
+                    log.lock().unwrap()
+                );
+            }
+        }
         let clustered =
             std::fs::read_to_string(&config).is_ok_and(|yaml| yaml.contains("cluster_listen"));
         let cluster = clustered.then(|| {
@@ -154,33 +189,19 @@ impl Broker {
             cluster_line
                 .trim()
                 .strip_prefix("ringmq-broker listening cluster=")
-                .unwrap_or_else(|| {
-                    panic!("unexpected third line from the broker: {cluster_line:?}")
-                })
+                .unwrap_or_else(|| panic!("unexpected line after admin=: {cluster_line:?}"))
                 .to_owned()
         });
         // Keep the pipe open (and drained) for as long as the broker runs.
         std::thread::spawn(move || std::io::copy(&mut stdout, &mut std::io::sink()));
-        let admin = admin_line
-            .trim()
-            .strip_prefix("ringmq-broker listening admin=")
-            .unwrap_or_else(|| panic!("unexpected second line from the broker: {admin_line:?}"))
-            .parse()
-            .expect("a socket address");
-        let addr = line
-            .trim()
-            .strip_prefix("ringmq-broker listening amqp=")
-            .unwrap_or_else(|| {
-                panic!(
-                    "unexpected first line from the broker: {line:?}; log: {:?}",
-                    log.lock().unwrap()
-                )
-            })
-            .parse()
-            .expect("a socket address");
+        let admin = admin.expect("the broker prints its admin address last");
+        let addr = amqp
+            .or(amqps)
+            .expect("the broker prints at least one AMQP address");
         Broker {
             child,
             addr,
+            amqps,
             admin,
             data_dir,
             log,

@@ -10,7 +10,7 @@
 use super::ApiError;
 use super::api::{self, bind, declare_exchange, declare_queue, parse_tags, put_user, put_vhost};
 use super::json::{table_from_json, table_to_json};
-use crate::auth::{HASHING_ALGORITHM, Permission};
+use crate::auth::Permission;
 use crate::core::ExchangeDeclare;
 use crate::server::Broker;
 use serde::Deserialize;
@@ -28,8 +28,8 @@ pub fn export(b: &Broker) -> Value {
         .map(|u| {
             json!({
                 "name": u.name,
-                "password_hash": u.password.to_base64(),
-                "hashing_algorithm": HASHING_ALGORITHM,
+                "password_hash": u.password.encoded(),
+                "hashing_algorithm": u.password.algorithm(),
                 "tags": u.tags,
                 "limits": {},
             })

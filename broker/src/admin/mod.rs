@@ -355,6 +355,9 @@ fn authenticate(
             crate::auth::AuthError::LoopbackOnly(u) => {
                 unauthorized(&format!("user '{u}' can only log in from localhost"))
             }
+            crate::auth::AuthError::TooManyFailures { retry_after_s } => unauthorized(&format!(
+                "too many failed logins from this address; try again in {retry_after_s} s"
+            )),
             _ => unauthorized("wrong user name or password"),
         })
 }

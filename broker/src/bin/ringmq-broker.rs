@@ -14,6 +14,21 @@ struct Args {
     /// AMQP listener address [default: 127.0.0.1:5672].
     #[arg(long, env = "RINGMQ_AMQP_LISTEN", value_name = "ADDR")]
     amqp_listen: Option<SocketAddr>,
+    /// TLS (amqps) listener address; needs --tls-cert and --tls-key [default: none].
+    #[arg(long, env = "RINGMQ_AMQPS_LISTEN", value_name = "ADDR")]
+    amqps_listen: Option<SocketAddr>,
+    /// PEM certificate chain of the TLS listener (reloaded when the file changes).
+    #[arg(long, env = "RINGMQ_TLS_CERT", value_name = "FILE")]
+    tls_cert: Option<PathBuf>,
+    /// PEM private key of --tls-cert.
+    #[arg(long, env = "RINGMQ_TLS_KEY", value_name = "FILE")]
+    tls_key: Option<PathBuf>,
+    /// PEM CA certificates for client certificates (enables SASL EXTERNAL).
+    #[arg(long, env = "RINGMQ_TLS_CA", value_name = "FILE")]
+    tls_ca: Option<PathBuf>,
+    /// Do not open the plaintext AMQP listener (TLS only).
+    #[arg(long, env = "RINGMQ_NO_PLAINTEXT")]
+    no_plaintext: bool,
     /// Admin HTTP listener (metrics, health, JSON API) [default: 127.0.0.1:15672].
     #[arg(long, env = "RINGMQ_ADMIN_LISTEN", value_name = "ADDR")]
     admin_listen: Option<SocketAddr>,
@@ -43,6 +58,9 @@ struct Args {
         hide_env_values = true
     )]
     default_pass: Option<String>,
+    /// PBKDF2 iterations for passwords this broker hashes [default: 600000].
+    #[arg(long, env = "RINGMQ_PASSWORD_HASH_ITERATIONS", value_name = "N")]
+    password_hash_iterations: Option<u32>,
     /// Log filter in RUST_LOG syntax [default: info].
     /// Cluster port: makes this broker a cluster member.
     #[arg(long, env = "RINGMQ_CLUSTER_LISTEN", value_name = "ADDR")]
@@ -95,6 +113,24 @@ fn main() -> anyhow::Result<()> {
     if let Some(addr) = args.amqp_listen {
         config.amqp_listen = addr;
     }
+    if let Some(addr) = args.amqps_listen {
+        config.amqps_listen = Some(addr);
+    }
+    if let Some(file) = args.tls_cert {
+        config.tls_cert_file = Some(file);
+    }
+    if let Some(file) = args.tls_key {
+        config.tls_key_file = Some(file);
+    }
+    if let Some(file) = args.tls_ca {
+        config.tls_ca_file = Some(file);
+    }
+    if let Some(n) = args.password_hash_iterations {
+        config.password_hash_iterations = n;
+    }
+    if args.no_plaintext {
+        config.amqp_listen_enabled = false;
+    }
     if let Some(addr) = args.admin_listen {
         config.admin_listen = addr;
     }
@@ -120,9 +156,11 @@ fn main() -> anyhow::Result<()> {
         config.users.retain(|u| u.name != name);
         config.users.push(ringmq::config::UserConfig {
             name,
-            password,
+            password: Some(password),
+            password_hash: None,
             loopback_only: false,
             vhosts: Vec::new(),
+            permissions: Default::default(),
             tags: vec!["administrator".to_owned()],
         });
     }
@@ -133,7 +171,7 @@ fn main() -> anyhow::Result<()> {
         .build()?;
     runtime.block_on(async move {
         let running = ringmq::server::start(config.clone()).await?;
-        tracing::info!(amqp = %running.amqp_addr, data_dir = %config.data_dir.display(), "ringmq-broker ready");
+        tracing::info!(amqp = ?running.amqp_addr, amqps = ?running.amqps_addr, data_dir = %config.data_dir.display(), "ringmq-broker ready");
         let admin_addr = ringmq::admin::start(running.broker.clone(), config.admin_listen)
             .await
             .with_context(|| format!("cannot listen on {} (admin)", config.admin_listen))?;
@@ -143,7 +181,13 @@ fn main() -> anyhow::Result<()> {
             None => None,
         };
         // Machine-readable lines for scripts and tests that start the broker on port 0.
-        println!("ringmq-broker listening amqp={}", running.amqp_addr);
+        // Order: amqp= (unless --no-plaintext), amqps= (when TLS is on), admin= always last.
+        if let Some(addr) = running.amqp_addr {
+            println!("ringmq-broker listening amqp={addr}");
+        }
+        if let Some(addr) = running.amqps_addr {
+            println!("ringmq-broker listening amqps={addr}");
+        }
         println!("ringmq-broker listening admin={admin_addr}");
         if let Some(cluster) = cluster {
             println!("ringmq-broker listening cluster={}", cluster.addr());
@@ -192,7 +236,13 @@ async fn join_cluster(
         failure_timeout_ms: config.cluster_failure_timeout_ms,
         info: ringmq::cluster::MemberInfo {
             node_id: config.node_id.clone(),
-            amqp: advertised(running.amqp_addr),
+            // Clients are told the plaintext address, or the TLS one when there is no other.
+            amqp: advertised(
+                running
+                    .amqp_addr
+                    .or(running.amqps_addr)
+                    .context("a cluster member needs an AMQP listener")?,
+            ),
             admin: advertised(admin_addr),
             zone: config.zone.clone(),
         },

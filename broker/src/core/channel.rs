@@ -53,6 +53,10 @@ pub struct Unacked {
 /// socket. Bounds the memory a slow reader (or a no-ack consumer on a fast queue) can pin.
 pub const WRITE_WINDOW: u32 = 4096;
 
+/// The same window in body bytes: with large messages the count alone would let one slow
+/// reader pin 4096 bodies. One delivery always fits, however large.
+pub const WRITE_WINDOW_BYTES: u64 = 4 * 1024 * 1024;
+
 /// Consumer-side state of one channel.
 #[derive(Debug, Default)]
 pub struct ChannelState {
@@ -76,12 +80,18 @@ pub struct ChannelState {
     pub flow_paused: bool,
     /// Deliveries handed to the connection and not yet written (see [`WRITE_WINDOW`]).
     pub unwritten: u32,
+    /// Their body bytes (see [`WRITE_WINDOW_BYTES`]).
+    pub unwritten_bytes: u64,
+    /// Broker-wide cap on unacked deliveries (`max_unacked_per_channel`, 0 = none): like a
+    /// channel prefetch the client cannot raise. Consumers wait at it (messages stay ready
+    /// in their queues); a basic.get past it is 406.
+    pub max_unacked: u32,
 }
 
 impl ChannelState {
     /// Whether the consumer `tag` may take a message of `bytes` body bytes now.
     pub fn can_deliver(&self, tag: &str, bytes: u64) -> bool {
-        if self.flow_paused || self.unwritten >= WRITE_WINDOW {
+        if self.flow_paused || self.write_window_full() {
             return false;
         }
         let Some(c) = self.consumers.get(tag) else {
@@ -89,6 +99,9 @@ impl ChannelState {
         };
         if c.no_ack {
             return true;
+        }
+        if self.unacked_limit_reached() {
+            return false;
         }
         let count = self.unacked.len() as u64;
         let window_ok = |limit: u64, used: u64, unacked: u64| {
@@ -98,6 +111,16 @@ impl ChannelState {
             && (self.channel_prefetch_count == 0 || count < u64::from(self.channel_prefetch_count))
             && window_ok(c.prefetch_bytes, c.unacked_bytes, u64::from(c.unacked))
             && window_ok(self.channel_prefetch_bytes, self.unacked_bytes, count)
+    }
+
+    /// Whether the connection holds as many unwritten deliveries of this channel as it may.
+    pub fn write_window_full(&self) -> bool {
+        self.unwritten >= WRITE_WINDOW || self.unwritten_bytes >= WRITE_WINDOW_BYTES
+    }
+
+    /// Whether the broker's cap on unacked deliveries holds this channel back.
+    pub fn unacked_limit_reached(&self) -> bool {
+        self.max_unacked > 0 && self.unacked.len() >= self.max_unacked as usize
     }
 
     /// Takes the next delivery tag.
@@ -215,5 +238,28 @@ mod tests {
         assert!(ch.can_deliver("c", 10));
         ch.flow_paused = true;
         assert!(!ch.can_deliver("c", 10));
+    }
+
+    #[test]
+    fn the_broker_cap_on_unacked_holds_whatever_the_prefetch() {
+        let mut ch = channel_with_deliveries(3);
+        ch.consumers.insert(
+            "c".into(),
+            Consumer {
+                tag: "c".into(),
+                queue: "q".into(),
+                no_ack: false,
+                exclusive: false,
+                prefetch_count: 0,
+                prefetch_bytes: 0,
+                unacked: 0,
+                unacked_bytes: 0,
+            },
+        );
+        assert!(ch.can_deliver("c", 10), "no cap by default");
+        ch.max_unacked = 3;
+        assert!(!ch.can_deliver("c", 10));
+        ch.settle(1, false).unwrap();
+        assert!(ch.can_deliver("c", 10));
     }
 }

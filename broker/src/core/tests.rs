@@ -201,7 +201,7 @@ proptest! {
                     outstanding.clear();
                 }
                 Cmd::Purge => purged += u64::from(v.queue_purge(1, "q", &mut fx).unwrap()),
-                Cmd::Written => v.delivered_written(CH, std::mem::take(&mut unwritten), 0, &mut fx),
+                Cmd::Written => v.delivered_written(CH, std::mem::take(&mut unwritten), u64::MAX, 0, &mut fx),
             }
             for d in fx.deliveries.drain(..) {
                 outstanding.push(d.delivery_tag);

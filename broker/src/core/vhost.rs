@@ -176,6 +176,9 @@ pub struct Limits {
     pub max_queues: usize,
     /// Most consumers on one channel.
     pub max_consumers_per_channel: usize,
+    /// Most unacked deliveries on one channel, whatever its prefetch (see
+    /// [`ChannelState::max_unacked`]).
+    pub max_unacked_per_channel: u32,
 }
 
 fn truthy(b: bool) -> &'static str {
@@ -352,10 +355,20 @@ impl VHost {
     }
 
     fn fresh_name(&mut self, prefix: &str) -> String {
-        const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
         self.names_issued += 1;
+        self.name_at(prefix, self.names_issued)
+    }
+
+    /// The name queue.declare with an empty name gives next: permission checks match it
+    /// before the queue exists (RabbitMQ checks configure on the generated name too).
+    pub fn next_server_queue_name(&self) -> String {
+        self.name_at("amq.gen-", self.names_issued + 1)
+    }
+
+    fn name_at(&self, prefix: &str, issued: u64) -> String {
+        const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
         // splitmix64 over (seed, counter): unique per counter, unpredictable enough for names.
-        let mut x = self.name_seed ^ self.names_issued.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let mut x = self.name_seed ^ issued.wrapping_mul(0x9E37_79B9_7F4A_7C15);
         let mut out = String::from(prefix);
         for _ in 0..2 {
             x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
@@ -788,7 +801,13 @@ impl VHost {
 
     /// channel.open.
     pub fn channel_open(&mut self, key: ChannelKey) {
-        self.channels.insert(key, ChannelState::default());
+        self.channels.insert(
+            key,
+            ChannelState {
+                max_unacked: self.limits.max_unacked_per_channel,
+                ..ChannelState::default()
+            },
+        );
     }
 
     /// channel.close (or the connection went away): unacked messages go back to their
@@ -859,20 +878,22 @@ impl VHost {
         }
     }
 
-    /// The connection wrote `count` deliveries of channel `key` to its socket: they no longer
-    /// count against the channel's write window.
+    /// The connection wrote `count` deliveries (`bytes` body bytes) of channel `key` to its
+    /// socket: they no longer count against the channel's write window.
     pub fn delivered_written(
         &mut self,
         key: ChannelKey,
         count: u32,
+        bytes: u64,
         now_ms: u64,
         fx: &mut Effects,
     ) {
         let Some(ch) = self.channels.get_mut(&key) else {
             return;
         };
-        let was_full = ch.unwritten >= super::channel::WRITE_WINDOW;
+        let was_full = ch.write_window_full();
         ch.unwritten = ch.unwritten.saturating_sub(count);
+        ch.unwritten_bytes = ch.unwritten_bytes.saturating_sub(bytes);
         if was_full {
             let queues = consumer_queues(ch);
             self.dispatch_all(queues, now_ms, fx);
@@ -1174,6 +1195,15 @@ impl VHost {
         fx: &mut Effects,
     ) -> CoreResult<Option<GetOk>> {
         self.usable_queue(queue, key.conn)?;
+        if let Some(ch) = self.channels.get(&key)
+            && !no_ack
+            && ch.unacked_limit_reached()
+        {
+            return Err(AmqpError::precondition(format!(
+                "unacked message limit of the channel ({}) is reached: ack before basic.get",
+                ch.max_unacked
+            )));
+        }
         let record = self.record_ops;
         let mut dead = Vec::new();
         let q = self.queues.get_mut(queue).expect("checked above");
@@ -1445,6 +1475,7 @@ impl VHost {
                 });
             }
             ch.unwritten += 1;
+            ch.unwritten_bytes += bytes;
             fx.deliveries.push(Delivery {
                 channel: r.channel,
                 consumer_tag: r.tag,

@@ -16,7 +16,8 @@ use crate::amqp::{
     AMQPClass, AMQPValue, FieldTable, ShortString, basic, channel, codes, confirm, connection,
     exchange, queue, tx,
 };
-use crate::auth::{MECHANISMS, User};
+use crate::auth::permissions::{Access, Permissions, Resource};
+use crate::auth::{MECHANISM_EXTERNAL, MECHANISMS, User};
 use crate::cluster::OpOutcome;
 use crate::core::vhost::{Cancelled, Delivery};
 use crate::core::{
@@ -29,8 +30,7 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// Read buffer space for a busy connection: many frames per syscall.
 const READ_CHUNK_BUSY: usize = 64 * 1024;
@@ -38,6 +38,10 @@ const READ_CHUNK_BUSY: usize = 64 * 1024;
 const READ_CHUNK_IDLE: usize = 2 * 1024;
 /// How long a publisher whose queue is backlogged waits before the broker reads from it again.
 const FLOW_PAUSE: Duration = Duration::from_millis(1);
+/// Most frames handled under one vhost lock before the task lets others run: a client
+/// flooding tiny frames (64 KiB of heartbeats is 8,000 frames) must not hold the lock and
+/// its worker thread for a whole read buffer while other connections wait.
+const FRAMES_PER_BATCH: usize = 1024;
 /// How long the broker waits for close-ok after it sent connection.close.
 const CLOSE_OK_TIMEOUT: Duration = Duration::from_secs(1);
 
@@ -105,8 +109,19 @@ struct ClientCaps {
     authentication_failure_close: bool,
 }
 
+/// What a TLS connection learnt in its handshake.
+#[derive(Debug, Clone, Default)]
+pub struct TlsPeer {
+    /// The subject common name of the client certificate the broker verified: the user SASL
+    /// EXTERNAL logs in as. None when the client presented no certificate (or it has no CN),
+    /// and then EXTERNAL is not offered.
+    pub external: Option<String>,
+}
+
 struct Connection {
     id: u64,
+    /// Set for connections that came through the TLS listener.
+    tls: Option<TlsPeer>,
     broker: Arc<Broker>,
     peer: SocketAddr,
     outbox: Arc<Outbox>,
@@ -116,13 +131,17 @@ struct Connection {
     heartbeat_s: u16,
     caps: ClientCaps,
     user: Option<User>,
+    /// The user's permission on the open vhost, as of `perms_generation` of the user store.
+    perms: Option<Arc<Permissions>>,
+    perms_generation: u64,
     vhost: Option<Arc<Mutex<VHost>>>,
     vhost_name: String,
     channels: HashMap<u16, ChannelCtx>,
     writer: FrameWriter,
     fx: Effects,
     spare: Pending,
-    written: HashMap<u16, u32>,
+    /// Deliveries (count, body bytes) per channel buffered since the last socket write.
+    written: HashMap<u16, (u32, u64)>,
     confirms: Vec<(u64, bool, bool)>,
     close_reason: String,
     blocked_sent: bool,
@@ -150,11 +169,17 @@ struct ClusterWait {
     outcome: tokio::sync::oneshot::Receiver<OpOutcome>,
 }
 
-/// Serves one accepted socket until it closes.
-pub async fn serve(broker: Arc<Broker>, stream: TcpStream, peer: SocketAddr) {
+/// Serves one accepted socket until it closes: a plain TCP stream, or a TLS stream after its
+/// handshake (`tls` then says what the handshake learnt). Generic so that the plaintext path
+/// is compiled for `TcpStream` alone and pays nothing for TLS.
+pub async fn serve<S>(broker: Arc<Broker>, stream: S, peer: SocketAddr, tls: Option<TlsPeer>)
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
     let (id, outbox) = broker.register();
     let mut conn = Connection {
         id,
+        tls,
         frame_max: broker.config.frame_max,
         channel_max: broker.config.channel_max,
         heartbeat_s: 0,
@@ -164,6 +189,8 @@ pub async fn serve(broker: Arc<Broker>, stream: TcpStream, peer: SocketAddr) {
         phase: Phase::Start,
         caps: ClientCaps::default(),
         user: None,
+        perms: None,
+        perms_generation: 0,
         vhost: None,
         vhost_name: String::new(),
         channels: HashMap::new(),
@@ -196,7 +223,10 @@ pub async fn serve(broker: Arc<Broker>, stream: TcpStream, peer: SocketAddr) {
 }
 
 impl Connection {
-    async fn run(&mut self, mut stream: TcpStream) -> std::io::Result<()> {
+    async fn run<S>(&mut self, mut stream: S) -> std::io::Result<()>
+    where
+        S: AsyncRead + AsyncWrite + Unpin,
+    {
         let handshake_deadline =
             Instant::now() + Duration::from_secs(self.broker.config.handshake_timeout_s);
         let mut header = [0u8; 8];
@@ -214,6 +244,7 @@ impl Connection {
         if &header != PROTOCOL_HEADER {
             // Spec §4.2.2: answer with the header we speak, then close.
             stream.write_all(PROTOCOL_HEADER).await?;
+            stream.flush().await?;
             self.close_reason = format!("bad protocol header {header:?}");
             // Close gracefully: closing with unread input would reset the connection and
             // could discard the header before the client reads it.
@@ -240,15 +271,24 @@ impl Connection {
         heartbeat.reset();
         let mut heartbeat_armed = false;
         let mut synced = self.broker.journal.synced();
+        let stall = Duration::from_secs(self.broker.config.write_stall_timeout_s);
+        let mut more_input = false;
         loop {
             self.stats.flush(&self.broker.stats); // metrics: once per wake-up
             let writable = self.writable(*synced.borrow());
             let held = writable < self.writer.len();
             if writable > 0 {
                 self.stats.bytes_out += writable as u64; // metrics
-                stream
-                    .write_all(&self.writer.as_slice()[..writable])
-                    .await?;
+                if !write_with_progress(&mut stream, &self.writer.as_slice()[..writable], stall)
+                    .await?
+                {
+                    tracing::warn!(conn = self.id, peer = %self.peer, timeout_s = stall.as_secs(), "closing connection: the client stopped reading");
+                    self.close_reason = format!(
+                        "write stalled: the client read nothing for {} s",
+                        stall.as_secs()
+                    );
+                    return Ok(());
+                }
                 self.writer.consume(writable);
                 for (len, _) in self.gates.iter_mut() {
                     *len -= writable;
@@ -272,6 +312,13 @@ impl Connection {
                 (Phase::Running, None) => Instant::now() + Duration::from_secs(3600),
                 _ => handshake_deadline,
             };
+            if more_input {
+                // The last batch stopped at its cap: let other tasks run, then go on with
+                // the frames already read.
+                tokio::task::yield_now().await;
+                more_input = self.on_bytes(&mut rbuf);
+                continue;
+            }
             let paced = std::mem::take(&mut self.fx.backlogged);
             if paced {
                 // Flow control: the queue this connection publishes to is backlogged.
@@ -299,7 +346,7 @@ impl Connection {
                     read_chunk = if n >= read_chunk / 2 { READ_CHUNK_BUSY } else { READ_CHUNK_IDLE };
                     last_recv = Instant::now();
                     self.stats.bytes_in += n as u64; // metrics
-                    self.on_bytes(&mut rbuf);
+                    more_input = self.on_bytes(&mut rbuf);
                 }
                 _ = self.outbox.notified() => self.drain_outbox(),
                 outcome = committed(&mut self.cluster_wait) => {
@@ -329,9 +376,14 @@ impl Connection {
 
     // ---- frames ----------------------------------------------------------------------------
 
-    fn on_bytes(&mut self, rbuf: &mut BytesMut) {
+    /// Handles the complete frames in `rbuf`, at most [`FRAMES_PER_BATCH`] of them; returns
+    /// whether it stopped at that cap (complete frames may remain).
+    fn on_bytes(&mut self, rbuf: &mut BytesMut) -> bool {
+        self.refresh_permissions();
         let vhost = self.vhost.clone();
         let mut lazy = vhost.as_deref().map(|vhost| Lazy { vhost, guard: None });
+        let mut handled = 0;
+        let mut capped = false;
         while matches!(
             self.phase,
             Phase::Start | Phase::Tune | Phase::Open | Phase::Running | Phase::Closing
@@ -339,6 +391,11 @@ impl Connection {
             if self.publish_waits_for_unblock || self.cluster_wait.is_some() {
                 break;
             }
+            if handled == FRAMES_PER_BATCH {
+                capped = true;
+                break;
+            }
+            handled += 1;
             let frame = match frame::split_frame(rbuf, self.frame_max) {
                 Ok(Some(f)) => f,
                 Ok(None) => break,
@@ -381,7 +438,26 @@ impl Connection {
             && self.vhost.is_some()
             && vhost.is_none()
         {
-            self.on_bytes(rbuf);
+            return self.on_bytes(rbuf);
+        }
+        capped
+    }
+
+    /// Re-reads the user's permission when the store changed it (the admin API), so a
+    /// change applies to the next command without a reconnect. One atomic load per batch.
+    fn refresh_permissions(&mut self) {
+        let generation = self.broker.users.permissions_generation();
+        if generation == self.perms_generation {
+            return;
+        }
+        self.perms_generation = generation;
+        if let Some(user) = &self.user
+            && self.vhost.is_some()
+        {
+            self.perms = self
+                .broker
+                .users
+                .permissions_for(&user.name, &self.vhost_name);
         }
     }
 
@@ -485,10 +561,19 @@ impl Connection {
                 version_major: 0,
                 version_minor: 9,
                 server_properties: props,
-                mechanisms: MECHANISMS.into(),
+                mechanisms: self.mechanisms().into(),
                 locales: "en_US".into(),
             })),
         );
+    }
+
+    /// PLAIN and AMQPLAIN always; EXTERNAL only on a TLS connection whose client presented a
+    /// certificate the broker verified (as RabbitMQ's `rabbitmq_auth_mechanism_ssl`).
+    fn mechanisms(&self) -> String {
+        match self.tls.as_ref().and_then(|t| t.external.as_ref()) {
+            Some(_) => format!("{MECHANISMS} {MECHANISM_EXTERNAL}"),
+            None => MECHANISMS.to_owned(),
+        }
     }
 
     fn on_handshake_frame(&mut self, frame: RawFrame) -> Result<(), ConnError> {
@@ -545,17 +630,23 @@ impl Connection {
             };
         }
         let mechanism = ok.mechanism.as_str();
-        if !MECHANISMS.split(' ').any(|m| m == mechanism) {
+        if !self.mechanisms().split(' ').any(|m| m == mechanism) {
             return Err(ConnError::new(
                 codes::COMMAND_INVALID,
                 format!("unknown authentication mechanism '{mechanism}'"),
             ));
         }
-        match self
-            .broker
-            .users
-            .authenticate(mechanism, ok.response.as_bytes(), self.peer.ip())
-        {
+        let external = self.tls.as_ref().and_then(|t| t.external.as_deref());
+        let result = match (mechanism, external) {
+            (MECHANISM_EXTERNAL, Some(cn)) => {
+                self.broker.users.authenticate_external(cn, self.peer.ip())
+            }
+            _ => self
+                .broker
+                .users
+                .authenticate(mechanism, ok.response.as_bytes(), self.peer.ip()),
+        };
+        match result {
             Ok(user) => self.user = Some(user),
             Err(e) => {
                 tracing::warn!(conn = self.id, peer = %self.peer, error = ?e, "login refused");
@@ -633,6 +724,8 @@ impl Connection {
         self.broker
             .connection_opened(self.id, self.peer, &user.name, name)
             .map_err(|limit| ConnError::new(codes::NOT_ALLOWED, limit))?;
+        self.perms_generation = self.broker.users.permissions_generation();
+        self.perms = self.broker.users.permissions_for(&user.name, name);
         self.vhost = Some(vhost);
         self.vhost_name = name.to_owned();
         // open-ok's reserved shortstr is 0-8's known-hosts: a cluster fills it with the
@@ -898,6 +991,15 @@ impl Connection {
             ch.queue_name(name)
                 .ok_or_else(|| err(AmqpError::not_found("no previously declared queue")))
         };
+        let perms = &self.perms;
+        let permit = |access: Access, resource: Resource| match perms {
+            Some(p) => p
+                .check(access, resource)
+                .map_err(|e| err(AmqpError::access_refused(e.to_string()))),
+            None => Err(err(AmqpError::access_refused(
+                "the user's permission on this vhost was removed",
+            ))),
+        };
         match method {
             AMQPClass::Channel(m) => match m {
                 channel::AMQPMethod::Close(_) => {
@@ -928,6 +1030,14 @@ impl Connection {
             AMQPClass::Exchange(m) => match m {
                 exchange::AMQPMethod::Declare(d) => {
                     let nowait = d.nowait;
+                    if !d.passive {
+                        let name = d.exchange.as_str();
+                        permit(Access::Configure, Resource::Exchange(name))?;
+                        if let Some(ae) = string_arg(&d.arguments, "alternate-exchange") {
+                            permit(Access::Read, Resource::Exchange(name))?;
+                            permit(Access::Write, Resource::Exchange(ae))?;
+                        }
+                    }
                     v.get()
                         .exchange_declare(ExchangeDeclare {
                             name: d.exchange.to_string(),
@@ -949,6 +1059,7 @@ impl Connection {
                     }
                 }
                 exchange::AMQPMethod::Delete(d) => {
+                    permit(Access::Configure, Resource::Exchange(d.exchange.as_str()))?;
                     v.get()
                         .exchange_delete(d.exchange.as_str(), d.if_unused)
                         .map_err(err)?;
@@ -962,6 +1073,8 @@ impl Connection {
                     }
                 }
                 exchange::AMQPMethod::Bind(b) => {
+                    permit(Access::Write, Resource::Exchange(b.destination.as_str()))?;
+                    permit(Access::Read, Resource::Exchange(b.source.as_str()))?;
                     v.get()
                         .exchange_bind(
                             b.destination.as_str(),
@@ -978,6 +1091,8 @@ impl Connection {
                     }
                 }
                 exchange::AMQPMethod::Unbind(b) => {
+                    permit(Access::Write, Resource::Exchange(b.destination.as_str()))?;
+                    permit(Access::Read, Resource::Exchange(b.source.as_str()))?;
                     v.get()
                         .exchange_unbind(
                             b.destination.as_str(),
@@ -1005,6 +1120,17 @@ impl Connection {
             AMQPClass::Queue(m) => match m {
                 queue::AMQPMethod::Declare(d) => {
                     let nowait = d.nowait;
+                    if !d.passive {
+                        let name = match d.queue.as_str() {
+                            "" => v.get().next_server_queue_name(),
+                            n => n.to_owned(),
+                        };
+                        permit(Access::Configure, Resource::Queue(&name))?;
+                        if let Some(dlx) = string_arg(&d.arguments, "x-dead-letter-exchange") {
+                            permit(Access::Read, Resource::Queue(&name))?;
+                            permit(Access::Write, Resource::Exchange(dlx))?;
+                        }
+                    }
                     let created = !d.passive && v.get().queue(d.queue.as_str()).is_none(); // log
                     let declared = v
                         .get()
@@ -1043,6 +1169,8 @@ impl Connection {
                     } else {
                         b.routing_key.to_string()
                     };
+                    permit(Access::Write, Resource::Queue(&q))?;
+                    permit(Access::Read, Resource::Exchange(b.exchange.as_str()))?;
                     v.get()
                         .queue_bind(conn, &q, b.exchange.as_str(), &rk, b.arguments)
                         .map_err(err)?;
@@ -1055,6 +1183,8 @@ impl Connection {
                 }
                 queue::AMQPMethod::Unbind(b) => {
                     let q = need_queue(ch, b.queue.as_str())?;
+                    permit(Access::Write, Resource::Queue(&q))?;
+                    permit(Access::Read, Resource::Exchange(b.exchange.as_str()))?;
                     v.get()
                         .queue_unbind(
                             conn,
@@ -1071,6 +1201,7 @@ impl Connection {
                 }
                 queue::AMQPMethod::Purge(p) => {
                     let q = need_queue(ch, p.queue.as_str())?;
+                    permit(Access::Read, Resource::Queue(&q))?;
                     let message_count = v.get().queue_purge(conn, &q, fx).map_err(err)?;
                     if !p.nowait {
                         reply(
@@ -1083,6 +1214,7 @@ impl Connection {
                 }
                 queue::AMQPMethod::Delete(d) => {
                     let q = need_queue(ch, d.queue.as_str())?;
+                    permit(Access::Configure, Resource::Queue(&q))?;
                     let message_count = v
                         .get()
                         .queue_delete(conn, &q, d.if_unused, d.if_empty, fx)
@@ -1112,6 +1244,7 @@ impl Connection {
                             "immediate=true",
                         )));
                     }
+                    permit(Access::Write, Resource::Exchange(p.exchange.as_str()))?;
                     ch.pending = Some(PendingPublish {
                         exchange: p.exchange.to_string(),
                         routing_key: p.routing_key.to_string(),
@@ -1136,6 +1269,7 @@ impl Connection {
                 }
                 basic::AMQPMethod::Consume(c) => {
                     let q = need_queue(ch, c.queue.as_str())?;
+                    permit(Access::Read, Resource::Queue(&q))?;
                     let nowait = c.nowait;
                     let tag = v
                         .get()
@@ -1174,6 +1308,7 @@ impl Connection {
                 }
                 basic::AMQPMethod::Get(g) => {
                     let q = need_queue(ch, g.queue.as_str())?;
+                    permit(Access::Read, Resource::Queue(&q))?;
                     match v.get().basic_get(key, &q, g.no_ack, now, fx).map_err(err)? {
                         None => reply(
                             w,
@@ -1599,7 +1734,9 @@ impl Connection {
         );
         self.writer.header_payload(id, &m.header_payload);
         self.writer.body(id, &m.body, self.frame_max);
-        *self.written.entry(id).or_insert(0) += 1;
+        let written = self.written.entry(id).or_insert((0, 0));
+        written.0 += 1;
+        written.1 += m.body.len() as u64;
         self.stats.delivered += 1; // metrics
         self.stats.redelivered += u64::from(d.redelivered); // metrics
     }
@@ -1780,13 +1917,14 @@ impl Connection {
         let now = now_ms();
         {
             let mut v = vhost.lock();
-            for (channel, count) in self.written.drain() {
+            for (channel, (count, bytes)) in self.written.drain() {
                 v.delivered_written(
                     ChannelKey {
                         conn: self.id,
                         channel,
                     },
                     count,
+                    bytes,
                     now,
                     &mut self.fx,
                 );
@@ -1848,6 +1986,32 @@ async fn committed(wait: &mut Option<ClusterWait>) -> Option<OpOutcome> {
     }
 }
 
+/// Writes `buf` and flushes (a no-op on TCP; it pushes the records rustls still holds).
+/// Returns false when the socket took no byte for `stall`: a client that stopped reading
+/// would otherwise hold this task, and what it was sent, forever.
+async fn write_with_progress<S>(
+    stream: &mut S,
+    buf: &[u8],
+    stall: Duration,
+) -> std::io::Result<bool>
+where
+    S: AsyncWrite + Unpin,
+{
+    let mut at = 0;
+    while at < buf.len() {
+        match tokio::time::timeout(stall, stream.write(&buf[at..])).await {
+            Err(_) => return Ok(false),
+            Ok(Ok(0)) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(Ok(n)) => at += n,
+            Ok(Err(e)) => return Err(e),
+        }
+    }
+    match tokio::time::timeout(stall, stream.flush()).await {
+        Err(_) => Ok(false),
+        Ok(r) => r.map(|()| true),
+    }
+}
+
 /// Whether class.method is one the protocol defines (so a decode failure is a syntax error,
 /// not an unknown method).
 fn known_method(class_id: u16, method_id: u16) -> bool {
@@ -1889,6 +2053,15 @@ fn reply_text(code: u16, text: &str) -> String {
         text.to_owned()
     } else {
         format!("{name} - {text}")
+    }
+}
+
+/// A string-valued argument (`alternate-exchange`, `x-dead-letter-exchange`), if present.
+fn string_arg<'a>(args: &'a FieldTable, key: &str) -> Option<&'a str> {
+    match args.inner().get(key)? {
+        AMQPValue::LongString(s) => std::str::from_utf8(s.as_bytes()).ok(),
+        AMQPValue::ShortString(s) => Some(s.as_str()),
+        _ => None,
     }
 }
 

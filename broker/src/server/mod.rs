@@ -8,6 +8,7 @@ pub mod outbox;
 pub mod registry;
 pub mod shared_wiring;
 pub mod stats;
+pub mod tls;
 
 use crate::auth::UserStore;
 use crate::config::Config;
@@ -67,6 +68,9 @@ pub enum StartError {
     /// The listener could not be bound.
     #[error("cannot listen on {0}: {1}")]
     Listen(SocketAddr, #[source] std::io::Error),
+    /// The TLS certificate, key or CA could not be loaded.
+    #[error(transparent)]
+    Tls(#[from] tls::TlsError),
 }
 
 impl Broker {
@@ -130,7 +134,15 @@ impl Broker {
             recovered.next_segment,
         )?;
         Ok(Arc::new(Self {
-            users: UserStore::new(config.users.clone(), &names),
+            users: UserStore::new(
+                config.users.clone(),
+                &names,
+                config.password_hash_iterations,
+            )
+            .with_login_limit(
+                config.login_failures_max,
+                Duration::from_secs(config.login_failures_window_s),
+            ),
             stats: stats::BrokerStats::default(),
             registry: registry::Registry::default(),
             config,
@@ -291,33 +303,60 @@ impl Broker {
     }
 }
 
-/// A running broker: the listener's address and the task serving it.
+/// A running broker: the listeners' addresses and the shared state.
 pub struct Running {
-    /// The address the AMQP listener is bound to (useful with port 0).
-    pub amqp_addr: SocketAddr,
+    /// The address the plaintext AMQP listener is bound to (useful with port 0); None when
+    /// it is disabled (`amqp_listen_enabled: false`).
+    pub amqp_addr: Option<SocketAddr>,
+    /// The address the TLS (amqps) listener is bound to, when one is configured.
+    pub amqps_addr: Option<SocketAddr>,
     /// Shared state.
     pub broker: Arc<Broker>,
 }
 
-/// Recovers the data directory, binds the listener and starts serving: connections, vhost
-/// ticks and the resource monitor.
+/// Recovers the data directory, binds the listeners and starts serving: connections, vhost
+/// ticks, the resource monitor and the TLS certificate reloader.
 pub async fn start(config: Config) -> Result<Running, StartError> {
+    // TLS files are checked before the data directory is touched: a typo fails fast.
+    let tls = tls::TlsFiles::from_config(&config)?
+        .map(tls::TlsState::new)
+        .transpose()?
+        .map(Arc::new);
     let broker = Broker::open(config)?;
-    let addr = broker.config.amqp_listen;
-    let listener = TcpListener::bind(addr)
-        .await
-        .map_err(|e| StartError::Listen(addr, e))?;
-    let amqp_addr = listener
-        .local_addr()
-        .map_err(|e| StartError::Listen(addr, e))?;
-    let _ = broker.registry.amqp_addr.set(amqp_addr);
+    let bind = |addr: SocketAddr| async move {
+        let listener = TcpListener::bind(addr)
+            .await
+            .map_err(|e| StartError::Listen(addr, e))?;
+        let local = listener
+            .local_addr()
+            .map_err(|e| StartError::Listen(addr, e))?;
+        Ok::<_, StartError>((listener, local))
+    };
     if broker.config.cluster_listen.is_none() {
         broker.start_serving();
     }
-    tokio::spawn(accept_loop(listener, broker.clone()));
+    let mut amqp_addr = None;
+    if broker.config.amqp_listen_enabled {
+        let (listener, local) = bind(broker.config.amqp_listen).await?;
+        let _ = broker.registry.amqp_addr.set(local);
+        amqp_addr = Some(local);
+        tokio::spawn(accept_loop(listener, broker.clone()));
+    }
+    let mut amqps_addr = None;
+    if let (Some(addr), Some(tls)) = (broker.config.amqps_listen, tls) {
+        let (listener, local) = bind(addr).await?;
+        amqps_addr = Some(local);
+        let interval = Duration::from_secs(broker.config.tls_reload_interval_s);
+        tokio::spawn(tls::reload_loop(tls.clone(), interval));
+        tokio::spawn(tls_accept_loop(listener, broker.clone(), tls));
+    }
     tokio::spawn(tick_loop(broker.clone()));
     tokio::spawn(memory_monitor(broker.clone()));
-    Ok(Running { amqp_addr, broker })
+    Ok(Running {
+        amqp_addr,
+        amqps_addr,
+        broker,
+    })
 }
 
 async fn accept_loop(listener: TcpListener, broker: Arc<Broker>) {
@@ -326,11 +365,54 @@ async fn accept_loop(listener: TcpListener, broker: Arc<Broker>) {
         match listener.accept().await {
             Ok((stream, peer)) => {
                 let _ = stream.set_nodelay(true);
-                tokio::spawn(connection::serve(broker.clone(), stream, peer));
+                tokio::spawn(connection::serve(broker.clone(), stream, peer, None));
             }
             Err(e) => {
                 // Out of file descriptors and the like: say so, back off, keep serving.
                 tracing::warn!(error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+/// Accepts TLS connections: the handshake runs on the connection's own task (a slow client
+/// never holds up the accept loop) and is bounded by `handshake_timeout_s`.
+async fn tls_accept_loop(listener: TcpListener, broker: Arc<Broker>, tls: Arc<tls::TlsState>) {
+    let asks_for_cert = tls.files().asks_for_client_cert();
+    broker.serving().await;
+    loop {
+        match listener.accept().await {
+            Ok((stream, peer)) => {
+                let _ = stream.set_nodelay(true);
+                let acceptor = tokio_rustls::TlsAcceptor::from(tls.current());
+                let broker = broker.clone();
+                tokio::spawn(async move {
+                    let timeout = Duration::from_secs(broker.config.handshake_timeout_s);
+                    let stream = match tokio::time::timeout(timeout, acceptor.accept(stream)).await
+                    {
+                        Ok(Ok(s)) => s,
+                        Ok(Err(e)) => {
+                            tracing::info!(%peer, error = %e, "TLS handshake failed");
+                            return;
+                        }
+                        Err(_) => {
+                            tracing::info!(%peer, "TLS handshake timed out");
+                            return;
+                        }
+                    };
+                    // A certificate is only there if the verifier accepted it.
+                    let external = asks_for_cert
+                        .then(|| stream.get_ref().1.peer_certificates())
+                        .flatten()
+                        .and_then(|chain| chain.first())
+                        .and_then(|leaf| tls::subject_common_name(leaf));
+                    connection::serve(broker, stream, peer, Some(connection::TlsPeer { external }))
+                        .await;
+                });
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "accept failed (amqps)");
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
         }

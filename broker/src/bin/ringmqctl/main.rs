@@ -42,6 +42,15 @@ enum Command {
     /// Export or import definitions (users, vhosts, permissions, queues, exchanges, bindings).
     #[command(subcommand)]
     Definitions(admin::Definitions),
+    /// Print the stored form of a password (PBKDF2-HMAC-SHA256) for a config file's
+    /// `password_hash:` or the admin API; reads the password from stdin when not given.
+    HashPassword {
+        /// The password (omit it to keep it out of the shell history; one line of stdin).
+        password: Option<String>,
+        /// PBKDF2 iterations.
+        #[arg(long, default_value_t = ringmq::auth::password::DEFAULT_ITERATIONS)]
+        iterations: u32,
+    },
     /// Print a shell completion script.
     Completions {
         /// bash, zsh, fish, elvish or powershell.
@@ -56,6 +65,25 @@ enum Command {
     Sink(sink::SinkArgs),
 }
 
+fn hash_password(password: Option<String>, iterations: u32) -> anyhow::Result<()> {
+    use ringmq::auth::password::{MAX_ITERATIONS, MIN_ITERATIONS, PasswordHash};
+    anyhow::ensure!(
+        (MIN_ITERATIONS..=MAX_ITERATIONS).contains(&iterations),
+        "--iterations must be within {MIN_ITERATIONS}..={MAX_ITERATIONS}"
+    );
+    let password = match password {
+        Some(p) => p,
+        None => {
+            let mut line = String::new();
+            std::io::stdin().read_line(&mut line)?;
+            line.trim_end_matches(['\r', '\n']).to_owned()
+        }
+    };
+    anyhow::ensure!(!password.is_empty(), "the password is empty");
+    println!("{}", PasswordHash::new(&password, iterations).encoded());
+    Ok(())
+}
+
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let conn = &cli.conn;
@@ -67,6 +95,10 @@ fn main() -> std::process::ExitCode {
         Command::Purge(p) => admin::purge(conn, &p),
         Command::Close(c) => admin::close(conn, &c),
         Command::Definitions(d) => admin::definitions(conn, &d),
+        Command::HashPassword {
+            password,
+            iterations,
+        } => hash_password(password, iterations),
         Command::Completions { shell } => {
             clap_complete::generate(
                 shell,
