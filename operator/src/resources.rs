@@ -118,10 +118,8 @@ pub fn broker_config(cluster: &Cluster) -> serde_json::Value {
     });
     if cluster.spec.tls.is_some() {
         config["amqps_listen"] = serde_json::json!(format!("0.0.0.0:{AMQPS_PORT}"));
-        config["tls"] = serde_json::json!({
-            "cert_file": format!("{CONFIG_DIR}/tls/tls.crt"),
-            "key_file": format!("{CONFIG_DIR}/tls/tls.key"),
-        });
+        config["tls_cert_file"] = serde_json::json!(format!("{CONFIG_DIR}/tls/tls.crt"));
+        config["tls_key_file"] = serde_json::json!(format!("{CONFIG_DIR}/tls/tls.key"));
     }
     if let Some(map) = config.as_object_mut() {
         for (k, v) in &cluster.spec.config {
@@ -578,9 +576,14 @@ mod tests {
         );
         assert_eq!(svc.metadata.annotations.expect("annotations")["a"], "b");
         assert!(
-            broker_config(&c)["tls"]["cert_file"]
+            broker_config(&c)["tls_cert_file"]
                 .as_str()
                 .is_some_and(|f| f.ends_with("tls.crt"))
         );
+        let yaml = serde_saphyr::to_string(&broker_config(&c)).expect("config");
+        let parsed = ringmq::config::Config::from_yaml(&yaml)
+            .unwrap_or_else(|e| panic!("the broker refuses the operator's TLS config: {e}\n{yaml}"));
+        parsed.validate().expect("valid");
+        assert!(parsed.amqps_listen.is_some());
     }
 }

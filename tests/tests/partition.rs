@@ -178,6 +178,8 @@ impl Member {
             .env("RINGMQ_LOG", "warn")
             .env("RINGMQ_DEFAULT_USER", "test")
             .env("RINGMQ_DEFAULT_PASS", "test")
+            // PBKDF2 at the default cost takes over a second per login in a debug build.
+            .env("RINGMQ_PASSWORD_HASH_ITERATIONS", "10000")
             .stdout(Stdio::piped());
         if !seeds.is_empty() {
             cmd.args(["--cluster-seeds", &seeds.join(",")]);
