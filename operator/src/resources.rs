@@ -581,8 +581,9 @@ mod tests {
                 .is_some_and(|f| f.ends_with("tls.crt"))
         );
         let yaml = serde_saphyr::to_string(&broker_config(&c)).expect("config");
-        let parsed = ringmq::config::Config::from_yaml(&yaml)
-            .unwrap_or_else(|e| panic!("the broker refuses the operator's TLS config: {e}\n{yaml}"));
+        let parsed = ringmq::config::Config::from_yaml(&yaml).unwrap_or_else(|e| {
+            panic!("the broker refuses the operator's TLS config: {e}\n{yaml}")
+        });
         parsed.validate().expect("valid");
         assert!(parsed.amqps_listen.is_some());
     }

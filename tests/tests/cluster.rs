@@ -626,3 +626,42 @@ async fn the_configured_founder_founds_when_no_seed_answers() {
     ));
     assert_eq!(passive_queue(&joiner, "q").await, Ok(0));
 }
+
+#[tokio::test]
+async fn permissions_are_checked_before_a_change_goes_to_the_cluster() {
+    let secret = secret("perms");
+    let users = "users:\n  - name: guest\n    password: guest\n  - name: app\n    password: app\n    permissions:\n      \"/\": {configure: '^app-', write: '.*', read: '.*'}\n";
+    let a = Broker::start_with_config(&format!("{}{users}", member_yaml("perms-0", &[], &secret)));
+    let b = Broker::start_with_config(&format!(
+        "{}{users}",
+        member_yaml("perms-1", &[a.cluster.as_deref().unwrap()], &secret)
+    ));
+    let uri = format!("amqp://app:app@{}/%2f", b.addr);
+    let conn = lapin::Connection::connect(&uri, Default::default())
+        .await
+        .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    ch.queue_declare(
+        "app-orders".into(),
+        QueueDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    let e = ch
+        .queue_declare(
+            "payroll".into(),
+            QueueDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(reply_code(&e), Some(403));
+    assert_eq!(passive_queue(&a, "app-orders").await, Ok(0));
+    assert_eq!(
+        passive_queue(&a, "payroll").await,
+        Err(Some(404)),
+        "a refused declare never reaches the cluster"
+    );
+}

@@ -969,6 +969,18 @@ impl Connection {
             if let Some((op, waiting)) =
                 shared_wiring::to_op(&method, ch, v.get(), cluster.node_id()).map_err(err)?
             {
+                for (access, resource) in shared_wiring::required_access(&op) {
+                    match &self.perms {
+                        Some(p) => p
+                            .check(access, resource)
+                            .map_err(|e| err(AmqpError::access_refused(e.to_string())))?,
+                        None => {
+                            return Err(err(AmqpError::access_refused(
+                                "the user's permission on this vhost was removed",
+                            )));
+                        }
+                    }
+                }
                 let outcome = cluster.submit(&self.vhost_name, op);
                 self.cluster_wait = Some(ClusterWait {
                     channel: id,

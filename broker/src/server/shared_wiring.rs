@@ -3,7 +3,8 @@
 //! of applying them itself, and answers once the change is committed and applied here.
 
 use super::channel::ChannelCtx;
-use crate::amqp::{AMQPClass, exchange, queue};
+use crate::amqp::{AMQPClass, AMQPValue, FieldTable, exchange, queue};
+use crate::auth::permissions::{Access, Resource};
 use crate::cluster::{OpReply, WiringOp};
 use crate::core::{AmqpError, VHost};
 
@@ -208,5 +209,67 @@ pub fn reply_method(awaited: &Awaited, reply: &OpReply) -> AMQPClass {
         Awaited::QueueDeleted => AMQPClass::Queue(queue::AMQPMethod::DeleteOk(queue::DeleteOk {
             message_count: reply.message_count,
         })),
+    }
+}
+
+/// The permissions a user needs for `op`: the same rules the single broker applies to the
+/// method (RabbitMQ's), read off the op, whose names are resolved (a server-made queue name
+/// included).
+pub fn required_access(op: &WiringOp) -> Vec<(Access, Resource<'_>)> {
+    match op {
+        WiringOp::DeclareExchange {
+            name, arguments, ..
+        } => {
+            let mut needs = vec![(Access::Configure, Resource::Exchange(name))];
+            if let Some(ae) = string_arg(arguments, "alternate-exchange") {
+                needs.push((Access::Read, Resource::Exchange(name)));
+                needs.push((Access::Write, Resource::Exchange(ae)));
+            }
+            needs
+        }
+        WiringOp::DeleteExchange { name, .. } => {
+            vec![(Access::Configure, Resource::Exchange(name))]
+        }
+        WiringOp::BindExchange {
+            destination,
+            source,
+            ..
+        }
+        | WiringOp::UnbindExchange {
+            destination,
+            source,
+            ..
+        } => vec![
+            (Access::Write, Resource::Exchange(destination)),
+            (Access::Read, Resource::Exchange(source)),
+        ],
+        WiringOp::DeclareQueue {
+            name, arguments, ..
+        } => {
+            let mut needs = vec![(Access::Configure, Resource::Queue(name))];
+            if let Some(dlx) = string_arg(arguments, "x-dead-letter-exchange") {
+                needs.push((Access::Read, Resource::Queue(name)));
+                needs.push((Access::Write, Resource::Exchange(dlx)));
+            }
+            needs
+        }
+        WiringOp::DeleteQueue { name } => vec![(Access::Configure, Resource::Queue(name))],
+        WiringOp::BindQueue {
+            queue, exchange, ..
+        }
+        | WiringOp::UnbindQueue {
+            queue, exchange, ..
+        } => vec![
+            (Access::Write, Resource::Queue(queue)),
+            (Access::Read, Resource::Exchange(exchange)),
+        ],
+    }
+}
+
+fn string_arg<'a>(args: &'a FieldTable, key: &str) -> Option<&'a str> {
+    match args.inner().get(key)? {
+        AMQPValue::LongString(s) => std::str::from_utf8(s.as_bytes()).ok(),
+        AMQPValue::ShortString(s) => Some(s.as_str()),
+        _ => None,
     }
 }
