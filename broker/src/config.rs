@@ -70,6 +70,9 @@ pub struct Config {
     pub memory_high_watermark_bytes: u64,
     /// Free space on the data dir's file system below which publishers are blocked.
     pub disk_free_limit_bytes: u64,
+    /// Bytes of message bodies one queue keeps in memory (flow-to-disk): bodies beyond it
+    /// live only in the journal and are read back on delivery. 0 keeps every body in memory.
+    pub queue_memory_budget_bytes: u64,
     /// Journal tuning.
     pub journal: crate::store::journal::JournalConfig,
     /// Virtual hosts that exist at start.
@@ -101,6 +104,7 @@ impl Default for Config {
             max_consumers_per_channel: 0,
             memory_high_watermark_bytes: default_memory_watermark(),
             disk_free_limit_bytes: 50 * 1024 * 1024,
+            queue_memory_budget_bytes: 64 * 1024 * 1024,
             journal: crate::store::journal::JournalConfig::default(),
             vhosts: vec!["/".to_owned()],
             users: vec![UserConfig {
@@ -185,6 +189,8 @@ impl Config {
         crate::core::vhost::Limits {
             max_queues: self.max_queues_per_vhost,
             max_consumers_per_channel: self.max_consumers_per_channel,
+            queue_memory_budget_bytes: (self.queue_memory_budget_bytes > 0)
+                .then_some(usize::try_from(self.queue_memory_budget_bytes).unwrap_or(usize::MAX)),
         }
     }
 

@@ -349,9 +349,8 @@ impl Connection {
             && lazy.guard.is_some()
         {
             self.flush_confirms();
-            self.broker.route_effects(self.id, &mut self.fx);
             let guard = lazy.guard.as_mut().expect("checked above");
-            let gate = self.broker.persist(guard, &mut self.fx);
+            let gate = self.broker.finish_batch(self.id, guard, &mut self.fx);
             drop(lazy.guard.take());
             self.hold_output(gate);
             self.write_own_effects();
@@ -1140,7 +1139,8 @@ impl Connection {
                             w,
                             AMQPClass::Basic(basic::AMQPMethod::GetEmpty(basic::GetEmpty {})),
                         ),
-                        Some(got) => {
+                        Some(mut got) => {
+                            got.message = self.broker.resolve_message(got.message);
                             self.stats.delivered += 1; // metrics
                             self.stats.redelivered += u64::from(got.redelivered); // metrics
                             reply(
@@ -1154,7 +1154,7 @@ impl Connection {
                                 })),
                             );
                             w.header_payload(id, &got.message.header_payload);
-                            w.body(id, &got.message.body, self.frame_max);
+                            w.body(id, got.message.body.bytes(), self.frame_max);
                         }
                     }
                 }
@@ -1512,7 +1512,7 @@ impl Connection {
             })),
         );
         self.writer.header_payload(id, &message.header_payload);
-        self.writer.body(id, &message.body, self.frame_max);
+        self.writer.body(id, message.body.bytes(), self.frame_max);
     }
 
     fn flush_confirms(&mut self) {
@@ -1559,7 +1559,7 @@ impl Connection {
             m.routing_key.as_str(),
         );
         self.writer.header_payload(id, &m.header_payload);
-        self.writer.body(id, &m.body, self.frame_max);
+        self.writer.body(id, m.body.bytes(), self.frame_max);
         *self.written.entry(id).or_insert(0) += 1;
         self.stats.delivered += 1; // metrics
         self.stats.redelivered += u64::from(d.redelivered); // metrics
@@ -1644,8 +1644,7 @@ impl Connection {
             }
         }
         if let Some(guard) = v.guard.as_mut() {
-            self.broker.route_effects(self.id, &mut self.fx);
-            let gate = self.broker.persist(guard, &mut self.fx);
+            let gate = self.broker.finish_batch(self.id, guard, &mut self.fx);
             drop(v.guard.take());
             self.hold_output(gate);
             self.write_own_effects();
@@ -1697,8 +1696,7 @@ impl Connection {
                     &mut self.fx,
                 );
             }
-            self.broker.route_effects(self.id, &mut self.fx);
-            let gate = self.broker.persist(&mut v, &mut self.fx);
+            let gate = self.broker.finish_batch(self.id, &mut v, &mut self.fx);
             drop(v);
             self.hold_output(gate);
         }
@@ -1740,8 +1738,7 @@ impl Connection {
         v.connection_closed(self.id, &mut self.fx);
         self.fx.deliveries.retain(|d| d.channel.conn != self.id);
         self.fx.cancelled.retain(|c| c.channel.conn != self.id);
-        self.broker.route_effects(self.id, &mut self.fx);
-        self.broker.persist(&mut v, &mut self.fx);
+        self.broker.finish_batch(self.id, &mut v, &mut self.fx);
     }
 }
 

@@ -7,7 +7,9 @@
 //!   atomically (write, fsync, rename, fsync directory) by the journal writer.
 //! * `journal/NNNNNNNNNNNNNNNN.seg` — the journal segments (see [`journal`]).
 
+pub mod index;
 pub mod journal;
+pub mod paging;
 pub mod record;
 pub mod recovery;
 

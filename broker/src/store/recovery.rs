@@ -3,7 +3,8 @@
 //! crash, or corrupted) ends the reading of its segment: everything before it is kept, what
 //! was dropped is reported, and nothing half-written is ever served.
 
-use super::journal::{DiskState, SegmentInfo};
+use super::index::{Location, SegmentInfo};
+use super::journal::DiskState;
 use super::record::{DecodeError, Record, next_record};
 use super::{SEGMENT_MAGIC, StoreError, read_wiring_file};
 use crate::core::Message;
@@ -68,7 +69,7 @@ pub fn recover(dir: &Path) -> Result<Recovered, StoreError> {
             std::fs::read(&path)
                 .map_err(|e| StoreError::Io(format!("reading {}", path.display()), e))?,
         );
-        out.disk.segments.insert(
+        out.disk.index.segments.insert(
             n,
             SegmentInfo {
                 bytes: data.len() as u64,
@@ -101,6 +102,8 @@ pub fn recover(dir: &Path) -> Result<Recovered, StoreError> {
             };
             out.records += 1;
             match record {
+                // A transient body paged out before the restart: never comes back.
+                Record::Paged { .. } => {}
                 Record::Enqueued {
                     uid,
                     id,
@@ -109,13 +112,20 @@ pub fn recover(dir: &Path) -> Result<Recovered, StoreError> {
                 } => {
                     if live_uids.contains(&uid) {
                         messages.insert((uid, id), (message, expires_at_ms));
-                        out.disk.add_live((uid, id), n, (next - at) as u64);
+                        out.disk.index.add(
+                            (uid, id),
+                            Location {
+                                segment: n,
+                                offset_bytes: at as u64,
+                                len_bytes: (next - at) as u64,
+                            },
+                        );
                     }
                 }
                 Record::Removed { uid, ids } => {
                     for id in ids {
                         messages.remove(&(uid, id));
-                        out.disk.remove_live((uid, id));
+                        out.disk.index.remove((uid, id));
                     }
                 }
             }
