@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 const BUDGET_BYTES: usize = 1024 * 1024;
 const BODY_BYTES: usize = 16 * 1024;
-/// 20 MiB of bodies: twenty times the budget.
-const MESSAGES: u32 = 1280;
+/// 40 MiB of bodies: forty times the budget.
+const MESSAGES: u32 = 2560;
 
 fn config() -> String {
     format!("queue_memory_budget_bytes: {BUDGET_BYTES}\n")

@@ -49,7 +49,7 @@ pub struct Broker {
     blocked_reason: Mutex<&'static str>,
     /// The journal all durable queues write to.
     pub journal: Journal,
-    _data_dir: DataDir,
+    data_dir: DataDir,
 }
 
 /// Why the broker could not start.
@@ -72,6 +72,9 @@ impl Broker {
         let mut recovered = crate::store::recovery::recover(&data_dir.path)?;
         for line in &recovered.damage {
             tracing::warn!(damage = %line, "journal damage found during recovery");
+        }
+        if let Some(reason) = &recovered.snapshot_ignored {
+            tracing::warn!(%reason, "snapshot ignored; recovering from the whole journal");
         }
         let seed = now_ms() ^ u64::from(std::process::id()).rotate_left(32);
         let now = now_ms();
@@ -113,6 +116,7 @@ impl Broker {
         }
         tracing::info!(
             records = recovered.records,
+            snapshot_records = recovered.snapshot_records,
             messages = restored,
             segments = recovered.disk.index.segments.len(),
             elapsed_ms = started.elapsed().as_millis() as u64,
@@ -135,7 +139,7 @@ impl Broker {
             blocked: AtomicBool::new(false),
             blocked_reason: Mutex::new(""),
             journal,
-            _data_dir: data_dir,
+            data_dir,
         }))
     }
 
@@ -267,7 +271,9 @@ impl Broker {
 
     /// Reads bodies back from the journal. A body the journal cannot give back is a broken
     /// promise of the store, like a failed write: the broker stops loudly rather than
-    /// deliver something else or nothing.
+    /// deliver something else or nothing. When the record is damaged or missing it first
+    /// deletes the snapshot, so that the restart scans the journal and drops the damaged
+    /// record (and what follows it in its segment) instead of failing on it again.
     fn read_bodies(&self, keys: &[DiskBody]) -> Vec<bytes::Bytes> {
         let seq = self.journal.last_submitted();
         match crate::store::paging::read_bodies(self.journal.index(), keys, seq) {
@@ -280,6 +286,11 @@ impl Broker {
             }
             Err(e) => {
                 tracing::error!(error = %e, "reading a paged-out body failed; stopping the broker");
+                if !matches!(e, crate::store::paging::ReadError::Io { .. })
+                    && let Err(e) = crate::store::snapshot::discard(&self.data_dir.path)
+                {
+                    tracing::error!(error = %e, "could not delete the snapshot");
+                }
                 std::process::exit(70);
             }
         }

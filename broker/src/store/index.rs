@@ -37,10 +37,18 @@ pub struct SegmentInfo {
     pub live: u64,
 }
 
+/// A live record: where it is and, for an Enqueued record, its head (the record without the
+/// message body, see [`crate::store::record::Record::head_len`]), which snapshots store.
+#[derive(Debug)]
+struct Live {
+    at: Location,
+    head: Option<Box<[u8]>>,
+}
+
 /// The live records and the segments that hold them.
 #[derive(Debug, Default)]
 pub struct LiveIndex {
-    records: HashMap<RecordKey, Location>,
+    records: HashMap<RecordKey, Live>,
     /// Segments by number.
     pub segments: BTreeMap<u64, SegmentInfo>,
     live_bytes: u64,
@@ -48,11 +56,24 @@ pub struct LiveIndex {
 }
 
 impl LiveIndex {
-    /// Records that `key` now lives at `at`, forgetting an older copy.
-    pub fn add(&mut self, key: RecordKey, at: Location) {
-        if let Some(old) = self.records.insert(key, at) {
-            self.forget(old);
+    /// Records that `key` now lives at `at`, forgetting an older copy. `head` is the head of
+    /// an Enqueued record (None for a page record, which no snapshot holds).
+    pub fn add(&mut self, key: RecordKey, at: Location, head: Option<Box<[u8]>>) {
+        if let Some(old) = self.records.insert(key, Live { at, head }) {
+            self.forget(old.at);
         }
+        self.segments.entry(at.segment).or_default().live += 1;
+        self.live_bytes += at.len_bytes;
+    }
+
+    /// The compactor copied live record `key` to `at`.
+    pub fn relocate(&mut self, key: RecordKey, at: Location) {
+        let live = self
+            .records
+            .get_mut(&key)
+            .unwrap_or_else(|| panic!("relocating record {key:?}, which is not live"));
+        let old = std::mem::replace(&mut live.at, at);
+        self.forget(old);
         self.segments.entry(at.segment).or_default().live += 1;
         self.live_bytes += at.len_bytes;
     }
@@ -61,7 +82,7 @@ impl LiveIndex {
     pub fn remove(&mut self, key: RecordKey) -> bool {
         match self.records.remove(&key) {
             Some(old) => {
-                self.forget(old);
+                self.forget(old.at);
                 true
             }
             None => false,
@@ -89,9 +110,32 @@ impl LiveIndex {
         }
     }
 
+    /// Forgets every record in a segment that fails `exists`, and those segments; returns
+    /// the keys forgotten.
+    pub fn retain_segments(&mut self, exists: impl Fn(u64) -> bool) -> Vec<RecordKey> {
+        let lost: Vec<RecordKey> = self
+            .records
+            .iter()
+            .filter(|(_, l)| !exists(l.at.segment))
+            .map(|(k, _)| *k)
+            .collect();
+        for key in &lost {
+            self.remove(*key);
+        }
+        self.segments.retain(|n, _| exists(*n));
+        lost
+    }
+
     /// Where `key` is, when it is live.
     pub fn get(&self, key: RecordKey) -> Option<Location> {
-        self.records.get(&key).copied()
+        self.records.get(&key).map(|l| l.at)
+    }
+
+    /// Live Enqueued records with their locations and heads: what a snapshot holds.
+    pub fn enqueued(&self) -> impl Iterator<Item = (RecordKey, Location, &[u8])> {
+        self.records
+            .iter()
+            .filter_map(|(k, l)| Some((*k, l.at, l.head.as_deref()?)))
     }
 
     /// Framed bytes of all live records.

@@ -14,7 +14,8 @@
 //! old segments.
 
 use super::index::{LiveIndex, Location, RecordKey, SegmentInfo, SharedIndex};
-use super::record::{Record, next_record};
+use super::record::{RECORD_HEADER, Record, next_record};
+use super::snapshot::{self, Position, SnapshotError};
 use super::{SEGMENT_MAGIC, StoreError, segment_path, write_wiring_file};
 use crate::core::wiring::DurableWiring;
 use bytes::Bytes;
@@ -25,7 +26,7 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{Receiver, Sender, TryRecvError, channel};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, TryRecvError, channel};
 use std::time::{Duration, Instant};
 
 /// Journal tuning (config keys `journal_*`).
@@ -39,6 +40,12 @@ pub struct JournalConfig {
     /// How long the writer waits for more records after the first of a batch, in µs. 0 =
     /// write as soon as records arrive; batches still form while a sync is in progress.
     pub max_delay_us: u64,
+    /// A snapshot of the queue indexes is written after this many Enqueued and Removed
+    /// records (0 = not by count). Bounds how much journal recovery replays.
+    pub snapshot_every_records: u64,
+    /// A snapshot is written when this much time passed since the last one and records were
+    /// written since, in ms (0 = not by time). One is always written at a clean shutdown.
+    pub snapshot_interval_ms: u64,
 }
 
 impl Default for JournalConfig {
@@ -47,6 +54,8 @@ impl Default for JournalConfig {
             segment_bytes: 16 * 1024 * 1024,
             max_batch_bytes: 4 * 1024 * 1024,
             max_delay_us: 0,
+            snapshot_every_records: 250_000,
+            snapshot_interval_ms: 60_000,
         }
     }
 }
@@ -99,6 +108,8 @@ pub struct JournalStats {
     pub pages_written: AtomicU64,
     /// Bodies read back for delivery or dead-lettering (flow-to-disk).
     pub bodies_read: AtomicU64,
+    /// Snapshots of the queue indexes written.
+    pub snapshots_written: AtomicU64,
 }
 
 impl Default for JournalStats {
@@ -116,6 +127,7 @@ impl Default for JournalStats {
             segments_compacted: AtomicU64::new(0),
             pages_written: AtomicU64::new(0),
             bodies_read: AtomicU64::new(0),
+            snapshots_written: AtomicU64::new(0),
         }
     }
 }
@@ -254,6 +266,7 @@ impl Journal {
                 segments_compacted = s.segments_compacted.load(Ordering::Relaxed),
                 pages_written = s.pages_written.load(Ordering::Relaxed),
                 bodies_read = s.bodies_read.load(Ordering::Relaxed),
+                snapshots_written = s.snapshots_written.load(Ordering::Relaxed),
                 "journal closed"
             );
         }
@@ -274,7 +287,27 @@ struct Writer {
     stats: Arc<JournalStats>,
     live_uids: HashSet<u64>,
     buf: Vec<u8>,
+    snapshots: Snapshots,
 }
+
+/// The writer's snapshot bookkeeping.
+struct Snapshots {
+    /// Enqueued and Removed records written since the last snapshot was taken.
+    records_since: u64,
+    taken_at: Instant,
+    /// Position of the last snapshot taken; the compactor deleting its segment makes it
+    /// useless and a new one due.
+    position: Option<Position>,
+    stale: bool,
+    /// The thread writing the last one, if it may still run.
+    thread: Option<std::thread::JoinHandle<Result<(), SnapshotError>>>,
+    /// Bytes appended to the current segment since its last sync.
+    unsynced: bool,
+}
+
+/// A record appended by a commit: its key, offset in the batch, length and head (see
+/// [`LiveIndex::add`]).
+type Written = (RecordKey, u64, u64, Option<Box<[u8]>>);
 
 /// One record of a batch, kept until the batch is written (or cancelled by a removal in the
 /// same batch).
@@ -321,6 +354,14 @@ impl Writer {
             stats,
             live_uids: HashSet::new(),
             buf: Vec::new(),
+            snapshots: Snapshots {
+                records_since: 0,
+                taken_at: Instant::now(),
+                position: None,
+                stale: false,
+                thread: None,
+                unsynced: false,
+            },
         };
         writer.live_uids = writer.live_uids();
         Ok(writer)
@@ -337,7 +378,15 @@ impl Writer {
 
     fn serve(&mut self) -> Result<(), StoreError> {
         let mut batch: Vec<(u64, Job)> = Vec::new();
-        while let Ok(first) = self.rx.recv() {
+        loop {
+            let first = match self.rx.recv_timeout(self.until_snapshot_due()) {
+                Ok(job) => job,
+                Err(RecvTimeoutError::Timeout) => {
+                    self.snapshot_if_due(false)?;
+                    continue;
+                }
+                Err(RecvTimeoutError::Disconnected) => break,
+            };
             batch.push(first);
             let started = Instant::now();
             loop {
@@ -362,7 +411,84 @@ impl Writer {
             }
             self.commit(&mut batch)?;
             self.compact_oldest()?;
+            self.snapshot_if_due(false)?;
         }
+        self.snapshot_if_due(true)
+    }
+
+    /// How long the writer may wait for work before a snapshot is due by time.
+    fn until_snapshot_due(&self) -> Duration {
+        let interval = Duration::from_millis(self.config.snapshot_interval_ms);
+        if self.snapshots.thread.is_some() {
+            // One is being written: look again soon to collect it.
+            return Duration::from_millis(100);
+        }
+        if self.config.snapshot_interval_ms == 0 || self.snapshots.records_since == 0 {
+            // Nothing to snapshot yet: wake up now and then all the same (a bounded wait).
+            return Duration::from_secs(1);
+        }
+        interval.saturating_sub(self.snapshots.taken_at.elapsed())
+    }
+
+    /// Takes a snapshot of the index when one is due (or, at `shutdown`, when anything changed
+    /// since the last): encodes it here, where the index matches the journal's head exactly,
+    /// and writes it on a thread of its own so that commits go on. At shutdown it is written
+    /// before returning. A failed snapshot is logged, not fatal: recovery falls back to the
+    /// full scan.
+    fn snapshot_if_due(&mut self, shutdown: bool) -> Result<(), StoreError> {
+        let s = &mut self.snapshots;
+        if (shutdown || s.thread.as_ref().is_some_and(|t| t.is_finished()))
+            && let Some(t) = s.thread.take()
+        {
+            match t.join() {
+                Ok(Ok(())) => {
+                    self.stats.snapshots_written.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok(Err(e)) => tracing::warn!(error = %e, "writing a snapshot failed"),
+                Err(_) => tracing::warn!("the snapshot thread panicked"),
+            }
+        }
+        let s = &mut self.snapshots;
+        let by_count = self.config.snapshot_every_records > 0
+            && s.records_since >= self.config.snapshot_every_records;
+        let by_time = self.config.snapshot_interval_ms > 0
+            && s.records_since > 0
+            && s.taken_at.elapsed() >= Duration::from_millis(self.config.snapshot_interval_ms);
+        let due = by_count || by_time || s.stale || (shutdown && s.records_since > 0);
+        if s.thread.is_some() || !due {
+            return Ok(());
+        }
+        if s.unsynced {
+            // The position must not run ahead of what is on disk.
+            self.sync()?;
+            self.snapshots.unsynced = false;
+        }
+        let position = Position {
+            segment: self.current,
+            offset_bytes: self.current_bytes,
+        };
+        let bytes = snapshot::encode(position, &self.index.index.lock());
+        let s = &mut self.snapshots;
+        s.records_since = 0;
+        s.taken_at = Instant::now();
+        s.position = Some(position);
+        s.stale = false;
+        let dir = self.dir.clone();
+        if shutdown {
+            match snapshot::write(&dir, &bytes) {
+                Ok(()) => {
+                    self.stats.snapshots_written.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(e) => tracing::warn!(error = %e, "writing a snapshot failed"),
+            }
+            return Ok(());
+        }
+        s.thread = Some(
+            std::thread::Builder::new()
+                .name("ringmq-snapshot".into())
+                .spawn(move || snapshot::write(&dir, &bytes))
+                .map_err(|e| StoreError::Io("starting the snapshot thread".into(), e))?,
+        );
         Ok(())
     }
 
@@ -489,7 +615,7 @@ impl Writer {
             }
         }
         self.buf.clear();
-        let mut written: Vec<(RecordKey, u64, u64)> = Vec::new();
+        let mut written: Vec<Written> = Vec::new();
         let mut must_sync = wiring_changed || removals;
         for p in records.into_iter().flatten() {
             let start = self.buf.len();
@@ -498,10 +624,22 @@ impl Writer {
             if !p.durable {
                 self.stats.pages_written.fetch_add(1, Ordering::Relaxed);
             }
-            if let Record::Enqueued { uid, id, .. } | Record::Paged { uid, id, .. } = p.record {
-                written.push(((uid, id), start as u64, (self.buf.len() - start) as u64));
+            let len = (self.buf.len() - start) as u64;
+            match &p.record {
+                Record::Enqueued {
+                    uid, id, message, ..
+                } => {
+                    let body = start + RECORD_HEADER;
+                    let head = self.buf[body..body + Record::head_len_of(message)].into();
+                    written.push(((*uid, *id), start as u64, len, Some(head)));
+                }
+                Record::Paged { uid, id, .. } => {
+                    written.push(((*uid, *id), start as u64, len, None));
+                }
+                Record::Removed { .. } => {}
             }
             self.stats.records_written.fetch_add(1, Ordering::Relaxed);
+            self.snapshots.records_since += u64::from(p.durable);
         }
         if wiring_changed {
             write_wiring_file(&self.dir, &self.wiring)?;
@@ -511,7 +649,7 @@ impl Writer {
             let (segment, base) = self.append(&buf)?;
             {
                 let mut index = self.index.index.lock();
-                for (key, offset, len) in written {
+                for (key, offset, len, head) in written {
                     index.add(
                         key,
                         Location {
@@ -519,6 +657,7 @@ impl Writer {
                             offset_bytes: base + offset,
                             len_bytes: len,
                         },
+                        head,
                     );
                 }
             }
@@ -526,6 +665,7 @@ impl Writer {
             if must_sync {
                 self.sync()?;
             }
+            self.snapshots.unsynced = !must_sync;
         }
         self.index.set_processed(last_seq);
         self.synced.send_replace(last_seq);
@@ -641,7 +781,7 @@ impl Writer {
             // Only this thread changes the index, so every key copied is still live here.
             let mut index = self.index.index.lock();
             for (key, offset, len) in keys {
-                index.add(
+                index.relocate(
                     key,
                     Location {
                         segment,
@@ -655,6 +795,9 @@ impl Writer {
             .map_err(|e| StoreError::Io(format!("deleting {}", path.display()), e))?;
         super::sync_journal_dir(&self.dir)?;
         self.index.index.lock().remove_segment(oldest);
+        if self.snapshots.position.is_some_and(|p| p.segment == oldest) {
+            self.snapshots.stale = true;
+        }
         self.stats
             .segments_compacted
             .fetch_add(1, Ordering::Relaxed);

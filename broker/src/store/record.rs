@@ -10,8 +10,8 @@
 //!   a durable queue), written only so that flow-to-disk can drop it from memory. Recovery
 //!   skips it: a transient message never comes back after a restart.
 
-use crate::core::Message;
 use crate::core::ops::{OpKind, QueueOp};
+use crate::core::{Body, DiskBody, Message};
 use bytes::Bytes;
 use std::sync::Arc;
 use thiserror::Error;
@@ -189,6 +189,58 @@ impl Record {
         r.bytes()
     }
 
+    /// Length of the head of an Enqueued record body: everything but the message body
+    /// (type, key, expiry, exchange, routing key, content header and the body's length). A
+    /// snapshot stores heads so that recovery rebuilds queues without reading bodies.
+    pub fn head_len(body: &Bytes) -> Result<usize, DecodeError> {
+        let mut r = Reader { buf: body, at: 0 };
+        if r.u8()? != ENQUEUED {
+            return Err(DecodeError::Malformed("record type"));
+        }
+        r.take(24)?;
+        r.short_str()?;
+        r.short_str()?;
+        r.bytes()?;
+        r.u32()?;
+        Ok(r.at)
+    }
+
+    /// [`Record::head_len`] of the Enqueued record of `message`, computed without encoding.
+    pub fn head_len_of(message: &Message) -> usize {
+        1 + 3 * 8
+            + 1
+            + message.exchange.as_str().len()
+            + 1
+            + message.routing_key.as_str().len()
+            + 4
+            + message.header_payload.len()
+            + 4
+    }
+
+    /// Decodes the head of an Enqueued record (see [`Record::head_len`]) into the record it
+    /// stands for, its message's body left on disk under the record's key.
+    pub fn decode_head(head: &Bytes) -> Result<Record, DecodeError> {
+        let mut r = Reader { buf: head, at: 0 };
+        if r.u8()? != ENQUEUED {
+            return Err(DecodeError::Malformed("record type"));
+        }
+        let uid = r.u64()?;
+        let id = r.u64()?;
+        let expires = r.u64()?;
+        let exchange = r.short_str()?;
+        let routing_key = r.short_str()?;
+        let header_payload = r.bytes()?;
+        let len = r.u32()? as usize;
+        let mut message = message(exchange, routing_key, header_payload, Bytes::new())?;
+        message.body = Body::Disk(DiskBody { uid, id, len });
+        Ok(Record::Enqueued {
+            uid,
+            id,
+            expires_at_ms: (expires != 0).then_some(expires),
+            message: Arc::new(message),
+        })
+    }
+
     /// Decodes one record body (after its header was checked).
     pub fn decode(body: &Bytes) -> Result<Record, DecodeError> {
         let mut r = Reader { buf: body, at: 0 };
@@ -201,20 +253,7 @@ impl Record {
                 let routing_key = r.short_str()?;
                 let header_payload = r.bytes()?;
                 let content = r.bytes()?;
-                let header =
-                    match amq_protocol::frame::parsing::parse_content_header(&header_payload[..]) {
-                        Ok(([], h)) => h,
-                        _ => return Err(DecodeError::Malformed("content header")),
-                    };
-                let message = Message::new(
-                    exchange.into(),
-                    routing_key.into(),
-                    header.properties,
-                    header_payload,
-                    content,
-                )
-                .map_err(|_| DecodeError::Malformed("expiration"))?;
-                let message = Arc::new(message);
+                let message = Arc::new(message(exchange, routing_key, header_payload, content)?);
                 Ok(if kind == PAGED {
                     Record::Paged { uid, id, message }
                 } else {
@@ -260,6 +299,26 @@ pub fn next_record(data: &Bytes, at: usize) -> Result<(Bytes, usize), DecodeErro
         return Err(DecodeError::Checksum);
     }
     Ok((body, end))
+}
+
+fn message(
+    exchange: String,
+    routing_key: String,
+    header_payload: Bytes,
+    content: Bytes,
+) -> Result<Message, DecodeError> {
+    let header = match amq_protocol::frame::parsing::parse_content_header(&header_payload[..]) {
+        Ok(([], h)) => h,
+        _ => return Err(DecodeError::Malformed("content header")),
+    };
+    Message::new(
+        exchange.into(),
+        routing_key.into(),
+        header.properties,
+        header_payload,
+        content,
+    )
+    .map_err(|_| DecodeError::Malformed("expiration"))
 }
 
 struct Reader<'a> {

@@ -8,7 +8,8 @@ use super::DataDir;
 use super::journal::{Job, Journal, JournalConfig};
 use super::paging::read_bodies;
 use super::record::Record;
-use super::recovery::recover;
+use super::recovery::{Recovered, Start, recover, recover_from};
+use super::snapshot::SNAPSHOT_FILE;
 use crate::amqp::Properties;
 use crate::core::wiring::{DurableQueue, DurableWiring};
 use crate::core::{DiskBody, Message};
@@ -28,6 +29,9 @@ enum Step {
     Page(usize, usize),
     ReleasePage(usize),
     ReadAll,
+    /// Keeps a copy of the current snapshot; the next restart starts from it instead of the
+    /// one written at shutdown: an old snapshot and a long journal tail.
+    SaveSnapshot,
     Restart,
 }
 
@@ -43,6 +47,7 @@ fn step() -> impl Strategy<Value = Step> {
         3 => (0usize..4, 1usize..300).prop_map(|(q, size)| Step::Page(q, size)),
         2 => any::<usize>().prop_map(Step::ReleasePage),
         1 => Just(Step::ReadAll),
+        1 => Just(Step::SaveSnapshot),
         1 => Just(Step::Restart),
     ]
 }
@@ -92,24 +97,56 @@ fn message(size: usize, id: u64) -> Arc<Message> {
 
 static DIRS: AtomicU64 = AtomicU64::new(0);
 
+/// What recovery put back, comparable: (uid, id) → (expiry, content header, body length).
+type Restored = BTreeMap<(u64, u64), (Option<u64>, Vec<u8>, usize)>;
+
+fn restored(r: &Recovered) -> Restored {
+    r.messages
+        .iter()
+        .flat_map(|(uid, ms)| {
+            ms.iter().map(move |(id, m, exp)| {
+                ((*uid, *id), (*exp, m.header_payload.to_vec(), m.body_len()))
+            })
+        })
+        .collect()
+}
+
 fn start(dir: &std::path::Path) -> (Journal, BTreeSet<(u64, u64)>) {
     let recovered = recover(dir).unwrap();
     assert!(recovered.damage.is_empty(), "{:?}", recovered.damage);
+    // A snapshot is only ever ignored because the compactor deleted its position's segment
+    // (an old one a test put back).
+    assert!(
+        recovered
+            .snapshot_ignored
+            .as_deref()
+            .is_none_or(|r| r.contains("is gone")),
+        "{:?}",
+        recovered.snapshot_ignored
+    );
+    // The snapshot plus the journal after it hold exactly what the whole journal holds.
+    let full = recover_from(dir, Start::FullScan).unwrap();
+    assert_eq!(restored(&recovered), restored(&full));
     let found = recovered
         .messages
         .iter()
         .flat_map(|(uid, ms)| {
             ms.iter().map(move |(id, m, _)| {
-                assert_eq!(
-                    &m.body.bytes()[..8.min(m.body.len())],
-                    &id.to_be_bytes()[..8.min(m.body.len())]
-                );
+                if let Some(body) = m.body.in_memory() {
+                    assert_eq!(
+                        &body[..8.min(body.len())],
+                        &id.to_be_bytes()[..8.min(body.len())]
+                    );
+                }
                 (*uid, *id)
             })
         })
         .collect();
     let config = JournalConfig {
         segment_bytes: 2048,
+        // Snapshots all the time, so that restarts start from them and compactions make
+        // them stale.
+        snapshot_every_records: 5,
         ..JournalConfig::default()
     };
     (
@@ -194,8 +231,12 @@ proptest! {
                     all.extend(paged.iter().map(|(k, v)| (*k, *v)));
                     check_reads(&journal, &all);
                 }
+                Step::SaveSnapshot => {
+                    let _ = std::fs::copy(data.path.join(SNAPSHOT_FILE), data.path.join("snapshot.saved"));
+                }
                 Step::Restart => {
                     journal.shutdown();
+                    let _ = std::fs::rename(data.path.join("snapshot.saved"), data.path.join(SNAPSHOT_FILE));
                     let (j, found) = start(&data.path);
                     prop_assert_eq!(&found, &model.keys().copied().collect::<BTreeSet<_>>());
                     // Page records hold transient bodies: none survives a restart.
@@ -379,5 +420,62 @@ fn a_page_record_reads_back_after_compaction_moved_it_and_is_not_recovered() {
         "{found_after:?}"
     );
     j.shutdown();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_clean_restart_recovers_from_the_snapshot_without_reading_the_journal() {
+    let dir = std::env::temp_dir().join(format!("ringmq-journal-snap-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let data = DataDir::open(&dir).unwrap();
+    let (journal, _) = start(&data.path);
+    journal.submit(Job::Wiring {
+        vhost: "/".into(),
+        wiring: wiring(&[1]),
+    });
+    for id in 1..=50u64 {
+        journal.submit(Job::Records(vec![Record::Enqueued {
+            uid: 1,
+            id,
+            expires_at_ms: Some(1000 + id),
+            message: message(100, id),
+        }]));
+    }
+    journal.submit(Job::Records(vec![Record::Removed {
+        uid: 1,
+        ids: vec![3, 4],
+    }]));
+    journal.shutdown();
+    let recovered = recover(&data.path).unwrap();
+    assert_eq!((recovered.snapshot_records, recovered.records), (48, 0));
+    let (j, found) = start(&data.path);
+    let model: BTreeMap<(u64, u64), usize> = (1..=50u64)
+        .filter(|id| !matches!(id, 3 | 4))
+        .map(|id| ((1, id), 100))
+        .collect();
+    assert_eq!(found, model.keys().copied().collect::<BTreeSet<_>>());
+    check_reads(&j, &model);
+    j.shutdown();
+    // A damaged snapshot is ignored, with the reason, and the full scan finds the same.
+    let path = data.path.join(SNAPSHOT_FILE);
+    let mut bytes = std::fs::read(&path).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x01;
+    std::fs::write(&path, bytes).unwrap();
+    let recovered = recover(&data.path).unwrap();
+    assert!(
+        recovered
+            .snapshot_ignored
+            .as_deref()
+            .is_some_and(|r| r.contains("checksum")),
+        "{:?}",
+        recovered.snapshot_ignored
+    );
+    assert_eq!(recovered.snapshot_records, 0);
+    assert_eq!(
+        recovered.messages[&1].len(),
+        48,
+        "the full scan recovers everything"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
