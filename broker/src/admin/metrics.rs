@@ -153,6 +153,11 @@ pub fn render(broker: &Broker, per_queue: bool) -> String {
             "Message bodies read back from the journal for delivery or dead-lettering (flow-to-disk)",
             &j.bodies_read,
         ),
+        (
+            "journal_snapshots_written",
+            "Snapshots of the queue indexes written",
+            &j.snapshots_written,
+        ),
     ] {
         let c: prometheus_client::metrics::counter::Counter = Default::default();
         c.inc_by(value.load(std::sync::atomic::Ordering::Relaxed));

@@ -173,7 +173,8 @@ impl Queue {
                     len,
                 }))
             }
-            _ => Arc::new(message.detached()),
+            (_, Some(_)) => Arc::new(message.detached()),
+            (_, None) => message,
         };
         self.add_resident(&message);
         self.insert_ready(Entry {

@@ -70,6 +70,7 @@ impl Broker {
         let data_dir = DataDir::open(&config.data_dir)?;
         let started = std::time::Instant::now();
         let mut recovered = crate::store::recovery::recover(&data_dir.path)?;
+        let read_ms = started.elapsed().as_millis() as u64;
         for line in &recovered.damage {
             tracing::warn!(damage = %line, "journal damage found during recovery");
         }
@@ -119,6 +120,7 @@ impl Broker {
             snapshot_records = recovered.snapshot_records,
             messages = restored,
             segments = recovered.disk.index.segments.len(),
+            read_ms,
             elapsed_ms = started.elapsed().as_millis() as u64,
             "recovery done"
         );
@@ -184,6 +186,10 @@ impl Broker {
             }));
             if !records.is_empty() {
                 let must_sync = records.iter().any(|r| matches!(r, Record::Enqueued { .. }));
+                if self.journal.body_bytes_in_flight() > MAX_BODY_BYTES_IN_FLIGHT {
+                    // The writer is behind: every body queued for it is still in memory.
+                    fx.backlogged = true;
+                }
                 let seq = self.journal.submit(Job::Records(records));
                 if must_sync {
                     gate = Some(seq);
@@ -379,6 +385,10 @@ impl Broker {
         }
     }
 }
+
+/// Body bytes waiting for the journal writer above which a connection that hands it more is
+/// paced like a publisher to a backlogged queue.
+const MAX_BODY_BYTES_IN_FLIGHT: u64 = 16 * 1024 * 1024;
 
 /// Most rounds of reading paged dead letters back per batch: a dead letter whose enqueue
 /// pushes out another paged message (drop-head) makes another round.

@@ -7,6 +7,7 @@
 //! it for a lookup and read the file after letting go (an open descriptor keeps a segment
 //! readable even after the compactor deleted its file).
 
+use bytes::Bytes;
 use parking_lot::{Condvar, Mutex};
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
@@ -42,7 +43,7 @@ pub struct SegmentInfo {
 #[derive(Debug)]
 struct Live {
     at: Location,
-    head: Option<Box<[u8]>>,
+    head: Option<Bytes>,
 }
 
 /// The live records and the segments that hold them.
@@ -57,8 +58,9 @@ pub struct LiveIndex {
 
 impl LiveIndex {
     /// Records that `key` now lives at `at`, forgetting an older copy. `head` is the head of
-    /// an Enqueued record (None for a page record, which no snapshot holds).
-    pub fn add(&mut self, key: RecordKey, at: Location, head: Option<Box<[u8]>>) {
+    /// an Enqueued record (None for a page record, which no snapshot holds), in an allocation
+    /// of its own (a recovered message's content header may share it).
+    pub fn add(&mut self, key: RecordKey, at: Location, head: Option<Bytes>) {
         if let Some(old) = self.records.insert(key, Live { at, head }) {
             self.forget(old.at);
         }

@@ -110,6 +110,9 @@ pub struct JournalStats {
     pub bodies_read: AtomicU64,
     /// Snapshots of the queue indexes written.
     pub snapshots_written: AtomicU64,
+    /// Body bytes of Enqueued and Paged records submitted and not yet written: what tells a
+    /// publisher that outruns the writer to slow down (see [`Journal::body_bytes_in_flight`]).
+    pub body_bytes_in_flight: AtomicU64,
 }
 
 impl Default for JournalStats {
@@ -128,6 +131,7 @@ impl Default for JournalStats {
             pages_written: AtomicU64::new(0),
             bodies_read: AtomicU64::new(0),
             snapshots_written: AtomicU64::new(0),
+            body_bytes_in_flight: AtomicU64::new(0),
         }
     }
 }
@@ -219,6 +223,12 @@ impl Journal {
     /// Queues work for the writer and returns its sequence number: it is durable once
     /// [`Journal::synced`] reaches it. Call it in the order the vhost produced the work.
     pub fn submit(&self, job: Job) -> u64 {
+        let bytes = body_bytes(&job);
+        if bytes > 0 {
+            self.stats
+                .body_bytes_in_flight
+                .fetch_add(bytes, Ordering::Relaxed);
+        }
         let mut s = self.submitter.lock();
         let seq = s.next_seq;
         s.next_seq += 1;
@@ -227,6 +237,14 @@ impl Journal {
             let _ = tx.send((seq, job));
         }
         seq
+    }
+
+    /// Body bytes of Enqueued and Paged records submitted and not yet written. Flow-to-disk
+    /// frees a body only once its record is written, and transient messages are confirmed
+    /// without waiting for the journal: a publisher is paced while this is high, so the
+    /// writer's queue cannot become the memory the budget was meant to save.
+    pub fn body_bytes_in_flight(&self) -> u64 {
+        self.stats.body_bytes_in_flight.load(Ordering::Relaxed)
     }
 
     /// The sequence number of the last submission (0 before the first).
@@ -307,7 +325,7 @@ struct Snapshots {
 
 /// A record appended by a commit: its key, offset in the batch, length and head (see
 /// [`LiveIndex::add`]).
-type Written = (RecordKey, u64, u64, Option<Box<[u8]>>);
+type Written = (RecordKey, u64, u64, Option<Bytes>);
 
 /// One record of a batch, kept until the batch is written (or cancelled by a removal in the
 /// same batch).
@@ -509,6 +527,7 @@ impl Writer {
         let mut released: Vec<RecordKey> = Vec::new();
         let mut released_queues: Vec<u64> = Vec::new();
         let mut last_seq = 0;
+        let body_bytes_taken: u64 = batch.iter().map(|(_, job)| body_bytes(job)).sum();
         for (seq, job) in batch.drain(..) {
             last_seq = seq;
             match job {
@@ -630,7 +649,9 @@ impl Writer {
                     uid, id, message, ..
                 } => {
                     let body = start + RECORD_HEADER;
-                    let head = self.buf[body..body + Record::head_len_of(message)].into();
+                    let head = Bytes::copy_from_slice(
+                        &self.buf[body..body + Record::head_len_of(message)],
+                    );
                     written.push(((*uid, *id), start as u64, len, Some(head)));
                 }
                 Record::Paged { uid, id, .. } => {
@@ -668,6 +689,9 @@ impl Writer {
             self.snapshots.unsynced = !must_sync;
         }
         self.index.set_processed(last_seq);
+        self.stats
+            .body_bytes_in_flight
+            .fetch_sub(body_bytes_taken, Ordering::Relaxed);
         self.synced.send_replace(last_seq);
         Ok(())
     }
@@ -802,6 +826,22 @@ impl Writer {
             .segments_compacted
             .fetch_add(1, Ordering::Relaxed);
         Ok(())
+    }
+}
+
+/// Body bytes of the Enqueued and Paged records in `job`.
+fn body_bytes(job: &Job) -> u64 {
+    match job {
+        Job::Records(records) => records
+            .iter()
+            .map(|r| match r {
+                Record::Paged { message, .. } | Record::Enqueued { message, .. } => {
+                    message.body_len() as u64
+                }
+                Record::Removed { .. } => 0,
+            })
+            .sum(),
+        _ => 0,
     }
 }
 

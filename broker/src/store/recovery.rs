@@ -167,7 +167,7 @@ fn load_snapshot(s: Snapshot, live_uids: &HashSet<u64>, out: &mut Recovered, mes
                 ..
             }) => {
                 messages.insert(e.key, (message, expires_at_ms));
-                out.disk.index.add(e.key, e.at, Some(e.head[..].into()));
+                out.disk.index.add(e.key, e.at, Some(e.head.clone()));
                 out.snapshot_records += 1;
             }
             Ok(_) | Err(_) => {
@@ -229,7 +229,7 @@ fn replay_segment(
                 message,
             } => {
                 if live_uids.contains(&uid) {
-                    let head = body[..Record::head_len_of(&message)].into();
+                    let head = Bytes::copy_from_slice(&body[..Record::head_len_of(&message)]);
                     messages.insert((uid, id), (message, expires_at_ms));
                     out.disk.index.add(
                         (uid, id),

@@ -198,7 +198,7 @@ mod tests {
                     offset_bytes: 8 + 100 * id,
                     len_bytes: 100,
                 },
-                Some(vec![id as u8; 10 + id as usize].into()),
+                Some(Bytes::from(vec![id as u8; 10 + id as usize])),
             );
         }
         index.add(
