@@ -174,6 +174,9 @@ pub struct Config {
     /// How long a starting member tries to be admitted and receive the cluster map before
     /// it gives up and exits.
     pub cluster_join_timeout_ms: u64,
+    /// Bytes of message bodies one queue keeps in memory (flow-to-disk): bodies beyond it
+    /// live only in the journal and are read back on delivery. 0 keeps every body in memory.
+    pub queue_memory_budget_bytes: u64,
     /// Journal tuning.
     pub journal: crate::store::journal::JournalConfig,
     /// Virtual hosts that exist at start.
@@ -231,6 +234,7 @@ impl Default for Config {
             cluster_failure_timeout_ms: 1_200,
             cluster_join_timeout_ms: 30_000,
             cluster_founder: None,
+            queue_memory_budget_bytes: 64 * 1024 * 1024,
             journal: crate::store::journal::JournalConfig::default(),
             vhosts: vec!["/".to_owned()],
             users: vec![UserConfig {
@@ -321,6 +325,8 @@ impl Config {
             max_queues: self.max_queues_per_vhost,
             max_consumers_per_channel: self.max_consumers_per_channel,
             max_unacked_per_channel: self.max_unacked_per_channel,
+            queue_memory_budget_bytes: (self.queue_memory_budget_bytes > 0)
+                .then_some(usize::try_from(self.queue_memory_budget_bytes).unwrap_or(usize::MAX)),
         }
     }
 

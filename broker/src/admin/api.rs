@@ -111,8 +111,7 @@ pub fn route(b: &Arc<Broker>, c: &Call) -> Result<Reply> {
                 &mut fx,
             )
             .map_err(ApiError::from_amqp)?;
-            b.route_effects(0, &mut fx);
-            b.persist(&mut v, &mut fx);
+            b.finish_batch(0, &mut v, &mut fx);
             tracing::info!(vhost = %vh, queue = %name, user = %c.user.name, "queue deleted via admin API");
             Ok(empty_reply(StatusCode::NO_CONTENT))
         }
@@ -128,8 +127,7 @@ pub fn route(b: &Arc<Broker>, c: &Call) -> Result<Reply> {
             let n = v
                 .queue_purge(owner, name, &mut fx)
                 .map_err(ApiError::from_amqp)?;
-            b.route_effects(0, &mut fx);
-            b.persist(&mut v, &mut fx);
+            b.finish_batch(0, &mut v, &mut fx);
             tracing::info!(vhost = %vh, queue = %name, messages = n, user = %c.user.name, "queue purged via admin API");
             Ok(empty_reply(StatusCode::NO_CONTENT))
         }

@@ -143,6 +143,21 @@ pub fn render(broker: &Broker, per_queue: bool) -> String {
             "Journal segments compacted and deleted",
             &j.segments_compacted,
         ),
+        (
+            "journal_pages_written",
+            "Bodies of transient messages written to the journal so that their queue could drop them from memory (flow-to-disk)",
+            &j.pages_written,
+        ),
+        (
+            "journal_bodies_read",
+            "Message bodies read back from the journal for delivery or dead-lettering (flow-to-disk)",
+            &j.bodies_read,
+        ),
+        (
+            "journal_snapshots_written",
+            "Snapshots of the queue indexes written",
+            &j.snapshots_written,
+        ),
     ] {
         let c: prometheus_client::metrics::counter::Counter = Default::default();
         c.inc_by(value.load(std::sync::atomic::Ordering::Relaxed));

@@ -231,8 +231,7 @@ impl WiringStore for BrokerStore {
         let mut v = vhost_ref.lock();
         let mut fx = Effects::default();
         let result = op.apply(&mut v, now_ms(), &mut fx);
-        self.broker.route_effects(0, &mut fx);
-        let gate = self.broker.persist(&mut v, &mut fx);
+        let gate = self.broker.finish_batch(0, &mut v, &mut fx);
         result.map(|reply| (reply, gate))
     }
 
@@ -256,8 +255,7 @@ impl WiringStore for BrokerStore {
             for skipped in v.install_shared_wiring(wiring, now, &mut fx) {
                 tracing::warn!(vhost = %name, %skipped, "cluster wiring not installed");
             }
-            self.broker.route_effects(0, &mut fx);
-            self.broker.persist(&mut v, &mut fx);
+            self.broker.finish_batch(0, &mut v, &mut fx);
         }
         tracing::info!("cluster map installed");
     }
@@ -345,8 +343,7 @@ impl Applier {
         for (_, vhost) in broker.vhosts() {
             let mut v = vhost.lock();
             notice::publish(&mut v, &hosts, now, &mut fx);
-            broker.route_effects(0, &mut fx);
-            broker.persist(&mut v, &mut fx);
+            broker.finish_batch(0, &mut v, &mut fx);
         }
     }
 }

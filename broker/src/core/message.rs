@@ -16,14 +16,89 @@ pub struct Message {
     pub properties: Properties,
     /// The encoded content-header payload, re-sent unchanged with every delivery.
     pub header_payload: Bytes,
-    /// The body, a slice of the read buffer when it arrived in one frame.
-    pub body: Bytes,
+    /// The body: in memory (a slice of the read buffer when it arrived in one frame), or
+    /// only on disk once its queue went over its memory budget (flow-to-disk).
+    pub body: Body,
     /// `delivery-mode` = 2.
     pub persistent: bool,
     /// `priority` property (0 when absent).
     pub priority: u8,
     /// Per-message TTL from the `expiration` property, in milliseconds.
     pub expiration_ms: Option<u64>,
+}
+
+/// Where a message's body is. The core never reads a body from disk: a delivery or a dead
+/// letter whose body is [`Body::Disk`] is resolved by the server layer before it is written
+/// or re-enqueued.
+#[derive(Debug, Clone)]
+pub enum Body {
+    /// The bytes, in memory.
+    Memory(Bytes),
+    /// Only in the journal, found by the key of the record that holds it.
+    Disk(DiskBody),
+}
+
+/// The journal key of a body that was dropped from memory: the queue incarnation and the
+/// message id of the record holding it. The store maps the key to the record's current
+/// location (segment, offset, length); keeping the key rather than the location here lets
+/// the compactor move records without touching queues.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct DiskBody {
+    /// Queue incarnation ([`crate::core::QueueOp::uid`]) of the record.
+    pub uid: u64,
+    /// Message id of the record in that queue.
+    pub id: u64,
+    /// Body length in bytes.
+    pub len: usize,
+}
+
+impl From<Bytes> for Body {
+    fn from(bytes: Bytes) -> Self {
+        Body::Memory(bytes)
+    }
+}
+
+impl Body {
+    /// Body size in bytes, wherever it is.
+    pub fn len(&self) -> usize {
+        match self {
+            Body::Memory(b) => b.len(),
+            Body::Disk(d) => d.len,
+        }
+    }
+
+    /// Whether the body has no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The bytes when they are in memory.
+    pub fn in_memory(&self) -> Option<&Bytes> {
+        match self {
+            Body::Memory(b) => Some(b),
+            Body::Disk(_) => None,
+        }
+    }
+
+    /// Where the body is on disk, when it is only there.
+    pub fn on_disk(&self) -> Option<DiskBody> {
+        match self {
+            Body::Memory(_) => None,
+            Body::Disk(d) => Some(*d),
+        }
+    }
+
+    /// The in-memory bytes; a body still on disk here is a bug in the server layer, which
+    /// resolves every on-disk body before it writes a delivery or a journal record.
+    pub fn bytes(&self) -> &Bytes {
+        match self {
+            Body::Memory(b) => b,
+            Body::Disk(d) => panic!(
+                "body of message {} of queue {:x} used while only on disk",
+                d.id, d.uid
+            ),
+        }
+    }
 }
 
 /// Why an `expiration` property was refused (RabbitMQ answers 406 for these).
@@ -57,7 +132,7 @@ impl Message {
             routing_key,
             properties,
             header_payload,
-            body,
+            body: Body::Memory(body),
         })
     }
 
@@ -67,15 +142,65 @@ impl Message {
         exchange: ShortString,
         routing_key: ShortString,
         properties: Properties,
-        body: Bytes,
+        body: impl Into<Body>,
     ) -> Self {
+        let body = body.into();
         let header_payload = FrameWriter::encode_header_payload(body.len() as u64, &properties);
-        Self::new(exchange, routing_key, properties, header_payload, body)
-            .expect("broker-authored messages carry no expiration")
+        let mut message = Self::new(
+            exchange,
+            routing_key,
+            properties,
+            header_payload,
+            Bytes::new(),
+        )
+        .expect("broker-authored messages carry no expiration");
+        message.body = body;
+        message
     }
 
     /// Body size in bytes: what `x-max-length-bytes` and `prefetch-size` count.
     pub fn body_len(&self) -> usize {
         self.body.len()
+    }
+
+    /// This message with its body dropped from memory, to be read back by `key` (`key.len`
+    /// must be the body length). The header payload is copied: as a slice it would keep the
+    /// whole read buffer it came in (and so the body) alive.
+    pub fn paged(&self, key: DiskBody) -> Message {
+        assert_eq!(key.len, self.body.len(), "paged body length");
+        Message {
+            exchange: self.exchange.clone(),
+            routing_key: self.routing_key.clone(),
+            properties: self.properties.clone(),
+            header_payload: Bytes::copy_from_slice(&self.header_payload),
+            body: Body::Disk(key),
+            persistent: self.persistent,
+            priority: self.priority,
+            expiration_ms: self.expiration_ms,
+        }
+    }
+
+    /// This message with its body and header in allocations of their own: a message decoded
+    /// from a large buffer (a journal segment read whole at recovery) would otherwise keep
+    /// all of that buffer alive.
+    pub fn detached(&self) -> Message {
+        Message {
+            header_payload: Bytes::copy_from_slice(&self.header_payload),
+            body: match &self.body {
+                Body::Memory(b) => Body::Memory(Bytes::copy_from_slice(b)),
+                Body::Disk(d) => Body::Disk(*d),
+            },
+            ..self.clone()
+        }
+    }
+
+    /// This message with its body back in memory (read from disk for a delivery or a dead
+    /// letter).
+    pub fn with_body(&self, body: Bytes) -> Message {
+        assert_eq!(body.len(), self.body.len(), "resolved body length");
+        Message {
+            body: Body::Memory(body),
+            ..self.clone()
+        }
     }
 }

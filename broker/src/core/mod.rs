@@ -18,9 +18,9 @@ mod tests;
 
 pub use channel::ChannelKey;
 pub use error::{AmqpError, CoreResult};
-pub use message::Message;
+pub use message::{Body, DiskBody, Message};
 pub use ops::{OpKind, QueueOp};
 pub use vhost::{
-    Consume, Delivery, Effects, ExchangeDeclare, GetOk, PublishOutcome, QueueDeclare,
-    QueueDeclared, VHost,
+    Consume, DeadLetter, Delivery, Effects, ExchangeDeclare, GetOk, PageOut, PublishOutcome,
+    QueueDeclare, QueueDeclared, VHost,
 };

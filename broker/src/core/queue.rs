@@ -3,7 +3,7 @@
 
 use super::args::QueueArgs;
 use super::channel::ChannelKey;
-use super::message::Message;
+use super::message::{DiskBody, Message};
 use super::ops::{OpKind, QueueOp};
 use crate::amqp::FieldTable;
 use std::collections::{HashMap, VecDeque};
@@ -20,6 +20,11 @@ pub struct Entry {
     pub expires_at_ms: Option<u64>,
     /// It has been delivered before (the `redelivered` flag of its next delivery).
     pub redelivered: bool,
+    /// Its body was paged out to a record of its own (a transient message, or one on a
+    /// queue without a journal): that record must be released when the entry leaves. A
+    /// persistent message of a durable queue pages out to its `Enqueued` record instead,
+    /// which its removal record already retires.
+    pub owns_page: bool,
 }
 
 /// A consumer as the queue sees it: where it lives.
@@ -63,6 +68,10 @@ pub struct Queue {
     unacked: HashMap<u64, Entry>,
     ready_count: usize,
     ready_bytes: usize,
+    /// Bytes of bodies held in memory, ready and unacked: what the memory budget limits.
+    resident_bytes: usize,
+    /// Entries whose body is in a page record of their own ([`Entry::owns_page`]).
+    owned_pages: usize,
     next_id: u64,
     last_seq: u64,
 }
@@ -96,6 +105,8 @@ impl Queue {
             unacked: HashMap::new(),
             ready_count: 0,
             ready_bytes: 0,
+            resident_bytes: 0,
+            owned_pages: 0,
             next_id: 1,
             last_seq: 0,
         }
@@ -109,6 +120,16 @@ impl Queue {
     /// Body bytes of ready messages.
     pub fn ready_bytes(&self) -> usize {
         self.ready_bytes
+    }
+
+    /// Bytes of message bodies this queue holds in memory (ready and unacked).
+    pub fn resident_bytes(&self) -> usize {
+        self.resident_bytes
+    }
+
+    /// Entries whose body is in a page record of their own, to release when the queue goes.
+    pub fn owned_pages(&self) -> usize {
+        self.owned_pages
     }
 
     /// Messages delivered and not yet acked.
@@ -129,19 +150,89 @@ impl Queue {
     /// Puts back a message recovered from disk, with its original id, before the queue serves
     /// anyone. Recovered messages count as redelivered: they may have been delivered before
     /// the broker stopped.
-    pub fn restore(&mut self, id: u64, message: Arc<Message>, expires_at_ms: Option<u64>) {
+    ///
+    /// With a `memory_budget_bytes`, a message whose body would take the queue's resident
+    /// bytes over it keeps only its journal key: recovery of a huge queue holds the first
+    /// budget's worth of bodies, not all of them. The bodies kept are copied out of the
+    /// buffer they were decoded from, so that buffer can go. Call it in id order.
+    pub fn restore(
+        &mut self,
+        id: u64,
+        message: Arc<Message>,
+        expires_at_ms: Option<u64>,
+        memory_budget_bytes: Option<usize>,
+    ) {
         assert!(
             self.last_seq == 0 && self.unacked.is_empty(),
             "queue '{}': restore after it started serving",
             self.name
         );
         self.next_id = self.next_id.max(id + 1);
+        let len = message.body_len();
+        let message = match (memory_budget_bytes, message.body.in_memory()) {
+            (Some(budget), Some(_)) if self.resident_bytes + len > budget => {
+                Arc::new(message.paged(DiskBody {
+                    uid: self.uid,
+                    id,
+                    len,
+                }))
+            }
+            (_, Some(_)) => Arc::new(message.detached()),
+            (_, None) => message,
+        };
+        self.add_resident(&message);
         self.insert_ready(Entry {
             id,
             message,
             expires_at_ms,
             redelivered: true,
+            owns_page: false,
         });
+    }
+
+    /// Flow-to-disk: when the bodies this queue holds in memory exceed `budget_bytes`, the
+    /// ready message `id` (just enqueued, so the newest) keeps only its journal key. Returns
+    /// the message as it was, body included, when it was paged out: the caller writes it to
+    /// a page record if `journaled` is false (no `Enqueued` record holds the body).
+    ///
+    /// Paging the newest and never the oldest keeps the head of the queue in memory while
+    /// the budget allows, so a consumer that keeps up never waits for the disk.
+    pub fn page_out(
+        &mut self,
+        id: u64,
+        budget_bytes: usize,
+        journaled: bool,
+    ) -> Option<Arc<Message>> {
+        if self.resident_bytes <= budget_bytes {
+            return None;
+        }
+        let uid = self.uid;
+        let entry = self
+            .levels
+            .iter_mut()
+            .find_map(|l| l.back_mut().filter(|e| e.id == id))?;
+        let len = entry.message.body_len();
+        entry.message.body.in_memory()?;
+        let paged = Arc::new(entry.message.paged(DiskBody { uid, id, len }));
+        let full = std::mem::replace(&mut entry.message, paged);
+        entry.owns_page = !journaled;
+        self.owned_pages += usize::from(!journaled);
+        self.resident_bytes -= len;
+        Some(full)
+    }
+
+    fn add_resident(&mut self, message: &Message) {
+        if message.body.in_memory().is_some() {
+            self.resident_bytes += message.body_len();
+        }
+    }
+
+    /// Accounts for an entry that left the queue for good.
+    fn gone(&mut self, entry: &Entry) {
+        if entry.message.body.in_memory().is_some() {
+            self.resident_bytes -= entry.message.body_len();
+        }
+        self.owned_pages -= usize::from(entry.owns_page);
     }
 
     /// The ready message that would be delivered next.
@@ -238,11 +329,13 @@ impl Queue {
                     self.name
                 );
                 self.next_id = id + 1;
+                self.add_resident(message);
                 self.insert_ready(Entry {
                     id: *id,
                     message: message.clone(),
                     expires_at_ms: *expires_at_ms,
                     redelivered: false,
+                    owns_page: false,
                 });
                 None
             }
@@ -254,10 +347,14 @@ impl Queue {
                 Some(returned)
             }
             OpKind::Take { id } | OpKind::Drop { id, .. } => {
-                Some(self.remove_ready(*id).unwrap_or_else(|| self.missing(*id)))
+                let entry = self.remove_ready(*id).unwrap_or_else(|| self.missing(*id));
+                self.gone(&entry);
+                Some(entry)
             }
             OpKind::Settle { id } => {
-                Some(self.unacked.remove(id).unwrap_or_else(|| self.missing(*id)))
+                let entry = self.unacked.remove(id).unwrap_or_else(|| self.missing(*id));
+                self.gone(&entry);
+                Some(entry)
             }
             OpKind::Requeue { id } => {
                 let entry = self.unacked.remove(id).unwrap_or_else(|| self.missing(*id));
@@ -266,7 +363,12 @@ impl Queue {
             }
             OpKind::Purge { .. } => {
                 for deque in &mut self.levels {
-                    deque.clear();
+                    for entry in deque.drain(..) {
+                        if entry.message.body.in_memory().is_some() {
+                            self.resident_bytes -= entry.message.body_len();
+                        }
+                        self.owned_pages -= usize::from(entry.owns_page);
+                    }
                 }
                 self.ready_count = 0;
                 self.ready_bytes = 0;

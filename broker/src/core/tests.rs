@@ -85,7 +85,7 @@ fn prefetch_holds_messages_back_until_acks_free_room() {
     fx.deliveries.clear();
     v.basic_ack(CH, 1, false, 0, &mut fx).unwrap();
     assert_eq!(fx.deliveries.len(), 1);
-    assert_eq!(&fx.deliveries[0].message.body[..], b"3");
+    assert_eq!(&fx.deliveries[0].message.body.bytes()[..], b"3");
 }
 
 #[test]
@@ -228,4 +228,86 @@ proptest! {
         b.sort_unstable();
         prop_assert_eq!(a, b);
     }
+}
+
+#[test]
+fn a_queue_over_its_memory_budget_pages_new_bodies_out_and_releases_their_pages() {
+    let mut v = vhost_with_queue();
+    v.set_limits(vhost::Limits {
+        queue_memory_budget_bytes: Some(4),
+        ..Default::default()
+    });
+    let mut fx = Effects::default();
+    // Transient messages on a durable queue: each one over the budget needs a page record.
+    for b in ["aa", "bb", "cc", "dd"] {
+        v.publish("", "q", msg(b), 0, &mut fx).unwrap();
+    }
+    let q = v.queue("q").unwrap();
+    assert_eq!(q.resident_bytes(), 4);
+    let paged: Vec<u64> = fx.page_out.iter().map(|p| p.id).collect();
+    assert_eq!(paged, vec![3, 4]);
+    assert_eq!(&fx.page_out[0].message.body.bytes()[..], b"cc");
+    let on_disk: Vec<Option<DiskBody>> = q.ready().map(|e| e.message.body.on_disk()).collect();
+    assert_eq!(on_disk[..2], [None, None]);
+    assert_eq!(
+        on_disk[2],
+        Some(DiskBody {
+            uid: q.uid,
+            id: 3,
+            len: 2
+        })
+    );
+    // A persistent message pages out to its Enqueued record: no page record of its own.
+    let persistent = Arc::new(Message::authored(
+        "".into(),
+        "q".into(),
+        Properties::default().with_delivery_mode(2),
+        Bytes::from_static(b"ee"),
+    ));
+    fx.page_out.clear();
+    v.publish("", "q", persistent, 0, &mut fx).unwrap();
+    assert!(fx.page_out.is_empty());
+    assert!(
+        v.queue("q")
+            .unwrap()
+            .ready()
+            .last()
+            .unwrap()
+            .message
+            .body
+            .on_disk()
+            .is_some()
+    );
+    assert_eq!(v.queue("q").unwrap().owned_pages(), 2);
+    // Delivering hands the on-disk body to the server to read; the ack releases the page.
+    consume(&mut v, &mut fx, "c", 0);
+    let ids: Vec<bool> = fx
+        .deliveries
+        .iter()
+        .map(|d| d.message.body.on_disk().is_some())
+        .collect();
+    assert_eq!(ids, vec![false, false, true, true, true]);
+    assert!(fx.page_released.is_empty());
+    v.basic_ack(CH, 5, true, 0, &mut fx).unwrap();
+    let uid = v.queue("q").unwrap().uid;
+    fx.page_released.sort_unstable();
+    assert_eq!(fx.page_released, vec![(uid, 3), (uid, 4)]);
+    let q = v.queue("q").unwrap();
+    assert_eq!((q.resident_bytes(), q.owned_pages()), (0, 0));
+}
+
+#[test]
+fn deleting_a_queue_holding_page_records_releases_them_all() {
+    let mut v = vhost_with_queue();
+    v.set_limits(vhost::Limits {
+        queue_memory_budget_bytes: Some(1),
+        ..Default::default()
+    });
+    let mut fx = Effects::default();
+    for b in ["aa", "bb"] {
+        v.publish("", "q", msg(b), 0, &mut fx).unwrap();
+    }
+    let uid = v.queue("q").unwrap().uid;
+    v.queue_delete(1, "q", false, false, &mut fx).unwrap();
+    assert_eq!(fx.queues_released, vec![uid]);
 }

@@ -49,6 +49,16 @@ pub struct Effects {
     /// Queue ops of durable queues, in order, when the vhost records them (see
     /// [`VHost::set_record_ops`]).
     pub ops: Vec<QueueOp>,
+    /// Bodies paged out that need a page record of their own (flow-to-disk).
+    pub page_out: Vec<PageOut>,
+    /// Page records (uid, id) whose entries left their queue: the store may forget them.
+    pub page_released: Vec<(u64, u64)>,
+    /// Queues (uid) deleted while holding page records: the store forgets all of them.
+    pub queues_released: Vec<u64>,
+    /// Dead letters whose body is only on disk: the server reads the bodies, before it
+    /// hands this batch's removals to the journal, and passes them back with
+    /// [`VHost::dead_letter_resolved`].
+    pub paged_dead_letters: Vec<DeadLetter>,
 
     /// A publish landed on a queue whose consumers cannot keep up (see
     /// [`FLOW_READY_THRESHOLD`]): the publisher should pause before reading more.
@@ -149,10 +159,27 @@ pub const FLOW_READY_THRESHOLD: usize = 16384;
 /// message is not routed further (a guard against cycles and runaway fan-out).
 const MAX_ROUTING_HOPS: usize = 64;
 
-struct DeadLetter {
-    message: Arc<Message>,
-    queue: Arc<str>,
-    reason: DropReason,
+/// A message on its way to its queue's dead-letter exchange.
+#[derive(Debug, Clone)]
+pub struct DeadLetter {
+    /// The message as it left the queue.
+    pub message: Arc<Message>,
+    /// The queue it left.
+    pub queue: Arc<str>,
+    /// Why it left.
+    pub reason: DropReason,
+}
+
+/// A body that flow-to-disk moved out of memory and that no journal record holds: the server
+/// writes `message` to a page record under the key (`uid`, `id`).
+#[derive(Debug, Clone)]
+pub struct PageOut {
+    /// Queue incarnation.
+    pub uid: u64,
+    /// Message id in that queue.
+    pub id: u64,
+    /// The message, body included.
+    pub message: Arc<Message>,
 }
 
 /// One virtual host's state.
@@ -166,7 +193,7 @@ pub struct VHost {
     names_issued: u64,
     record_ops: bool,
     wiring_dirty: bool,
-    limits: Limits,
+    pub(super) limits: Limits,
 }
 
 /// Per-vhost resource limits; 0 means none.
@@ -179,6 +206,9 @@ pub struct Limits {
     /// Most unacked deliveries on one channel, whatever its prefetch (see
     /// [`ChannelState::max_unacked`]).
     pub max_unacked_per_channel: u32,
+    /// Bytes of message bodies a queue keeps in memory before new ones go to disk
+    /// (flow-to-disk); `None` keeps everything in memory (no store to page to).
+    pub queue_memory_budget_bytes: Option<usize>,
 }
 
 fn truthy(b: bool) -> &'static str {
@@ -745,6 +775,11 @@ impl VHost {
         let q = self.queues.get_mut(queue).expect("checked above");
         let count = q.ready_count() as u32;
         let ids = q.ready().map(|e| e.id).collect();
+        if q.owned_pages() > 0 {
+            let uid = q.uid;
+            fx.page_released
+                .extend(q.ready().filter(|e| e.owns_page).map(|e| (uid, e.id)));
+        }
         apply(q, OpKind::Purge { ids }, record, fx);
         Ok(count)
     }
@@ -784,6 +819,9 @@ impl VHost {
             return 0;
         };
         self.wiring_dirty |= q.durable && q.exclusive_owner.is_none();
+        if q.owned_pages() > 0 {
+            fx.queues_released.push(q.uid);
+        }
         for c in &q.consumers {
             if let Some(ch) = self.channels.get_mut(&c.channel) {
                 ch.consumers.remove(&c.tag);
@@ -1150,6 +1188,19 @@ impl VHost {
             );
             self.dispatch_collect(name, now_ms, fx, dead);
             let q = self.queues.get_mut(name).expect("dispatch keeps the queue");
+            if let Some(budget) = self.limits.queue_memory_budget_bytes {
+                let journaled =
+                    record && q.durable && q.exclusive_owner.is_none() && message.persistent;
+                if let Some(full) = q.page_out(id, budget, journaled)
+                    && !journaled
+                {
+                    fx.page_out.push(PageOut {
+                        uid: q.uid,
+                        id,
+                        message: full,
+                    });
+                }
+            }
             while q
                 .args
                 .max_length
@@ -1384,6 +1435,14 @@ impl VHost {
         self.dead_letter_all(dead, now_ms, fx);
     }
 
+    /// Dead-letters messages whose bodies the server read back from disk (see
+    /// [`Effects::paged_dead_letters`]): routing and enqueueing as if they had been dead-lettered
+    /// in the batch that dropped them.
+    pub fn dead_letter_resolved(&mut self, dead: Vec<DeadLetter>, now_ms: u64, fx: &mut Effects) {
+        debug_assert!(dead.iter().all(|d| d.message.body.in_memory().is_some()));
+        self.dead_letter_all(dead, now_ms, fx);
+    }
+
     // ---- delivery --------------------------------------------------------------------------
 
     fn dispatch_all(&mut self, mut queues: Vec<Arc<str>>, now_ms: u64, fx: &mut Effects) {
@@ -1498,6 +1557,10 @@ impl VHost {
                 let Some(dlx) = q.args.dead_letter_exchange.clone() else {
                     continue;
                 };
+                if d.message.body.on_disk().is_some() {
+                    fx.paged_dead_letters.push(d);
+                    continue;
+                }
                 let routing_key = q.args.dead_letter_routing_key.clone();
                 let message = Arc::new(dead_lettered(&d, &dlx, routing_key.as_deref(), now_ms));
                 let keys: Vec<String> = match &routing_key {
@@ -1526,10 +1589,18 @@ impl VHost {
 }
 
 /// Applies `kind` to `q` as its next op, recording the op when asked and the queue is
-/// durable (only durable queues have anyone to read their ops: the journal).
+/// durable (only durable queues have anyone to read their ops: the journal). An entry that
+/// leaves with a page record of its own has that record released.
 fn apply(q: &mut Queue, kind: OpKind, record: bool, fx: &mut Effects) -> Option<Entry> {
+    let leaves = matches!(
+        kind,
+        OpKind::Take { .. } | OpKind::Settle { .. } | OpKind::Drop { .. }
+    );
     let op = q.op(kind);
     let out = q.apply(&op);
+    if leaves && let Some(e) = out.as_ref().filter(|e| e.owns_page) {
+        fx.page_released.push((q.uid, e.id));
+    }
     if record && q.durable && q.exclusive_owner.is_none() {
         fx.ops.push(op);
     }

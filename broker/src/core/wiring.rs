@@ -205,12 +205,13 @@ impl VHost {
         name: &str,
         mut messages: Vec<(u64, Arc<Message>, Option<u64>)>,
     ) {
+        let budget = self.limits.queue_memory_budget_bytes;
         let Some(q) = self.queues.get_mut(name) else {
             return;
         };
         messages.sort_unstable_by_key(|(id, _, _)| *id);
         for (id, message, expires_at_ms) in messages {
-            q.restore(id, message, expires_at_ms);
+            q.restore(id, message, expires_at_ms, budget);
         }
     }
 }

@@ -425,9 +425,8 @@ impl Connection {
             && lazy.guard.is_some()
         {
             self.flush_confirms();
-            self.broker.route_effects(self.id, &mut self.fx);
             let guard = lazy.guard.as_mut().expect("checked above");
-            let gate = self.broker.persist(guard, &mut self.fx);
+            let gate = self.broker.finish_batch(self.id, guard, &mut self.fx);
             drop(lazy.guard.take());
             self.hold_output(gate);
             self.write_own_effects();
@@ -1326,7 +1325,8 @@ impl Connection {
                             w,
                             AMQPClass::Basic(basic::AMQPMethod::GetEmpty(basic::GetEmpty {})),
                         ),
-                        Some(got) => {
+                        Some(mut got) => {
+                            got.message = self.broker.resolve_message(got.message);
                             self.stats.delivered += 1; // metrics
                             self.stats.redelivered += u64::from(got.redelivered); // metrics
                             reply(
@@ -1340,7 +1340,7 @@ impl Connection {
                                 })),
                             );
                             w.header_payload(id, &got.message.header_payload);
-                            w.body(id, &got.message.body, self.frame_max);
+                            w.body(id, got.message.body.bytes(), self.frame_max);
                         }
                     }
                 }
@@ -1698,7 +1698,7 @@ impl Connection {
             })),
         );
         self.writer.header_payload(id, &message.header_payload);
-        self.writer.body(id, &message.body, self.frame_max);
+        self.writer.body(id, message.body.bytes(), self.frame_max);
     }
 
     fn flush_confirms(&mut self) {
@@ -1745,10 +1745,10 @@ impl Connection {
             m.routing_key.as_str(),
         );
         self.writer.header_payload(id, &m.header_payload);
-        self.writer.body(id, &m.body, self.frame_max);
+        self.writer.body(id, m.body.bytes(), self.frame_max);
         let written = self.written.entry(id).or_insert((0, 0));
         written.0 += 1;
-        written.1 += m.body.len() as u64;
+        written.1 += m.body.bytes().len() as u64;
         self.stats.delivered += 1; // metrics
         self.stats.redelivered += u64::from(d.redelivered); // metrics
     }
@@ -1858,8 +1858,7 @@ impl Connection {
             Err(e) => self.channel_error(wait.channel, e, wait.class_id, wait.method_id, &mut v),
         }
         if let Some(guard) = v.guard.as_mut() {
-            self.broker.route_effects(self.id, &mut self.fx);
-            let gate = self.broker.persist(guard, &mut self.fx);
+            let gate = self.broker.finish_batch(self.id, guard, &mut self.fx);
             drop(v.guard.take());
             self.hold_output(gate);
             self.write_own_effects();
@@ -1887,8 +1886,7 @@ impl Connection {
             }
         }
         if let Some(guard) = v.guard.as_mut() {
-            self.broker.route_effects(self.id, &mut self.fx);
-            let gate = self.broker.persist(guard, &mut self.fx);
+            let gate = self.broker.finish_batch(self.id, guard, &mut self.fx);
             drop(v.guard.take());
             self.hold_output(gate);
             self.write_own_effects();
@@ -1941,8 +1939,7 @@ impl Connection {
                     &mut self.fx,
                 );
             }
-            self.broker.route_effects(self.id, &mut self.fx);
-            let gate = self.broker.persist(&mut v, &mut self.fx);
+            let gate = self.broker.finish_batch(self.id, &mut v, &mut self.fx);
             drop(v);
             self.hold_output(gate);
         }
@@ -1984,8 +1981,7 @@ impl Connection {
         v.connection_closed(self.id, &mut self.fx);
         self.fx.deliveries.retain(|d| d.channel.conn != self.id);
         self.fx.cancelled.retain(|c| c.channel.conn != self.id);
-        self.broker.route_effects(self.id, &mut self.fx);
-        self.broker.persist(&mut v, &mut self.fx);
+        self.broker.finish_batch(self.id, &mut v, &mut self.fx);
     }
 }
 

@@ -12,7 +12,7 @@ pub mod tls;
 
 use crate::auth::UserStore;
 use crate::config::Config;
-use crate::core::{Effects, VHost};
+use crate::core::{DeadLetter, DiskBody, Effects, Message, VHost};
 use crate::store::journal::{Job, Journal};
 use crate::store::record::{Record, records_from_ops};
 use crate::store::{DataDir, StoreError};
@@ -56,7 +56,7 @@ pub struct Broker {
     /// Whether the listeners accept clients: a cluster member only starts once it holds
     /// the cluster map, so no client sees a wiring the cluster does not have.
     serving: tokio::sync::watch::Sender<bool>,
-    _data_dir: DataDir,
+    data_dir: DataDir,
 }
 
 /// Why the broker could not start.
@@ -80,8 +80,12 @@ impl Broker {
         let data_dir = DataDir::open(&config.data_dir)?;
         let started = std::time::Instant::now();
         let mut recovered = crate::store::recovery::recover(&data_dir.path)?;
+        let read_ms = started.elapsed().as_millis() as u64;
         for line in &recovered.damage {
             tracing::warn!(damage = %line, "journal damage found during recovery");
+        }
+        if let Some(reason) = &recovered.snapshot_ignored {
+            tracing::warn!(%reason, "snapshot ignored; recovering from the whole journal");
         }
         let seed = now_ms() ^ u64::from(std::process::id()).rotate_left(32);
         let now = now_ms();
@@ -100,6 +104,8 @@ impl Broker {
         );
         for (i, name) in names.iter().enumerate() {
             let mut vhost = VHost::new(name, seed.wrapping_add(i as u64));
+            // Limits first: restoring messages pages out those beyond the memory budget.
+            vhost.set_limits(config.vhost_limits());
             if let Some(wiring) = recovered.disk.wiring.get(name).cloned() {
                 let queues: Vec<(u64, String)> = wiring
                     .queues
@@ -117,13 +123,14 @@ impl Broker {
                 }
             }
             vhost.set_record_ops(true);
-            vhost.set_limits(config.vhost_limits());
             vhosts.insert(name.clone(), Arc::new(Mutex::new(vhost)));
         }
         tracing::info!(
             records = recovered.records,
+            snapshot_records = recovered.snapshot_records,
             messages = restored,
-            segments = recovered.disk.segments.len(),
+            segments = recovered.disk.index.segments.len(),
+            read_ms,
             elapsed_ms = started.elapsed().as_millis() as u64,
             "recovery done"
         );
@@ -154,7 +161,7 @@ impl Broker {
             journal,
             cluster: std::sync::OnceLock::new(),
             serving: tokio::sync::watch::channel(false).0,
-            _data_dir: data_dir,
+            data_dir,
         }))
     }
 
@@ -188,17 +195,32 @@ impl Broker {
                 wiring: vhost.durable_wiring(),
             }));
         }
-        if !fx.ops.is_empty() {
+        if !fx.ops.is_empty() || !fx.page_out.is_empty() {
             let mut records = Vec::new();
             records_from_ops(&fx.ops, &mut records);
             fx.ops.clear();
+            records.extend(fx.page_out.drain(..).map(|p| Record::Paged {
+                uid: p.uid,
+                id: p.id,
+                message: p.message,
+            }));
             if !records.is_empty() {
                 let must_sync = records.iter().any(|r| matches!(r, Record::Enqueued { .. }));
+                if self.journal.body_bytes_in_flight() > MAX_BODY_BYTES_IN_FLIGHT {
+                    // The writer is behind: every body queued for it is still in memory.
+                    fx.backlogged = true;
+                }
                 let seq = self.journal.submit(Job::Records(records));
                 if must_sync {
                     gate = Some(seq);
                 }
             }
+        }
+        if !fx.page_released.is_empty() || !fx.queues_released.is_empty() {
+            self.journal.submit(Job::Release {
+                pages: std::mem::take(&mut fx.page_released),
+                queues: std::mem::take(&mut fx.queues_released),
+            });
         }
         gate
     }
@@ -217,6 +239,103 @@ impl Broker {
     /// This broker's cluster membership, if it is a cluster member.
     pub fn cluster(&self) -> Option<&Arc<crate::cluster::Cluster>> {
         self.cluster.get()
+    }
+
+    /// Everything a batch of commands leaves to do, in the order that keeps it correct; call
+    /// it while still holding the vhost lock. Bodies only on disk are read back first (dead
+    /// letters, then deliveries), while the journal still holds them: this batch's removals
+    /// reach the journal only after, in [`Broker::persist`]. Then effects for other
+    /// connections go to their outboxes ([`Broker::route_effects`]). Returns the journal
+    /// sequence number this batch's replies wait for, as `persist` does.
+    pub fn finish_batch(&self, own: u64, vhost: &mut VHost, fx: &mut Effects) -> Option<u64> {
+        self.resolve_paged(vhost, fx);
+        self.route_effects(own, fx);
+        self.persist(vhost, fx)
+    }
+
+    /// Reads back the bodies of this batch's paged dead letters (and re-runs their
+    /// dead-lettering, which may page out and drop more) and of its deliveries.
+    fn resolve_paged(&self, vhost: &mut VHost, fx: &mut Effects) {
+        for _ in 0..MAX_DEAD_LETTER_ROUNDS {
+            if fx.paged_dead_letters.is_empty() {
+                break;
+            }
+            let dead = std::mem::take(&mut fx.paged_dead_letters);
+            let keys: Vec<DiskBody> = dead
+                .iter()
+                .map(|d| d.message.body.on_disk().expect("paged dead letter"))
+                .collect();
+            let bodies = self.read_bodies(&keys);
+            let resolved = dead
+                .into_iter()
+                .zip(bodies)
+                .map(|(d, body)| DeadLetter {
+                    message: Arc::new(d.message.with_body(body)),
+                    ..d
+                })
+                .collect();
+            vhost.dead_letter_resolved(resolved, now_ms(), fx);
+        }
+        if !fx.paged_dead_letters.is_empty() {
+            tracing::warn!(
+                vhost = %vhost.name(),
+                dropped = fx.paged_dead_letters.len(),
+                "dead-letter chain of paged messages too long; dropped the rest"
+            );
+            fx.paged_dead_letters.clear();
+        }
+        let (at, keys): (Vec<usize>, Vec<DiskBody>) = fx
+            .deliveries
+            .iter()
+            .enumerate()
+            .filter_map(|(i, d)| d.message.body.on_disk().map(|k| (i, k)))
+            .unzip();
+        if keys.is_empty() {
+            return;
+        }
+        for (i, body) in at.into_iter().zip(self.read_bodies(&keys)) {
+            let d = &mut fx.deliveries[i];
+            d.message = Arc::new(d.message.with_body(body));
+        }
+    }
+
+    /// `message` with its body in memory, read back from the journal when it was paged out
+    /// (basic.get). Call it under the vhost lock that produced it, like [`Broker::finish_batch`].
+    pub fn resolve_message(&self, message: Arc<Message>) -> Arc<Message> {
+        match message.body.on_disk() {
+            None => message,
+            Some(key) => {
+                let body = self.read_bodies(&[key]).pop().expect("one body per key");
+                Arc::new(message.with_body(body))
+            }
+        }
+    }
+
+    /// Reads bodies back from the journal. A body the journal cannot give back is a broken
+    /// promise of the store, like a failed write: the broker stops loudly rather than
+    /// deliver something else or nothing. When the record is damaged or missing it first
+    /// deletes the snapshot, so that the restart scans the journal and drops the damaged
+    /// record (and what follows it in its segment) instead of failing on it again.
+    fn read_bodies(&self, keys: &[DiskBody]) -> Vec<bytes::Bytes> {
+        let seq = self.journal.last_submitted();
+        match crate::store::paging::read_bodies(self.journal.index(), keys, seq) {
+            Ok(bodies) => {
+                self.journal
+                    .stats
+                    .bodies_read
+                    .fetch_add(keys.len() as u64, Ordering::Relaxed);
+                bodies
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "reading a paged-out body failed; stopping the broker");
+                if !matches!(e, crate::store::paging::ReadError::Io { .. })
+                    && let Err(e) = crate::store::snapshot::discard(&self.data_dir.path)
+                {
+                    tracing::error!(error = %e, "could not delete the snapshot");
+                }
+                std::process::exit(70);
+            }
+        }
     }
 
     /// A vhost by name.
@@ -302,6 +421,14 @@ impl Broker {
         }
     }
 }
+
+/// Body bytes waiting for the journal writer above which a connection that hands it more is
+/// paced like a publisher to a backlogged queue.
+const MAX_BODY_BYTES_IN_FLIGHT: u64 = 16 * 1024 * 1024;
+
+/// Most rounds of reading paged dead letters back per batch: a dead letter whose enqueue
+/// pushes out another paged message (drop-head) makes another round.
+const MAX_DEAD_LETTER_ROUNDS: usize = 64;
 
 /// A running broker: the listeners' addresses and the shared state.
 pub struct Running {
@@ -431,8 +558,7 @@ async fn tick_loop(broker: Arc<Broker>) {
         for (_, vhost) in broker.vhosts() {
             let mut v = vhost.lock();
             v.tick(now_ms(), &mut fx);
-            broker.route_effects(0, &mut fx);
-            broker.persist(&mut v, &mut fx);
+            broker.finish_batch(0, &mut v, &mut fx);
         }
     }
 }

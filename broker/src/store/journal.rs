@@ -13,7 +13,9 @@
 //! per cycle, so the I/O it adds is bounded and a slow consumer's few messages never pin
 //! old segments.
 
-use super::record::{Record, next_record};
+use super::index::{LiveIndex, Location, RecordKey, SegmentInfo, SharedIndex};
+use super::record::{RECORD_HEADER, Record, next_record};
+use super::snapshot::{self, Position, SnapshotError};
 use super::{SEGMENT_MAGIC, StoreError, segment_path, write_wiring_file};
 use crate::core::wiring::DurableWiring;
 use bytes::Bytes;
@@ -24,7 +26,7 @@ use std::io::Write;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{Receiver, Sender, TryRecvError, channel};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, TryRecvError, channel};
 use std::time::{Duration, Instant};
 
 /// Journal tuning (config keys `journal_*`).
@@ -38,6 +40,12 @@ pub struct JournalConfig {
     /// How long the writer waits for more records after the first of a batch, in µs. 0 =
     /// write as soon as records arrive; batches still form while a sync is in progress.
     pub max_delay_us: u64,
+    /// A snapshot of the queue indexes is written after this many Enqueued and Removed
+    /// records (0 = not by count). Bounds how much journal recovery replays.
+    pub snapshot_every_records: u64,
+    /// A snapshot is written when this much time passed since the last one and records were
+    /// written since, in ms (0 = not by time). One is always written at a clean shutdown.
+    pub snapshot_interval_ms: u64,
 }
 
 impl Default for JournalConfig {
@@ -46,6 +54,8 @@ impl Default for JournalConfig {
             segment_bytes: 16 * 1024 * 1024,
             max_batch_bytes: 4 * 1024 * 1024,
             max_delay_us: 0,
+            snapshot_every_records: 250_000,
+            snapshot_interval_ms: 60_000,
         }
     }
 }
@@ -67,6 +77,14 @@ pub enum Job {
         /// Vhost name.
         vhost: String,
     },
+    /// Page records whose messages left their queues, and queues (by uid) whose page records
+    /// all go: forgotten, never written (recovery ignores page records anyway).
+    Release {
+        /// (queue uid, message id) of page records.
+        pages: Vec<RecordKey>,
+        /// Queue uids.
+        queues: Vec<u64>,
+    },
 }
 
 /// Counters of the journal's work, read by metrics and benchmarks.
@@ -86,6 +104,15 @@ pub struct JournalStats {
     pub bytes_written: AtomicU64,
     /// Segments compacted and deleted.
     pub segments_compacted: AtomicU64,
+    /// Page records written (flow-to-disk of transient bodies), included in `records_written`.
+    pub pages_written: AtomicU64,
+    /// Bodies read back for delivery or dead-lettering (flow-to-disk).
+    pub bodies_read: AtomicU64,
+    /// Snapshots of the queue indexes written.
+    pub snapshots_written: AtomicU64,
+    /// Body bytes of Enqueued and Paged records submitted and not yet written: what tells a
+    /// publisher that outruns the writer to slow down (see [`Journal::body_bytes_in_flight`]).
+    pub body_bytes_in_flight: AtomicU64,
 }
 
 impl Default for JournalStats {
@@ -101,60 +128,21 @@ impl Default for JournalStats {
             records_cancelled: AtomicU64::new(0),
             bytes_written: AtomicU64::new(0),
             segments_compacted: AtomicU64::new(0),
+            pages_written: AtomicU64::new(0),
+            bodies_read: AtomicU64::new(0),
+            snapshots_written: AtomicU64::new(0),
+            body_bytes_in_flight: AtomicU64::new(0),
         }
     }
-}
-
-/// What the writer knows about a segment.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct SegmentInfo {
-    /// File size.
-    pub bytes: u64,
-    /// Live enqueue records in it.
-    pub live: u64,
 }
 
 /// The journal's state on disk, as recovery found it and the writer continues it.
 #[derive(Debug, Default)]
 pub struct DiskState {
-    /// Segments by number.
-    pub segments: BTreeMap<u64, SegmentInfo>,
-    /// Live messages: (queue uid, id) → (segment, record bytes).
-    pub live: HashMap<(u64, u64), (u64, u64)>,
+    /// Live records and segments.
+    pub index: LiveIndex,
     /// Durable wiring per vhost.
     pub wiring: BTreeMap<String, DurableWiring>,
-}
-
-impl DiskState {
-    /// Records that message `key` now lives in `segment`, forgetting an older copy.
-    pub fn add_live(&mut self, key: (u64, u64), segment: u64, bytes: u64) {
-        if let Some((old, _)) = self.live.insert(key, (segment, bytes))
-            && let Some(s) = self.segments.get_mut(&old)
-        {
-            s.live -= 1;
-        }
-        self.segments.entry(segment).or_default().live += 1;
-    }
-
-    /// Forgets message `key`; returns whether it was live.
-    pub fn remove_live(&mut self, key: (u64, u64)) -> bool {
-        match self.live.remove(&key) {
-            Some((segment, _)) => {
-                if let Some(s) = self.segments.get_mut(&segment) {
-                    s.live -= 1;
-                }
-                true
-            }
-            None => false,
-        }
-    }
-
-    fn live_uids(&self) -> HashSet<u64> {
-        self.wiring
-            .values()
-            .flat_map(|w| w.queues.iter().map(|q| q.uid))
-            .collect()
-    }
 }
 
 struct Submitter {
@@ -166,6 +154,7 @@ struct Submitter {
 pub struct Journal {
     submitter: Mutex<Submitter>,
     synced: Arc<tokio::sync::watch::Sender<u64>>,
+    index: Arc<SharedIndex>,
     /// Counters.
     pub stats: Arc<JournalStats>,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
@@ -191,10 +180,20 @@ impl Journal {
         let (tx, rx) = channel();
         let synced = Arc::new(tokio::sync::watch::Sender::new(0));
         let stats = Arc::new(JournalStats::default());
+        let DiskState { mut index, wiring } = state;
+        let segments: Vec<u64> = index.segments.keys().copied().collect();
+        for number in segments {
+            let path = segment_path(&dir, number);
+            let file = File::open(&path)
+                .map_err(|e| StoreError::Io(format!("opening {}", path.display()), e))?;
+            index.add_file(number, Arc::new(file));
+        }
+        let index = SharedIndex::new(index);
         let mut writer = Writer::new(
             dir,
             config,
-            state,
+            wiring,
+            index.clone(),
             next_segment,
             rx,
             synced.clone(),
@@ -210,14 +209,26 @@ impl Journal {
                 tx: Some(tx),
             }),
             synced,
+            index,
             stats,
             thread: Mutex::new(Some(thread)),
         })
     }
 
+    /// The live-record index, for reading bodies back (flow-to-disk).
+    pub fn index(&self) -> &Arc<SharedIndex> {
+        &self.index
+    }
+
     /// Queues work for the writer and returns its sequence number: it is durable once
     /// [`Journal::synced`] reaches it. Call it in the order the vhost produced the work.
     pub fn submit(&self, job: Job) -> u64 {
+        let bytes = body_bytes(&job);
+        if bytes > 0 {
+            self.stats
+                .body_bytes_in_flight
+                .fetch_add(bytes, Ordering::Relaxed);
+        }
         let mut s = self.submitter.lock();
         let seq = s.next_seq;
         s.next_seq += 1;
@@ -226,6 +237,14 @@ impl Journal {
             let _ = tx.send((seq, job));
         }
         seq
+    }
+
+    /// Body bytes of Enqueued and Paged records submitted and not yet written. Flow-to-disk
+    /// frees a body only once its record is written, and transient messages are confirmed
+    /// without waiting for the journal: a publisher is paced while this is high, so the
+    /// writer's queue cannot become the memory the budget was meant to save.
+    pub fn body_bytes_in_flight(&self) -> u64 {
+        self.stats.body_bytes_in_flight.load(Ordering::Relaxed)
     }
 
     /// The sequence number of the last submission (0 before the first).
@@ -263,6 +282,9 @@ impl Journal {
                     .unwrap_or(0),
                 bytes_written = s.bytes_written.load(Ordering::Relaxed),
                 segments_compacted = s.segments_compacted.load(Ordering::Relaxed),
+                pages_written = s.pages_written.load(Ordering::Relaxed),
+                bodies_read = s.bodies_read.load(Ordering::Relaxed),
+                snapshots_written = s.snapshots_written.load(Ordering::Relaxed),
                 "journal closed"
             );
         }
@@ -272,47 +294,95 @@ impl Journal {
 struct Writer {
     dir: PathBuf,
     config: JournalConfig,
-    state: DiskState,
+    wiring: BTreeMap<String, DurableWiring>,
+    index: Arc<SharedIndex>,
     current: u64,
+    /// Size of the current segment file, in bytes.
+    current_bytes: u64,
     file: File,
     rx: Receiver<(u64, Job)>,
     synced: Arc<tokio::sync::watch::Sender<u64>>,
     stats: Arc<JournalStats>,
     live_uids: HashSet<u64>,
     buf: Vec<u8>,
+    snapshots: Snapshots,
+}
+
+/// The writer's snapshot bookkeeping.
+struct Snapshots {
+    /// Enqueued and Removed records written since the last snapshot was taken.
+    records_since: u64,
+    taken_at: Instant,
+    /// Position of the last snapshot taken; the compactor deleting its segment makes it
+    /// useless and a new one due.
+    position: Option<Position>,
+    stale: bool,
+    /// The thread writing the last one, if it may still run.
+    thread: Option<std::thread::JoinHandle<Result<(), SnapshotError>>>,
+    /// Bytes appended to the current segment since its last sync.
+    unsynced: bool,
+}
+
+/// A record appended by a commit: its key, offset in the batch, length and head (see
+/// [`LiveIndex::add`]).
+type Written = (RecordKey, u64, u64, Option<Bytes>);
+
+/// One record of a batch, kept until the batch is written (or cancelled by a removal in the
+/// same batch).
+struct Pending {
+    record: Record,
+    /// Whether it must reach disk before a confirm (an Enqueued); a Paged record need not.
+    durable: bool,
 }
 
 impl Writer {
+    #[allow(clippy::too_many_arguments)]
     fn new(
         dir: PathBuf,
         config: JournalConfig,
-        mut state: DiskState,
+        wiring: BTreeMap<String, DurableWiring>,
+        index: Arc<SharedIndex>,
         next_segment: u64,
         rx: Receiver<(u64, Job)>,
         synced: Arc<tokio::sync::watch::Sender<u64>>,
         stats: Arc<JournalStats>,
     ) -> Result<Self, StoreError> {
         let file = new_segment(&dir, next_segment)?;
-        state.segments.insert(
-            next_segment,
-            SegmentInfo {
-                bytes: SEGMENT_MAGIC.len() as u64,
-                live: 0,
-            },
-        );
-        let live_uids = state.live_uids();
-        Ok(Self {
+        {
+            let mut locked = index.index.lock();
+            locked.add_file(next_segment, Arc::new(read_handle(&dir, next_segment)?));
+            locked.segments.insert(
+                next_segment,
+                SegmentInfo {
+                    bytes: SEGMENT_MAGIC.len() as u64,
+                    live: 0,
+                },
+            );
+        }
+        let mut writer = Self {
             dir,
             config,
-            state,
+            wiring,
+            index,
             current: next_segment,
+            current_bytes: SEGMENT_MAGIC.len() as u64,
             file,
             rx,
             synced,
             stats,
-            live_uids,
+            live_uids: HashSet::new(),
             buf: Vec::new(),
-        })
+            snapshots: Snapshots {
+                records_since: 0,
+                taken_at: Instant::now(),
+                position: None,
+                stale: false,
+                thread: None,
+                unsynced: false,
+            },
+        };
+        writer.live_uids = writer.live_uids();
+        Ok(writer)
     }
 
     fn run(&mut self) {
@@ -326,7 +396,15 @@ impl Writer {
 
     fn serve(&mut self) -> Result<(), StoreError> {
         let mut batch: Vec<(u64, Job)> = Vec::new();
-        while let Ok(first) = self.rx.recv() {
+        loop {
+            let first = match self.rx.recv_timeout(self.until_snapshot_due()) {
+                Ok(job) => job,
+                Err(RecvTimeoutError::Timeout) => {
+                    self.snapshot_if_due(false)?;
+                    continue;
+                }
+                Err(RecvTimeoutError::Disconnected) => break,
+            };
             batch.push(first);
             let started = Instant::now();
             loop {
@@ -351,16 +429,105 @@ impl Writer {
             }
             self.commit(&mut batch)?;
             self.compact_oldest()?;
+            self.snapshot_if_due(false)?;
         }
+        self.snapshot_if_due(true)
+    }
+
+    /// How long the writer may wait for work before a snapshot is due by time.
+    fn until_snapshot_due(&self) -> Duration {
+        let interval = Duration::from_millis(self.config.snapshot_interval_ms);
+        if self.snapshots.thread.is_some() {
+            // One is being written: look again soon to collect it.
+            return Duration::from_millis(100);
+        }
+        if self.config.snapshot_interval_ms == 0 || self.snapshots.records_since == 0 {
+            // Nothing to snapshot yet: wake up now and then all the same (a bounded wait).
+            return Duration::from_secs(1);
+        }
+        interval.saturating_sub(self.snapshots.taken_at.elapsed())
+    }
+
+    /// Takes a snapshot of the index when one is due (or, at `shutdown`, when anything changed
+    /// since the last): encodes it here, where the index matches the journal's head exactly,
+    /// and writes it on a thread of its own so that commits go on. At shutdown it is written
+    /// before returning. A failed snapshot is logged, not fatal: recovery falls back to the
+    /// full scan.
+    fn snapshot_if_due(&mut self, shutdown: bool) -> Result<(), StoreError> {
+        let s = &mut self.snapshots;
+        if (shutdown || s.thread.as_ref().is_some_and(|t| t.is_finished()))
+            && let Some(t) = s.thread.take()
+        {
+            match t.join() {
+                Ok(Ok(())) => {
+                    self.stats.snapshots_written.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok(Err(e)) => tracing::warn!(error = %e, "writing a snapshot failed"),
+                Err(_) => tracing::warn!("the snapshot thread panicked"),
+            }
+        }
+        let s = &mut self.snapshots;
+        let by_count = self.config.snapshot_every_records > 0
+            && s.records_since >= self.config.snapshot_every_records;
+        let by_time = self.config.snapshot_interval_ms > 0
+            && s.records_since > 0
+            && s.taken_at.elapsed() >= Duration::from_millis(self.config.snapshot_interval_ms);
+        let due = by_count || by_time || s.stale || (shutdown && s.records_since > 0);
+        if s.thread.is_some() || !due {
+            return Ok(());
+        }
+        if s.unsynced {
+            // The position must not run ahead of what is on disk.
+            self.sync()?;
+            self.snapshots.unsynced = false;
+        }
+        let position = Position {
+            segment: self.current,
+            offset_bytes: self.current_bytes,
+        };
+        let bytes = snapshot::encode(position, &self.index.index.lock());
+        let s = &mut self.snapshots;
+        s.records_since = 0;
+        s.taken_at = Instant::now();
+        s.position = Some(position);
+        s.stale = false;
+        let dir = self.dir.clone();
+        if shutdown {
+            match snapshot::write(&dir, &bytes) {
+                Ok(()) => {
+                    self.stats.snapshots_written.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(e) => tracing::warn!(error = %e, "writing a snapshot failed"),
+            }
+            return Ok(());
+        }
+        s.thread = Some(
+            std::thread::Builder::new()
+                .name("ringmq-snapshot".into())
+                .spawn(move || snapshot::write(&dir, &bytes))
+                .map_err(|e| StoreError::Io("starting the snapshot thread".into(), e))?,
+        );
         Ok(())
     }
 
-    /// Writes one batch with one sync.
+    fn live_uids(&self) -> HashSet<u64> {
+        self.wiring
+            .values()
+            .flat_map(|w| w.queues.iter().map(|q| q.uid))
+            .collect()
+    }
+
+    /// Writes one batch with one sync (none when it holds only page records and releases:
+    /// nothing in it is promised to survive a crash).
     fn commit(&mut self, batch: &mut Vec<(u64, Job)>) -> Result<(), StoreError> {
-        let mut records: Vec<Option<Record>> = Vec::new();
-        let mut pending: HashMap<(u64, u64), usize> = HashMap::new();
+        let mut records: Vec<Option<Pending>> = Vec::new();
+        let mut pending: HashMap<RecordKey, usize> = HashMap::new();
         let mut wiring_changed = false;
+        let mut removals = false;
+        let mut released: Vec<RecordKey> = Vec::new();
+        let mut released_queues: Vec<u64> = Vec::new();
         let mut last_seq = 0;
+        let body_bytes_taken: u64 = batch.iter().map(|(_, job)| body_bytes(job)).sum();
         for (seq, job) in batch.drain(..) {
             last_seq = seq;
             match job {
@@ -370,103 +537,182 @@ impl Writer {
                             Record::Enqueued { uid, id, .. } => {
                                 if self.live_uids.contains(&uid) {
                                     pending.insert((uid, id), records.len());
-                                    records.push(Some(r));
+                                    records.push(Some(Pending {
+                                        record: r,
+                                        durable: true,
+                                    }));
                                 }
+                            }
+                            Record::Paged { uid, id, .. } => {
+                                pending.insert((uid, id), records.len());
+                                records.push(Some(Pending {
+                                    record: r,
+                                    durable: false,
+                                }));
                             }
                             Record::Removed { uid, ids } => {
                                 let mut keep = Vec::new();
+                                let mut index = self.index.index.lock();
                                 for id in ids {
                                     if let Some(at) = pending.remove(&(uid, id)) {
                                         records[at] = None;
                                         self.stats
                                             .records_cancelled
                                             .fetch_add(1, Ordering::Relaxed);
-                                    } else if self.state.remove_live((uid, id)) {
+                                    } else if index.remove((uid, id)) {
                                         keep.push(id);
                                     }
                                 }
                                 if !keep.is_empty() {
-                                    records.push(Some(Record::Removed { uid, ids: keep }));
+                                    removals = true;
+                                    records.push(Some(Pending {
+                                        record: Record::Removed { uid, ids: keep },
+                                        durable: true,
+                                    }));
                                 }
                             }
                         }
                     }
                 }
+                Job::Release { pages, queues } => {
+                    for key in pages {
+                        if let Some(at) = pending.remove(&key) {
+                            records[at] = None;
+                        } else {
+                            released.push(key);
+                        }
+                    }
+                    for uid in queues {
+                        pending.retain(|(u, _), at| {
+                            if *u == uid {
+                                records[*at] = None;
+                            }
+                            *u != uid
+                        });
+                        released_queues.push(uid);
+                    }
+                }
                 Job::Wiring { .. } | Job::VhostDeleted { .. } => {
                     match job {
                         Job::Wiring { vhost, wiring } => {
-                            self.state.wiring.insert(vhost, wiring);
+                            self.wiring.insert(vhost, wiring);
                         }
                         Job::VhostDeleted { vhost } => {
-                            self.state.wiring.remove(&vhost);
+                            self.wiring.remove(&vhost);
                         }
-                        Job::Records(_) => unreachable!("matched above"),
+                        Job::Records(_) | Job::Release { .. } => unreachable!("matched above"),
                     }
-                    self.live_uids = self.state.live_uids();
+                    let new_uids = self.live_uids();
+                    let old_uids = std::mem::replace(&mut self.live_uids, new_uids);
                     wiring_changed = true;
                     // Messages of deleted queues are garbage now, written or not.
-                    pending.retain(|(uid, _), at| {
-                        let alive = self.live_uids.contains(uid);
-                        if !alive {
-                            records[*at] = None;
-                        }
-                        alive
-                    });
-                    let dead: Vec<(u64, u64)> = self
-                        .state
-                        .live
-                        .keys()
-                        .filter(|(uid, _)| !self.live_uids.contains(uid))
-                        .copied()
-                        .collect();
-                    for key in dead {
-                        self.state.remove_live(key);
+                    let gone: HashSet<u64> =
+                        old_uids.difference(&self.live_uids).copied().collect();
+                    if !gone.is_empty() {
+                        pending.retain(|(uid, _), at| {
+                            let dead = gone.contains(uid);
+                            if dead {
+                                records[*at] = None;
+                            }
+                            !dead
+                        });
+                        self.index
+                            .index
+                            .lock()
+                            .retain_uids(|uid| !gone.contains(&uid));
                     }
                 }
             }
         }
+        {
+            let mut index = self.index.index.lock();
+            for key in released {
+                index.remove(key);
+            }
+            if !released_queues.is_empty() {
+                index.retain_uids(|uid| !released_queues.contains(&uid));
+            }
+        }
         self.buf.clear();
-        let mut written = Vec::new();
-        for r in records.into_iter().flatten() {
+        let mut written: Vec<Written> = Vec::new();
+        let mut must_sync = wiring_changed || removals;
+        for p in records.into_iter().flatten() {
             let start = self.buf.len();
-            r.encode(&mut self.buf);
-            if let Record::Enqueued { uid, id, .. } = r {
-                written.push(((uid, id), (self.buf.len() - start) as u64));
+            p.record.encode(&mut self.buf);
+            must_sync |= p.durable;
+            if !p.durable {
+                self.stats.pages_written.fetch_add(1, Ordering::Relaxed);
+            }
+            let len = (self.buf.len() - start) as u64;
+            match &p.record {
+                Record::Enqueued {
+                    uid, id, message, ..
+                } => {
+                    let body = start + RECORD_HEADER;
+                    let head = Bytes::copy_from_slice(
+                        &self.buf[body..body + Record::head_len_of(message)],
+                    );
+                    written.push(((*uid, *id), start as u64, len, Some(head)));
+                }
+                Record::Paged { uid, id, .. } => {
+                    written.push(((*uid, *id), start as u64, len, None));
+                }
+                Record::Removed { .. } => {}
             }
             self.stats.records_written.fetch_add(1, Ordering::Relaxed);
+            self.snapshots.records_since += u64::from(p.durable);
         }
         if wiring_changed {
-            write_wiring_file(&self.dir, &self.state.wiring)?;
+            write_wiring_file(&self.dir, &self.wiring)?;
         }
         if !self.buf.is_empty() {
             let buf = std::mem::take(&mut self.buf);
-            self.append(&buf)?;
-            for (key, bytes) in written {
-                self.state.add_live(key, self.current, bytes);
+            let (segment, base) = self.append(&buf)?;
+            {
+                let mut index = self.index.index.lock();
+                for (key, offset, len, head) in written {
+                    index.add(
+                        key,
+                        Location {
+                            segment,
+                            offset_bytes: base + offset,
+                            len_bytes: len,
+                        },
+                        head,
+                    );
+                }
             }
             self.buf = buf;
-            self.sync()?;
+            if must_sync {
+                self.sync()?;
+            }
+            self.snapshots.unsynced = !must_sync;
         }
+        self.index.set_processed(last_seq);
+        self.stats
+            .body_bytes_in_flight
+            .fetch_sub(body_bytes_taken, Ordering::Relaxed);
         self.synced.send_replace(last_seq);
         Ok(())
     }
 
-    fn append(&mut self, bytes: &[u8]) -> Result<(), StoreError> {
-        let size = self
-            .state
-            .segments
-            .get(&self.current)
-            .map_or(0, |s| s.bytes);
-        if size > SEGMENT_MAGIC.len() as u64
-            && size + bytes.len() as u64 > self.config.segment_bytes
+    /// Appends `bytes` to the current segment (rolling to a new one first when they do not
+    /// fit); returns the segment and the offset they were written at.
+    fn append(&mut self, bytes: &[u8]) -> Result<(u64, u64), StoreError> {
+        if self.current_bytes > SEGMENT_MAGIC.len() as u64
+            && self.current_bytes + bytes.len() as u64 > self.config.segment_bytes
         {
             self.sync()?;
             self.current += 1;
             self.file = new_segment(&self.dir, self.current)?;
-            self.state.segments.insert(
+            self.current_bytes = SEGMENT_MAGIC.len() as u64;
+            let reader = Arc::new(read_handle(&self.dir, self.current)?);
+            let mut index = self.index.index.lock();
+            index.add_file(self.current, reader);
+            index.segments.insert(
                 self.current,
                 SegmentInfo {
-                    bytes: SEGMENT_MAGIC.len() as u64,
+                    bytes: self.current_bytes,
                     live: 0,
                 },
             );
@@ -480,11 +726,19 @@ impl Writer {
                 e,
             )
         })?;
-        self.state.segments.entry(self.current).or_default().bytes += bytes.len() as u64;
+        let at = self.current_bytes;
+        self.current_bytes += bytes.len() as u64;
+        self.index
+            .index
+            .lock()
+            .segments
+            .entry(self.current)
+            .or_default()
+            .bytes = self.current_bytes;
         self.stats
             .bytes_written
             .fetch_add(bytes.len() as u64, Ordering::Relaxed);
-        Ok(())
+        Ok((self.current, at))
     }
 
     fn sync(&mut self) -> Result<(), StoreError> {
@@ -508,16 +762,19 @@ impl Writer {
     }
 
     /// Compacts the oldest segment when the journal holds more than twice its live bytes.
+    /// Live records (Enqueued and Paged) are copied to the head and their locations updated
+    /// in the index before the old file is deleted, so a reader always finds a body: at the
+    /// new place, or at the old one through a descriptor it already holds.
     fn compact_oldest(&mut self) -> Result<(), StoreError> {
-        let total: u64 = self.state.segments.values().map(|s| s.bytes).sum();
-        let live: u64 = self.state.live.values().map(|(_, b)| b).sum();
-        if total <= 2 * live + 2 * self.config.segment_bytes {
-            return Ok(());
-        }
-        let Some((&oldest, _)) = self.state.segments.iter().next() else {
-            return Ok(());
+        let (oldest, total, live) = {
+            let index = self.index.index.lock();
+            let total: u64 = index.segments.values().map(|s| s.bytes).sum();
+            let Some((&oldest, _)) = index.segments.iter().next() else {
+                return Ok(());
+            };
+            (oldest, total, index.live_bytes())
         };
-        if oldest == self.current {
+        if total <= 2 * live + 2 * self.config.segment_bytes || oldest == self.current {
             return Ok(());
         }
         let path = segment_path(&self.dir, oldest);
@@ -526,37 +783,73 @@ impl Writer {
                 .map_err(|e| StoreError::Io(format!("reading {}", path.display()), e))?,
         );
         let mut copy = Vec::new();
-        let mut keys = Vec::new();
-        let mut at = SEGMENT_MAGIC.len().min(data.len());
-        while let Ok((body, next)) = next_record(&data, at) {
-            if let Some(key) = Record::enqueued_key(&body)
-                && self
-                    .state
-                    .live
-                    .get(&key)
-                    .is_some_and(|(seg, _)| *seg == oldest)
-            {
-                keys.push((key, (next - at) as u64));
-                copy.extend_from_slice(&data[at..next]);
+        let mut keys: Vec<(RecordKey, u64, u64)> = Vec::new();
+        {
+            let index = self.index.index.lock();
+            let mut at = SEGMENT_MAGIC.len().min(data.len());
+            while let Ok((body, next)) = next_record(&data, at) {
+                if let Some(key) = Record::enqueued_key(&body)
+                    && index
+                        .get(key)
+                        .is_some_and(|l| l.segment == oldest && l.offset_bytes == at as u64)
+                {
+                    keys.push((key, copy.len() as u64, (next - at) as u64));
+                    copy.extend_from_slice(&data[at..next]);
+                }
+                at = next;
             }
-            at = next;
         }
         if !copy.is_empty() {
-            self.append(&copy)?;
+            let (segment, base) = self.append(&copy)?;
             self.sync()?;
-            for (key, bytes) in keys {
-                self.state.add_live(key, self.current, bytes);
+            // Only this thread changes the index, so every key copied is still live here.
+            let mut index = self.index.index.lock();
+            for (key, offset, len) in keys {
+                index.relocate(
+                    key,
+                    Location {
+                        segment,
+                        offset_bytes: base + offset,
+                        len_bytes: len,
+                    },
+                );
             }
         }
         std::fs::remove_file(&path)
             .map_err(|e| StoreError::Io(format!("deleting {}", path.display()), e))?;
         super::sync_journal_dir(&self.dir)?;
-        self.state.segments.remove(&oldest);
+        self.index.index.lock().remove_segment(oldest);
+        if self.snapshots.position.is_some_and(|p| p.segment == oldest) {
+            self.snapshots.stale = true;
+        }
         self.stats
             .segments_compacted
             .fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
+}
+
+/// Body bytes of the Enqueued and Paged records in `job`.
+fn body_bytes(job: &Job) -> u64 {
+    match job {
+        Job::Records(records) => records
+            .iter()
+            .map(|r| match r {
+                Record::Paged { message, .. } | Record::Enqueued { message, .. } => {
+                    message.body_len() as u64
+                }
+                Record::Removed { .. } => 0,
+            })
+            .sum(),
+        _ => 0,
+    }
+}
+
+/// A second descriptor on a segment for readers (positioned reads do not disturb the
+/// writer's appends).
+fn read_handle(dir: &std::path::Path, number: u64) -> Result<File, StoreError> {
+    let path = segment_path(dir, number);
+    File::open(&path).map_err(|e| StoreError::Io(format!("opening {}", path.display()), e))
 }
 
 fn new_segment(dir: &std::path::Path, number: u64) -> Result<File, StoreError> {

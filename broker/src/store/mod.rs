@@ -6,10 +6,15 @@
 //! * `wiring.json` — durable exchanges, queues and bindings of every vhost, replaced
 //!   atomically (write, fsync, rename, fsync directory) by the journal writer.
 //! * `journal/NNNNNNNNNNNNNNNN.seg` — the journal segments (see [`journal`]).
+//! * `snapshot` — the queue indexes as of a journal position (see [`snapshot`]), replaced
+//!   atomically by the journal's snapshot thread.
 
+pub mod index;
 pub mod journal;
+pub mod paging;
 pub mod record;
 pub mod recovery;
+pub mod snapshot;
 
 #[cfg(test)]
 mod tests;

@@ -6,9 +6,12 @@
 //! * `1` Enqueued: uid u64, id u64, expires-at ms u64 (0 = none), exchange (u8 len + bytes),
 //!   routing key (u8 len + bytes), content header payload (u32 len + bytes), body (u32 len + bytes)
 //! * `2` Removed: uid u64, count u32, ids u64 × count
+//! * `3` Paged: laid out as Enqueued. The body of a message that is not persistent (or not on
+//!   a durable queue), written only so that flow-to-disk can drop it from memory. Recovery
+//!   skips it: a transient message never comes back after a restart.
 
-use crate::core::Message;
 use crate::core::ops::{OpKind, QueueOp};
+use crate::core::{Body, DiskBody, Message};
 use bytes::Bytes;
 use std::sync::Arc;
 use thiserror::Error;
@@ -21,6 +24,7 @@ pub const MAX_RECORD_BODY: usize = 512 * 1024 * 1024;
 
 const ENQUEUED: u8 = 1;
 const REMOVED: u8 = 2;
+const PAGED: u8 = 3;
 
 /// A change to a durable queue's persistent content.
 #[derive(Debug, Clone)]
@@ -34,6 +38,16 @@ pub enum Record {
         /// Absolute expiry time.
         expires_at_ms: Option<u64>,
         /// The message.
+        message: Arc<Message>,
+    },
+    /// The body of a message that does not survive a restart, written so that its queue
+    /// can drop it from memory (flow-to-disk).
+    Paged {
+        /// Queue incarnation.
+        uid: u64,
+        /// Message id within the queue.
+        id: u64,
+        /// The message, body in memory.
         message: Arc<Message>,
     },
     /// Messages left the queue `uid` (acked, expired, purged, dropped).
@@ -102,6 +116,24 @@ fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
     out.extend_from_slice(b);
 }
 
+fn put_message(
+    out: &mut Vec<u8>,
+    kind: u8,
+    uid: u64,
+    id: u64,
+    expires_at_ms: Option<u64>,
+    message: &Message,
+) {
+    out.push(kind);
+    out.extend_from_slice(&uid.to_be_bytes());
+    out.extend_from_slice(&id.to_be_bytes());
+    out.extend_from_slice(&expires_at_ms.unwrap_or(0).to_be_bytes());
+    put_str(out, message.exchange.as_str());
+    put_str(out, message.routing_key.as_str());
+    put_bytes(out, &message.header_payload);
+    put_bytes(out, message.body.bytes());
+}
+
 impl Record {
     /// Appends the record, framed and checksummed, to `out`.
     pub fn encode(&self, out: &mut Vec<u8>) {
@@ -113,16 +145,8 @@ impl Record {
                 id,
                 expires_at_ms,
                 message,
-            } => {
-                out.push(ENQUEUED);
-                out.extend_from_slice(&uid.to_be_bytes());
-                out.extend_from_slice(&id.to_be_bytes());
-                out.extend_from_slice(&expires_at_ms.unwrap_or(0).to_be_bytes());
-                put_str(out, message.exchange.as_str());
-                put_str(out, message.routing_key.as_str());
-                put_bytes(out, &message.header_payload);
-                put_bytes(out, &message.body);
-            }
+            } => put_message(out, ENQUEUED, *uid, *id, *expires_at_ms, message),
+            Record::Paged { uid, id, message } => put_message(out, PAGED, *uid, *id, None, message),
             Record::Removed { uid, ids } => {
                 out.push(REMOVED);
                 out.extend_from_slice(&uid.to_be_bytes());
@@ -138,10 +162,10 @@ impl Record {
         out[start + 4..start + 8].copy_from_slice(&crc.to_be_bytes());
     }
 
-    /// The (queue uid, message id) an Enqueued record stores, read without decoding the
-    /// message: what the compactor needs to decide whether to keep it.
+    /// The (queue uid, message id) an Enqueued or Paged record stores, read without
+    /// decoding the message: what the compactor needs to decide whether to keep it.
     pub fn enqueued_key(body: &[u8]) -> Option<(u64, u64)> {
-        if body.first() != Some(&ENQUEUED) || body.len() < 17 {
+        if !matches!(body.first(), Some(&ENQUEUED | &PAGED)) || body.len() < 17 {
             return None;
         }
         Some((
@@ -150,11 +174,78 @@ impl Record {
         ))
     }
 
+    /// The message body an Enqueued or Paged record holds, a slice of `body` (the record
+    /// body, checksum verified), read without decoding the properties: what flow-to-disk
+    /// reads back on delivery.
+    pub fn message_body(body: &Bytes) -> Result<Bytes, DecodeError> {
+        let mut r = Reader { buf: body, at: 0 };
+        if !matches!(r.u8()?, ENQUEUED | PAGED) {
+            return Err(DecodeError::Malformed("record type"));
+        }
+        r.take(24)?;
+        r.short_str()?;
+        r.short_str()?;
+        r.bytes()?;
+        r.bytes()
+    }
+
+    /// Length of the head of an Enqueued record body: everything but the message body
+    /// (type, key, expiry, exchange, routing key, content header and the body's length). A
+    /// snapshot stores heads so that recovery rebuilds queues without reading bodies.
+    pub fn head_len(body: &Bytes) -> Result<usize, DecodeError> {
+        let mut r = Reader { buf: body, at: 0 };
+        if r.u8()? != ENQUEUED {
+            return Err(DecodeError::Malformed("record type"));
+        }
+        r.take(24)?;
+        r.short_str()?;
+        r.short_str()?;
+        r.bytes()?;
+        r.u32()?;
+        Ok(r.at)
+    }
+
+    /// [`Record::head_len`] of the Enqueued record of `message`, computed without encoding.
+    pub fn head_len_of(message: &Message) -> usize {
+        1 + 3 * 8
+            + 1
+            + message.exchange.as_str().len()
+            + 1
+            + message.routing_key.as_str().len()
+            + 4
+            + message.header_payload.len()
+            + 4
+    }
+
+    /// Decodes the head of an Enqueued record (see [`Record::head_len`]) into the record it
+    /// stands for, its message's body left on disk under the record's key.
+    pub fn decode_head(head: &Bytes) -> Result<Record, DecodeError> {
+        let mut r = Reader { buf: head, at: 0 };
+        if r.u8()? != ENQUEUED {
+            return Err(DecodeError::Malformed("record type"));
+        }
+        let uid = r.u64()?;
+        let id = r.u64()?;
+        let expires = r.u64()?;
+        let exchange = r.short_str()?;
+        let routing_key = r.short_str()?;
+        let header_payload = r.bytes()?;
+        let len = r.u32()? as usize;
+        let mut message = message(exchange, routing_key, header_payload, Bytes::new())?;
+        message.body = Body::Disk(DiskBody { uid, id, len });
+        Ok(Record::Enqueued {
+            uid,
+            id,
+            expires_at_ms: (expires != 0).then_some(expires),
+            message: Arc::new(message),
+        })
+    }
+
     /// Decodes one record body (after its header was checked).
     pub fn decode(body: &Bytes) -> Result<Record, DecodeError> {
         let mut r = Reader { buf: body, at: 0 };
         match r.u8()? {
-            ENQUEUED => {
+            kind @ (ENQUEUED | PAGED) => {
                 let uid = r.u64()?;
                 let id = r.u64()?;
                 let expires = r.u64()?;
@@ -162,24 +253,16 @@ impl Record {
                 let routing_key = r.short_str()?;
                 let header_payload = r.bytes()?;
                 let content = r.bytes()?;
-                let header =
-                    match amq_protocol::frame::parsing::parse_content_header(&header_payload[..]) {
-                        Ok(([], h)) => h,
-                        _ => return Err(DecodeError::Malformed("content header")),
-                    };
-                let message = Message::new(
-                    exchange.into(),
-                    routing_key.into(),
-                    header.properties,
-                    header_payload,
-                    content,
-                )
-                .map_err(|_| DecodeError::Malformed("expiration"))?;
-                Ok(Record::Enqueued {
-                    uid,
-                    id,
-                    expires_at_ms: (expires != 0).then_some(expires),
-                    message: Arc::new(message),
+                let message = Arc::new(message(exchange, routing_key, header_payload, content)?);
+                Ok(if kind == PAGED {
+                    Record::Paged { uid, id, message }
+                } else {
+                    Record::Enqueued {
+                        uid,
+                        id,
+                        expires_at_ms: (expires != 0).then_some(expires),
+                        message,
+                    }
                 })
             }
             REMOVED => {
@@ -216,6 +299,26 @@ pub fn next_record(data: &Bytes, at: usize) -> Result<(Bytes, usize), DecodeErro
         return Err(DecodeError::Checksum);
     }
     Ok((body, end))
+}
+
+fn message(
+    exchange: String,
+    routing_key: String,
+    header_payload: Bytes,
+    content: Bytes,
+) -> Result<Message, DecodeError> {
+    let header = match amq_protocol::frame::parsing::parse_content_header(&header_payload[..]) {
+        Ok(([], h)) => h,
+        _ => return Err(DecodeError::Malformed("content header")),
+    };
+    Message::new(
+        exchange.into(),
+        routing_key.into(),
+        header.properties,
+        header_payload,
+        content,
+    )
+    .map_err(|_| DecodeError::Malformed("expiration"))
 }
 
 struct Reader<'a> {
@@ -301,7 +404,7 @@ mod tests {
                 uid,
                 id,
                 expires_at_ms,
-                &message.body[..],
+                &message.body.bytes()[..],
                 message.persistent
             ),
             (7, 3, Some(99), &b"payload"[..], true)
