@@ -261,6 +261,17 @@ impl Cpg {
         )
     }
 
+    /// The index of the last entry in this member's log, for the simulation.
+    #[cfg(test)]
+    pub(crate) fn last_log_index(&self) -> u64 {
+        self.inner
+            .raft
+            .metrics()
+            .borrow()
+            .last_log_index
+            .unwrap_or(0)
+    }
+
     /// One line of openraft's view of this member (for simulation failure reports).
     #[cfg(test)]
     pub(crate) fn raft_summary(&self) -> String {

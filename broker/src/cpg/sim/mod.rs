@@ -230,7 +230,21 @@ impl Sim {
         } else {
             Vec::new()
         };
-        self.record(Record::Partitioned { minority: members });
+        // The newest entry the cut-off side holds: entries up to it were appended before the
+        // cut and may still commit after it (see `checker::check_minorities`).
+        let appended = minority
+            .iter()
+            .flat_map(|&i| {
+                let slot = &self.slots[i];
+                slot.member.iter().chain(&slot.lingering)
+            })
+            .map(Cpg::last_log_index)
+            .max()
+            .unwrap_or(0);
+        self.record(Record::Partitioned {
+            minority: members,
+            appended,
+        });
     }
 
     fn heal(&self) {
