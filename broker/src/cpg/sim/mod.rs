@@ -145,14 +145,25 @@ impl Sim {
             .unwrap_or_default()
     }
 
+    /// Every voter set some member may still be counting on: those of each member's own
+    /// membership. The newest alone is not enough: a leader may have appended the final
+    /// configuration of a change whose joint one the others still use (seed 3645).
+    fn all_voter_sets(&self) -> BTreeSet<BTreeSet<MemberId>> {
+        self.slots
+            .iter()
+            .flat_map(|s| s.member.iter().chain(&s.lingering))
+            .flat_map(|m| m.voters().1)
+            .collect()
+    }
+
     /// All voters of the newest membership.
     fn voters(&self) -> BTreeSet<MemberId> {
         self.voter_sets().into_iter().flatten().collect()
     }
 
     /// Crashes slot `i` unless that would leave fewer than a majority alive in any voter set
-    /// of the newest membership: no consensus protocol progresses past that, so it is outside
-    /// the fault model.
+    /// some member still counts on (its own membership, joint or not): no consensus protocol
+    /// progresses past that, so it is outside the fault model.
     async fn crash_if_majority_survives(&mut self, i: usize) {
         let live: BTreeSet<MemberId> = self
             .slots
@@ -168,7 +179,7 @@ impl Sim {
             )
             .collect();
         let survives = self
-            .voter_sets()
+            .all_voter_sets()
             .iter()
             .all(|set| set.intersection(&live).count() * 2 > set.len());
         if survives {
@@ -270,6 +281,12 @@ impl Sim {
                         self.slots[i].addr = format!("m{i}.{}", self.slots[i].incarnation);
                     }
                     m => {
+                        if let Some(m) = &m {
+                            self.record(Record::Note {
+                                member: m.id(),
+                                text: m.raft_summary(),
+                            });
+                        }
                         self.slots[i].member = m;
                         self.crash(i).await;
                     }
@@ -436,7 +453,7 @@ fn check_seed(seed: u64) {
 const PARTS: u64 = 4;
 
 /// Seeds a plain `cargo test` / CI run checks (debug build); `CPG_SIM_SEEDS` overrides.
-const DEFAULT_SEEDS: u64 = 128;
+const DEFAULT_SEEDS: u64 = 256;
 
 fn env_u64(name: &str) -> Option<u64> {
     std::env::var(name).ok().and_then(|s| s.parse().ok())
