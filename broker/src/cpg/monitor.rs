@@ -112,7 +112,12 @@ impl Cpg {
             let failed = inner.failed.lock().clone();
             let mut lease = inner.lease.lock();
             lease.leading(term);
-            lease.leader_acked(now, quorum_ack_ms, inner.config.heartbeat_ms);
+            // openraft republishes its metrics at least once per tick, every 1.5 heartbeats
+            // (plus up to 1 ms of rounding down): that is how stale `quorum_ack_ms` can be
+            // (seed 1004604: counting one heartbeat let a cut-off leader's lease run 16 ms
+            // long).
+            let staleness_ms = inner.config.heartbeat_ms * 3 / 2 + 1;
+            lease.leader_acked(now, quorum_ack_ms, staleness_ms);
             let q = lease.leader_has_quorum(now);
             // Only a leader with quorum declares failures or removes voters.
             if q {
