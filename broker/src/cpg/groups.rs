@@ -24,6 +24,9 @@ pub(crate) struct Emitted {
 pub(crate) struct Groups {
     groups: BTreeMap<String, BTreeSet<MemberId>>,
     voters: BTreeMap<MemberId, String>,
+    /// Voters declared failed (by a [`Command::Fail`]) that are still Raft voters: out of every
+    /// group for good, but still voting until the cluster replaces them.
+    failed: BTreeSet<MemberId>,
 }
 
 impl Groups {
@@ -42,7 +45,8 @@ impl Groups {
     }
 
     /// The cluster's voting membership became `voters` at `index`. Group members no longer
-    /// voting have failed; the remaining members of each of their groups are told.
+    /// voting have failed (if no [`Command::Fail`] said so already); the remaining members of
+    /// each of their groups are told.
     pub fn set_voters(&mut self, index: u64, voters: BTreeMap<MemberId, String>) -> Vec<Emitted> {
         let removed: BTreeSet<MemberId> = self
             .voters
@@ -50,9 +54,23 @@ impl Groups {
             .filter(|id| !voters.contains_key(id))
             .copied()
             .collect();
+        let out = self.fail(index, &removed);
+        self.failed.retain(|id| voters.contains_key(id));
+        self.voters = voters;
+        out
+    }
+
+    /// Voters declared failed that are still voters.
+    pub fn failed(&self) -> &BTreeSet<MemberId> {
+        &self.failed
+    }
+
+    /// `members` failed at `index` (a [`Command::Fail`], or removed from the voters): they leave
+    /// every group, and the remaining members of each of those groups are told.
+    pub fn fail(&mut self, index: u64, members: &BTreeSet<MemberId>) -> Vec<Emitted> {
         let mut out = Vec::new();
         for (name, ids) in &mut self.groups {
-            let failed: Vec<MemberId> = ids.intersection(&removed).copied().collect();
+            let failed: Vec<MemberId> = ids.intersection(members).copied().collect();
             if failed.is_empty() {
                 continue;
             }
@@ -76,15 +94,30 @@ impl Groups {
             });
         }
         self.groups.retain(|_, ids| !ids.is_empty());
-        self.voters = voters;
+        self.failed.extend(
+            members
+                .iter()
+                .filter(|id| self.voters.contains_key(id))
+                .copied(),
+        );
         out
     }
 
     /// Applies one agreed command at `index`.
-    pub fn apply(&mut self, index: u64, cmd: Command) -> (Outcome, Option<Emitted>) {
+    pub fn apply(&mut self, index: u64, cmd: Command) -> (Outcome, Vec<Emitted>) {
+        if let Command::Fail { members } = &cmd {
+            let members: BTreeSet<MemberId> = members.iter().copied().collect();
+            return (Outcome::Applied { index }, self.fail(index, &members));
+        }
+        let (outcome, emitted) = self.apply_to_group(index, cmd);
+        (outcome, emitted.into_iter().collect())
+    }
+
+    fn apply_to_group(&mut self, index: u64, cmd: Command) -> (Outcome, Option<Emitted>) {
         match cmd {
+            Command::Fail { .. } => (Outcome::Applied { index }, None),
             Command::Join { group, member } => {
-                if !self.voters.contains_key(&member) {
+                if !self.voters.contains_key(&member) || self.failed.contains(&member) {
                     return (Outcome::NotMember, None);
                 }
                 let ids = self.groups.entry(group.clone()).or_default();
@@ -184,6 +217,39 @@ mod tests {
     }
 
     #[test]
+    fn declared_failure_ends_group_membership_but_not_the_vote() {
+        let mut g = Groups::default();
+        g.set_voters(1, voters(&[1, 2, 3]));
+        for m in [1, 2, 3] {
+            g.apply(
+                1 + m,
+                Command::Join {
+                    group: "a".into(),
+                    member: m,
+                },
+            );
+        }
+        let (outcome, out) = g.apply(5, Command::Fail { members: vec![3] });
+        assert_eq!(outcome, Outcome::Applied { index: 5 });
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].to, BTreeSet::from([1, 2]));
+        let CpgEvent::ConfChg { failed, .. } = &out[0].event else {
+            panic!("expected a configuration change");
+        };
+        assert_eq!(failed.iter().map(|m| m.id).collect::<Vec<_>>(), vec![3]);
+        assert_eq!(g.failed(), &BTreeSet::from([3]));
+        // A failed member cannot come back under the same incarnation.
+        let join = Command::Join {
+            group: "a".into(),
+            member: 3,
+        };
+        assert_eq!(g.apply(6, join).0, Outcome::NotMember);
+        // Removing it from the voters later reports nothing new and forgets it.
+        assert!(g.set_voters(7, voters(&[1, 2])).is_empty());
+        assert!(g.failed().is_empty());
+    }
+
+    #[test]
     fn non_member_cannot_join_or_multicast() {
         let mut g = Groups::default();
         g.set_voters(1, voters(&[1]));
@@ -225,13 +291,19 @@ mod tests {
                 member: 2,
             },
         );
-        assert_eq!(e.map(|e| e.to), Some(BTreeSet::from([1, 2])));
+        assert_eq!(
+            e.into_iter().next().map(|e| e.to),
+            Some(BTreeSet::from([1, 2]))
+        );
         let mcast = Command::Mcast {
             group: "a".into(),
             sender: 1,
             payload: vec![],
         };
         let (_, e) = g.apply(5, mcast);
-        assert_eq!(e.map(|e| e.to), Some(BTreeSet::from([1])));
+        assert_eq!(
+            e.into_iter().next().map(|e| e.to),
+            Some(BTreeSet::from([1]))
+        );
     }
 }

@@ -5,12 +5,13 @@
 //!   answers a ping with what is left of its lease, and the follower counts that from when it
 //!   *sent* the ping. So a member cut off with (or from) the leader loses quorum within
 //!   `lease_ms` of the cut.
-//! * The leader removes a member only after `failure_timeout_ms` without a ping from it
+//! * The leader declares a member failed only after `failure_timeout_ms` without a ping from it
 //!   (counted from when it became leader, since it knows nothing older). Any lease the member
 //!   still holds was granted at most `lease_ms` after a ping this or an earlier leader received,
 //!   so with `failure_timeout_ms > 2 * lease_ms + heartbeat_ms` it has expired first.
 //! * A follower whose log lags by more than `max_lag_entries` for `failure_timeout_ms` is also
-//!   removed: a slow member never holds the group back.
+//!   declared failed: a slow member never holds the group back. Since it still pings, it is
+//!   first granted no more lease, and declared failed only once its last grant has run out.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
@@ -30,6 +31,8 @@ pub(crate) struct Lease {
     leading_term: Option<u64>,
     last_heard: BTreeMap<MemberId, Instant>,
     lagging_since: BTreeMap<MemberId, Instant>,
+    /// Lagging members no longer granted a lease, and since when.
+    withheld: BTreeMap<MemberId, Instant>,
     removing: BTreeSet<MemberId>,
 }
 
@@ -45,6 +48,7 @@ impl Lease {
             leading_term: None,
             last_heard: BTreeMap::new(),
             lagging_since: BTreeMap::new(),
+            withheld: BTreeMap::new(),
             removing: BTreeSet::new(),
         }
     }
@@ -83,7 +87,7 @@ impl Lease {
 
     /// What is left of this leader's lease for `member` at `now` (0: no grant).
     pub fn grant_ms(&self, member: MemberId, now: Instant) -> u64 {
-        if self.removing.contains(&member) {
+        if self.removing.contains(&member) || self.withheld.contains_key(&member) {
             return 0;
         }
         self.leader_until
@@ -103,15 +107,21 @@ impl Lease {
             self.leading_term = Some(term);
             self.last_heard.clear();
             self.lagging_since.clear();
+            self.withheld.clear();
             self.removing.clear();
         }
         self.granted_until = None;
     }
 
-    /// The leader proposed removing `members`: from now on in this term it grants them no
-    /// lease, since the removal may commit at any later moment.
+    /// The leader proposed declaring `members` failed: from now on in this term it grants
+    /// them no lease, since the declaration may commit at any later moment.
     pub fn removing(&mut self, members: &BTreeSet<MemberId>) {
         self.removing.extend(members);
+    }
+
+    /// Members this leader proposed declaring failed in this term.
+    pub fn being_removed(&self) -> &BTreeSet<MemberId> {
+        &self.removing
     }
 
     /// Not leading (any more).
@@ -120,12 +130,9 @@ impl Lease {
         self.leader_until = None;
     }
 
-    /// Members of `voters` (other than the leader) to remove at `now`: silent for
-    /// `failure_timeout_ms`, or lagging more than `max_lag_entries` for as long. Nothing is
-    /// removed unless every member that stays was heard within three heartbeats: the joint
-    /// configuration needs a majority of the members that stay, and one that has just crashed
-    /// too would wedge it.
-    pub fn failed(
+    /// Members of `voters` (other than the leader) to declare failed at `now`: silent for
+    /// `failure_timeout_ms`, or lagging more than `max_lag_entries` for as long.
+    pub fn suspects(
         &mut self,
         now: Instant,
         leader: MemberId,
@@ -143,22 +150,43 @@ impl Lease {
             if lag > max_lag_entries {
                 let since = *self.lagging_since.entry(id).or_insert(now);
                 if now.duration_since(since) > self.failure_timeout {
-                    out.insert(id);
+                    // It still pings, so it may hold a lease: grant it no more, and declare
+                    // it failed only once the last grant has run out.
+                    let withheld = *self.withheld.entry(id).or_insert(now);
+                    if now.duration_since(withheld) > self.lease + self.fresh {
+                        out.insert(id);
+                    }
                 }
             } else {
                 self.lagging_since.remove(&id);
+                self.withheld.remove(&id);
             }
         }
         self.last_heard.retain(|id, _| voters.contains(id));
-        let stay_fresh = voters
+        out
+    }
+
+    /// Whether every one of `members` (other than the leader) was heard within three
+    /// heartbeats.
+    pub fn all_fresh<'a>(
+        &self,
+        now: Instant,
+        leader: MemberId,
+        members: impl IntoIterator<Item = &'a MemberId>,
+    ) -> bool {
+        members.into_iter().filter(|id| **id != leader).all(|id| {
+            self.last_heard
+                .get(id)
+                .is_some_and(|h| now.duration_since(*h) <= self.fresh)
+        })
+    }
+
+    /// Of `candidates`, the one heard from longest ago (never heard in this term first).
+    pub fn stalest(&self, candidates: &BTreeSet<MemberId>) -> Option<MemberId> {
+        candidates
             .iter()
-            .filter(|id| **id != leader && !out.contains(id))
-            .all(|id| {
-                self.last_heard
-                    .get(id)
-                    .is_some_and(|h| now.duration_since(*h) <= self.fresh)
-            });
-        if stay_fresh { out } else { BTreeSet::new() }
+            .min_by_key(|id| self.last_heard.get(id).copied())
+            .copied()
     }
 }
 
@@ -207,20 +235,21 @@ mod tests {
         let voters = BTreeSet::from([1, 2, 3]);
         l.leading(7);
         let none = BTreeMap::new();
-        assert!(l.failed(Instant::now(), 1, &voters, &none, 10).is_empty());
+        assert!(l.suspects(Instant::now(), 1, &voters, &none, 10).is_empty());
         l.heard(2, Instant::now());
         tokio::time::advance(Duration::from_millis(1_000)).await;
         l.heard(2, Instant::now());
-        tokio::time::advance(Duration::from_millis(201)).await;
-        assert!(
-            l.failed(Instant::now(), 1, &voters, &none, 10).is_empty(),
-            "2 was not heard lately, so removing 3 could wedge the joint configuration"
-        );
+        tokio::time::advance(Duration::from_millis(199)).await;
+        assert!(l.suspects(Instant::now(), 1, &voters, &none, 10).is_empty());
+        tokio::time::advance(Duration::from_millis(2)).await;
+        assert!(!l.all_fresh(Instant::now(), 1, &BTreeSet::from([2])));
         l.heard(2, Instant::now());
+        assert!(l.all_fresh(Instant::now(), 1, &BTreeSet::from([1, 2])));
         assert_eq!(
-            l.failed(Instant::now(), 1, &voters, &none, 10),
+            l.suspects(Instant::now(), 1, &voters, &none, 10),
             BTreeSet::from([3])
         );
+        assert_eq!(l.stalest(&BTreeSet::from([2, 3])), Some(3));
     }
 
     #[tokio::test(start_paused = true)]
@@ -231,14 +260,20 @@ mod tests {
         let lag = BTreeMap::from([(2, 100)]);
         for _ in 0..11 {
             l.heard(2, Instant::now());
-            assert!(l.failed(Instant::now(), 1, &voters, &lag, 10).is_empty());
+            assert!(l.suspects(Instant::now(), 1, &voters, &lag, 10).is_empty());
             tokio::time::advance(Duration::from_millis(100)).await;
         }
         l.heard(2, Instant::now());
         tokio::time::advance(Duration::from_millis(150)).await;
         l.heard(2, Instant::now());
+        l.leader_acked(Instant::now(), Some(0), 0);
+        // Lagging for the failure timeout: no more lease, but it may still hold one.
+        assert!(l.suspects(Instant::now(), 1, &voters, &lag, 10).is_empty());
+        assert_eq!(l.grant_ms(2, Instant::now()), 0);
+        tokio::time::advance(Duration::from_millis(651)).await;
+        l.heard(2, Instant::now());
         assert_eq!(
-            l.failed(Instant::now(), 1, &voters, &lag, 10),
+            l.suspects(Instant::now(), 1, &voters, &lag, 10),
             BTreeSet::from([2])
         );
     }

@@ -4,6 +4,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use openraft::{ChangeMembers, ServerState};
@@ -12,48 +13,72 @@ use tokio::task::JoinHandle;
 use tokio::time::{Instant, MissedTickBehavior};
 
 use super::error::StopReason;
+use super::lease::Lease;
 use super::node::{Cpg, write_timeout};
-use super::types::MemberId;
+use super::types::{Command, MemberId};
 use super::wire::{Envelope, Request, Response};
 
 impl Cpg {
     /// Runs lease renewal, quorum reporting and (on the leader) failure detection every
-    /// heartbeat, until the member stops.
+    /// heartbeat, until the member is shut down or, after stopping for a reason of its own,
+    /// has been removed from the voters.
     pub(crate) fn spawn_monitor(&self) {
         let weak = Arc::downgrade(&self.inner);
         let task = tokio::spawn(async move {
             let Some(inner) = weak.upgrade() else { return };
             let period = Duration::from_millis(inner.config.heartbeat_ms);
-            let mut stop = inner.stop.subscribe();
             drop(inner);
             let mut tick = tokio::time::interval(period);
             tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
             let mut monitor = Monitor::default();
             loop {
-                tokio::select! {
-                    biased;
-                    _ = stop.changed() => break,
-                    _ = tick.tick() => {}
-                }
+                tick.tick().await;
                 let Some(inner) = weak.upgrade() else { return };
-                Cpg { inner }.monitor_tick(&mut monitor);
-            }
-            if let Some(inner) = weak.upgrade() {
-                // Stopped for a reason of its own (evicted, overrun): stop consensus too.
-                let _ = inner.raft.shutdown().await;
+                let cpg = Cpg { inner };
+                match cpg.stop_reason() {
+                    Some(StopReason::Shutdown) => return,
+                    Some(_) if cpg.may_retire(&monitor) => {
+                        // Evicted, overrun or fell behind, and no longer a voter: stop
+                        // consensus too.
+                        cpg.inner.retired.store(true, Ordering::Release);
+                        let _ = cpg.inner.raft.shutdown().await;
+                        return;
+                    }
+                    _ => cpg.monitor_tick(&mut monitor),
+                }
             }
         });
         self.inner.tasks.lock().push(task);
     }
 
+    /// Whether a stopped member may stop voting: the cluster told it it was removed, or its
+    /// own committed membership no longer lists it.
+    fn may_retire(&self, monitor: &Monitor) -> bool {
+        if monitor.removed.load(Ordering::Acquire) {
+            return true;
+        }
+        let m = self.inner.raft.metrics();
+        let m = m.borrow();
+        let committed =
+            m.membership_config.log_id().map(|l| l.index) <= m.last_applied.map(|l| l.index);
+        let voter = m
+            .membership_config
+            .membership()
+            .voter_ids()
+            .any(|v| v == self.inner.id);
+        committed && !voter
+    }
+
     fn monitor_tick(&self, monitor: &mut Monitor) {
         let inner = &self.inner;
         let now = Instant::now();
-        let (state, term, membership_index, leader, voters, addrs, quorum_ack_ms, lag) = {
+        let stopped = self.stop_reason().is_some();
+        let (state, term, membership_index, leader, voters, joint, addrs, quorum_ack_ms, lag) = {
             let m = inner.raft.metrics();
             let m = m.borrow();
             let membership = m.membership_config.membership();
             let voters: BTreeSet<MemberId> = membership.voter_ids().collect();
+            let joint = membership.get_joint_config().len() > 1;
             let addrs: BTreeMap<MemberId, String> = membership
                 .nodes()
                 .map(|(id, n)| (*id, n.addr.clone()))
@@ -77,38 +102,60 @@ impl Cpg {
                 membership_index,
                 m.current_leader,
                 voters,
+                joint,
                 addrs,
                 m.millis_since_quorum_ack,
                 lag,
             )
         };
         let has_quorum = if state == ServerState::Leader {
+            let failed = inner.failed.lock().clone();
             let mut lease = inner.lease.lock();
             lease.leading(term);
-            lease.leader_acked(now, quorum_ack_ms, inner.config.heartbeat_ms);
+            // openraft republishes its metrics at least once per tick, every 1.5 heartbeats
+            // (plus up to 1 ms of rounding down): that is how stale `quorum_ack_ms` can be
+            // (seed 1004604: counting one heartbeat let a cut-off leader's lease run 16 ms
+            // long).
+            let staleness_ms = inner.config.heartbeat_ms * 3 / 2 + 1;
+            lease.leader_acked(now, quorum_ack_ms, staleness_ms);
             let q = lease.leader_has_quorum(now);
-            // Only a leader with quorum removes members: a cut-off leader proposing to remove
-            // the majority would leave a joint configuration nobody can ever commit.
-            let failed = if q {
-                lease.failed(now, inner.id, &voters, &lag, inner.config.max_lag_entries)
-            } else {
-                BTreeSet::new()
-            };
-            let propose =
-                !failed.is_empty() && monitor.removal.as_ref().is_none_or(JoinHandle::is_finished);
-            if propose {
-                lease.removing(&failed);
-            }
-            drop(lease);
-            if propose {
-                tracing::warn!(member = inner.id, ?failed, "removing failed CPG members");
-                let raft = inner.raft.clone();
-                let timeout = write_timeout(&inner.config);
-                monitor.removal = Some(tokio::spawn(async move {
-                    let change = raft.change_membership(ChangeMembers::RemoveVoters(failed), false);
-                    // A failed removal is retried on a later tick.
-                    let _ = tokio::time::timeout(timeout, change).await;
-                }));
+            // Only a leader with quorum declares failures or removes voters.
+            if q {
+                let suspects =
+                    lease.suspects(now, inner.id, &voters, &lag, inner.config.max_lag_entries);
+                let fail: BTreeSet<MemberId> = suspects
+                    .iter()
+                    .filter(|id| !failed.contains(id) && !lease.being_removed().contains(id))
+                    .copied()
+                    .collect();
+                if !fail.is_empty() && monitor.fail.as_ref().is_none_or(JoinHandle::is_finished) {
+                    lease.removing(&fail);
+                    tracing::warn!(member = inner.id, ?fail, "declaring CPG members failed");
+                    let raft = inner.raft.clone();
+                    let timeout = write_timeout(&inner.config);
+                    let cmd = Command::Fail {
+                        members: fail.into_iter().collect(),
+                    };
+                    monitor.fail = Some(tokio::spawn(async move {
+                        // Not committed in time: proposed again on a later tick.
+                        let _ = tokio::time::timeout(timeout, raft.client_write(cmd)).await;
+                    }));
+                }
+                if let Some(gone) = removable(inner.id, &voters, joint, &failed, &lease, now)
+                    && monitor.removal.as_ref().is_none_or(JoinHandle::is_finished)
+                {
+                    tracing::warn!(member = inner.id, gone, "removing a failed CPG voter");
+                    let raft = inner.raft.clone();
+                    let timeout = write_timeout(&inner.config);
+                    monitor.removal = Some(tokio::spawn(async move {
+                        let change = raft.change_membership(
+                            ChangeMembers::RemoveVoters(BTreeSet::from([gone])),
+                            false,
+                        );
+                        // A failed removal is retried on a later tick.
+                        let _ = tokio::time::timeout(timeout, change).await;
+                    }));
+                }
             }
             q
         } else {
@@ -133,12 +180,18 @@ impl Cpg {
                             .map(|a| (*a).clone())
                     });
                 if let Some(addr) = target {
-                    monitor.ping =
-                        Some(self.spawn_ping(addr, membership_index, Arc::clone(&monitor.hint)));
+                    monitor.ping = Some(self.spawn_ping(
+                        addr,
+                        membership_index,
+                        Arc::clone(&monitor.hint),
+                        Arc::clone(&monitor.removed),
+                    ));
                 }
             }
             q
         };
+        // A stopped member serves nothing that depends on agreement.
+        let has_quorum = has_quorum && !stopped;
         inner.quorum_tx.send_if_modified(|q| {
             if *q == has_quorum {
                 return false;
@@ -153,6 +206,7 @@ impl Cpg {
         addr: String,
         known_membership_index: u64,
         hint: Arc<Mutex<Option<String>>>,
+        removed: Arc<AtomicBool>,
     ) -> JoinHandle<()> {
         let weak = Arc::downgrade(&self.inner);
         let transport = Arc::clone(&self.inner.transport);
@@ -174,6 +228,7 @@ impl Cpg {
                 }) => {
                     inner.lease.lock().granted(sent_at, granted_ms);
                     if !member && membership_index > known_membership_index {
+                        removed.store(true, Ordering::Release);
                         Cpg { inner }.set_stop(StopReason::Evicted);
                     }
                 }
@@ -187,8 +242,40 @@ impl Cpg {
 /// What the monitor keeps between ticks.
 #[derive(Default)]
 struct Monitor {
+    fail: Option<JoinHandle<()>>,
     removal: Option<JoinHandle<()>>,
+    removed: Arc<AtomicBool>,
     ping: Option<JoinHandle<()>>,
     hint: Arc<Mutex<Option<String>>>,
     next_peer: usize,
+}
+
+/// The failed voter to remove now, if any. Removing a voter that is in fact alive (cut off,
+/// or evicted but still voting) from an *odd* voter set can leave a configuration whose
+/// majority needs a member that crashed just before (3 voters, one cut off and removed, one
+/// crashed: the remaining pair needs the crashed one, seed 171). From an even set it cannot:
+/// if a majority of the old set is alive, a majority of the new one is too, whoever is
+/// removed. So a failed voter is removed only from an even set of at least four (in a
+/// three-member cluster: once its replacement has joined), one at a time, outside a joint
+/// change, and only while every voter that stays was heard lately.
+fn removable(
+    leader: MemberId,
+    voters: &BTreeSet<MemberId>,
+    joint: bool,
+    failed: &BTreeSet<MemberId>,
+    lease: &Lease,
+    now: Instant,
+) -> Option<MemberId> {
+    if joint || voters.len() < 4 || !voters.len().is_multiple_of(2) {
+        return None;
+    }
+    let candidates: BTreeSet<MemberId> = failed
+        .iter()
+        .filter(|id| **id != leader && voters.contains(id))
+        .copied()
+        .collect();
+    let gone = lease.stalest(&candidates)?;
+    lease
+        .all_fresh(now, leader, voters.iter().filter(|id| **id != gone))
+        .then_some(gone)
 }

@@ -1,8 +1,9 @@
 //! A running CPG member: the [`Cpg`] handle the application holds, the [`CpgEvents`] stream it
 //! reads, and the background duties (admission, lease renewal, failure detection).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -46,6 +47,10 @@ pub(super) struct Inner {
     pub(super) lease: Arc<Mutex<Lease>>,
     pub(super) quorum_tx: watch::Sender<bool>,
     pub(super) stop: Arc<watch::Sender<Option<StopReason>>>,
+    /// Voters declared failed, as of this member's applied log.
+    pub(super) failed: Arc<Mutex<BTreeSet<MemberId>>>,
+    /// Consensus has stopped too (see [`Cpg::is_retired`]).
+    pub(super) retired: AtomicBool,
     pub(super) tasks: Mutex<Vec<JoinHandle<()>>>,
 }
 
@@ -172,10 +177,12 @@ impl Cpg {
         let raft_config = raft_config(&config)?;
         let (tx, rx) = mpsc::channel(config.event_queue_len);
         let stop = Arc::new(watch::channel(None).0);
+        let failed = Arc::new(Mutex::new(BTreeSet::new()));
         let sm = StateMachine::new(EventSink {
             local: id,
             tx,
             stop: Arc::clone(&stop),
+            failed: Arc::clone(&failed),
         });
         let network = NetworkFactory {
             transport: Arc::clone(&transport),
@@ -195,6 +202,7 @@ impl Cpg {
             id,
             raft.clone(),
             Arc::clone(&lease),
+            Arc::clone(&failed),
             write_timeout(&config),
         ));
         let events = CpgEvents {
@@ -211,6 +219,8 @@ impl Cpg {
                 lease,
                 quorum_tx,
                 stop,
+                failed,
+                retired: AtomicBool::new(false),
                 tasks: Mutex::new(Vec::new()),
             }),
         };
@@ -251,6 +261,17 @@ impl Cpg {
         )
     }
 
+    /// The index of the last entry in this member's log, for the simulation.
+    #[cfg(test)]
+    pub(crate) fn last_log_index(&self) -> u64 {
+        self.inner
+            .raft
+            .metrics()
+            .borrow()
+            .last_log_index
+            .unwrap_or(0)
+    }
+
     /// One line of openraft's view of this member (for simulation failure reports).
     #[cfg(test)]
     pub(crate) fn raft_summary(&self) -> String {
@@ -272,6 +293,16 @@ impl Cpg {
     /// Why the member stopped, once it has.
     pub fn stop_reason(&self) -> Option<StopReason> {
         *self.inner.stop.borrow()
+    }
+
+    /// Whether this member's consensus has stopped too. A member that stopped for a reason of
+    /// its own (evicted, overrun, fell behind) delivers nothing more, but its Raft node goes on
+    /// voting until the cluster has removed it from the voters: dropping it at once would cost
+    /// the others a vote they may need (a 3-member cluster with one partitioned member that
+    /// was declared failed and another that crashed). Keep the handle until this is true if the
+    /// replacement can start elsewhere; dropping it earlier is a crash to the others.
+    pub fn is_retired(&self) -> bool {
+        self.inner.retired.load(Ordering::Acquire)
     }
 
     /// Joins `group`; the member's first event of the group is the configuration change that
@@ -328,6 +359,7 @@ impl Cpg {
     /// Stops the member cleanly; the others see it fail after their failure timeout.
     pub async fn shutdown(&self) {
         self.set_stop(StopReason::Shutdown);
+        self.inner.retired.store(true, Ordering::Release);
         let tasks: Vec<_> = self.inner.tasks.lock().drain(..).collect();
         for t in tasks {
             t.abort();

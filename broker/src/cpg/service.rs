@@ -19,6 +19,7 @@ pub(crate) struct Service {
     id: MemberId,
     raft: Raft<CpgTypes>,
     lease: Arc<Mutex<Lease>>,
+    failed: Arc<Mutex<BTreeSet<MemberId>>>,
     write_timeout: Duration,
 }
 
@@ -28,12 +29,14 @@ impl Service {
         id: MemberId,
         raft: Raft<CpgTypes>,
         lease: Arc<Mutex<Lease>>,
+        failed: Arc<Mutex<BTreeSet<MemberId>>>,
         write_timeout: Duration,
     ) -> Self {
         Self {
             id,
             raft,
             lease,
+            failed,
             write_timeout,
         }
     }
@@ -80,7 +83,7 @@ impl Service {
     }
 
     fn ping(&self, from: MemberId) -> Response {
-        let (is_leader, membership_index, in_newest, removed) = {
+        let (is_leader, membership_index, in_newest, removed, caught_up) = {
             let m = self.raft.metrics();
             let m = m.borrow();
             let membership = m.membership_config.membership();
@@ -95,7 +98,19 @@ impl Service {
                 m.membership_config.log_id().map(|l| l.index) <= m.last_applied.map(|l| l.index);
             let removed = committed && !membership.voter_ids().any(|v| v == from);
             let index = m.membership_config.log_id().map_or(0, |l| l.index);
-            (m.state == ServerState::Leader, index, in_newest, removed)
+            // A new leader grants nothing until it has applied an entry of its own term, so
+            // it knows every failure an earlier leader proposed (such an entry commits with
+            // its first one).
+            let caught_up = m
+                .last_applied
+                .is_some_and(|l| l.leader_id.term == m.current_term);
+            (
+                m.state == ServerState::Leader,
+                index,
+                in_newest,
+                removed,
+                caught_up,
+            )
         };
         if !is_leader {
             return self.not_leader();
@@ -106,7 +121,7 @@ impl Service {
             if !removed {
                 lease.heard(from, now);
             }
-            if in_newest {
+            if in_newest && caught_up && !self.failed.lock().contains(&from) {
                 lease.grant_ms(from, now)
             } else {
                 0

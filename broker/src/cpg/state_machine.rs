@@ -2,7 +2,7 @@
 //! Applying only committed entries is what makes delivery "safe": nothing reaches the
 //! application before a majority of voters holds it.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io::Cursor;
 use std::sync::Arc;
 
@@ -18,7 +18,7 @@ use tokio::sync::{mpsc, watch};
 use super::error::StopReason;
 use super::event::CpgEvent;
 use super::groups::{Emitted, Groups};
-use super::types::{CpgTypes, MemberId, Outcome};
+use super::types::{Command, CpgTypes, MemberId, Outcome};
 
 type Membership = StoredMembership<MemberId, openraft::BasicNode>;
 
@@ -38,11 +38,28 @@ pub(crate) struct EventSink {
     pub tx: mpsc::Sender<CpgEvent>,
     /// Set once the member must stop; the node task watches it.
     pub stop: Arc<watch::Sender<Option<StopReason>>>,
+    /// The voters declared failed as of the applied log, for the lease (a leader grants them
+    /// nothing).
+    pub failed: Arc<Mutex<BTreeSet<MemberId>>>,
 }
 
 impl EventSink {
     fn stopped(&self) -> bool {
         self.stop.borrow().is_some()
+    }
+
+    /// Publishes the applied set of failed voters; a member that finds itself in it is evicted
+    /// (its Raft node keeps voting until the cluster removes it, see `monitor.rs`).
+    fn failed_now(&self, groups: &Groups) {
+        let failed = groups.failed();
+        if failed.contains(&self.local) {
+            self.stop
+                .send_if_modified(|s| s.replace(StopReason::Evicted).is_none());
+        }
+        let mut shared = self.failed.lock();
+        if *shared != *failed {
+            shared.clone_from(failed);
+        }
     }
 
     fn emit(&self, emitted: Emitted) {
@@ -138,9 +155,13 @@ impl RaftStateMachine<CpgTypes> for StateMachine {
             match entry.payload {
                 EntryPayload::Blank => outcomes.push(Outcome::Applied { index }),
                 EntryPayload::Normal(cmd) => {
+                    let fail = matches!(cmd, Command::Fail { .. });
                     let (outcome, emitted) = self.data.groups.apply(index, cmd);
-                    if let Some(e) = emitted {
+                    for e in emitted {
                         self.sink.emit(e);
+                    }
+                    if fail {
+                        self.sink.failed_now(&self.data.groups);
                     }
                     outcomes.push(outcome);
                 }
@@ -150,6 +171,7 @@ impl RaftStateMachine<CpgTypes> for StateMachine {
                     for e in self.data.groups.set_voters(index, voters) {
                         self.sink.emit(e);
                     }
+                    self.sink.failed_now(&self.data.groups);
                     outcomes.push(Outcome::Applied { index });
                 }
             }
@@ -186,6 +208,7 @@ impl RaftStateMachine<CpgTypes> for StateMachine {
                 .send_if_modified(|s| s.replace(StopReason::FellBehind).is_none());
         }
         self.data = data;
+        self.sink.failed_now(&self.data.groups);
         *self.snapshot.lock() = Some((meta.clone(), bytes));
         Ok(())
     }

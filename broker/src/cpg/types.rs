@@ -51,6 +51,13 @@ pub enum Command {
         #[serde(with = "serde_bytes")]
         payload: Vec<u8>,
     },
+    /// The leader declared `members` failed (silent or too slow for the failure timeout): they
+    /// leave every group. Decided by the current voters, so it never wedges a configuration;
+    /// whether they stay voters is a separate membership change.
+    Fail {
+        /// Members declared failed.
+        members: Vec<MemberId>,
+    },
 }
 
 /// What applying a [`Command`] did; returned to the member that proposed it.

@@ -26,6 +26,8 @@ pub(crate) enum Record {
     },
     Partitioned {
         minority: Vec<MemberId>,
+        /// The last log index on the cut-off side when the cut happened.
+        appended: u64,
     },
     Healed,
     FinalSent {
@@ -159,7 +161,7 @@ fn check_minorities(trace: &Trace, config: &CpgConfig, max_delay_ms: u64) -> Res
         }
     }
     for (pos, (t_p, r)) in recs.iter().enumerate() {
-        let Record::Partitioned { minority } = r else {
+        let Record::Partitioned { minority, appended } = r else {
             continue;
         };
         let end = recs[pos + 1..]
@@ -178,11 +180,14 @@ fn check_minorities(trace: &Trace, config: &CpgConfig, max_delay_ms: u64) -> Res
         let lease_deadline = t_p + config.lease_ms + config.heartbeat_ms + 10;
         for &m in minority {
             for (t, r) in &recs[pos..end] {
-                // Old entries (committed before the cut) may still reach it from a leader on
-                // its side; an entry nobody had delivered before the cut must not.
+                // Old entries may still reach it from a leader on its side: committed before
+                // the cut, or appended before it and committed after (a lagging member on the
+                // leader's side completes a majority with acknowledgements the other side sent
+                // before the cut: seed 1663). An entry appended after the cut must not.
                 if let Record::Event { member, event } = r
                     && *member == m
                     && *t > quiet_from
+                    && event.index() > *appended
                     && first_delivery
                         .get(&event.index())
                         .is_none_or(|f| *f > quiet_from)
