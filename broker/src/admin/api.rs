@@ -547,6 +547,7 @@ fn overview(b: &Broker) -> Value {
             "member": c.node_id(),
             "cluster_port": c.addr(),
             "quorum": c.has_quorum(),
+            "voters": c.voters(),
         })),
         "object_totals": {
             "connections": b.registry.connection_count(),

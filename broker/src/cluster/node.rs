@@ -168,6 +168,11 @@ impl Cluster {
         self.membership.read().known_hosts()
     }
 
+    /// Voters of the consensus group, dead ones included until they are removed.
+    pub fn voters(&self) -> usize {
+        self.cpg.voters()
+    }
+
     /// Whether this member currently holds quorum.
     pub fn has_quorum(&self) -> bool {
         *self.cpg.quorum().borrow()
