@@ -170,7 +170,7 @@ impl Cluster {
 
     /// Voters of the consensus group, dead ones included until they are removed.
     pub fn voters(&self) -> usize {
-        self.cpg.voters()
+        self.cpg.voter_count()
     }
 
     /// Whether this member currently holds quorum.

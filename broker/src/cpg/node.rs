@@ -293,7 +293,7 @@ impl Cpg {
     /// How many voters the newest membership this member knows has. Dead voters count until
     /// the cluster removes them (only from even sets of four or more, see `docs/cpg.md`), so
     /// after a crash the cluster is back to full strength once this is back to its size.
-    pub fn voters(&self) -> usize {
+    pub fn voter_count(&self) -> usize {
         self.inner
             .raft
             .metrics()
