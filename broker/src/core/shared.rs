@@ -222,30 +222,7 @@ impl VHost {
                 cur.home = q.home.map(Arc::from);
             }
         }
-        for b in w.bindings {
-            let destination = if b.destination_is_queue {
-                self.queues
-                    .get(b.destination.as_str())
-                    .map(|q| Destination::Queue(q.name.clone()))
-            } else {
-                self.exchanges
-                    .get(b.destination.as_str())
-                    .map(|e| Destination::Exchange(e.name.clone()))
-            };
-            match (destination, self.exchanges.get_mut(b.source.as_str())) {
-                (Some(destination), Some(source)) => {
-                    source.bind(Binding {
-                        destination,
-                        routing_key: b.routing_key,
-                        arguments: b.arguments,
-                    });
-                }
-                _ => skipped.push(format!(
-                    "binding {} -> {}: an end is missing",
-                    b.source, b.destination
-                )),
-            }
-        }
+        self.restore_bindings(w.bindings, &mut skipped);
         self.mark_wiring_changed();
         skipped
     }

@@ -170,7 +170,20 @@ impl VHost {
             queue.uid = q.uid;
             self.queues.insert(name, queue);
         }
-        for b in w.bindings {
+        self.restore_bindings(w.bindings, &mut skipped);
+        // Restoring is not a change: nothing needs saving.
+        self.take_wiring_changed();
+        skipped
+    }
+
+    /// Adds `bindings` whose both ends exist; the others go to `skipped` as reasons. Shared by
+    /// restoring from disk and installing a cluster snapshot.
+    pub(super) fn restore_bindings(
+        &mut self,
+        bindings: Vec<DurableBinding>,
+        skipped: &mut Vec<String>,
+    ) {
+        for b in bindings {
             let destination = if b.destination_is_queue {
                 self.queues
                     .get(b.destination.as_str())
@@ -194,9 +207,6 @@ impl VHost {
                 )),
             }
         }
-        // Restoring is not a change: nothing needs saving.
-        self.take_wiring_changed();
-        skipped
     }
 
     /// Puts recovered messages back into the queue `name`, in id order.
