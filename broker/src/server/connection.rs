@@ -4,7 +4,7 @@
 
 use super::channel::{BodyParts, ChannelCtx, HeldAck, HeldPublish, PendingPublish, Transaction};
 use super::outbox::{Outbox, Pending};
-use super::shared_wiring::{self, Awaited, Waiting};
+use super::shared_wiring::{self, Awaited, Waiting, string_arg};
 use super::stats::ConnStats;
 use super::{Broker, now_ms};
 use crate::amqp::frame::{
@@ -2061,15 +2061,6 @@ fn reply_text(code: u16, text: &str) -> String {
         text.to_owned()
     } else {
         format!("{name} - {text}")
-    }
-}
-
-/// A string-valued argument (`alternate-exchange`, `x-dead-letter-exchange`), if present.
-fn string_arg<'a>(args: &'a FieldTable, key: &str) -> Option<&'a str> {
-    match args.inner().get(key)? {
-        AMQPValue::LongString(s) => std::str::from_utf8(s.as_bytes()).ok(),
-        AMQPValue::ShortString(s) => Some(s.as_str()),
-        _ => None,
     }
 }
 

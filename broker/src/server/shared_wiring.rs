@@ -266,7 +266,8 @@ pub fn required_access(op: &WiringOp) -> Vec<(Access, Resource<'_>)> {
     }
 }
 
-fn string_arg<'a>(args: &'a FieldTable, key: &str) -> Option<&'a str> {
+/// A string argument (`alternate-exchange`, `x-dead-letter-exchange`), short or long.
+pub(super) fn string_arg<'a>(args: &'a FieldTable, key: &str) -> Option<&'a str> {
     match args.inner().get(key)? {
         AMQPValue::LongString(s) => std::str::from_utf8(s.as_bytes()).ok(),
         AMQPValue::ShortString(s) => Some(s.as_str()),
