@@ -6,8 +6,10 @@ use crate::auth::{PasswordHash, Permission, UserRecord};
 use crate::core::exchange::Destination;
 use crate::core::queue::Queue;
 use crate::core::{Effects, ExchangeDeclare, QueueDeclare, VHost};
-use crate::server::registry::ConnInfo;
-use crate::server::{Broker, now_ms, rss_bytes};
+use crate::broker::connections::ConnInfo;
+use crate::broker::Broker;
+use crate::broker::resources::rss_bytes;
+use crate::clock::now_ms;
 use hyper::header::{self, HeaderValue};
 use hyper::{Method, StatusCode};
 use parking_lot::Mutex;
@@ -578,7 +580,7 @@ fn overview(b: &Broker) -> Value {
             "high_watermark_bytes": b.config.memory_high_watermark_bytes,
             "alarm": b.publishers_blocked(),
         },
-        "disk_free_bytes": crate::server::disk_free_bytes(&b.config.data_dir),
+        "disk_free_bytes": crate::broker::resources::disk_free_bytes(&b.config.data_dir),
         "blocked_publishers": s.blocked_publishers.get(),
     })
 }

@@ -6,7 +6,7 @@ use super::api::{created, flag, no_exchange, no_queue, vhost};
 use super::json::table_from_json;
 use super::{ApiError, Call, Reply, empty_reply};
 use crate::cluster::{Cluster, WiringOp};
-use crate::server::Broker;
+use crate::broker::Broker;
 use hyper::{Method, StatusCode};
 use serde_json::Value;
 use std::sync::Arc;

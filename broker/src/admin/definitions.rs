@@ -12,7 +12,7 @@ use super::api::{self, bind, declare_exchange, declare_queue, parse_tags, put_us
 use super::json::{table_from_json, table_to_json};
 use crate::auth::Permission;
 use crate::core::ExchangeDeclare;
-use crate::server::Broker;
+use crate::broker::Broker;
 use serde::Deserialize;
 use serde_json::{Value, json};
 

@@ -1,11 +1,12 @@
 //! `/metrics` and `/metrics/detailed` in the Prometheus (OpenMetrics) text format.
 //!
-//! Counters are the connections' atomics ([`crate::server::stats::BrokerStats`]); every gauge
+//! Counters are the connections' atomics ([`crate::broker::stats::BrokerStats`]); every gauge
 //! is computed here, at scrape time, from the vhosts and the process: nothing is maintained
 //! per message for them. Per-queue series carry the labels `vhost` and `queue` and are capped
 //! at `metrics_max_queues` queues.
 
-use crate::server::{Broker, disk_free_bytes, rss_bytes};
+use crate::broker::Broker;
+use crate::broker::resources::{disk_free_bytes, rss_bytes};
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;

@@ -13,7 +13,7 @@ pub mod json;
 pub mod metrics;
 
 use crate::auth::UserRecord;
-use crate::server::Broker;
+use crate::broker::Broker;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::{Bytes, Incoming};
 use hyper::header::{self, HeaderValue};

@@ -249,7 +249,10 @@ async fn join_cluster(
         join_timeout: std::time::Duration::from_millis(config.cluster_join_timeout_ms),
         found_if_no_seed_answers: config.cluster_founder.as_deref() == Some(&config.node_id),
     };
-    let cluster = ringmq::cluster::Cluster::start(running.broker.clone(), settings)
+    let cluster = ringmq::cluster::Cluster::start(
+        ringmq::broker::cluster_host::BrokerHost::new(running.broker.clone()),
+        settings,
+    )
         .await
         .with_context(|| format!("cannot join the cluster on {listen}"))?;
     let _ = running.broker.cluster.set(cluster.clone());

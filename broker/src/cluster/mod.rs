@@ -15,5 +15,5 @@ pub mod notice;
 pub mod op;
 
 pub use membership::{MemberInfo, MemberState, Membership};
-pub use node::{Cluster, ClusterError, ClusterSettings, OpOutcome};
+pub use node::{Cluster, ClusterError, ClusterHost, ClusterSettings, OpOutcome};
 pub use op::{OpReply, WiringOp};

@@ -5,15 +5,12 @@
 use super::map::{Action, ClusterMap, WiringStore};
 use super::membership::{MemberInfo, MemberState, Membership};
 use super::message::ClusterMsg;
-use super::notice;
 use super::op::{OpReply, WiringOp};
-use crate::core::shared::SharedWiring;
-use crate::core::{AmqpError, Effects};
+use crate::core::AmqpError;
 use crate::cpg::{Cpg, CpgConfig, CpgError, CpgEvent, CpgEvents, MemberId};
-use crate::server::{Broker, now_ms};
 use bytes::Bytes;
 use parking_lot::{Mutex, RwLock};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -89,7 +86,7 @@ impl Cluster {
     /// Starts CPG, joins the cluster group and returns once this member holds the cluster
     /// map (at once for the founder; after the snapshot for a joiner).
     pub async fn start(
-        broker: Arc<Broker>,
+        host: impl ClusterHost,
         settings: ClusterSettings,
     ) -> Result<Arc<Cluster>, ClusterError> {
         let config = CpgConfig {
@@ -128,7 +125,7 @@ impl Cluster {
         let (synced_tx, mut synced_rx) = watch::channel(false);
         let applier = Applier {
             map: ClusterMap::new(cluster.me),
-            store: BrokerStore { broker },
+            host,
             cluster: cluster.clone(),
             info: settings.info,
             synced_tx,
@@ -223,60 +220,27 @@ impl Cluster {
     }
 }
 
-/// The broker's vhosts as the cluster map's wiring store.
-struct BrokerStore {
-    broker: Arc<Broker>,
-}
-
-impl WiringStore for BrokerStore {
-    fn apply(&mut self, vhost: &str, op: &WiringOp) -> OpOutcome {
-        let Some(vhost_ref) = self.broker.vhost(vhost) else {
-            return Err(AmqpError::not_found(format!("no vhost '{vhost}'")));
-        };
-        let mut v = vhost_ref.lock();
-        let mut fx = Effects::default();
-        let result = op.apply(&mut v, now_ms(), &mut fx);
-        let gate = self.broker.finish_batch(0, &mut v, &mut fx);
-        result.map(|reply| (reply, gate))
-    }
-
-    fn export(&mut self) -> BTreeMap<String, SharedWiring> {
-        self.broker
-            .vhosts()
-            .into_iter()
-            .map(|(name, vhost)| (name, vhost.lock().shared_wiring()))
-            .collect()
-    }
-
-    fn install(&mut self, vhosts: BTreeMap<String, SharedWiring>) {
-        let now = now_ms();
-        let mut fx = Effects::default();
-        for (name, wiring) in vhosts {
-            self.broker.add_vhost(&name);
-            let Some(vhost) = self.broker.vhost(&name) else {
-                continue;
-            };
-            let mut v = vhost.lock();
-            for skipped in v.install_shared_wiring(wiring, now, &mut fx) {
-                tracing::warn!(vhost = %name, %skipped, "cluster wiring not installed");
-            }
-            self.broker.finish_batch(0, &mut v, &mut fx);
-        }
-        tracing::info!("cluster map installed");
-    }
+/// What the cluster layer needs of the broker it runs in: the wiring store the map changes,
+/// plus the two things a member does to the broker outside the map. A trait the cluster
+/// owns, so that the cluster layer never reaches up into the broker or the server.
+pub trait ClusterHost: WiringStore + Send + 'static {
+    /// Tells the clients of every vhost the live members' AMQP addresses (`amq.qpid`).
+    fn publish_known_hosts(&mut self, hosts: &[String]);
+    /// Saves what must survive before the process exits (the journal).
+    fn shutdown(&mut self);
 }
 
 /// Feeds the cluster group's events to the map, in agreed order, and carries out what it
 /// asks for.
-struct Applier {
+struct Applier<H> {
     map: ClusterMap,
-    store: BrokerStore,
+    host: H,
     cluster: Arc<Cluster>,
     info: MemberInfo,
     synced_tx: watch::Sender<bool>,
 }
 
-impl Applier {
+impl<H: ClusterHost> Applier<H> {
     async fn run(mut self, mut events: CpgEvents) {
         while let Some(ev) = events.recv().await {
             if ev.group() != GROUP {
@@ -295,7 +259,7 @@ impl Applier {
                 };
                 tracing::info!(members = members.len(), joined = ?addrs(joined), left = ?addrs(left), failed = ?addrs(failed), "cluster membership changed");
             }
-            match self.map.on_event(ev, &mut self.store) {
+            match self.map.on_event(ev, &mut self.host) {
                 Ok(actions) => self.act(actions),
                 Err(e) => {
                     tracing::error!(error = %e, "cannot follow the cluster");
@@ -307,7 +271,7 @@ impl Applier {
         // the cluster must not go on serving a wiring it can no longer keep in step; its
         // supervisor restarts it and it rejoins with the others' map.
         tracing::error!(reason = ?self.cluster.cpg.stop_reason(), "this broker left the cluster; exiting so that it restarts and rejoins");
-        self.store.broker.journal.shutdown();
+        self.host.shutdown();
         std::process::exit(3);
     }
 
@@ -316,7 +280,7 @@ impl Applier {
             match action {
                 Action::SendHello => self.multicast(ClusterMsg::Hello(self.info.clone())),
                 Action::SendSnapshot { to, through } => {
-                    let msg = self.map.snapshot(to, through, &mut self.store);
+                    let msg = self.map.snapshot(to, through, &mut self.host);
                     self.multicast(msg);
                 }
                 Action::Answer { request, outcome } => self.cluster.answer(request, outcome),
@@ -340,15 +304,8 @@ impl Applier {
         });
     }
 
-    fn publish_known_hosts(&self) {
+    fn publish_known_hosts(&mut self) {
         let hosts = self.cluster.known_hosts();
-        let now = now_ms();
-        let mut fx = Effects::default();
-        let broker = &self.store.broker;
-        for (_, vhost) in broker.vhosts() {
-            let mut v = vhost.lock();
-            notice::publish(&mut v, &hosts, now, &mut fx);
-            broker.finish_batch(0, &mut v, &mut fx);
-        }
+        self.host.publish_known_hosts(&hosts);
     }
 }

@@ -3,10 +3,11 @@
 //! under one vhost lock, and answers with one write.
 
 use super::channel::{BodyParts, ChannelCtx, HeldAck, HeldPublish, PendingPublish, Transaction};
-use super::outbox::{Outbox, Pending};
-use super::shared_wiring::{self, Awaited, Waiting, string_arg};
-use super::stats::ConnStats;
-use super::{Broker, now_ms};
+use crate::broker::outbox::{Outbox, Pending};
+use super::wiring::{self as shared_wiring, Awaited, Waiting, string_arg};
+use crate::broker::stats::ConnStats;
+use crate::broker::Broker;
+use crate::clock::now_ms;
 use crate::amqp::frame::{
     self, FRAME_BODY, FRAME_HEADER, FRAME_HEARTBEAT, FRAME_METHOD, PROTOCOL_HEADER, RawFrame,
 };

@@ -1,17 +1,18 @@
 //! What the admin API sees of the running broker: live connections (who, from where, which
-//! vhost), this node's addresses and readiness, and the run-time changes to vhosts.
+//! vhost), this node's addresses and readiness, and the requests to close a connection or a
+//! channel that reach a connection through its mailbox.
 //!
 //! Connections register here on connection.open and leave when their task ends; nothing here
 //! is touched per message.
 
-use super::{Broker, now_ms};
+use super::Broker;
+use crate::clock::now_ms;
 use crate::amqp::codes;
-use crate::core::VHost;
-use parking_lot::{Mutex, RwLock};
+use parking_lot::RwLock;
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::OnceLock;
 
 /// An open connection, as listed by `GET /api/connections`.
 #[derive(Debug, Clone)]
@@ -147,54 +148,6 @@ impl Broker {
         };
         tracing::info!(conn = id, channel, reason, "closing channel on request");
         outbox.push(|p| p.close_channels.push((channel, reason.to_owned())));
-        true
-    }
-
-    /// All vhosts, sorted by name.
-    pub fn vhosts(&self) -> Vec<(String, Arc<Mutex<VHost>>)> {
-        let mut v: Vec<_> = self
-            .vhosts
-            .read()
-            .iter()
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
-        v.sort_by(|a, b| a.0.cmp(&b.0));
-        v
-    }
-
-    /// Creates a vhost; returns false if it existed.
-    pub fn add_vhost(&self, name: &str) -> bool {
-        let mut vhosts = self.vhosts.write();
-        if vhosts.contains_key(name) {
-            return false;
-        }
-        let seed = now_ms() ^ (vhosts.len() as u64).rotate_left(48);
-        let mut vhost = VHost::new(name, seed);
-        // Durable queues of a vhost made at run time journal their ops like any other.
-        vhost.set_record_ops(true);
-        vhost.set_limits(self.config.vhost_limits());
-        vhosts.insert(name.to_owned(), Arc::new(Mutex::new(vhost)));
-        tracing::info!(vhost = name, "vhost created");
-        true
-    }
-
-    /// Deletes a vhost, closing its connections (320) and forgetting its permissions;
-    /// returns false if it did not exist.
-    pub fn remove_vhost(&self, name: &str) -> bool {
-        if self.vhosts.write().remove(name).is_none() {
-            return false;
-        }
-        self.journal
-            .submit(crate::store::journal::Job::VhostDeleted {
-                vhost: name.to_owned(),
-            });
-        self.users.forget_vhost(name);
-        for c in self.registry.connections() {
-            if c.vhost == name {
-                self.force_close(c.id, &format!("vhost '{name}' is deleted"));
-            }
-        }
-        tracing::info!(vhost = name, "vhost deleted");
         true
     }
 }

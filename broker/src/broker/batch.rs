@@ -1,0 +1,152 @@
+//! The end of every batch of vhost commands: bodies paged out to the journal are read back,
+//! effects for other connections go to their mailboxes, durable changes go to the journal —
+//! in that order, under the vhost lock that produced them.
+
+use super::Broker;
+use crate::clock::now_ms;
+use crate::core::{DeadLetter, DiskBody, Effects, Message, VHost};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+impl Broker {
+    /// Everything a batch of commands leaves to do, in the order that keeps it correct; call
+    /// it while still holding the vhost lock. Bodies only on disk are read back first (dead
+    /// letters, then deliveries), while the journal still holds them: this batch's removals
+    /// reach the journal only after, in [`Broker::persist`]. Then effects for other
+    /// connections go to their outboxes ([`Broker::route_effects`]). Returns the journal
+    /// sequence number this batch's replies wait for, as `persist` does.
+    pub fn finish_batch(&self, own: u64, vhost: &mut VHost, fx: &mut Effects) -> Option<u64> {
+        self.resolve_paged(vhost, fx);
+        self.route_effects(own, fx);
+        self.persist(vhost, fx)
+    }
+
+    /// Reads back the bodies of this batch's paged dead letters (and re-runs their
+    /// dead-lettering, which may page out and drop more) and of its deliveries.
+    fn resolve_paged(&self, vhost: &mut VHost, fx: &mut Effects) {
+        for _ in 0..MAX_DEAD_LETTER_ROUNDS {
+            if fx.paged_dead_letters.is_empty() {
+                break;
+            }
+            let dead = std::mem::take(&mut fx.paged_dead_letters);
+            let keys: Vec<DiskBody> = dead
+                .iter()
+                .map(|d| d.message.body.on_disk().expect("paged dead letter"))
+                .collect();
+            let bodies = self.read_bodies(&keys);
+            let resolved = dead
+                .into_iter()
+                .zip(bodies)
+                .map(|(d, body)| DeadLetter {
+                    message: Arc::new(d.message.with_body(body)),
+                    ..d
+                })
+                .collect();
+            vhost.dead_letter_resolved(resolved, now_ms(), fx);
+        }
+        if !fx.paged_dead_letters.is_empty() {
+            tracing::warn!(
+                vhost = %vhost.name(),
+                dropped = fx.paged_dead_letters.len(),
+                "dead-letter chain of paged messages too long; dropped the rest"
+            );
+            fx.paged_dead_letters.clear();
+        }
+        let (at, keys): (Vec<usize>, Vec<DiskBody>) = fx
+            .deliveries
+            .iter()
+            .enumerate()
+            .filter_map(|(i, d)| d.message.body.on_disk().map(|k| (i, k)))
+            .unzip();
+        if keys.is_empty() {
+            return;
+        }
+        for (i, body) in at.into_iter().zip(self.read_bodies(&keys)) {
+            let d = &mut fx.deliveries[i];
+            d.message = Arc::new(d.message.with_body(body));
+        }
+    }
+
+    /// `message` with its body in memory, read back from the journal when it was paged out
+    /// (basic.get). Call it under the vhost lock that produced it, like [`Broker::finish_batch`].
+    pub fn resolve_message(&self, message: Arc<Message>) -> Arc<Message> {
+        match message.body.on_disk() {
+            None => message,
+            Some(key) => {
+                let body = self.read_bodies(&[key]).pop().expect("one body per key");
+                Arc::new(message.with_body(body))
+            }
+        }
+    }
+
+    /// Reads bodies back from the journal. A body the journal cannot give back is a broken
+    /// promise of the store, like a failed write: the broker stops loudly rather than
+    /// deliver something else or nothing. When the record is damaged or missing it first
+    /// deletes the snapshot, so that the restart scans the journal and drops the damaged
+    /// record (and what follows it in its segment) instead of failing on it again.
+    fn read_bodies(&self, keys: &[DiskBody]) -> Vec<bytes::Bytes> {
+        let seq = self.journal.last_submitted();
+        match crate::store::paging::read_bodies(self.journal.index(), keys, seq) {
+            Ok(bodies) => {
+                self.journal
+                    .stats
+                    .bodies_read
+                    .fetch_add(keys.len() as u64, Ordering::Relaxed);
+                bodies
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "reading a paged-out body failed; stopping the broker");
+                if !matches!(e, crate::store::paging::ReadError::Io { .. })
+                    && let Err(e) = crate::store::snapshot::discard(&self.data_dir.path)
+                {
+                    tracing::error!(error = %e, "could not delete the snapshot");
+                }
+                std::process::exit(70);
+            }
+        }
+    }
+
+    /// Hands effects meant for other connections to their mailboxes. Call it while still
+    /// holding the vhost lock that produced them (see [`Outbox`]). Items for `own` are left
+    /// in `fx` for the caller to write directly.
+    pub fn route_effects(&self, own: u64, fx: &mut Effects) {
+        if fx.deliveries.iter().all(|d| d.channel.conn == own)
+            && fx.cancelled.iter().all(|c| c.channel.conn == own)
+        {
+            return;
+        }
+        let outboxes = self.outboxes.read();
+        // One pass: keep this connection's deliveries in order, group the others by target
+        // (a batch reaches few connections, so a short list beats a map).
+        let mut groups: Vec<(u64, Vec<crate::core::Delivery>)> = Vec::new();
+        let mut mine = Vec::with_capacity(fx.deliveries.len());
+        for d in fx.deliveries.drain(..) {
+            let conn = d.channel.conn;
+            if conn == own {
+                mine.push(d);
+            } else if let Some((_, group)) = groups.iter_mut().find(|(c, _)| *c == conn) {
+                group.push(d);
+            } else {
+                groups.push((conn, vec![d]));
+            }
+        }
+        fx.deliveries = mine;
+        for (conn, batch) in groups {
+            if let Some(outbox) = outboxes.get(&conn) {
+                outbox.push(|p| p.deliveries.extend(batch));
+            }
+        }
+        let (mine, others): (Vec<_>, Vec<_>) =
+            fx.cancelled.drain(..).partition(|c| c.channel.conn == own);
+        fx.cancelled = mine;
+        for c in others {
+            if let Some(outbox) = outboxes.get(&c.channel.conn) {
+                outbox.push(|p| p.cancelled.push(c));
+            }
+        }
+    }
+}
+
+/// Most rounds of reading paged dead letters back per batch: a dead letter whose enqueue
+/// pushes out another paged message (drop-head) makes another round.
+const MAX_DEAD_LETTER_ROUNDS: usize = 64;

@@ -1,0 +1,78 @@
+//! The broker as the cluster layer sees it: committed wiring ops applied to the vhosts (and
+//! journalled when durable), snapshots for joiners, membership notices to clients.
+
+use super::Broker;
+use crate::clock::now_ms;
+use crate::cluster::map::WiringStore;
+use crate::cluster::{ClusterHost, OpOutcome, WiringOp, notice};
+use crate::core::shared::SharedWiring;
+use crate::core::{AmqpError, Effects};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+/// The broker's vhosts as the cluster map's wiring store, and the broker as the cluster
+/// layer's host.
+pub struct BrokerHost {
+    broker: Arc<Broker>,
+}
+
+impl BrokerHost {
+    /// The host for `broker`'s cluster membership.
+    pub fn new(broker: Arc<Broker>) -> Self {
+        Self { broker }
+    }
+}
+
+impl WiringStore for BrokerHost {
+    fn apply(&mut self, vhost: &str, op: &WiringOp) -> OpOutcome {
+        let Some(vhost_ref) = self.broker.vhost(vhost) else {
+            return Err(AmqpError::not_found(format!("no vhost '{vhost}'")));
+        };
+        let mut v = vhost_ref.lock();
+        let mut fx = Effects::default();
+        let result = op.apply(&mut v, now_ms(), &mut fx);
+        let gate = self.broker.finish_batch(0, &mut v, &mut fx);
+        result.map(|reply| (reply, gate))
+    }
+
+    fn export(&mut self) -> BTreeMap<String, SharedWiring> {
+        self.broker
+            .vhosts()
+            .into_iter()
+            .map(|(name, vhost)| (name, vhost.lock().shared_wiring()))
+            .collect()
+    }
+
+    fn install(&mut self, vhosts: BTreeMap<String, SharedWiring>) {
+        let now = now_ms();
+        let mut fx = Effects::default();
+        for (name, wiring) in vhosts {
+            self.broker.add_vhost(&name);
+            let Some(vhost) = self.broker.vhost(&name) else {
+                continue;
+            };
+            let mut v = vhost.lock();
+            for skipped in v.install_shared_wiring(wiring, now, &mut fx) {
+                tracing::warn!(vhost = %name, %skipped, "cluster wiring not installed");
+            }
+            self.broker.finish_batch(0, &mut v, &mut fx);
+        }
+        tracing::info!("cluster map installed");
+    }
+}
+
+impl ClusterHost for BrokerHost {
+    fn publish_known_hosts(&mut self, hosts: &[String]) {
+        let now = now_ms();
+        let mut fx = Effects::default();
+        for (_, vhost) in self.broker.vhosts() {
+            let mut v = vhost.lock();
+            notice::publish(&mut v, hosts, now, &mut fx);
+            self.broker.finish_batch(0, &mut v, &mut fx);
+        }
+    }
+
+    fn shutdown(&mut self) {
+        self.broker.journal.shutdown();
+    }
+}

@@ -1,0 +1,149 @@
+//! The broker's shared state: the vhosts, the journal, the users, the mailboxes of live
+//! connections and the resource alarms — everything a connection, the admin API and the
+//! cluster layer act on, and nothing about sockets.
+//!
+//! Every batch of vhost commands, whoever runs it (a connection, the admin API, a committed
+//! cluster op, the tick), ends in [`Broker::finish_batch`]: bodies paged out are read back,
+//! effects for other connections go to their mailboxes, durable changes go to the journal.
+//! The socket side is [`crate::server`]; the cluster layer reaches this state only through
+//! the trait it owns ([`crate::cluster::ClusterHost`], implemented in [`cluster_host`]).
+
+mod batch;
+pub mod cluster_host;
+pub mod connections;
+pub mod outbox;
+mod persist;
+pub mod resources;
+pub mod stats;
+mod vhosts;
+
+use crate::auth::UserStore;
+use crate::config::Config;
+use crate::core::VHost;
+use crate::store::journal::Journal;
+use crate::store::{DataDir, StoreError};
+use outbox::Outbox;
+use parking_lot::{Mutex, RwLock};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+/// State shared by every connection of the broker.
+#[derive(Debug)]
+pub struct Broker {
+    /// Configuration in force.
+    pub config: Config,
+    /// Users and their permissions (changed at run time by the admin API).
+    pub users: UserStore,
+    /// Message and byte counters for `/metrics`.
+    pub stats: stats::BrokerStats,
+    /// Live connections and this node's state, for the admin API.
+    pub registry: connections::Registry,
+    vhosts: RwLock<HashMap<String, Arc<Mutex<VHost>>>>,
+    outboxes: RwLock<HashMap<u64, Arc<Outbox>>>,
+    next_conn_id: AtomicU64,
+    blocked: AtomicBool,
+    blocked_reason: Mutex<&'static str>,
+    /// The journal all durable queues write to.
+    pub journal: Journal,
+    /// This broker's cluster membership, once it joined (never set when standalone).
+    pub cluster: std::sync::OnceLock<Arc<crate::cluster::Cluster>>,
+    /// Whether the listeners accept clients: a cluster member only starts once it holds
+    /// the cluster map, so no client sees a wiring the cluster does not have.
+    serving: tokio::sync::watch::Sender<bool>,
+    data_dir: DataDir,
+}
+
+impl Broker {
+    /// Opens the data directory, recovers what it holds into the configured vhosts and starts
+    /// the journal.
+    pub fn open(config: Config) -> Result<Arc<Self>, StoreError> {
+        let data_dir = DataDir::open(&config.data_dir)?;
+        let recovered = vhosts::recover(&config, &data_dir)?;
+        let journal = Journal::start(
+            data_dir.path.clone(),
+            config.journal.clone(),
+            recovered.disk,
+            recovered.next_segment,
+        )?;
+        Ok(Arc::new(Self {
+            users: UserStore::new(
+                config.users.clone(),
+                &recovered.names,
+                config.password_hash_iterations,
+            )
+            .with_login_limit(
+                config.login_failures_max,
+                Duration::from_secs(config.login_failures_window_s),
+            ),
+            stats: stats::BrokerStats::default(),
+            registry: connections::Registry::default(),
+            config,
+            vhosts: RwLock::new(recovered.vhosts),
+            outboxes: RwLock::new(HashMap::new()),
+            next_conn_id: AtomicU64::new(1),
+            blocked: AtomicBool::new(false),
+            blocked_reason: Mutex::new(""),
+            journal,
+            cluster: std::sync::OnceLock::new(),
+            serving: tokio::sync::watch::channel(false).0,
+            data_dir,
+        }))
+    }
+
+    /// Lets the listeners accept clients (see `serving`).
+    pub fn start_serving(&self) {
+        self.serving.send_replace(true);
+    }
+
+    /// Waits until the listeners may accept clients.
+    pub async fn serving(&self) {
+        let mut rx = self.serving.subscribe();
+        let _ = rx.wait_for(|s| *s).await;
+    }
+
+    /// This broker's cluster membership, if it is a cluster member.
+    pub fn cluster(&self) -> Option<&Arc<crate::cluster::Cluster>> {
+        self.cluster.get()
+    }
+
+    /// Registers a new connection; returns its id and mailbox.
+    pub fn register(&self) -> (u64, Arc<Outbox>) {
+        let id = self.next_conn_id.fetch_add(1, Ordering::Relaxed);
+        let outbox = Arc::new(Outbox::default());
+        self.outboxes.write().insert(id, outbox.clone());
+        (id, outbox)
+    }
+
+    /// Forgets a closed connection.
+    pub fn unregister(&self, id: u64) {
+        self.outboxes.write().remove(&id);
+        self.registry.remove(id);
+    }
+
+    /// Whether publishers are blocked (memory above the high watermark).
+    pub fn publishers_blocked(&self) -> bool {
+        self.blocked.load(Ordering::Relaxed)
+    }
+
+    /// Why publishers are blocked ("low on memory", "low on disk").
+    pub fn blocked_reason(&self) -> &'static str {
+        *self.blocked_reason.lock()
+    }
+
+    /// Blocks or unblocks publishers; every connection hears of a change through its mailbox.
+    fn set_blocked(&self, blocked: bool, reason: &'static str) {
+        *self.blocked_reason.lock() = reason;
+        if self.blocked.swap(blocked, Ordering::Relaxed) != blocked {
+            if blocked {
+                tracing::warn!(reason, "resource alarm: blocking publishers");
+            } else {
+                tracing::warn!("resource alarm cleared: unblocking publishers");
+            }
+            for outbox in self.outboxes.read().values() {
+                outbox.push(|p| p.blocked = Some(blocked));
+            }
+        }
+    }
+}
