@@ -3,13 +3,13 @@
 use super::json::{properties_key, table_from_json, table_to_json};
 use super::{ApiError, Call, Reply, definitions, empty_reply, json_reply, metrics};
 use crate::auth::{PasswordHash, Permission, UserRecord};
+use crate::broker::Broker;
+use crate::broker::connections::ConnInfo;
+use crate::broker::resources::rss_bytes;
+use crate::clock::now_ms;
 use crate::core::exchange::Destination;
 use crate::core::queue::Queue;
 use crate::core::{Effects, ExchangeDeclare, QueueDeclare, VHost};
-use crate::broker::connections::ConnInfo;
-use crate::broker::Broker;
-use crate::broker::resources::rss_bytes;
-use crate::clock::now_ms;
 use hyper::header::{self, HeaderValue};
 use hyper::{Method, StatusCode};
 use parking_lot::Mutex;

@@ -5,8 +5,9 @@
 use super::api::{created, flag, no_exchange, no_queue, vhost};
 use super::json::table_from_json;
 use super::{ApiError, Call, Reply, empty_reply};
-use crate::cluster::{Cluster, WiringOp};
 use crate::broker::Broker;
+use crate::cluster::Cluster;
+use crate::core::WiringOp;
 use hyper::{Method, StatusCode};
 use serde_json::Value;
 use std::sync::Arc;
@@ -99,9 +100,10 @@ fn declare_queue(cluster: &Cluster, c: &Call, name: &str) -> Result<(WiringOp, P
         WiringOp::DeclareQueue {
             name: name.to_owned(),
             durable: flag(&body, "durable", true)?,
+            exclusive: false,
             auto_delete: flag(&body, "auto_delete", false)?,
             arguments: arguments(&body)?,
-            owner: cluster.node_id().to_owned(),
+            home: Some(cluster.node_id().to_owned()),
             server_named: false,
         },
         Planned::Created,
@@ -125,6 +127,8 @@ fn delete_queue(b: &Broker, c: &Call, vh: &str, name: &str) -> Result<(WiringOp,
     Ok((
         WiringOp::DeleteQueue {
             name: name.to_owned(),
+            if_unused: false,
+            if_empty: false,
         },
         Planned::NoContent,
     ))

@@ -11,8 +11,8 @@ use super::ApiError;
 use super::api::{self, bind, declare_exchange, declare_queue, parse_tags, put_user, put_vhost};
 use super::json::{table_from_json, table_to_json};
 use crate::auth::Permission;
-use crate::core::ExchangeDeclare;
 use crate::broker::Broker;
+use crate::core::ExchangeDeclare;
 use serde::Deserialize;
 use serde_json::{Value, json};
 

@@ -253,8 +253,8 @@ async fn join_cluster(
         ringmq::broker::cluster_host::BrokerHost::new(running.broker.clone()),
         settings,
     )
-        .await
-        .with_context(|| format!("cannot join the cluster on {listen}"))?;
+    .await
+    .with_context(|| format!("cannot join the cluster on {listen}"))?;
     let _ = running.broker.cluster.set(cluster.clone());
     running.broker.start_serving();
     Ok(cluster)

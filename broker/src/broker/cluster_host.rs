@@ -4,9 +4,9 @@
 use super::Broker;
 use crate::clock::now_ms;
 use crate::cluster::map::WiringStore;
-use crate::cluster::{ClusterHost, OpOutcome, WiringOp, notice};
+use crate::cluster::{ClusterHost, OpOutcome, notice};
 use crate::core::shared::SharedWiring;
-use crate::core::{AmqpError, Effects};
+use crate::core::{AmqpError, Effects, NO_CONNECTION, WiringOp};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -30,7 +30,7 @@ impl WiringStore for BrokerHost {
         };
         let mut v = vhost_ref.lock();
         let mut fx = Effects::default();
-        let result = op.apply(&mut v, now_ms(), &mut fx);
+        let result = op.apply(&mut v, NO_CONNECTION, now_ms(), &mut fx);
         let gate = self.broker.finish_batch(0, &mut v, &mut fx);
         result.map(|reply| (reply, gate))
     }

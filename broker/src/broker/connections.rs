@@ -6,13 +6,13 @@
 //! is touched per message.
 
 use super::Broker;
-use crate::clock::now_ms;
 use crate::amqp::codes;
+use crate::clock::now_ms;
 use parking_lot::RwLock;
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// An open connection, as listed by `GET /api/connections`.
 #[derive(Debug, Clone)]

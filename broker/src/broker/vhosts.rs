@@ -15,7 +15,12 @@ use std::sync::Arc;
 /// A vhost as the broker runs it: with the configured limits, filled by `restore` (what the
 /// data directory holds; nothing for a new vhost), then recording its queue ops for the
 /// journal — restoring is not a change, the journal already holds it.
-fn new_vhost(config: &Config, name: &str, name_seed: u64, restore: impl FnOnce(&mut VHost)) -> VHost {
+fn new_vhost(
+    config: &Config,
+    name: &str,
+    name_seed: u64,
+    restore: impl FnOnce(&mut VHost),
+) -> VHost {
     let mut vhost = VHost::new(name, name_seed);
     // Limits first: restoring messages pages out those beyond the memory budget.
     vhost.set_limits(config.vhost_limits());

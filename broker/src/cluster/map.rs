@@ -6,9 +6,9 @@
 
 use super::membership::Membership;
 use super::message::{ClusterMsg, Snapshot};
-use super::op::{OpReply, WiringOp};
 use crate::core::AmqpError;
 use crate::core::shared::SharedWiring;
+use crate::core::{OpReply, WiringOp};
 use crate::cpg::{CpgEvent, MemberId};
 use std::collections::BTreeMap;
 

@@ -1,7 +1,7 @@
 //! What members multicast to the cluster group, and its encoding.
 
 use super::membership::{MemberInfo, Membership};
-use super::op::WiringOp;
+use crate::core::WiringOp;
 use crate::core::shared::SharedWiring;
 use crate::cpg::MemberId;
 use serde::{Deserialize, Serialize};

@@ -12,8 +12,6 @@ pub mod membership;
 pub mod message;
 pub mod node;
 pub mod notice;
-pub mod op;
 
 pub use membership::{MemberInfo, MemberState, Membership};
 pub use node::{Cluster, ClusterError, ClusterHost, ClusterSettings, OpOutcome};
-pub use op::{OpReply, WiringOp};

@@ -5,8 +5,8 @@
 use super::map::{Action, ClusterMap, WiringStore};
 use super::membership::{MemberInfo, MemberState, Membership};
 use super::message::ClusterMsg;
-use super::op::{OpReply, WiringOp};
 use crate::core::AmqpError;
+use crate::core::{OpReply, WiringOp};
 use crate::cpg::{Cpg, CpgConfig, CpgError, CpgEvent, CpgEvents, MemberId};
 use bytes::Bytes;
 use parking_lot::{Mutex, RwLock};

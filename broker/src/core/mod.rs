@@ -12,6 +12,7 @@ pub mod queue;
 pub mod shared;
 pub mod vhost;
 pub mod wiring;
+pub mod wiring_op;
 
 #[cfg(test)]
 mod tests;
@@ -24,3 +25,4 @@ pub use vhost::{
     Consume, DeadLetter, Delivery, Effects, ExchangeDeclare, GetOk, PageOut, PublishOutcome,
     QueueDeclare, QueueDeclared, VHost,
 };
+pub use wiring_op::{NO_CONNECTION, OpReply, WiringOp};

@@ -629,14 +629,16 @@ impl VHost {
         self.declare_queue(conn, d, now_ms, false)
     }
 
-    /// queue.declare of a shared queue whose `amq.gen-` name a cluster member made up for a
-    /// client that sent an empty name: the reserved prefix is the server's own here.
+    /// queue.declare (on behalf of connection `conn`) of a queue whose `amq.gen-` name the
+    /// broker made up for a client that sent an empty name: the reserved prefix is the
+    /// server's own here.
     pub fn queue_declare_server_named(
         &mut self,
+        conn: u64,
         d: QueueDeclare,
         now_ms: u64,
     ) -> CoreResult<QueueDeclared> {
-        self.declare_queue(0, d, now_ms, true)
+        self.declare_queue(conn, d, now_ms, true)
     }
 
     fn declare_queue(

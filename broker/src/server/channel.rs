@@ -124,6 +124,10 @@ pub struct ChannelCtx {
     pub key: ChannelKey,
     /// The broker sent channel.close and waits for close-ok; everything else is dropped.
     pub closing: bool,
+    /// While closing, the client's own channel.close crossed the broker's and was answered
+    /// with close-ok: the channel is still the client's to finish with close-ok, but a
+    /// client that reopens it instead has evidently finished with it.
+    pub crossing_close_answered: bool,
     /// Content being assembled.
     pub pending: Option<PendingPublish>,
     /// confirm.select was sent.
@@ -144,6 +148,7 @@ impl ChannelCtx {
         Self {
             key,
             closing: false,
+            crossing_close_answered: false,
             pending: None,
             confirm: false,
             publish_seq: 0,

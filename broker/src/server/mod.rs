@@ -3,6 +3,7 @@
 //! module only moves bytes between it and the network.
 
 pub mod channel;
+pub mod confirm_gate;
 pub mod connection;
 pub mod tls;
 pub mod wiring;
@@ -163,4 +164,3 @@ async fn tick_loop(broker: Arc<Broker>) {
         }
     }
 }
-

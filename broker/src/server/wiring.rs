@@ -1,12 +1,11 @@
-//! Which client methods change the cluster's shared wiring, and how they become
-//! [`WiringOp`]s and back into replies. A clustered broker sends these through CPG instead
-//! of applying them itself, and answers once the change is committed and applied here.
+//! Which client methods change wiring, how they become [`WiringOp`]s and back into replies,
+//! and the permissions each op needs. A single broker applies the op at once; a cluster
+//! member sends a shared one through CPG and answers once it is committed and applied here.
 
 use super::channel::ChannelCtx;
 use crate::amqp::{AMQPClass, AMQPValue, FieldTable, exchange, queue};
 use crate::auth::permissions::{Access, Resource};
-use crate::cluster::{OpReply, WiringOp};
-use crate::core::{AmqpError, VHost};
+use crate::core::{AmqpError, OpReply, VHost, WiringOp};
 
 /// The reply a committed op turns into.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -25,8 +24,8 @@ pub enum Awaited {
     QueueBound,
     /// queue.unbind-ok.
     QueueUnbound,
-    /// queue.delete-ok.
-    QueueDeleted,
+    /// queue.delete-ok for this queue.
+    QueueDeleted(String),
 }
 
 /// A method waiting for its op to be committed.
@@ -38,17 +37,16 @@ pub struct Waiting {
     pub nowait: bool,
 }
 
-/// The op for `method` if it changes shared wiring; `None` if the member handles it alone
-/// (passive declares, exclusive queues, everything else). Errors are those this member can
-/// tell without the cluster (an unknown last queue, if-unused/if-empty of a queue here).
-pub fn to_op(
+/// The op for `method` if it changes wiring; `None` for everything else (passive declares,
+/// purge, other classes). Names are resolved here — the channel's last queue for an empty
+/// name, a fresh `amq.gen-` name for a server-named queue — so that every member of a
+/// cluster applies the same op. `home` is this member's node id on a cluster.
+pub fn op_for(
     method: &AMQPClass,
     ch: &ChannelCtx,
     v: &mut VHost,
-    node_id: &str,
+    home: Option<String>,
 ) -> Result<Option<(WiringOp, Waiting)>, AmqpError> {
-    let is_local_queue =
-        |v: &VHost, name: &str| v.queue(name).is_some_and(|q| q.exclusive_owner.is_some());
     let need_queue = |name: &str| {
         ch.queue_name(name)
             .ok_or_else(|| AmqpError::not_found("no previously declared queue"))
@@ -95,10 +93,7 @@ pub fn to_op(
             _ => return Ok(None),
         },
         AMQPClass::Queue(m) => match m {
-            queue::AMQPMethod::Declare(d) if !d.passive && !d.exclusive => {
-                if is_local_queue(v, d.queue.as_str()) {
-                    return Ok(None);
-                }
+            queue::AMQPMethod::Declare(d) if !d.passive => {
                 let server_named = d.queue.as_str().is_empty();
                 let name = if server_named {
                     v.fresh_queue_name()
@@ -109,9 +104,10 @@ pub fn to_op(
                     WiringOp::DeclareQueue {
                         name: name.clone(),
                         durable: d.durable,
+                        exclusive: d.exclusive,
                         auto_delete: d.auto_delete,
                         arguments: d.arguments.clone(),
-                        owner: node_id.to_owned(),
+                        home,
                         server_named,
                     },
                     waiting(Awaited::QueueDeclared(name), d.nowait),
@@ -119,9 +115,6 @@ pub fn to_op(
             }
             queue::AMQPMethod::Bind(b) => {
                 let q = need_queue(b.queue.as_str())?;
-                if is_local_queue(v, &q) {
-                    return Ok(None);
-                }
                 let routing_key =
                     if b.routing_key.as_str().is_empty() && b.queue.as_str().is_empty() {
                         q.clone()
@@ -138,48 +131,64 @@ pub fn to_op(
                     waiting(Awaited::QueueBound, b.nowait),
                 )
             }
-            queue::AMQPMethod::Unbind(b) => {
-                let q = need_queue(b.queue.as_str())?;
-                if is_local_queue(v, &q) {
-                    return Ok(None);
-                }
-                (
-                    WiringOp::UnbindQueue {
-                        queue: q,
-                        exchange: b.exchange.to_string(),
-                        routing_key: b.routing_key.to_string(),
-                        arguments: b.arguments.clone(),
-                    },
-                    waiting(Awaited::QueueUnbound, false),
-                )
-            }
+            queue::AMQPMethod::Unbind(b) => (
+                WiringOp::UnbindQueue {
+                    queue: need_queue(b.queue.as_str())?,
+                    exchange: b.exchange.to_string(),
+                    routing_key: b.routing_key.to_string(),
+                    arguments: b.arguments.clone(),
+                },
+                waiting(Awaited::QueueUnbound, false),
+            ),
             queue::AMQPMethod::Delete(d) => {
                 let q = need_queue(d.queue.as_str())?;
-                match v.queue(&q) {
-                    Some(found) if found.exclusive_owner.is_some() => return Ok(None),
-                    Some(found) if d.if_unused && !found.consumers.is_empty() => {
-                        return Err(AmqpError::precondition(format!(
-                            "queue '{q}' in vhost '{}' in use",
-                            v.name()
-                        )));
-                    }
-                    Some(found) if d.if_empty && found.ready_count() > 0 => {
-                        return Err(AmqpError::precondition(format!(
-                            "queue '{q}' in vhost '{}' is not empty",
-                            v.name()
-                        )));
-                    }
-                    _ => {}
-                }
                 (
-                    WiringOp::DeleteQueue { name: q },
-                    waiting(Awaited::QueueDeleted, d.nowait),
+                    WiringOp::DeleteQueue {
+                        name: q.clone(),
+                        if_unused: d.if_unused,
+                        if_empty: d.if_empty,
+                    },
+                    waiting(Awaited::QueueDeleted(q), d.nowait),
                 )
             }
             _ => return Ok(None),
         },
         _ => return Ok(None),
     }))
+}
+
+/// The op as a cluster member multicasts it. A queue's consumers and content are known only
+/// where they are, so this member checks queue.delete's `if-unused` and `if-empty` against
+/// its own copy before the op leaves, and the op every member applies is unconditional.
+pub fn for_cluster(op: WiringOp, v: &VHost) -> Result<WiringOp, AmqpError> {
+    let WiringOp::DeleteQueue {
+        name,
+        if_unused,
+        if_empty,
+    } = op
+    else {
+        return Ok(op);
+    };
+    match v.queue(&name) {
+        Some(found) if if_unused && !found.consumers.is_empty() => {
+            return Err(AmqpError::precondition(format!(
+                "queue '{name}' in vhost '{}' in use",
+                v.name()
+            )));
+        }
+        Some(found) if if_empty && found.ready_count() > 0 => {
+            return Err(AmqpError::precondition(format!(
+                "queue '{name}' in vhost '{}' is not empty",
+                v.name()
+            )));
+        }
+        _ => {}
+    }
+    Ok(WiringOp::DeleteQueue {
+        name,
+        if_unused: false,
+        if_empty: false,
+    })
 }
 
 /// The -ok method for a committed op.
@@ -206,9 +215,11 @@ pub fn reply_method(awaited: &Awaited, reply: &OpReply) -> AMQPClass {
         }
         Awaited::QueueBound => AMQPClass::Queue(queue::AMQPMethod::BindOk(queue::BindOk {})),
         Awaited::QueueUnbound => AMQPClass::Queue(queue::AMQPMethod::UnbindOk(queue::UnbindOk {})),
-        Awaited::QueueDeleted => AMQPClass::Queue(queue::AMQPMethod::DeleteOk(queue::DeleteOk {
-            message_count: reply.message_count,
-        })),
+        Awaited::QueueDeleted(_) => {
+            AMQPClass::Queue(queue::AMQPMethod::DeleteOk(queue::DeleteOk {
+                message_count: reply.message_count,
+            }))
+        }
     }
 }
 
@@ -253,7 +264,7 @@ pub fn required_access(op: &WiringOp) -> Vec<(Access, Resource<'_>)> {
             }
             needs
         }
-        WiringOp::DeleteQueue { name } => vec![(Access::Configure, Resource::Queue(name))],
+        WiringOp::DeleteQueue { name, .. } => vec![(Access::Configure, Resource::Queue(name))],
         WiringOp::BindQueue {
             queue, exchange, ..
         }
@@ -267,7 +278,7 @@ pub fn required_access(op: &WiringOp) -> Vec<(Access, Resource<'_>)> {
 }
 
 /// A string argument (`alternate-exchange`, `x-dead-letter-exchange`), short or long.
-pub(super) fn string_arg<'a>(args: &'a FieldTable, key: &str) -> Option<&'a str> {
+fn string_arg<'a>(args: &'a FieldTable, key: &str) -> Option<&'a str> {
     match args.inner().get(key)? {
         AMQPValue::LongString(s) => std::str::from_utf8(s.as_bytes()).ok(),
         AMQPValue::ShortString(s) => Some(s.as_str()),

@@ -27,7 +27,8 @@ impl Store {
 impl WiringStore for Store {
     fn apply(&mut self, vhost: &str, op: &WiringOp) -> Result<(OpReply, Option<u64>), AmqpError> {
         let v = self.vhosts.get_mut(vhost).expect("test vhost");
-        op.apply(v, 0, &mut Effects::default()).map(|r| (r, None))
+        op.apply(v, crate::core::NO_CONNECTION, 0, &mut Effects::default())
+            .map(|r| (r, None))
     }
 
     fn export(&mut self) -> BTreeMap<String, SharedWiring> {
@@ -160,12 +161,17 @@ impl Model {
             0 | 1 => WiringOp::DeclareQueue {
                 name: q,
                 durable: self.rng.gen_bool(0.5),
+                exclusive: false,
                 auto_delete: false,
                 arguments: FieldTable::default(),
-                owner: "n".into(),
+                home: Some("n".into()),
                 server_named: false,
             },
-            2 => WiringOp::DeleteQueue { name: q },
+            2 => WiringOp::DeleteQueue {
+                name: q,
+                if_unused: false,
+                if_empty: false,
+            },
             3 => WiringOp::DeclareExchange {
                 name: x,
                 kind: "topic".into(),

@@ -1,5 +1,7 @@
-//! Wiring changes as data: what a member multicasts through CPG so that every member applies
-//! the same change to its copy of the wiring, in the same order.
+//! Wiring changes as data: every exchange and queue declare, delete, bind and unbind, from
+//! AMQP or the admin API, becomes one [`WiringOp`]. A single broker applies it at once; a
+//! cluster member multicasts it through CPG so that every member applies the same change to
+//! its copy of the wiring, in the same order. One place decides what a `queue.declare` does.
 //!
 //! Applying an op is pure (a [`VHost`] in, a reply or an AMQP error out), so every member
 //! reaches the same result for the same sequence: two conflicting declares resolve the same
@@ -9,8 +11,13 @@ use crate::amqp::FieldTable;
 use crate::core::{AmqpError, Effects, ExchangeDeclare, QueueDeclare, VHost};
 use serde::{Deserialize, Serialize};
 
-/// A change to a vhost's shared wiring. Exclusive queues, passive declares, purges and
-/// everything about messages stay local to the member the client is connected to.
+/// The connection an op applied on behalf of no connection acts for: a cluster member
+/// applying another member's op. Connection ids start at 1, and shared ops never touch
+/// exclusive queues, so no ownership check can match it.
+pub const NO_CONNECTION: u64 = 0;
+
+/// A change to a vhost's wiring. Passive declares (questions, not changes), purges and
+/// everything about messages are not ops.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum WiringOp {
     /// exchange.declare (not passive).
@@ -57,28 +64,36 @@ pub enum WiringOp {
         /// Arguments.
         arguments: FieldTable,
     },
-    /// queue.declare of a shared (non-exclusive, not passive) queue. The name is never
-    /// empty: the member that took the request made one up, so every member uses the same.
+    /// queue.declare (not passive). The name is never empty: the broker that took the
+    /// request made one up, so that every member of a cluster creates the same queue.
     DeclareQueue {
         /// Name.
         name: String,
         /// Durable flag.
         durable: bool,
+        /// Exclusive to the declaring connection (never multicast: it lives where its
+        /// connection is).
+        exclusive: bool,
         /// Auto-delete flag.
         auto_delete: bool,
         /// Arguments.
         arguments: FieldTable,
-        /// Node id of the member where it was declared: the queue's owner.
-        owner: String,
-        /// The member made the `amq.gen-` name up (the client sent an empty one).
+        /// Node id of the cluster member where it was declared (its home); none on a
+        /// single broker.
+        home: Option<String>,
+        /// The broker made the `amq.gen-` name up (the client sent an empty one).
         server_named: bool,
     },
-    /// queue.delete. `if-unused` and `if-empty` were checked by the member that took the
-    /// request (only a queue's owner knows its consumers and content), so this is
-    /// unconditional: deleting what is already gone succeeds.
+    /// queue.delete. On a cluster, `if-unused` and `if-empty` are checked by the member that
+    /// took the request (only a queue's owner knows its consumers and content) and the op
+    /// it multicasts has both off: deleting what is already gone succeeds.
     DeleteQueue {
         /// Name.
         name: String,
+        /// Refuse if the queue has consumers.
+        if_unused: bool,
+        /// Refuse if the queue holds messages.
+        if_empty: bool,
     },
     /// queue.bind.
     BindQueue {
@@ -104,21 +119,41 @@ pub enum WiringOp {
     },
 }
 
-/// What applying an op answers, for the member whose client asked.
+/// What applying an op answers, for the broker whose client asked.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct OpReply {
     /// Ready messages (queue.declare-ok, queue.delete-ok) as this member holds them.
     pub message_count: u32,
     /// Consumers on this member (queue.declare-ok).
     pub consumer_count: u32,
+    /// The declare created the queue (the admin API answers 201 rather than 204, and the
+    /// broker logs it).
+    pub created: bool,
 }
 
 impl WiringOp {
-    /// Applies the op to this member's copy of the vhost. Deterministic: the same vhost state
-    /// and op give the same result on every member.
+    /// Whether a cluster member sends the op to every member: everything but exclusive
+    /// queues and what is done to them, which stay with their connection's member.
+    pub fn is_shared(&self, v: &VHost) -> bool {
+        let exclusive = |name: &str| v.queue(name).is_some_and(|q| q.exclusive_owner.is_some());
+        match self {
+            WiringOp::DeclareQueue {
+                name, exclusive: e, ..
+            } => !e && !exclusive(name),
+            WiringOp::DeleteQueue { name, .. }
+            | WiringOp::BindQueue { queue: name, .. }
+            | WiringOp::UnbindQueue { queue: name, .. } => !exclusive(name),
+            _ => true,
+        }
+    }
+
+    /// Applies the op to this broker's vhost on behalf of connection `conn` (which exclusive
+    /// queues it may use; [`NO_CONNECTION`] for another member's op). Deterministic: the same
+    /// vhost state and op give the same result on every member.
     pub fn apply(
         &self,
         v: &mut VHost,
+        conn: u64,
         now_ms: u64,
         fx: &mut Effects,
     ) -> Result<OpReply, AmqpError> {
@@ -163,35 +198,44 @@ impl WiringOp {
             WiringOp::DeclareQueue {
                 name,
                 durable,
+                exclusive,
                 auto_delete,
                 arguments,
-                owner,
+                home,
                 server_named,
             } => {
                 let d = QueueDeclare {
                     name: name.clone(),
                     passive: false,
                     durable,
-                    exclusive: false,
+                    exclusive,
                     auto_delete,
                     arguments,
                 };
+                let created = v.queue(&name).is_none();
                 let declared = if server_named {
-                    v.queue_declare_server_named(d, now_ms)?
+                    v.queue_declare_server_named(conn, d, now_ms)?
                 } else {
-                    v.queue_declare(SHARED, d, now_ms)?
+                    v.queue_declare(conn, d, now_ms)?
                 };
-                v.set_queue_home(&name, &owner);
+                if let Some(home) = home {
+                    v.set_queue_home(&name, &home);
+                }
                 Ok(OpReply {
                     message_count: declared.message_count,
                     consumer_count: declared.consumer_count,
+                    created,
                 })
             }
-            WiringOp::DeleteQueue { name } => {
-                let message_count = v.queue_delete(SHARED, &name, false, false, fx)?;
+            WiringOp::DeleteQueue {
+                name,
+                if_unused,
+                if_empty,
+            } => {
+                let message_count = v.queue_delete(conn, &name, if_unused, if_empty, fx)?;
                 Ok(OpReply {
                     message_count,
-                    consumer_count: 0,
+                    ..OpReply::default()
                 })
             }
             WiringOp::BindQueue {
@@ -200,7 +244,7 @@ impl WiringOp {
                 routing_key,
                 arguments,
             } => v
-                .queue_bind(SHARED, &queue, &exchange, &routing_key, arguments)
+                .queue_bind(conn, &queue, &exchange, &routing_key, arguments)
                 .map(|()| OpReply::default()),
             WiringOp::UnbindQueue {
                 queue,
@@ -208,15 +252,11 @@ impl WiringOp {
                 routing_key,
                 arguments,
             } => v
-                .queue_unbind(SHARED, &queue, &exchange, &routing_key, arguments)
+                .queue_unbind(conn, &queue, &exchange, &routing_key, arguments)
                 .map(|()| OpReply::default()),
         }
     }
 }
-
-/// The "connection" shared ops act for: none. Connection ids start at 1, and shared ops never
-/// touch exclusive queues, so no ownership check can match it.
-const SHARED: u64 = 0;
 
 #[cfg(test)]
 mod tests {
@@ -228,8 +268,9 @@ mod tests {
             name: name.into(),
             durable,
             auto_delete: false,
+            exclusive: false,
             arguments: FieldTable::default(),
-            owner: "a".into(),
+            home: Some("a".into()),
             server_named: false,
         }
     }
@@ -269,7 +310,10 @@ mod tests {
             let mut fx = Effects::default();
             let results: Vec<_> = ops
                 .iter()
-                .map(|op| op.apply(&mut v, 1, &mut fx).map_err(|e| e.code))
+                .map(|op| {
+                    op.apply(&mut v, NO_CONNECTION, 1, &mut fx)
+                        .map_err(|e| e.code)
+                })
                 .collect();
             (results, v.shared_wiring())
         };
@@ -291,7 +335,7 @@ mod tests {
     fn a_declared_queue_records_its_owner() {
         let mut v = VHost::new("/", 1);
         queue("q", true)
-            .apply(&mut v, 1, &mut Effects::default())
+            .apply(&mut v, NO_CONNECTION, 1, &mut Effects::default())
             .unwrap();
         assert_eq!(v.queue("q").unwrap().home.as_deref(), Some("a"));
     }

@@ -1,0 +1,145 @@
+//! The confirm gate: output a connection has written but may not send yet.
+//!
+//! **The rule.** A publisher confirm (`basic.ack`/`basic.nack` for a published message), a
+//! `tx.commit-ok`, and the reply to a durable wiring change leave the broker only when every
+//! guarantee they promise holds. Today that is one condition: the journal's fsynced prefix
+//! covers the batch that produced them (a persistent message on a durable queue, a durable
+//! exchange, queue or binding). Replication adds a second one beside it — every in-sync backup
+//! acknowledged the batch's queue ops — and proxies a third — every primary the batch
+//! forwarded to confirmed. Each is a field of [`Conditions`] and of [`Progress`].
+//!
+//! **Why a prefix of the byte stream.** Replies on a connection are ordered, and a confirm
+//! must not overtake what the client was told before it; so the gate holds everything written
+//! up to the end of a batch whose conditions are unmet, and what was written before goes out
+//! at once. A batch is many frames (a read buffer's worth), so the gate costs one entry per
+//! batch, not per message, and a window of confirms goes out in one write once the journal's
+//! group commit covers it.
+
+use std::collections::VecDeque;
+
+/// What a held stretch of output waits for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Conditions {
+    /// The journal sequence number that must be durable (fsynced).
+    pub journal_seq: u64,
+}
+
+/// How far the guarantees have come, as the connection last heard.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Progress {
+    /// The journal is durable up to this sequence number.
+    pub journal_synced: u64,
+}
+
+impl Conditions {
+    /// Whether everything the held output promises is true at `progress`.
+    fn hold_at(&self, progress: Progress) -> bool {
+        progress.journal_synced >= self.journal_seq
+    }
+}
+
+/// Held output of one connection: (end offset in the write buffer, conditions) per batch,
+/// in buffer order.
+#[derive(Debug, Default)]
+pub struct ConfirmGate {
+    held: VecDeque<(usize, Conditions)>,
+}
+
+impl ConfirmGate {
+    /// Holds the first `end` bytes of the write buffer until `conditions` hold (nothing to
+    /// hold when a batch promised nothing durable).
+    pub fn hold(&mut self, end: usize, conditions: Option<Conditions>) {
+        let Some(conditions) = conditions else {
+            return;
+        };
+        if let Some(&(last_end, _)) = self.held.back() {
+            assert!(end >= last_end, "held stretches go in buffer order");
+        }
+        self.held.push_back((end, conditions));
+    }
+
+    /// How many of the `buffered` bytes may be written at `progress`: all of them when no
+    /// held stretch waits, else those up to the end of the last stretch (from the front)
+    /// whose conditions hold.
+    pub fn releasable(&self, buffered: usize, progress: Progress) -> usize {
+        let mut released = 0;
+        for &(end, conditions) in &self.held {
+            if !conditions.hold_at(progress) {
+                return released;
+            }
+            released = end;
+        }
+        buffered
+    }
+
+    /// Whether any output waits (the connection then listens for journal progress).
+    pub fn is_holding(&self, buffered: usize, progress: Progress) -> bool {
+        self.releasable(buffered, progress) < buffered
+    }
+
+    /// `written` bytes from the front of the buffer went out: forgets the stretches they
+    /// covered and shifts the rest. Asserts the invariant the gate exists for: nothing went
+    /// out before its conditions held.
+    pub fn written(&mut self, written: usize, buffered: usize, progress: Progress) {
+        assert!(
+            written <= self.releasable(buffered, progress),
+            "output released before its conditions hold: a confirm would precede its fsync"
+        );
+        while self.held.front().is_some_and(|&(end, _)| end <= written) {
+            self.held.pop_front();
+        }
+        for (end, _) in self.held.iter_mut() {
+            *end -= written;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(journal_synced: u64) -> Progress {
+        Progress { journal_synced }
+    }
+
+    fn seq(journal_seq: u64) -> Option<Conditions> {
+        Some(Conditions { journal_seq })
+    }
+
+    #[test]
+    fn output_before_a_held_batch_goes_and_the_batch_waits_for_its_fsync() {
+        let mut gate = ConfirmGate::default();
+        gate.hold(10, seq(5));
+        assert_eq!(gate.releasable(25, at(4)), 0);
+        assert!(gate.is_holding(25, at(4)));
+        assert_eq!(gate.releasable(25, at(5)), 25);
+        gate.written(25, 25, at(5));
+        assert!(!gate.is_holding(0, at(5)));
+    }
+
+    #[test]
+    fn a_later_batch_waits_while_an_earlier_one_is_released() {
+        let mut gate = ConfirmGate::default();
+        gate.hold(10, seq(5));
+        gate.hold(20, seq(9));
+        assert_eq!(gate.releasable(30, at(6)), 10);
+        gate.written(10, 30, at(6));
+        assert_eq!(gate.releasable(20, at(6)), 0);
+        assert_eq!(gate.releasable(20, at(9)), 20);
+    }
+
+    #[test]
+    fn batches_that_promise_nothing_durable_are_not_held() {
+        let mut gate = ConfirmGate::default();
+        gate.hold(10, None);
+        assert_eq!(gate.releasable(10, at(0)), 10);
+    }
+
+    #[test]
+    #[should_panic(expected = "before its conditions hold")]
+    fn writing_past_an_unmet_batch_stops_loudly() {
+        let mut gate = ConfirmGate::default();
+        gate.hold(10, seq(5));
+        gate.written(10, 10, at(4));
+    }
+}

@@ -1,0 +1,220 @@
+//! The handshake: connection.start, start-ok (authentication), tune, tune-ok and open, up to
+//! open-ok with the cluster's known-hosts. Only connection methods on channel 0 are allowed
+//! until then.
+
+use super::frames::ConnError;
+use super::{ClientCaps, Connection, Phase};
+use crate::amqp::frame::{self, FRAME_HEARTBEAT, FRAME_METHOD, RawFrame};
+use crate::amqp::{AMQPClass, AMQPValue, FieldTable, codes, connection};
+use crate::auth::{MECHANISM_EXTERNAL, MECHANISMS};
+
+impl Connection {
+    pub(super) fn send_start(&mut self) {
+        let mut caps = FieldTable::default();
+        for cap in [
+            "publisher_confirms",
+            "exchange_exchange_bindings",
+            "basic.nack",
+            "consumer_cancel_notify",
+            "connection.blocked",
+            "authentication_failure_close",
+            "per_consumer_qos",
+        ] {
+            caps.insert(cap.into(), AMQPValue::Boolean(true));
+        }
+        let mut props = FieldTable::default();
+        let s = |v: &str| AMQPValue::LongString(v.into());
+        props.insert("product".into(), s("ringmq"));
+        props.insert("version".into(), s(env!("CARGO_PKG_VERSION")));
+        props.insert("platform".into(), s("Rust"));
+        props.insert("information".into(), s("A clustered AMQP 0-9-1 broker"));
+        props.insert("capabilities".into(), AMQPValue::FieldTable(caps));
+        self.writer.method(
+            0,
+            AMQPClass::Connection(connection::AMQPMethod::Start(connection::Start {
+                version_major: 0,
+                version_minor: 9,
+                server_properties: props,
+                mechanisms: self.mechanisms().into(),
+                locales: "en_US".into(),
+            })),
+        );
+    }
+
+    /// PLAIN and AMQPLAIN always; EXTERNAL only on a TLS connection whose client presented a
+    /// certificate the broker verified (as RabbitMQ's `rabbitmq_auth_mechanism_ssl`).
+    pub(super) fn mechanisms(&self) -> String {
+        match self.tls.as_ref().and_then(|t| t.external.as_ref()) {
+            Some(_) => format!("{MECHANISMS} {MECHANISM_EXTERNAL}"),
+            None => MECHANISMS.to_owned(),
+        }
+    }
+
+    pub(super) fn on_handshake_frame(&mut self, frame: RawFrame) -> Result<(), ConnError> {
+        if frame.kind == FRAME_HEARTBEAT {
+            return Ok(());
+        }
+        if frame.kind != FRAME_METHOD || frame.channel != 0 {
+            return Err(ConnError::new(
+                codes::COMMAND_INVALID,
+                "only connection methods are allowed before connection.open-ok",
+            ));
+        }
+        let method = Self::parse_method(&frame, self.broker.config.max_table_depth)?;
+        let (class_id, method_id) = (method.get_amqp_class_id(), method.get_amqp_method_id());
+        let at = |mut e: ConnError| {
+            e.class_id = class_id;
+            e.method_id = method_id;
+            e
+        };
+        match (self.phase, method) {
+            (Phase::Start, AMQPClass::Connection(connection::AMQPMethod::StartOk(ok))) => {
+                self.on_start_ok(ok).map_err(at)
+            }
+            (Phase::Tune, AMQPClass::Connection(connection::AMQPMethod::TuneOk(ok))) => {
+                self.on_tune_ok(ok).map_err(at)
+            }
+            (Phase::Open, AMQPClass::Connection(connection::AMQPMethod::Open(open))) => {
+                self.on_open(open).map_err(at)
+            }
+            (_, AMQPClass::Connection(connection::AMQPMethod::Close(_))) => {
+                self.writer.method(
+                    0,
+                    AMQPClass::Connection(connection::AMQPMethod::CloseOk(connection::CloseOk {})),
+                );
+                self.close_reason = "client closed during the handshake".into();
+                self.phase = Phase::Done;
+                Ok(())
+            }
+            _ => Err(at(ConnError::new(
+                codes::COMMAND_INVALID,
+                "unexpected method during the handshake",
+            ))),
+        }
+    }
+
+    pub(super) fn on_start_ok(&mut self, ok: connection::StartOk) -> Result<(), ConnError> {
+        if let Some(AMQPValue::FieldTable(caps)) = ok.client_properties.inner().get("capabilities")
+        {
+            let on = |k: &str| matches!(caps.inner().get(k), Some(AMQPValue::Boolean(true)));
+            self.caps = ClientCaps {
+                consumer_cancel_notify: on("consumer_cancel_notify"),
+                connection_blocked: on("connection.blocked"),
+                authentication_failure_close: on("authentication_failure_close"),
+            };
+        }
+        let mechanism = ok.mechanism.as_str();
+        if !self.mechanisms().split(' ').any(|m| m == mechanism) {
+            return Err(ConnError::new(
+                codes::COMMAND_INVALID,
+                format!("unknown authentication mechanism '{mechanism}'"),
+            ));
+        }
+        let external = self.tls.as_ref().and_then(|t| t.external.as_deref());
+        let result = match (mechanism, external) {
+            (MECHANISM_EXTERNAL, Some(cn)) => {
+                self.broker.users.authenticate_external(cn, self.peer.ip())
+            }
+            _ => self
+                .broker
+                .users
+                .authenticate(mechanism, ok.response.as_bytes(), self.peer.ip()),
+        };
+        match result {
+            Ok(user) => self.user = Some(user),
+            Err(e) => {
+                tracing::warn!(conn = self.id, peer = %self.peer, error = ?e, "login refused");
+                let text = e.reply_text(mechanism);
+                if self.caps.authentication_failure_close {
+                    return Err(ConnError::new(codes::ACCESS_REFUSED, text));
+                }
+                // Without the capability, RabbitMQ just closes the socket.
+                self.close_reason = text;
+                self.phase = Phase::Done;
+                return Ok(());
+            }
+        }
+        let c = &self.broker.config;
+        self.writer.method(
+            0,
+            AMQPClass::Connection(connection::AMQPMethod::Tune(connection::Tune {
+                channel_max: c.channel_max,
+                frame_max: c.frame_max,
+                heartbeat: c.heartbeat_s,
+            })),
+        );
+        self.phase = Phase::Tune;
+        Ok(())
+    }
+
+    pub(super) fn on_tune_ok(&mut self, ok: connection::TuneOk) -> Result<(), ConnError> {
+        let c = &self.broker.config;
+        if ok.frame_max != 0 && (ok.frame_max < frame::FRAME_MIN_SIZE || ok.frame_max > c.frame_max)
+        {
+            return Err(ConnError::new(
+                codes::SYNTAX_ERROR,
+                format!(
+                    "frame_max={} outside the allowed range {}..={}",
+                    ok.frame_max,
+                    frame::FRAME_MIN_SIZE,
+                    c.frame_max
+                ),
+            ));
+        }
+        if ok.channel_max > c.channel_max {
+            return Err(ConnError::new(
+                codes::NOT_ALLOWED,
+                format!(
+                    "channel_max={} is above the server's {}",
+                    ok.channel_max, c.channel_max
+                ),
+            ));
+        }
+        self.frame_max = if ok.frame_max == 0 {
+            c.frame_max
+        } else {
+            ok.frame_max
+        };
+        self.channel_max = if ok.channel_max == 0 {
+            c.channel_max
+        } else {
+            ok.channel_max
+        };
+        self.heartbeat_s = ok.heartbeat;
+        self.phase = Phase::Open;
+        Ok(())
+    }
+
+    pub(super) fn on_open(&mut self, open: connection::Open) -> Result<(), ConnError> {
+        let name = open.virtual_host.as_str();
+        let user = self.user.as_ref().expect("authenticated before open");
+        let vhost = self.broker.vhost(name).filter(|_| user.may_open(name));
+        let Some(vhost) = vhost else {
+            return Err(ConnError::new(
+                codes::NOT_ALLOWED,
+                format!("vhost {name} not found"),
+            ));
+        };
+        self.broker
+            .connection_opened(self.id, self.peer, &user.name, name)
+            .map_err(|limit| ConnError::new(codes::NOT_ALLOWED, limit))?;
+        self.perms_generation = self.broker.users.permissions_generation();
+        self.perms = self.broker.users.permissions_for(&user.name, name);
+        self.vhost = Some(vhost);
+        self.vhost_name = name.to_owned();
+        // open-ok's reserved shortstr is 0-8's known-hosts: a cluster fills it with the
+        // members' AMQP addresses, the failover candidates.
+        let known_hosts = self
+            .broker
+            .cluster()
+            .map(|c| c.known_hosts().join(","))
+            .unwrap_or_default();
+        self.writer.open_ok(&known_hosts);
+        self.phase = Phase::Running;
+        tracing::info!(conn = self.id, peer = %self.peer, user = %user.name, vhost = name, "connection opened");
+        if self.broker.publishers_blocked() {
+            self.send_blocked(true);
+        }
+        Ok(())
+    }
+}

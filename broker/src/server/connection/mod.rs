@@ -1,0 +1,481 @@
+//! One client connection. A connection is one task: it reads a buffer full of frames,
+//! handles them under one vhost lock, and answers with one write. This file is the task —
+//! the socket loop and the batch of frames; the rest is split by job:
+//!
+//! * [`handshake`]: connection.start … open-ok;
+//! * [`frames`]: frame dispatch, channel lifecycle, connection and channel errors;
+//! * [`wiring`]: exchange and queue methods, each one [`crate::core::WiringOp`] applied here or
+//!   committed through the cluster;
+//! * [`basic`]: consume, get, ack and the other basic methods;
+//! * [`publish`]: content frames into messages, routed;
+//! * [`tx`]: transactions and publisher confirms;
+//! * [`output`]: deliveries, notices and mailbox items onto the write buffer, and the end of
+//!   every batch — where output is held behind the [`ConfirmGate`].
+
+mod basic;
+mod frames;
+mod handshake;
+mod output;
+mod publish;
+mod tx;
+mod wiring;
+
+use super::channel::ChannelCtx;
+use super::confirm_gate::{ConfirmGate, Progress};
+use crate::amqp::codes;
+use crate::amqp::frame::{self, PROTOCOL_HEADER};
+use crate::amqp::writer::FrameWriter;
+use crate::auth::User;
+use crate::auth::permissions::Permissions;
+use crate::broker::Broker;
+use crate::broker::outbox::{Outbox, Pending};
+use crate::broker::stats::ConnStats;
+use crate::clock::now_ms;
+use crate::core::{Effects, VHost};
+use bytes::BytesMut;
+use frames::ConnError;
+use parking_lot::{Mutex, MutexGuard};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+/// Read buffer space for a busy connection: many frames per syscall.
+const READ_CHUNK_BUSY: usize = 64 * 1024;
+/// Read buffer space for a quiet one: idle connections must stay cheap.
+const READ_CHUNK_IDLE: usize = 2 * 1024;
+/// How long a publisher whose queue is backlogged waits before the broker reads from it again.
+const FLOW_PAUSE: Duration = Duration::from_millis(1);
+/// Most frames handled under one vhost lock before the task lets others run: a client
+/// flooding tiny frames (64 KiB of heartbeats is 8,000 frames) must not hold the lock and
+/// its worker thread for a whole read buffer while other connections wait.
+const FRAMES_PER_BATCH: usize = 1024;
+/// How long the broker waits for close-ok after it sent connection.close, and for the client
+/// to close its side after the broker's last word.
+const CLOSE_OK_TIMEOUT: Duration = Duration::from_secs(1);
+/// Most bytes read and dropped while waiting for a finished client to close its side.
+const MAX_DRAIN_BYTES: usize = 64 * 1024;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Sent connection.start; waiting for start-ok.
+    Start,
+    /// Sent connection.tune; waiting for tune-ok.
+    Tune,
+    /// Waiting for connection.open.
+    Open,
+    /// Serving.
+    Running,
+    /// Sent connection.close; waiting for close-ok.
+    Closing,
+    /// Finished: flush and drop the socket.
+    Done,
+}
+
+/// The vhost lock, taken at most once per batch of frames and only when needed.
+struct Lazy<'a> {
+    vhost: &'a Mutex<VHost>,
+    guard: Option<MutexGuard<'a, VHost>>,
+}
+
+impl Lazy<'_> {
+    fn get(&mut self) -> &mut VHost {
+        self.guard.get_or_insert_with(|| self.vhost.lock())
+    }
+}
+
+/// Client capabilities announced in start-ok that change what the broker sends.
+#[derive(Debug, Default, Clone, Copy)]
+struct ClientCaps {
+    consumer_cancel_notify: bool,
+    connection_blocked: bool,
+    authentication_failure_close: bool,
+}
+
+/// What a TLS connection learnt in its handshake.
+#[derive(Debug, Clone, Default)]
+pub struct TlsPeer {
+    /// The subject common name of the client certificate the broker verified: the user SASL
+    /// EXTERNAL logs in as. None when the client presented no certificate (or it has no CN),
+    /// and then EXTERNAL is not offered.
+    pub external: Option<String>,
+}
+
+struct Connection {
+    id: u64,
+    /// Set for connections that came through the TLS listener.
+    tls: Option<TlsPeer>,
+    broker: Arc<Broker>,
+    peer: SocketAddr,
+    outbox: Arc<Outbox>,
+    phase: Phase,
+    frame_max: u32,
+    channel_max: u16,
+    heartbeat_s: u16,
+    caps: ClientCaps,
+    user: Option<User>,
+    /// The user's permission on the open vhost, as of `perms_generation` of the user store.
+    perms: Option<Arc<Permissions>>,
+    perms_generation: u64,
+    vhost: Option<Arc<Mutex<VHost>>>,
+    vhost_name: String,
+    channels: HashMap<u16, ChannelCtx>,
+    writer: FrameWriter,
+    fx: Effects,
+    spare: Pending,
+    /// Deliveries (count, body bytes) per channel buffered since the last socket write.
+    written: HashMap<u16, (u32, u64)>,
+    confirms: Vec<(u64, bool, bool)>,
+    close_reason: String,
+    blocked_sent: bool,
+    publish_waits_for_unblock: bool,
+    /// prefetch-size of the basic.qos being handled (amq-protocol does not decode it).
+    qos_prefetch_size: u32,
+    /// Output written but held until what it promises is durable (confirms, commit-oks,
+    /// replies to durable declarations): see [`ConfirmGate`].
+    gate: ConfirmGate,
+    /// Metrics counted during a batch, added to the broker's totals once per wake-up.
+    stats: ConnStats,
+    /// A wiring change sent through the cluster, not yet committed: the connection reads no
+    /// further frames until it is, so later methods see its effect (as on one broker).
+    cluster_wait: Option<wiring::ClusterWait>,
+}
+
+/// Serves one accepted socket until it closes: a plain TCP stream, or a TLS stream after its
+/// handshake (`tls` then says what the handshake learnt). Generic so that the plaintext path
+/// is compiled for `TcpStream` alone and pays nothing for TLS.
+pub async fn serve<S>(broker: Arc<Broker>, stream: S, peer: SocketAddr, tls: Option<TlsPeer>)
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    let (id, outbox) = broker.register();
+    let mut conn = Connection {
+        id,
+        tls,
+        frame_max: broker.config.frame_max,
+        channel_max: broker.config.channel_max,
+        heartbeat_s: 0,
+        broker: broker.clone(),
+        peer,
+        outbox,
+        phase: Phase::Start,
+        caps: ClientCaps::default(),
+        user: None,
+        perms: None,
+        perms_generation: 0,
+        vhost: None,
+        vhost_name: String::new(),
+        channels: HashMap::new(),
+        writer: FrameWriter::default(),
+        fx: Effects::default(),
+        spare: Pending::default(),
+        written: HashMap::new(),
+        confirms: Vec::new(),
+        close_reason: String::new(),
+        blocked_sent: false,
+        publish_waits_for_unblock: false,
+        qos_prefetch_size: 0,
+        gate: ConfirmGate::default(),
+        stats: ConnStats::default(),
+        cluster_wait: None,
+    };
+    let result = conn.run(stream).await;
+    conn.release();
+    broker.unregister(id);
+    conn.stats.closed(&broker.stats, id); // metrics
+    let user = conn.user.as_ref().map(|u| u.name.as_str()).unwrap_or("-");
+    match result {
+        Ok(()) => {
+            tracing::info!(conn = id, %peer, user, vhost = %conn.vhost_name, reason = %conn.close_reason, "connection closed")
+        }
+        Err(e) => {
+            tracing::info!(conn = id, %peer, user, vhost = %conn.vhost_name, error = %e, "connection lost")
+        }
+    }
+}
+
+impl Connection {
+    async fn run<S>(&mut self, mut stream: S) -> std::io::Result<()>
+    where
+        S: AsyncRead + AsyncWrite + Unpin,
+    {
+        let handshake_deadline =
+            Instant::now() + Duration::from_secs(self.broker.config.handshake_timeout_s);
+        let mut header = [0u8; 8];
+        match tokio::time::timeout_at(handshake_deadline.into(), stream.read_exact(&mut header))
+            .await
+        {
+            Err(_) => {
+                self.close_reason = "no protocol header before the handshake timeout".into();
+                return Ok(());
+            }
+            Ok(r) => {
+                r?;
+            }
+        }
+        if &header != PROTOCOL_HEADER {
+            // Spec §4.2.2: answer with the header we speak, then close.
+            stream.write_all(PROTOCOL_HEADER).await?;
+            stream.flush().await?;
+            self.close_reason = format!("bad protocol header {header:?}");
+            return close_gracefully(&mut stream).await;
+        }
+        self.send_start();
+        let mut rbuf = BytesMut::new();
+        let mut read_chunk = READ_CHUNK_IDLE;
+        let mut last_recv = Instant::now();
+        let mut close_deadline: Option<Instant> = None;
+        let mut heartbeat = tokio::time::interval(Duration::from_secs(3600));
+        heartbeat.reset();
+        let mut heartbeat_armed = false;
+        let mut synced = self.broker.journal.synced();
+        let stall = Duration::from_secs(self.broker.config.write_stall_timeout_s);
+        let mut more_input = false;
+        loop {
+            self.stats.flush(&self.broker.stats); // metrics: once per wake-up
+            let progress = Progress {
+                journal_synced: *synced.borrow(),
+            };
+            let buffered = self.writer.len();
+            let writable = self.gate.releasable(buffered, progress);
+            let held = writable < buffered;
+            if writable > 0 {
+                self.stats.bytes_out += writable as u64; // metrics
+                if !write_with_progress(&mut stream, &self.writer.as_slice()[..writable], stall)
+                    .await?
+                {
+                    tracing::warn!(conn = self.id, peer = %self.peer, timeout_s = stall.as_secs(), "closing connection: the client stopped reading");
+                    self.close_reason = format!(
+                        "write stalled: the client read nothing for {} s",
+                        stall.as_secs()
+                    );
+                    return Ok(());
+                }
+                self.writer.consume(writable);
+                self.gate.written(writable, buffered, progress);
+                self.report_written();
+                continue;
+            }
+            if self.phase == Phase::Done {
+                return close_gracefully(&mut stream).await;
+            }
+            if self.phase == Phase::Closing && close_deadline.is_none() {
+                close_deadline = Some(Instant::now() + CLOSE_OK_TIMEOUT);
+            }
+            if self.phase == Phase::Running && !heartbeat_armed && self.heartbeat_s > 0 {
+                let period = Duration::from_millis(u64::from(self.heartbeat_s) * 500);
+                heartbeat = tokio::time::interval_at((Instant::now() + period).into(), period);
+                heartbeat_armed = true;
+            }
+            let deadline = match (self.phase, close_deadline) {
+                (_, Some(d)) => d,
+                (Phase::Running, None) => Instant::now() + Duration::from_secs(3600),
+                _ => handshake_deadline,
+            };
+            if more_input {
+                // The last batch stopped at its cap: let other tasks run, then go on with
+                // the frames already read.
+                tokio::task::yield_now().await;
+                more_input = self.on_bytes(&mut rbuf);
+                continue;
+            }
+            let paced = std::mem::take(&mut self.fx.backlogged);
+            if paced {
+                // Flow control: the queue this connection publishes to is backlogged.
+                tokio::time::sleep(FLOW_PAUSE).await;
+                continue;
+            }
+            let reading = !self.publish_waits_for_unblock && self.cluster_wait.is_none();
+            if rbuf.capacity() - rbuf.len() < read_chunk / 2 {
+                rbuf.reserve(read_chunk);
+            }
+            tokio::select! {
+                r = synced.changed(), if held => {
+                    if r.is_err() {
+                        self.close_reason = "the journal stopped".into();
+                        return Ok(());
+                    }
+                }
+                r = stream.read_buf(&mut rbuf), if reading => {
+                    let n = r?;
+                    if n == 0 {
+                        self.close_reason = "client closed the socket".into();
+                        return Ok(());
+                    }
+                    // A read that filled most of the space asks for a bigger buffer next time.
+                    read_chunk = if n >= read_chunk / 2 { READ_CHUNK_BUSY } else { READ_CHUNK_IDLE };
+                    last_recv = Instant::now();
+                    self.stats.bytes_in += n as u64; // metrics
+                    more_input = self.on_bytes(&mut rbuf);
+                }
+                _ = self.outbox.notified() => self.drain_outbox(),
+                outcome = wiring::committed(&mut self.cluster_wait) => {
+                    self.on_committed(outcome);
+                    self.on_bytes(&mut rbuf);
+                }
+                _ = heartbeat.tick(), if heartbeat_armed => {
+                    let limit = Duration::from_secs(u64::from(self.heartbeat_s) * 2);
+                    if last_recv.elapsed() > limit {
+                        tracing::warn!(conn = self.id, peer = %self.peer, timeout_s = self.heartbeat_s, "missed heartbeats from client");
+                        self.close_reason = "missed heartbeats".into();
+                        return Ok(());
+                    }
+                    self.writer.heartbeat();
+                }
+                _ = tokio::time::sleep_until(deadline.into()) => {
+                    self.close_reason = match self.phase {
+                        Phase::Closing => "no close-ok after connection.close".into(),
+                        Phase::Running => continue,
+                        _ => "handshake timeout".into(),
+                    };
+                    return Ok(());
+                }
+            }
+        }
+    }
+
+    /// Handles the complete frames in `rbuf`, at most [`FRAMES_PER_BATCH`] of them; returns
+    /// whether it stopped at that cap (complete frames may remain).
+    fn on_bytes(&mut self, rbuf: &mut BytesMut) -> bool {
+        self.refresh_permissions();
+        let vhost = self.vhost.clone();
+        let mut lazy = vhost.as_deref().map(|vhost| Lazy { vhost, guard: None });
+        let mut handled = 0;
+        let mut capped = false;
+        while matches!(
+            self.phase,
+            Phase::Start | Phase::Tune | Phase::Open | Phase::Running | Phase::Closing
+        ) {
+            if self.publish_waits_for_unblock || self.cluster_wait.is_some() {
+                break;
+            }
+            if handled == FRAMES_PER_BATCH {
+                capped = true;
+                break;
+            }
+            handled += 1;
+            let frame = match frame::split_frame(rbuf, self.frame_max) {
+                Ok(Some(f)) => f,
+                Ok(None) => break,
+                Err(e) => {
+                    rbuf.clear();
+                    self.connection_error(ConnError::new(codes::FRAME_ERROR, e.to_string()));
+                    break;
+                }
+            };
+            if self.phase == Phase::Closing {
+                self.on_frame_while_closing(&frame);
+                continue;
+            }
+            let result = match (&mut lazy, self.phase) {
+                (Some(lazy), Phase::Running) => self.on_frame(frame, lazy),
+                _ => self.on_handshake_frame(frame),
+            };
+            if let Err(e) = result {
+                self.connection_error(e);
+            }
+            // A handshake that just opened a vhost: take its lock from the next frame on.
+            if lazy.is_none() && self.phase == Phase::Running {
+                break;
+            }
+        }
+        if let Some(lazy) = lazy {
+            self.end_batch(lazy);
+        }
+        // Frames left behind by the handshake break above are processed now, with the lock.
+        if self.phase == Phase::Running
+            && !rbuf.is_empty()
+            && self.vhost.is_some()
+            && vhost.is_none()
+        {
+            return self.on_bytes(rbuf);
+        }
+        capped
+    }
+
+    /// Re-reads the user's permission when the store changed it (the admin API), so a
+    /// change applies to the next command without a reconnect. One atomic load per batch.
+    fn refresh_permissions(&mut self) {
+        let generation = self.broker.users.permissions_generation();
+        if generation == self.perms_generation {
+            return;
+        }
+        self.perms_generation = generation;
+        if let Some(user) = &self.user
+            && self.vhost.is_some()
+        {
+            self.perms = self
+                .broker
+                .users
+                .permissions_for(&user.name, &self.vhost_name);
+        }
+    }
+
+    /// The connection is gone: its channels close in the vhost (unacked messages requeued),
+    /// its exclusive queues are deleted.
+    fn release(&mut self) {
+        let Some(vhost) = self.vhost.clone() else {
+            return;
+        };
+        let now = now_ms();
+        let mut v = vhost.lock();
+        for ch in self.channels.values() {
+            v.channel_close(ch.key, now, &mut self.fx);
+        }
+        v.connection_closed(self.id, &mut self.fx);
+        self.fx.deliveries.retain(|d| d.channel.conn != self.id);
+        self.fx.cancelled.retain(|c| c.channel.conn != self.id);
+        self.broker.finish_batch(self.id, &mut v, &mut self.fx);
+    }
+}
+
+/// Writes `buf` and flushes (a no-op on TCP; it pushes the records rustls still holds).
+/// Returns false when the socket took no byte for `stall`: a client that stopped reading
+/// would otherwise hold this task, and what it was sent, forever.
+async fn write_with_progress<S>(
+    stream: &mut S,
+    buf: &[u8],
+    stall: Duration,
+) -> std::io::Result<bool>
+where
+    S: AsyncWrite + Unpin,
+{
+    let mut at = 0;
+    while at < buf.len() {
+        match tokio::time::timeout(stall, stream.write(&buf[at..])).await {
+            Err(_) => return Ok(false),
+            Ok(Ok(0)) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(Ok(n)) => at += n,
+            Ok(Err(e)) => return Err(e),
+        }
+    }
+    match tokio::time::timeout(stall, stream.flush()).await {
+        Err(_) => Ok(false),
+        Ok(r) => r.map(|()| true),
+    }
+}
+
+/// Ends a connection without a TCP reset: closing a socket with unread input resets it, and
+/// a reset can discard what the client has not read yet (connection.close-ok, or the protocol
+/// header the broker answers a wrong one with). So: stop writing (FIN), read and drop what the
+/// client still sends until it closes its side, for at most [`CLOSE_OK_TIMEOUT`] and
+/// [`MAX_DRAIN_BYTES`], then close.
+async fn close_gracefully<S>(stream: &mut S) -> std::io::Result<()>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    stream.shutdown().await?;
+    let mut sink = [0u8; 4096];
+    let drain = async {
+        let mut total = 0;
+        while let Ok(n @ 1..) = stream.read(&mut sink).await {
+            total += n;
+            if total > MAX_DRAIN_BYTES {
+                break;
+            }
+        }
+    };
+    let _ = tokio::time::timeout(CLOSE_OK_TIMEOUT, drain).await;
+    Ok(())
+}

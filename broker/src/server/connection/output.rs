@@ -1,0 +1,192 @@
+//! Output: deliveries, cancel notices and mailbox items onto the write buffer, and the end
+//! of every batch of vhost commands, where output that promises durability is held behind
+//! the connection's [`crate::server::confirm_gate::ConfirmGate`].
+
+use super::frames::{ConnError, short};
+use super::{Connection, Lazy, Phase};
+use crate::amqp::{AMQPClass, basic, codes, connection};
+use crate::clock::now_ms;
+use crate::core::vhost::{Cancelled, Delivery};
+use crate::core::{AmqpError, ChannelKey};
+use crate::server::confirm_gate::Conditions;
+
+impl Connection {
+    pub(super) fn write_delivery(&mut self, d: &Delivery) {
+        let id = d.channel.channel;
+        match self.channels.get(&id) {
+            Some(ch) if !ch.closing && ch.key == d.channel => {}
+            _ => return,
+        }
+        let m = &d.message;
+        self.writer.deliver(
+            id,
+            &d.consumer_tag,
+            d.delivery_tag,
+            d.redelivered,
+            m.exchange.as_str(),
+            m.routing_key.as_str(),
+        );
+        self.writer.header_payload(id, &m.header_payload);
+        self.writer.body(id, m.body.bytes(), self.frame_max);
+        let written = self.written.entry(id).or_insert((0, 0));
+        written.0 += 1;
+        written.1 += m.body.bytes().len() as u64;
+        self.stats.delivered += 1; // metrics
+        self.stats.redelivered += u64::from(d.redelivered); // metrics
+    }
+
+    pub(super) fn write_cancel(&mut self, c: &Cancelled) {
+        if self.caps.consumer_cancel_notify
+            && self
+                .channels
+                .get(&c.channel.channel)
+                .is_some_and(|ch| !ch.closing)
+        {
+            self.writer.method(
+                c.channel.channel,
+                AMQPClass::Basic(basic::AMQPMethod::Cancel(basic::Cancel {
+                    consumer_tag: short(&c.tag),
+                    nowait: true,
+                })),
+            );
+        }
+    }
+
+    /// Writes the deliveries and notices the last batch produced for this connection itself.
+    pub(super) fn write_own_effects(&mut self) {
+        let deliveries = std::mem::take(&mut self.fx.deliveries);
+        for d in &deliveries {
+            self.write_delivery(d);
+        }
+        self.fx.deliveries = deliveries;
+        self.fx.deliveries.clear();
+        let cancelled = std::mem::take(&mut self.fx.cancelled);
+        for c in &cancelled {
+            self.write_cancel(c);
+        }
+        self.fx.cancelled = cancelled;
+        self.fx.cancelled.clear();
+        self.fx.ops.clear();
+    }
+
+    pub(super) fn drain_outbox(&mut self) {
+        self.outbox.take(&mut self.spare);
+        let mut pending = std::mem::take(&mut self.spare);
+        for d in pending.deliveries.drain(..) {
+            self.write_delivery(&d);
+        }
+        for c in pending.cancelled.drain(..) {
+            self.write_cancel(&c);
+        }
+        if let Some(blocked) = pending.blocked.take() {
+            self.send_blocked(blocked);
+        }
+        if !pending.close_channels.is_empty() {
+            let closing: Vec<(u16, String)> = pending.close_channels.drain(..).collect();
+            self.force_close_channels(closing);
+        }
+        if let Some((code, text)) = pending.close.take()
+            && self.phase == Phase::Running
+        {
+            self.connection_error(ConnError::new(code, text));
+        }
+        self.spare = pending;
+    }
+
+    /// Closes channels an operator asked to close (admin API), as a channel error 320.
+    pub(super) fn force_close_channels(&mut self, channels: Vec<(u16, String)>) {
+        let Some(vhost) = self.vhost.clone() else {
+            return;
+        };
+        let mut v = Lazy {
+            vhost: &vhost,
+            guard: None,
+        };
+        for (id, reason) in channels {
+            if self.channels.get(&id).is_some_and(|ch| !ch.closing) {
+                self.channel_error(
+                    id,
+                    AmqpError::new(codes::CONNECTION_FORCED, reason),
+                    0,
+                    0,
+                    &mut v,
+                );
+            }
+        }
+        self.end_batch(v);
+    }
+
+    pub(super) fn send_blocked(&mut self, blocked: bool) {
+        if !blocked {
+            self.publish_waits_for_unblock = false;
+            self.stats.set_blocked(&self.broker.stats, self.id, false); // metrics
+        }
+        if !self.caps.connection_blocked
+            || self.blocked_sent == blocked
+            || self.phase != Phase::Running
+        {
+            return;
+        }
+        self.blocked_sent = blocked;
+        let m = if blocked {
+            connection::AMQPMethod::Blocked(connection::Blocked {
+                reason: self.broker.blocked_reason().into(),
+            })
+        } else {
+            connection::AMQPMethod::Unblocked(connection::Unblocked {})
+        };
+        self.writer.method(0, AMQPClass::Connection(m));
+    }
+
+    /// After a socket write: tells the vhost which deliveries left, so that consumers held
+    /// back by the write window get more.
+    pub(super) fn report_written(&mut self) {
+        if self.written.is_empty() {
+            return;
+        }
+        let Some(vhost) = self.vhost.clone() else {
+            return;
+        };
+        let now = now_ms();
+        let mut v = Lazy {
+            vhost: &vhost,
+            guard: Some(vhost.lock()),
+        };
+        for (channel, (count, bytes)) in self.written.drain() {
+            v.get().delivered_written(
+                ChannelKey {
+                    conn: self.id,
+                    channel,
+                },
+                count,
+                bytes,
+                now,
+                &mut self.fx,
+            );
+        }
+        self.end_batch(v);
+    }
+
+    /// Ends a batch of vhost commands that took the vhost lock: this batch's publisher
+    /// confirms go onto the write buffer, the broker finishes the batch (paged bodies read
+    /// back, other connections' effects routed, durable changes handed to the journal), the
+    /// lock is released, and everything written so far is held behind the batch's
+    /// [`Conditions`] — so no confirm leaves before what it confirms is durable. Then this
+    /// connection's own deliveries are written, after the hold: they promise nothing.
+    pub(super) fn end_batch(&mut self, mut v: Lazy) {
+        let Some(guard) = v.guard.as_mut() else {
+            return;
+        };
+        self.flush_confirms();
+        let journal_seq = self.broker.finish_batch(self.id, guard, &mut self.fx);
+        drop(v.guard.take());
+        self.hold_output(journal_seq);
+        self.write_own_effects();
+    }
+
+    /// Holds everything written so far until the journal is durable up to `journal_seq`.
+    pub(super) fn hold_output(&mut self, journal_seq: Option<u64>) {
+        let conditions = journal_seq.map(|journal_seq| Conditions { journal_seq });
+        self.gate.hold(self.writer.len(), conditions);
+    }
+}

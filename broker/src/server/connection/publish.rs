@@ -1,0 +1,214 @@
+//! The publish path: a content header and body frames after basic.publish become one
+//! [`Message`], routed by the vhost at once (or held by a transaction until commit). Under
+//! confirms the channel decides the message's confirm here; it leaves behind the batch's
+//! [`crate::server::confirm_gate::ConfirmGate`].
+
+use super::frames::{ConnError, short};
+use super::{Connection, Lazy};
+use crate::amqp::frame::FRAME_HEADER;
+use crate::amqp::frame::RawFrame;
+use crate::amqp::table_depth::header_within_depth;
+use crate::amqp::{AMQPClass, basic, codes};
+use crate::clock::now_ms;
+use crate::core::{AmqpError, Message, PublishOutcome};
+use crate::server::channel::{HeldPublish, PendingPublish};
+use std::sync::Arc;
+
+impl Connection {
+    pub(super) fn on_content(&mut self, frame: RawFrame, v: &mut Lazy) -> Result<(), ConnError> {
+        let id = frame.channel;
+        let class_id = 60;
+        let method_id = 40;
+        let unexpected = |what: &str| ConnError {
+            code: codes::UNEXPECTED_FRAME,
+            text: format!("{what} on channel {id} without a preceding basic.publish"),
+            class_id,
+            method_id,
+        };
+        let Some(ch) = self.channels.get_mut(&id) else {
+            return Err(ConnError::new(
+                codes::CHANNEL_ERROR,
+                format!("content on channel {id}, which is not open"),
+            ));
+        };
+        if ch.closing {
+            return Ok(());
+        }
+        let Some(pending) = ch.pending.as_mut() else {
+            return Err(unexpected(if frame.kind == FRAME_HEADER {
+                "content header"
+            } else {
+                "content body"
+            }));
+        };
+        if frame.kind == FRAME_HEADER {
+            if pending.header.is_some() {
+                return Err(ConnError {
+                    code: codes::UNEXPECTED_FRAME,
+                    text: "second content header for one message".into(),
+                    class_id,
+                    method_id,
+                });
+            }
+            let max_depth = self.broker.config.max_table_depth;
+            if !header_within_depth(&frame.payload, max_depth) {
+                return Err(ConnError {
+                    code: codes::SYNTAX_ERROR,
+                    text: format!("message headers nested deeper than {max_depth} levels"),
+                    class_id,
+                    method_id,
+                });
+            }
+            let header =
+                match amq_protocol::frame::parsing::parse_content_header(&frame.payload[..]) {
+                    Ok(([], h)) => h,
+                    _ => {
+                        return Err(ConnError {
+                            code: codes::FRAME_ERROR,
+                            text: "could not decode the content header".into(),
+                            class_id,
+                            method_id,
+                        });
+                    }
+                };
+            if header.class_id != 60 {
+                return Err(ConnError {
+                    code: codes::FRAME_ERROR,
+                    text: format!("content header of class {}", header.class_id),
+                    class_id,
+                    method_id,
+                });
+            }
+            if header.body_size > self.broker.config.max_message_size {
+                let max = self.broker.config.max_message_size;
+                let text = format!(
+                    "message size {} is larger than configured max size {max}",
+                    header.body_size
+                );
+                self.channel_error(id, AmqpError::precondition(text), class_id, method_id, v);
+                return Ok(());
+            }
+            pending.header = Some((header.properties, frame.payload, header.body_size));
+        } else {
+            let Some((_, _, size)) = &pending.header else {
+                return Err(ConnError {
+                    code: codes::UNEXPECTED_FRAME,
+                    text: "content body before its header".into(),
+                    class_id,
+                    method_id,
+                });
+            };
+            let size = *size as usize;
+            if pending.body.len() + frame.payload.len() > size {
+                return Err(ConnError {
+                    code: codes::FRAME_ERROR,
+                    text: format!("content body longer than the {size} bytes its header announced"),
+                    class_id,
+                    method_id,
+                });
+            }
+            pending.body.push(frame.payload, size);
+        }
+        let complete =
+            matches!(&pending.header, Some((_, _, size)) if pending.body.len() as u64 == *size);
+        if complete {
+            let p = ch.pending.take().expect("checked above");
+            self.on_publish(id, p, v);
+        }
+        Ok(())
+    }
+
+    pub(super) fn on_publish(&mut self, id: u16, p: PendingPublish, v: &mut Lazy) {
+        let (class_id, method_id) = (60, 40);
+        let (properties, header_payload, _) = p.header.expect("complete publish has a header");
+        let message = match Message::new(
+            short(&p.exchange),
+            short(&p.routing_key),
+            properties,
+            header_payload,
+            p.body.finish(),
+        ) {
+            Ok(m) => Arc::new(m),
+            Err(e) => {
+                self.channel_error(
+                    id,
+                    AmqpError::precondition(format!("invalid expiration '{}'", e.0)),
+                    class_id,
+                    method_id,
+                    v,
+                );
+                return;
+            }
+        };
+        self.stats.published += 1; // metrics
+        if self.broker.publishers_blocked() && self.caps.connection_blocked {
+            // Stop reading this publisher's socket until the watermark clears.
+            self.publish_waits_for_unblock = true;
+            self.stats.set_blocked(&self.broker.stats, self.id, true); // metrics
+        }
+        let ch = self
+            .channels
+            .get_mut(&id)
+            .expect("publishing channel is open");
+        if let Some(tx) = &mut ch.tx {
+            if v.get().exchange(&p.exchange).is_none() {
+                let text = format!(
+                    "no exchange '{}' in vhost '{}'",
+                    p.exchange, self.vhost_name
+                );
+                self.channel_error(id, AmqpError::not_found(text), class_id, method_id, v);
+                return;
+            }
+            tx.publishes.push(HeldPublish {
+                exchange: p.exchange,
+                routing_key: p.routing_key,
+                mandatory: p.mandatory,
+                message,
+            });
+            return;
+        }
+        let outcome = v.get().publish(
+            &p.exchange,
+            &p.routing_key,
+            message.clone(),
+            now_ms(),
+            &mut self.fx,
+        );
+        match outcome {
+            Err(e) => self.channel_error(id, e, class_id, method_id, v),
+            Ok(outcome) => {
+                match outcome {
+                    PublishOutcome::Routed => self.stats.routed += 1, // metrics
+                    PublishOutcome::Unroutable => self.stats.unroutable += 1, // metrics
+                    PublishOutcome::Rejected => {}
+                }
+                if p.mandatory && outcome == PublishOutcome::Unroutable {
+                    self.send_return(id, &message);
+                }
+                let ch = self
+                    .channels
+                    .get_mut(&id)
+                    .expect("publishing channel is open");
+                if ch.confirm {
+                    ch.publish_seq += 1;
+                    ch.confirms
+                        .push((ch.publish_seq, outcome != PublishOutcome::Rejected));
+                }
+            }
+        }
+    }
+
+    pub(super) fn send_return(&mut self, id: u16, message: &Message) {
+        self.writer.method(
+            id,
+            AMQPClass::Basic(basic::AMQPMethod::Return(basic::Return {
+                reply_code: codes::NO_ROUTE,
+                reply_text: "NO_ROUTE".into(),
+                exchange: message.exchange.clone(),
+                routing_key: message.routing_key.clone(),
+            })),
+        );
+        self.writer.header_payload(id, &message.header_payload);
+        self.writer.body(id, message.body.bytes(), self.frame_max);
+    }
+}

@@ -1,0 +1,152 @@
+//! Transactions and publisher confirms: the two ways a publisher learns its messages are
+//! safe. A transaction holds publishes and acks until tx.commit; confirm mode acks every
+//! publish. Either answer is written in the batch that applied the work and leaves only
+//! behind that batch's [`crate::server::confirm_gate::ConfirmGate`].
+
+use super::{Connection, Lazy};
+use crate::amqp::{AMQPClass, basic, confirm, tx};
+use crate::clock::now_ms;
+use crate::core::{AmqpError, ChannelKey, PublishOutcome};
+use crate::server::channel::{HeldAck, Transaction};
+
+impl Connection {
+    /// confirm.select: from now on every publish on the channel is confirmed.
+    pub(super) fn on_confirm_select(
+        &mut self,
+        id: u16,
+        s: confirm::Select,
+    ) -> Result<(), AmqpError> {
+        let ch = self.channels.get_mut(&id).expect("checked by the caller");
+        if ch.tx.is_some() {
+            return Err(AmqpError::precondition(
+                "cannot switch from tx to confirm mode",
+            ));
+        }
+        ch.confirm = true;
+        if !s.nowait {
+            self.writer.method(
+                id,
+                AMQPClass::Confirm(confirm::AMQPMethod::SelectOk(confirm::SelectOk {})),
+            );
+        }
+        Ok(())
+    }
+
+    /// tx.select, tx.commit and tx.rollback.
+    pub(super) fn on_tx(
+        &mut self,
+        id: u16,
+        m: tx::AMQPMethod,
+        v: &mut Lazy,
+    ) -> Result<(), AmqpError> {
+        let ch = self.channels.get_mut(&id).expect("checked by the caller");
+        let reply = match m {
+            tx::AMQPMethod::Select(_) => {
+                if ch.confirm {
+                    return Err(AmqpError::precondition(
+                        "cannot switch from confirm to tx mode",
+                    ));
+                }
+                ch.tx.get_or_insert_with(Transaction::default);
+                tx::AMQPMethod::SelectOk(tx::SelectOk {})
+            }
+            tx::AMQPMethod::Commit(_) => {
+                let Some(held) = ch.tx.replace(Transaction::default()) else {
+                    return Err(AmqpError::precondition("channel is not transactional"));
+                };
+                self.commit(id, held, v)?;
+                tx::AMQPMethod::CommitOk(tx::CommitOk {})
+            }
+            tx::AMQPMethod::Rollback(_) => {
+                if ch.tx.replace(Transaction::default()).is_none() {
+                    return Err(AmqpError::precondition("channel is not transactional"));
+                }
+                tx::AMQPMethod::RollbackOk(tx::RollbackOk {})
+            }
+            _ => {
+                return Err(AmqpError::new(
+                    crate::amqp::codes::COMMAND_INVALID,
+                    "unexpected tx method",
+                ));
+            }
+        };
+        self.writer.method(id, AMQPClass::Tx(reply));
+        Ok(())
+    }
+
+    /// Applies a transaction's held publishes, then its held acks, in order. Its commit-ok is
+    /// written after, in the same batch, so it waits behind the batch's hold like a confirm.
+    pub(super) fn commit(
+        &mut self,
+        id: u16,
+        held: Transaction,
+        v: &mut Lazy,
+    ) -> Result<(), AmqpError> {
+        let now = now_ms();
+        let key = ChannelKey {
+            conn: self.id,
+            channel: id,
+        };
+        for p in held.publishes {
+            let outcome = v.get().publish(
+                &p.exchange,
+                &p.routing_key,
+                p.message.clone(),
+                now,
+                &mut self.fx,
+            )?;
+            match outcome {
+                PublishOutcome::Routed => self.stats.routed += 1, // metrics
+                PublishOutcome::Unroutable => self.stats.unroutable += 1, // metrics
+                PublishOutcome::Rejected => {}
+            }
+            if p.mandatory && outcome == PublishOutcome::Unroutable {
+                self.send_return(id, &p.message);
+            }
+        }
+        for a in held.acks {
+            match a {
+                HeldAck::Ack { tag, multiple } => {
+                    v.get().basic_ack(key, tag, multiple, now, &mut self.fx)?
+                }
+                HeldAck::Nack {
+                    tag,
+                    multiple,
+                    requeue,
+                } => v
+                    .get()
+                    .basic_nack(key, tag, multiple, requeue, now, &mut self.fx)?,
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes the confirms the batch's publishes decided, per channel, runs of acks as one
+    /// `multiple` ack. Called by [`Connection::end_batch`] before the batch's hold, so that
+    /// they wait for the batch's durability.
+    pub(super) fn flush_confirms(&mut self) {
+        for (id, ch) in &mut self.channels {
+            if ch.confirms.is_empty() {
+                continue;
+            }
+            self.confirms.clear();
+            self.stats.confirmed += ch.confirms.len() as u64; // metrics
+            ch.take_confirms(&mut self.confirms);
+            for &(tag, multiple, ack) in &self.confirms {
+                let m = if ack {
+                    basic::AMQPMethod::Ack(basic::Ack {
+                        delivery_tag: tag,
+                        multiple,
+                    })
+                } else {
+                    basic::AMQPMethod::Nack(basic::Nack {
+                        delivery_tag: tag,
+                        multiple,
+                        requeue: false,
+                    })
+                };
+                self.writer.method(*id, AMQPClass::Basic(m));
+            }
+        }
+    }
+}

@@ -1,0 +1,234 @@
+//! The exchange and queue classes. Every change — declare, delete, bind, unbind — takes one
+//! path: the method becomes a [`crate::core::WiringOp`] ([`crate::server::wiring::op_for`]),
+//! the user's permissions are checked against the op, and then a single broker (or a cluster
+//! member, for an exclusive queue) applies it at once, while a cluster member sends it
+//! through the cluster and answers when it is committed ([`ClusterWait`]). Passive declares
+//! (questions) and purge (content) are not wiring changes and are answered here.
+
+use super::frames::{ConnError, permit, short};
+use super::{Connection, Lazy};
+use crate::amqp::{AMQPClass, codes, exchange, queue};
+use crate::clock::now_ms;
+use crate::cluster::OpOutcome;
+use crate::core::{AmqpError, ExchangeDeclare, OpReply, QueueDeclare};
+use crate::server::wiring::{self, Awaited, Waiting};
+
+/// A method whose wiring op is in flight through the cluster: the connection reads no
+/// further frames until it is committed, so later methods see its effect (as on one broker).
+pub(super) struct ClusterWait {
+    channel: u16,
+    class_id: u16,
+    method_id: u16,
+    waiting: Waiting,
+    outcome: tokio::sync::oneshot::Receiver<OpOutcome>,
+}
+
+impl Connection {
+    /// Every exchange and queue method on an open channel.
+    pub(super) fn on_wiring_method(
+        &mut self,
+        id: u16,
+        method: AMQPClass,
+        v: &mut Lazy,
+    ) -> Result<(), AmqpError> {
+        match &method {
+            AMQPClass::Exchange(exchange::AMQPMethod::Declare(d)) if d.passive => {
+                return self.exchange_declare_passive(id, d, v);
+            }
+            AMQPClass::Queue(queue::AMQPMethod::Declare(d)) if d.passive => {
+                return self.queue_declare_passive(id, d, v);
+            }
+            AMQPClass::Queue(queue::AMQPMethod::Purge(p)) => return self.queue_purge(id, p, v),
+            _ => {}
+        }
+        let (class_id, method_id) = (method.get_amqp_class_id(), method.get_amqp_method_id());
+        let cluster = self.broker.cluster().cloned();
+        let home = cluster.as_ref().map(|c| c.node_id().to_owned());
+        let ch = self.channels.get(&id).expect("checked by the caller");
+        let Some((op, waiting)) = wiring::op_for(&method, ch, v.get(), home)? else {
+            let what = if class_id == 40 { "exchange" } else { "queue" };
+            return Err(AmqpError::new(
+                codes::COMMAND_INVALID,
+                format!("unexpected {what} method"),
+            ));
+        };
+        for (access, resource) in wiring::required_access(&op) {
+            permit(&self.perms, access, resource)?;
+        }
+        match cluster {
+            Some(cluster) if op.is_shared(v.get()) => {
+                let op = wiring::for_cluster(op, v.get())?;
+                self.cluster_wait = Some(ClusterWait {
+                    channel: id,
+                    class_id,
+                    method_id,
+                    waiting,
+                    outcome: cluster.submit(&self.vhost_name, op),
+                });
+            }
+            _ => {
+                let reply = op.apply(v.get(), self.id, now_ms(), &mut self.fx)?;
+                self.answer_wiring(id, &waiting, &reply);
+            }
+        }
+        Ok(())
+    }
+
+    /// Answers an applied wiring change: the channel's last queue, the -ok unless nowait,
+    /// and a log line for queues created or deleted.
+    pub(super) fn answer_wiring(&mut self, id: u16, waiting: &Waiting, reply: &OpReply) {
+        let Some(ch) = self.channels.get_mut(&id) else {
+            return;
+        };
+        match &waiting.awaited {
+            Awaited::QueueDeclared(name) => {
+                ch.last_queue = Some(name.clone());
+                if reply.created {
+                    tracing::info!(conn = self.id, channel = id, vhost = %self.vhost_name, queue = %name, "queue declared");
+                }
+            }
+            Awaited::QueueDeleted(name) => {
+                tracing::info!(conn = self.id, channel = id, vhost = %self.vhost_name, queue = %name, "queue deleted");
+            }
+            _ => {}
+        }
+        if !waiting.nowait {
+            self.writer
+                .method(id, wiring::reply_method(&waiting.awaited, reply));
+        }
+    }
+
+    /// Answers the method whose wiring op the cluster committed (or could not).
+    pub(super) fn on_committed(&mut self, outcome: Option<OpOutcome>) {
+        let Some(wait) = self.cluster_wait.take() else {
+            return;
+        };
+        let Some(vhost) = self.vhost.clone() else {
+            return;
+        };
+        let mut v = Lazy {
+            vhost: &vhost,
+            guard: None,
+        };
+        let outcome = outcome.unwrap_or_else(|| {
+            Err(AmqpError::new(
+                codes::INTERNAL_ERROR,
+                "the cluster layer stopped before the change was committed",
+            ))
+        });
+        let open = self
+            .channels
+            .get(&wait.channel)
+            .is_some_and(|ch| !ch.closing);
+        match outcome {
+            Ok((reply, journal_seq)) if open => {
+                self.answer_wiring(wait.channel, &wait.waiting, &reply);
+                self.hold_output(journal_seq);
+            }
+            Ok(_) => {}
+            Err(e) if e.is_connection_error() => self.connection_error(ConnError {
+                code: e.code,
+                text: e.text,
+                class_id: wait.class_id,
+                method_id: wait.method_id,
+            }),
+            Err(e) => self.channel_error(wait.channel, e, wait.class_id, wait.method_id, &mut v),
+        }
+        self.end_batch(v);
+    }
+
+    /// exchange.declare with passive set: does it exist (404 if not)?
+    pub(super) fn exchange_declare_passive(
+        &mut self,
+        id: u16,
+        d: &exchange::Declare,
+        v: &mut Lazy,
+    ) -> Result<(), AmqpError> {
+        v.get().exchange_declare(ExchangeDeclare {
+            name: d.exchange.to_string(),
+            kind: d.kind.to_string(),
+            passive: true,
+            durable: d.durable,
+            auto_delete: d.auto_delete,
+            internal: d.internal,
+            arguments: d.arguments.clone(),
+        })?;
+        if !d.nowait {
+            self.writer.method(
+                id,
+                AMQPClass::Exchange(exchange::AMQPMethod::DeclareOk(exchange::DeclareOk {})),
+            );
+        }
+        Ok(())
+    }
+
+    /// queue.declare with passive set: its counts (404 if it does not exist, 405 if another
+    /// connection's exclusive queue). It becomes the channel's last queue.
+    pub(super) fn queue_declare_passive(
+        &mut self,
+        id: u16,
+        d: &queue::Declare,
+        v: &mut Lazy,
+    ) -> Result<(), AmqpError> {
+        let declared = v.get().queue_declare(
+            self.id,
+            QueueDeclare {
+                name: d.queue.to_string(),
+                passive: true,
+                durable: d.durable,
+                exclusive: d.exclusive,
+                auto_delete: d.auto_delete,
+                arguments: d.arguments.clone(),
+            },
+            now_ms(),
+        )?;
+        let ch = self.channels.get_mut(&id).expect("checked by the caller");
+        ch.last_queue = Some(declared.name.to_string());
+        if !d.nowait {
+            self.writer.method(
+                id,
+                AMQPClass::Queue(queue::AMQPMethod::DeclareOk(queue::DeclareOk {
+                    queue: short(&declared.name),
+                    message_count: declared.message_count,
+                    consumer_count: declared.consumer_count,
+                })),
+            );
+        }
+        Ok(())
+    }
+
+    /// queue.purge: drops the queue's ready messages on the queue's broker.
+    pub(super) fn queue_purge(
+        &mut self,
+        id: u16,
+        p: &queue::Purge,
+        v: &mut Lazy,
+    ) -> Result<(), AmqpError> {
+        let ch = self.channels.get(&id).expect("checked by the caller");
+        let q = ch
+            .queue_name(p.queue.as_str())
+            .ok_or_else(|| AmqpError::not_found("no previously declared queue"))?;
+        permit(
+            &self.perms,
+            crate::auth::permissions::Access::Read,
+            crate::auth::permissions::Resource::Queue(&q),
+        )?;
+        let message_count = v.get().queue_purge(self.id, &q, &mut self.fx)?;
+        if !p.nowait {
+            self.writer.method(
+                id,
+                AMQPClass::Queue(queue::AMQPMethod::PurgeOk(queue::PurgeOk { message_count })),
+            );
+        }
+        Ok(())
+    }
+}
+
+/// The outcome of the in-flight cluster op, if there is one (pending forever otherwise, so
+/// `select!` can always poll it). `None` means the cluster layer dropped the request.
+pub(super) async fn committed(wait: &mut Option<ClusterWait>) -> Option<OpOutcome> {
+    match wait {
+        Some(w) => (&mut w.outcome).await.ok(),
+        None => std::future::pending().await,
+    }
+}
