@@ -2,15 +2,44 @@
 //! `kubernetes-validate` tool (strict mode, Kubernetes 1.33, the oldest version supported).
 //!
 //! No API server runs here, so this is the closest check of what `kubectl apply` would
-//! accept. The tool is installed by `pip install kubernetes-validate` (see
-//! docs/operator.md); without it the test says so and passes, because the build must not
-//! depend on Python.
+//! accept. The tool runs as `$RINGMQ_PYTHON -m kubernetes_validate` (`python3` when the
+//! variable is unset); `scripts/test` installs it into a venv and sets the variable. Without
+//! it the test fails saying what to install: a schema check that passes when it cannot check
+//! anything would hide a broken StatefulSet.
 
 use std::process::Command;
 
 use kube::Resource;
 use ringmq_operator::crd::Cluster;
 use ringmq_operator::resources;
+
+/// The Python interpreter that has `kubernetes_validate`: `$RINGMQ_PYTHON`, else `python3`.
+/// Panics naming what to install when it cannot import it. (The same rule as
+/// `ringmq_tests::prereq::python_with`, which this crate does not depend on.)
+fn python_with_kubernetes_validate() -> String {
+    let python = std::env::var("RINGMQ_PYTHON")
+        .ok()
+        .filter(|p| !p.is_empty())
+        .unwrap_or_else(|| "python3".into());
+    let out = Command::new(&python)
+        .args(["-c", "import kubernetes_validate"])
+        .output()
+        .unwrap_or_else(|e| {
+            panic!(
+                "this test needs Python with kubernetes-validate, but `{python}` does not run \
+                 ({e}): run the tests with `scripts/test`, which makes a venv with it and sets \
+                 RINGMQ_PYTHON, or point RINGMQ_PYTHON at a python3 that has it"
+            )
+        });
+    assert!(
+        out.status.success(),
+        "this test needs the Python package kubernetes-validate, which `{python}` cannot import: \
+         run the tests with `scripts/test`, which installs it into a venv and sets RINGMQ_PYTHON, \
+         or `{python} -m pip install kubernetes-validate` (see tests/clients/requirements.txt)\n{}",
+        String::from_utf8_lossy(&out.stderr).trim_end()
+    );
+    python
+}
 
 fn production_cluster() -> Cluster {
     let text = std::fs::read_to_string(concat!(
@@ -26,6 +55,7 @@ fn production_cluster() -> Cluster {
 
 #[test]
 fn owned_objects_pass_kubernetes_validate_strict() {
+    let python = python_with_kubernetes_validate();
     let cluster = production_cluster();
     let owner = cluster.controller_owner_ref(&()).expect("uid set");
     let config =
@@ -50,20 +80,16 @@ fn owned_objects_pass_kubernetes_validate_strict() {
         std::fs::write(&path, serde_json::to_vec_pretty(&object).expect("json")).expect("write");
         files.push(path);
     }
-    let run = Command::new("kubernetes-validate")
-        .args(["--strict", "-k", "1.33.0"])
+    let run = Command::new(&python)
+        .args(["-m", "kubernetes_validate", "--strict", "-k", "1.33.0"])
         .args(&files)
         .output();
     let _ = std::fs::remove_dir_all(&dir);
-    match run {
-        Err(e) => eprintln!(
-            "kubernetes-validate not runnable ({e}); install it with `pip install kubernetes-validate`"
-        ),
-        Ok(out) => assert!(
-            out.status.success(),
-            "kubernetes-validate rejected an owned object:\n{}\n{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        ),
-    }
+    let out = run.unwrap_or_else(|e| panic!("{python} -m kubernetes_validate: {e}"));
+    assert!(
+        out.status.success(),
+        "kubernetes-validate rejected an owned object:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 pub use lapin;
 
+pub mod prereq;
 pub mod tls;
 
 /// Path of a binary built from this workspace (`ringmq-broker`, `ringmqctl`), next to the

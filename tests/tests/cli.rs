@@ -98,17 +98,18 @@ fn bench_against_no_broker_fails_with_a_reason() {
 
 #[test]
 fn pika_works_unchanged() {
+    let python = ringmq_tests::prereq::python_with("pika", "pika");
     let b = Broker::start();
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/clients/pika_compat.py");
-    let out = Command::new("python3")
+    let out = Command::new(&python)
         .arg(script)
         .arg(b.addr.port().to_string())
         .output()
-        .expect("python3 runs (.ci/run installs it with pika)");
+        .unwrap_or_else(|e| panic!("{python} {script}: {e}"));
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success() && stdout.trim_end().ends_with("ok"),
-        "pika script failed (pip install pika?):\n{stdout}\n{}",
+        "pika script failed:\n{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
 }

@@ -125,7 +125,7 @@ async fn a_well_behaved_pair_keeps_a_quarter_of_its_throughput_under_abuse() {
     let fd_limit = raise_fd_limit();
     assert!(
         fd_limit as usize > HALF_OPEN + SLOWLORIS + 100,
-        "open-file limit {fd_limit} is too low for this test (.ci/run raises it)"
+        "open-file limit {fd_limit} is too low for this test: raise the hard limit to 65536 (`ulimit -n 65536` as root; scripts/test and .ci/run try)"
     );
     let b = Broker::start();
     let target = Target::parse(&b.uri()).unwrap();
