@@ -620,7 +620,7 @@ async fn tx_commit_without_select_fails_with_precondition_failed() {
 }
 
 #[tokio::test]
-async fn channel_flow_pauses_and_resumes_deliveries() {
+async fn channel_flow_keeps_deliveries_flowing_and_refuses_to_stop_them_as_rabbitmq_does() {
     let b = Broker::start();
     let (_c, ch) = b.channel().await;
     declare(&ch, "q").await;
@@ -637,18 +637,19 @@ async fn channel_flow_pauses_and_resumes_deliveries() {
         .await
         .unwrap();
     assert!(
-        !ch.channel_flow(ChannelFlowOptions { active: false })
-            .await
-            .unwrap()
-    );
-    publish(&ch, "q", b"held").await;
-    assert!(nothing_within(&mut consumer, 200).await);
-    assert!(
         ch.channel_flow(ChannelFlowOptions { active: true })
             .await
             .unwrap()
     );
-    assert_eq!(next(&mut consumer).await.data, b"held");
+    publish(&ch, "q", b"flowing").await;
+    assert_eq!(next(&mut consumer).await.data, b"flowing");
+    // Prefetch and cancel are how a consumer stops the broker; RabbitMQ closes the
+    // connection with 540 NOT_IMPLEMENTED on active=false, and clients expect that.
+    let e = ch
+        .channel_flow(ChannelFlowOptions { active: false })
+        .await
+        .unwrap_err();
+    assert_eq!(reply_code(&e), Some(540), "{e}");
 }
 
 #[tokio::test]
