@@ -7,7 +7,7 @@ use super::membership::{MemberInfo, MemberState, Membership};
 use super::message::ClusterMsg;
 use super::notice;
 use super::op::{OpReply, WiringOp};
-use crate::core::shared::SharedWiring;
+use crate::core::wiring::Wiring;
 use crate::core::{AmqpError, Effects};
 use crate::cpg::{Cpg, CpgConfig, CpgError, CpgEvent, CpgEvents, MemberId};
 use crate::server::{Broker, now_ms};
@@ -240,7 +240,7 @@ impl WiringStore for BrokerStore {
         result.map(|reply| (reply, gate))
     }
 
-    fn export(&mut self) -> BTreeMap<String, SharedWiring> {
+    fn export(&mut self) -> BTreeMap<String, Wiring> {
         self.broker
             .vhosts()
             .into_iter()
@@ -248,7 +248,7 @@ impl WiringStore for BrokerStore {
             .collect()
     }
 
-    fn install(&mut self, vhosts: BTreeMap<String, SharedWiring>) {
+    fn install(&mut self, vhosts: BTreeMap<String, Wiring>) {
         let now = now_ms();
         let mut fx = Effects::default();
         for (name, wiring) in vhosts {

@@ -30,14 +30,14 @@ impl WiringStore for Store {
         op.apply(v, 0, &mut Effects::default()).map(|r| (r, None))
     }
 
-    fn export(&mut self) -> BTreeMap<String, SharedWiring> {
+    fn export(&mut self) -> BTreeMap<String, Wiring> {
         self.vhosts
             .iter()
             .map(|(n, v)| (n.clone(), v.shared_wiring()))
             .collect()
     }
 
-    fn install(&mut self, vhosts: BTreeMap<String, SharedWiring>) {
+    fn install(&mut self, vhosts: BTreeMap<String, Wiring>) {
         for (name, w) in vhosts {
             let v = self
                 .vhosts
