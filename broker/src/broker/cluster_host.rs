@@ -5,7 +5,7 @@ use super::Broker;
 use crate::clock::now_ms;
 use crate::cluster::map::WiringStore;
 use crate::cluster::{ClusterHost, OpOutcome, notice};
-use crate::core::shared::SharedWiring;
+use crate::core::wiring::Wiring;
 use crate::core::{AmqpError, Effects, NO_CONNECTION, WiringOp};
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -35,7 +35,7 @@ impl WiringStore for BrokerHost {
         result.map(|reply| (reply, gate))
     }
 
-    fn export(&mut self) -> BTreeMap<String, SharedWiring> {
+    fn export(&mut self) -> BTreeMap<String, Wiring> {
         self.broker
             .vhosts()
             .into_iter()
@@ -43,7 +43,7 @@ impl WiringStore for BrokerHost {
             .collect()
     }
 
-    fn install(&mut self, vhosts: BTreeMap<String, SharedWiring>) {
+    fn install(&mut self, vhosts: BTreeMap<String, Wiring>) {
         let now = now_ms();
         let mut fx = Effects::default();
         for (name, wiring) in vhosts {

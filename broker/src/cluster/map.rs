@@ -7,7 +7,7 @@
 use super::membership::Membership;
 use super::message::{ClusterMsg, Snapshot};
 use crate::core::AmqpError;
-use crate::core::shared::SharedWiring;
+use crate::core::wiring::Wiring;
 use crate::core::{OpReply, WiringOp};
 use crate::cpg::{CpgEvent, MemberId};
 use std::collections::BTreeMap;
@@ -18,9 +18,9 @@ pub trait WiringStore {
     /// broker: the journal sequence number of a durable change).
     fn apply(&mut self, vhost: &str, op: &WiringOp) -> Result<(OpReply, Option<u64>), AmqpError>;
     /// The shared wiring of every vhost, for a joiner.
-    fn export(&mut self) -> BTreeMap<String, SharedWiring>;
+    fn export(&mut self) -> BTreeMap<String, Wiring>;
     /// Replaces the shared wiring with a snapshot's.
-    fn install(&mut self, vhosts: BTreeMap<String, SharedWiring>);
+    fn install(&mut self, vhosts: BTreeMap<String, Wiring>);
 }
 
 /// What the node must do after an event.

@@ -2,7 +2,7 @@
 
 use super::membership::{MemberInfo, Membership};
 use crate::core::WiringOp;
-use crate::core::shared::SharedWiring;
+use crate::core::wiring::Wiring;
 use crate::cpg::MemberId;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -37,7 +37,7 @@ pub struct Snapshot {
     /// Members.
     pub membership: Membership,
     /// Shared wiring per vhost.
-    pub vhosts: BTreeMap<String, SharedWiring>,
+    pub vhosts: BTreeMap<String, Wiring>,
 }
 
 impl ClusterMsg {

@@ -76,8 +76,6 @@ pub struct ChannelState {
     pub channel_prefetch_bytes: u64,
     /// Body bytes unacked on the channel.
     pub unacked_bytes: u64,
-    /// channel.flow: false stops deliveries.
-    pub flow_paused: bool,
     /// Deliveries handed to the connection and not yet written (see [`WRITE_WINDOW`]).
     pub unwritten: u32,
     /// Their body bytes (see [`WRITE_WINDOW_BYTES`]).
@@ -91,7 +89,7 @@ pub struct ChannelState {
 impl ChannelState {
     /// Whether the consumer `tag` may take a message of `bytes` body bytes now.
     pub fn can_deliver(&self, tag: &str, bytes: u64) -> bool {
-        if self.flow_paused || self.write_window_full() {
+        if self.write_window_full() {
             return false;
         }
         let Some(c) = self.consumers.get(tag) else {
@@ -236,8 +234,6 @@ mod tests {
         assert!(!ch.can_deliver("c", 10));
         ch.settle(1, false).unwrap();
         assert!(ch.can_deliver("c", 10));
-        ch.flow_paused = true;
-        assert!(!ch.can_deliver("c", 10));
     }
 
     #[test]

@@ -9,7 +9,6 @@ pub mod exchange;
 pub mod message;
 pub mod ops;
 pub mod queue;
-pub mod shared;
 pub mod vhost;
 pub mod wiring;
 pub mod wiring_op;

@@ -1,22 +1,39 @@
-//! The durable part of a vhost's wiring — exchanges, queues and bindings that survive a
-//! restart — as plain data, and putting it (and recovered messages) back into a vhost.
+//! A vhost's wiring — exchanges, queues and bindings — as plain data, and putting it back.
+//!
+//! One type, [`Wiring`], serves two readers that want nearly the same thing:
+//!
+//! * **disk** ([`VHost::durable_wiring`], [`VHost::restore_wiring`]): what survives a restart —
+//!   durable exchanges, durable non-exclusive queues with the uid their journal records name,
+//!   bindings whose both ends are durable. The store saves it as JSON (`wiring.json`) and the
+//!   queues' messages are restored after it.
+//! * **a joining cluster member** ([`VHost::shared_wiring`], [`VHost::install_shared_wiring`]):
+//!   what the cluster shares — every exchange and non-exclusive queue, durable or not, with the
+//!   member each queue lives on, and the bindings between them.
+//!
+//! The two were separate types that differed only in a `durable` flag, a queue's `uid` and its
+//! `home`; keeping them apart meant every new exchange or queue attribute had to be added, saved
+//! and restored twice. The fields one view does not use are defaulted, so that a wiring file
+//! written before the types were merged (no `durable`, no `home`) still reads.
 
 use super::args::QueueArgs;
 use super::exchange::{Binding, Destination, Exchange, ExchangeKind};
 use super::message::Message;
 use super::queue::Queue;
-use super::vhost::VHost;
+use super::vhost::{Effects, VHost};
 use crate::amqp::FieldTable;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 
-/// A durable exchange.
+/// An exchange's declaration: enough to declare it again, identically, elsewhere or later.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct DurableExchange {
+pub struct WiringExchange {
     /// Name.
     pub name: String,
     /// Type (`direct`, ...).
     pub kind: String,
+    /// Durable flag. Absent from wiring files, which hold durable exchanges only.
+    #[serde(default = "durable_when_absent")]
+    pub durable: bool,
     /// Auto-delete flag.
     pub auto_delete: bool,
     /// Internal flag.
@@ -25,22 +42,31 @@ pub struct DurableExchange {
     pub arguments: FieldTable,
 }
 
-/// A durable queue.
+/// A queue's declaration, not its content (messages travel as queue ops, not as wiring).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct DurableQueue {
+pub struct WiringQueue {
     /// Name.
     pub name: String,
-    /// Unique id of this incarnation: journal records name it.
+    /// Unique id of this incarnation: journal records name it. Only the durable view carries
+    /// it (0 in the shared view): uids are local to a member's journal, a joiner makes its own.
+    #[serde(default)]
     pub uid: u64,
+    /// Durable flag. Absent from wiring files, which hold durable queues only.
+    #[serde(default = "durable_when_absent")]
+    pub durable: bool,
     /// Auto-delete flag.
     pub auto_delete: bool,
     /// Arguments.
     pub arguments: FieldTable,
+    /// Node id of the cluster member that owns it. Only the shared view carries it: after a
+    /// restart the cluster, not the disk, says where a queue lives.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub home: Option<String>,
 }
 
-/// A binding whose both ends are durable.
+/// A binding between two ends that the same view holds.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct DurableBinding {
+pub struct WiringBinding {
     /// Source exchange.
     pub source: String,
     /// Destination name.
@@ -53,65 +79,90 @@ pub struct DurableBinding {
     pub arguments: FieldTable,
 }
 
-/// Everything of a vhost's wiring that survives a restart.
+/// A vhost's wiring in a stable order (sorted by name; bindings by source, destination, key),
+/// so that two vhosts with the same wiring export equal values. Which objects it holds depends
+/// on the view that made it: see the module documentation.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct DurableWiring {
-    /// Durable exchanges other than the predeclared ones.
-    pub exchanges: Vec<DurableExchange>,
-    /// Durable, non-exclusive queues.
-    pub queues: Vec<DurableQueue>,
-    /// Bindings between durable ends.
-    pub bindings: Vec<DurableBinding>,
+pub struct Wiring {
+    /// Exchanges other than the predeclared ones.
+    pub exchanges: Vec<WiringExchange>,
+    /// Non-exclusive queues.
+    pub queues: Vec<WiringQueue>,
+    /// Bindings, except those to exclusive queues.
+    pub bindings: Vec<WiringBinding>,
+}
+
+/// Objects in wiring files written before the views shared one type were all durable.
+fn durable_when_absent() -> bool {
+    true
 }
 
 fn predeclared(name: &str) -> bool {
     name.is_empty() || name.starts_with("amq.")
 }
 
+/// Which part of a vhost's wiring an export holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum View {
+    /// What survives a restart: durable objects, and bindings whose both ends are durable.
+    Durable,
+    /// What the cluster shares: every object, durable or not.
+    Shared,
+}
+
+impl View {
+    /// Whether an object with this durability belongs to the view. Exclusive queues belong to
+    /// neither (they live and die with one connection on one member); callers check that.
+    fn holds(self, durable: bool) -> bool {
+        self == View::Shared || durable
+    }
+}
+
 impl VHost {
-    /// The durable wiring as it is now, in a stable order.
-    pub fn durable_wiring(&self) -> DurableWiring {
-        let mut w = DurableWiring::default();
+    /// The durable wiring as it is now: what the store saves so that a restart finds it again.
+    pub fn durable_wiring(&self) -> Wiring {
+        self.wiring(View::Durable)
+    }
+
+    /// The shared wiring as it is now: what a cluster member hands a member that joins, so
+    /// that the joiner starts from the wiring the others have (then follows the same op stream).
+    pub fn shared_wiring(&self) -> Wiring {
+        self.wiring(View::Shared)
+    }
+
+    fn wiring(&self, view: View) -> Wiring {
+        let mut w = Wiring::default();
         for ex in self.exchanges.values() {
-            if ex.durable && !predeclared(&ex.name) {
-                w.exchanges.push(DurableExchange {
+            if !view.holds(ex.durable) {
+                continue;
+            }
+            if !predeclared(&ex.name) {
+                w.exchanges.push(WiringExchange {
                     name: ex.name.to_string(),
                     kind: ex.kind.as_str().to_owned(),
+                    durable: ex.durable,
                     auto_delete: ex.auto_delete,
                     internal: ex.internal,
                     arguments: ex.arguments.clone(),
                 });
             }
-        }
-        for q in self.queues.values() {
-            if q.durable && q.exclusive_owner.is_none() {
-                w.queues.push(DurableQueue {
-                    name: q.name.to_string(),
-                    uid: q.uid,
-                    auto_delete: q.auto_delete,
-                    arguments: q.arguments.clone(),
-                });
-            }
-        }
-        for ex in self.exchanges.values() {
-            if !ex.durable {
-                continue;
-            }
             for b in ex.bindings() {
-                let (destination, is_queue, durable) = match &b.destination {
+                let (destination, is_queue, held) = match &b.destination {
                     Destination::Queue(q) => (
                         q,
                         true,
                         self.queues
                             .get(q)
-                            .is_some_and(|q| q.durable && q.exclusive_owner.is_none()),
+                            .is_some_and(|q| q.exclusive_owner.is_none() && view.holds(q.durable)),
                     ),
-                    Destination::Exchange(e) => {
-                        (e, false, self.exchanges.get(e).is_some_and(|e| e.durable))
-                    }
+                    Destination::Exchange(e) => (
+                        e,
+                        false,
+                        view.holds(self.exchanges.get(e).is_some_and(|e| e.durable)),
+                    ),
                 };
-                if durable {
-                    w.bindings.push(DurableBinding {
+                if held {
+                    w.bindings.push(WiringBinding {
                         source: ex.name.to_string(),
                         destination: destination.to_string(),
                         destination_is_queue: is_queue,
@@ -119,6 +170,21 @@ impl VHost {
                         arguments: b.arguments.clone(),
                     });
                 }
+            }
+        }
+        for q in self.queues.values() {
+            if q.exclusive_owner.is_none() && view.holds(q.durable) {
+                w.queues.push(WiringQueue {
+                    name: q.name.to_string(),
+                    uid: if view == View::Durable { q.uid } else { 0 },
+                    durable: q.durable,
+                    auto_delete: q.auto_delete,
+                    arguments: q.arguments.clone(),
+                    home: match view {
+                        View::Durable => None,
+                        View::Shared => q.home.as_deref().map(str::to_owned),
+                    },
+                });
             }
         }
         w.exchanges.sort_by(|a, b| a.name.cmp(&b.name));
@@ -136,39 +202,20 @@ impl VHost {
     /// Puts recovered wiring back, before the vhost serves anyone. Entries that cannot be
     /// restored (an unknown exchange type, a binding to something missing) are skipped and
     /// returned as reasons, for the caller to log.
-    pub fn restore_wiring(&mut self, w: DurableWiring, now_ms: u64) -> Vec<String> {
+    pub fn restore_wiring(&mut self, w: Wiring, now_ms: u64) -> Vec<String> {
         let mut skipped = Vec::new();
         for e in w.exchanges {
-            let Some(kind) = ExchangeKind::parse(&e.kind) else {
-                skipped.push(format!("exchange '{}': unknown type '{}'", e.name, e.kind));
-                continue;
-            };
-            let name: Arc<str> = e.name.into();
-            self.exchanges.insert(
-                name.clone(),
-                Exchange::new(name, kind, true, e.auto_delete, e.internal, e.arguments),
-            );
+            self.install_exchange(e, &mut skipped);
         }
         for q in w.queues {
-            let args = match QueueArgs::parse(&q.arguments, &q.name, &self.name) {
-                Ok(a) => a,
-                Err(err) => {
-                    skipped.push(format!("queue '{}': {}", q.name, err.text));
-                    continue;
+            let uid = q.uid;
+            match self.new_queue(q, now_ms) {
+                Ok(mut queue) => {
+                    queue.uid = uid;
+                    self.queues.insert(queue.name.clone(), queue);
                 }
-            };
-            let name: Arc<str> = q.name.into();
-            let mut queue = Queue::new(
-                name.clone(),
-                true,
-                None,
-                q.auto_delete,
-                q.arguments,
-                args,
-                now_ms,
-            );
-            queue.uid = q.uid;
-            self.queues.insert(name, queue);
+                Err(why) => skipped.push(why),
+            }
         }
         self.restore_bindings(w.bindings, &mut skipped);
         // Restoring is not a change: nothing needs saving.
@@ -176,13 +223,131 @@ impl VHost {
         skipped
     }
 
+    /// Makes this vhost's shared wiring equal to `w`, keeping the content of queues that stay
+    /// (a restarted member keeps the messages of the queues it owns). Queues and exchanges the
+    /// cluster no longer has are removed (their consumers cancelled through `fx`). Returns
+    /// what could not be installed, for the caller to log.
+    pub fn install_shared_wiring(
+        &mut self,
+        w: Wiring,
+        now_ms: u64,
+        fx: &mut Effects,
+    ) -> Vec<String> {
+        let mut skipped = Vec::new();
+        let wanted_queues: Vec<&str> = w.queues.iter().map(|q| q.name.as_str()).collect();
+        let gone: Vec<Arc<str>> = self
+            .queues
+            .values()
+            .filter(|q| q.exclusive_owner.is_none() && !wanted_queues.contains(&&*q.name))
+            .map(|q| q.name.clone())
+            .collect();
+        for name in gone {
+            self.remove_queue(&name, fx);
+        }
+        let wanted_exchanges: Vec<&str> = w.exchanges.iter().map(|e| e.name.as_str()).collect();
+        let gone: Vec<Arc<str>> = self
+            .exchanges
+            .keys()
+            .filter(|n| !predeclared(n) && !wanted_exchanges.contains(&&***n))
+            .cloned()
+            .collect();
+        for name in gone {
+            self.exchanges.remove(&name);
+        }
+        for e in w.exchanges {
+            self.install_exchange(e, &mut skipped);
+        }
+        // Exchanges were rebuilt without bindings; the predeclared ones lose their shared
+        // bindings here, keeping only those to exclusive (member-local) queues.
+        let exclusive: Vec<Arc<str>> = self
+            .queues
+            .values()
+            .filter(|q| q.exclusive_owner.is_some())
+            .map(|q| q.name.clone())
+            .collect();
+        for ex in self.exchanges.values_mut() {
+            let keep: Vec<Binding> = ex
+                .bindings()
+                .iter()
+                .filter(
+                    |b| matches!(&b.destination, Destination::Queue(q) if exclusive.contains(q)),
+                )
+                .cloned()
+                .collect();
+            let all: Vec<Binding> = ex.bindings().to_vec();
+            for b in all.iter().filter(|b| !keep.contains(b)) {
+                ex.unbind(b);
+            }
+        }
+        for q in w.queues {
+            let home: Option<Arc<str>> = q.home.as_deref().map(Arc::from);
+            let same = |cur: &&mut Queue| {
+                cur.durable == q.durable
+                    && cur.auto_delete == q.auto_delete
+                    && cur.arguments == q.arguments
+            };
+            if let Some(cur) = self.queues.get_mut(q.name.as_str()).filter(same) {
+                cur.home = home;
+                continue;
+            }
+            let mut queue = match self.new_queue(q, now_ms) {
+                Ok(queue) => queue,
+                Err(why) => {
+                    skipped.push(why);
+                    continue;
+                }
+            };
+            self.remove_queue(&queue.name, fx);
+            queue.uid = self.fresh_uid();
+            queue.home = home;
+            self.queues.insert(queue.name.clone(), queue);
+        }
+        self.restore_bindings(w.bindings, &mut skipped);
+        self.mark_wiring_changed();
+        skipped
+    }
+
+    /// Adds exchange `e`, replacing one of the same name (bindings and all); an unknown type
+    /// goes to `skipped` as a reason. Shared by restoring from disk and installing a snapshot.
+    fn install_exchange(&mut self, e: WiringExchange, skipped: &mut Vec<String>) {
+        let Some(kind) = ExchangeKind::parse(&e.kind) else {
+            skipped.push(format!("exchange '{}': unknown type '{}'", e.name, e.kind));
+            return;
+        };
+        let name: Arc<str> = e.name.into();
+        self.exchanges.insert(
+            name.clone(),
+            Exchange::new(
+                name,
+                kind,
+                e.durable,
+                e.auto_delete,
+                e.internal,
+                e.arguments,
+            ),
+        );
+    }
+
+    /// The empty queue `q` declares (not yet in the vhost, uid unset), or why it cannot be
+    /// made: its arguments do not parse. Shared by restoring from disk and installing a
+    /// snapshot.
+    fn new_queue(&self, q: WiringQueue, now_ms: u64) -> Result<Queue, String> {
+        let args = QueueArgs::parse(&q.arguments, &q.name, &self.name)
+            .map_err(|err| format!("queue '{}': {}", q.name, err.text))?;
+        Ok(Queue::new(
+            q.name.into(),
+            q.durable,
+            None,
+            q.auto_delete,
+            q.arguments,
+            args,
+            now_ms,
+        ))
+    }
+
     /// Adds `bindings` whose both ends exist; the others go to `skipped` as reasons. Shared by
     /// restoring from disk and installing a cluster snapshot.
-    pub(super) fn restore_bindings(
-        &mut self,
-        bindings: Vec<DurableBinding>,
-        skipped: &mut Vec<String>,
-    ) {
+    fn restore_bindings(&mut self, bindings: Vec<WiringBinding>, skipped: &mut Vec<String>) {
         for b in bindings {
             let destination = if b.destination_is_queue {
                 self.queues
@@ -229,7 +394,7 @@ impl VHost {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::vhost::{ExchangeDeclare, QueueDeclare};
+    use crate::core::{ExchangeDeclare, QueueDeclare};
 
     #[test]
     fn durable_wiring_round_trips_and_skips_transient_objects() {
@@ -306,5 +471,99 @@ mod tests {
         let mut restored = VHost::new("/", 2);
         assert!(restored.restore_wiring(w.clone(), 0).is_empty());
         assert_eq!(restored.durable_wiring(), w);
+    }
+
+    fn populated(seed: u64) -> VHost {
+        let mut v = VHost::new("/", seed);
+        v.exchange_declare(ExchangeDeclare {
+            name: "x".into(),
+            kind: "topic".into(),
+            durable: false,
+            ..Default::default()
+        })
+        .unwrap();
+        for (name, durable) in [("a", true), ("b", false)] {
+            v.queue_declare(
+                0,
+                QueueDeclare {
+                    name: name.into(),
+                    durable,
+                    ..Default::default()
+                },
+                0,
+            )
+            .unwrap();
+            v.queue_bind(0, name, "x", "k.#", FieldTable::default())
+                .unwrap();
+        }
+        v.set_queue_home("a", "node-1");
+        v
+    }
+
+    #[test]
+    fn installing_a_snapshot_reproduces_the_wiring() {
+        let source = populated(1);
+        let mut joiner = VHost::new("/", 2);
+        joiner
+            .queue_declare(
+                7,
+                QueueDeclare {
+                    name: "mine".into(),
+                    exclusive: true,
+                    ..Default::default()
+                },
+                0,
+            )
+            .unwrap();
+        joiner
+            .queue_bind(7, "mine", "amq.fanout", "", FieldTable::default())
+            .unwrap();
+        joiner
+            .queue_declare(
+                0,
+                QueueDeclare {
+                    name: "stale".into(),
+                    ..Default::default()
+                },
+                0,
+            )
+            .unwrap();
+        let skipped =
+            joiner.install_shared_wiring(source.shared_wiring(), 0, &mut Effects::default());
+        assert!(skipped.is_empty(), "{skipped:?}");
+        assert_eq!(joiner.shared_wiring(), source.shared_wiring());
+        assert!(joiner.queue("stale").is_none());
+        assert!(joiner.queue("mine").is_some(), "exclusive queues stay");
+        assert_eq!(
+            joiner.exchange("amq.fanout").unwrap().bindings().len(),
+            1,
+            "bindings of exclusive queues stay"
+        );
+        assert_eq!(joiner.queue("a").unwrap().home.as_deref(), Some("node-1"));
+        assert!(joiner.take_wiring_changed(), "the new wiring must be saved");
+    }
+
+    #[test]
+    fn a_snapshot_from_a_member_of_the_previous_version_installs() {
+        // The shape SharedWiring had on the cluster wire before the views shared one type:
+        // every object has `durable`, queues have `home` and no `uid`.
+        let json = r#"{"exchanges":[{"name":"x","kind":"topic","durable":false,
+            "auto_delete":false,"internal":false,"arguments":{}}],
+            "queues":[{"name":"a","durable":true,"auto_delete":false,"arguments":{},
+            "home":"node-1"},{"name":"b","durable":false,"auto_delete":false,"arguments":{},
+            "home":null}],
+            "bindings":[{"source":"x","destination":"a","destination_is_queue":true,
+            "routing_key":"k.#","arguments":{}},{"source":"x","destination":"b",
+            "destination_is_queue":true,"routing_key":"k.#","arguments":{}}]}"#;
+        let w: Wiring = serde_json::from_str(json).unwrap();
+        let source = populated(1);
+        assert_eq!(w, source.shared_wiring());
+        let mut joiner = VHost::new("/", 2);
+        assert!(
+            joiner
+                .install_shared_wiring(w, 0, &mut Effects::default())
+                .is_empty()
+        );
+        assert_eq!(joiner.shared_wiring(), source.shared_wiring());
     }
 }

@@ -17,7 +17,7 @@ use super::index::{LiveIndex, Location, RecordKey, SegmentInfo, SharedIndex};
 use super::record::{RECORD_HEADER, Record, next_record};
 use super::snapshot::{self, Position, SnapshotError};
 use super::{SEGMENT_MAGIC, StoreError, segment_path, write_wiring_file};
-use crate::core::wiring::DurableWiring;
+use crate::core::wiring::Wiring;
 use bytes::Bytes;
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -70,7 +70,7 @@ pub enum Job {
         /// Vhost name.
         vhost: String,
         /// Its durable wiring.
-        wiring: DurableWiring,
+        wiring: Wiring,
     },
     /// A vhost was deleted with everything in it.
     VhostDeleted {
@@ -142,7 +142,7 @@ pub struct DiskState {
     /// Live records and segments.
     pub index: LiveIndex,
     /// Durable wiring per vhost.
-    pub wiring: BTreeMap<String, DurableWiring>,
+    pub wiring: BTreeMap<String, Wiring>,
 }
 
 struct Submitter {
@@ -294,7 +294,7 @@ impl Journal {
 struct Writer {
     dir: PathBuf,
     config: JournalConfig,
-    wiring: BTreeMap<String, DurableWiring>,
+    wiring: BTreeMap<String, Wiring>,
     index: Arc<SharedIndex>,
     current: u64,
     /// Size of the current segment file, in bytes.
@@ -340,7 +340,7 @@ impl Writer {
     fn new(
         dir: PathBuf,
         config: JournalConfig,
-        wiring: BTreeMap<String, DurableWiring>,
+        wiring: BTreeMap<String, Wiring>,
         index: Arc<SharedIndex>,
         next_segment: u64,
         rx: Receiver<(u64, Job)>,

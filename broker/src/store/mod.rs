@@ -19,7 +19,7 @@ pub mod snapshot;
 #[cfg(test)]
 mod tests;
 
-use crate::core::wiring::DurableWiring;
+use crate::core::wiring::Wiring;
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::Write;
@@ -74,14 +74,11 @@ pub fn sync_journal_dir(data_dir: &Path) -> Result<(), StoreError> {
 #[derive(serde::Serialize, serde::Deserialize)]
 struct WiringFile {
     format: u32,
-    vhosts: BTreeMap<String, DurableWiring>,
+    vhosts: BTreeMap<String, Wiring>,
 }
 
 /// Replaces `wiring.json` atomically.
-pub fn write_wiring_file(
-    dir: &Path,
-    wiring: &BTreeMap<String, DurableWiring>,
-) -> Result<(), StoreError> {
+pub fn write_wiring_file(dir: &Path, wiring: &BTreeMap<String, Wiring>) -> Result<(), StoreError> {
     let path = dir.join("wiring.json");
     let tmp = dir.join("wiring.json.tmp");
     let json = serde_json::to_vec(&WiringFile {
@@ -100,7 +97,7 @@ pub fn write_wiring_file(
 }
 
 /// Reads `wiring.json` (empty when absent).
-pub fn read_wiring_file(dir: &Path) -> Result<BTreeMap<String, DurableWiring>, StoreError> {
+pub fn read_wiring_file(dir: &Path) -> Result<BTreeMap<String, Wiring>, StoreError> {
     let path = dir.join("wiring.json");
     match std::fs::read(&path) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(BTreeMap::new()),

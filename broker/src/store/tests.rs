@@ -11,7 +11,7 @@ use super::record::Record;
 use super::recovery::{Recovered, Start, recover, recover_from};
 use super::snapshot::SNAPSHOT_FILE;
 use crate::amqp::Properties;
-use crate::core::wiring::{DurableQueue, DurableWiring};
+use crate::core::wiring::{Wiring, WiringQueue};
 use crate::core::{DiskBody, Message};
 use bytes::Bytes;
 use proptest::prelude::*;
@@ -52,15 +52,17 @@ fn step() -> impl Strategy<Value = Step> {
     ]
 }
 
-fn wiring(uids: &[u64]) -> DurableWiring {
-    DurableWiring {
+fn wiring(uids: &[u64]) -> Wiring {
+    Wiring {
         queues: uids
             .iter()
-            .map(|&uid| DurableQueue {
+            .map(|&uid| WiringQueue {
                 name: format!("q{uid}"),
                 uid,
+                durable: true,
                 auto_delete: false,
                 arguments: Default::default(),
+                home: None,
             })
             .collect(),
         ..Default::default()
@@ -476,6 +478,45 @@ fn a_clean_restart_recovers_from_the_snapshot_without_reading_the_journal() {
         recovered.messages[&1].len(),
         48,
         "the full scan recovers everything"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `wiring.json` byte for byte as a broker wrote it before the durable and shared wiring types
+/// became one (no `durable`, no `home` fields).
+const WIRING_FILE_BEFORE_ONE_TYPE: &str = r#"{"format":1,"vhosts":{"/":{"exchanges":[{"name":"alt","kind":"fanout","auto_delete":true,"internal":true,"arguments":{}},{"name":"orders","kind":"topic","auto_delete":false,"internal":false,"arguments":{"alternate-exchange":{"LongString":[97,108,116]}}}],"queues":[{"name":"spill","uid":16834447057089888969,"auto_delete":true,"arguments":{}},{"name":"work","uid":10451216379200822465,"auto_delete":false,"arguments":{"x-dead-letter-exchange":{"LongString":[97,108,116]},"x-message-ttl":{"LongInt":60000}}}],"bindings":[{"source":"alt","destination":"spill","destination_is_queue":true,"routing_key":"","arguments":{}},{"source":"orders","destination":"alt","destination_is_queue":false,"routing_key":"lost.*","arguments":{}},{"source":"orders","destination":"work","destination_is_queue":true,"routing_key":"order.#","arguments":{"x-match":{"LongString":[97,110,121]}}}]}}}"#;
+
+#[test]
+fn a_wiring_file_written_before_the_wiring_types_merged_restores_unchanged() {
+    use crate::core::VHost;
+    let dir = std::env::temp_dir().join(format!("ringmq-wiring-v1-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("wiring.json"), WIRING_FILE_BEFORE_ONE_TYPE).unwrap();
+    let read = super::read_wiring_file(&dir).unwrap();
+    let w = &read["/"];
+    assert_eq!(
+        w.queues.iter().map(|q| q.uid).collect::<Vec<_>>(),
+        vec![16834447057089888969, 10451216379200822465],
+        "journal records name queues by these uids"
+    );
+    let mut v = VHost::new("/", 1);
+    assert!(v.restore_wiring(w.clone(), 0).is_empty());
+    assert_eq!(&v.durable_wiring(), w, "everything restored, durable");
+    let work = v.queue("work").unwrap();
+    assert_eq!(work.args.message_ttl_ms, Some(60000));
+    assert_eq!(work.args.dead_letter_exchange.as_deref(), Some("alt"));
+    assert!(v.queue("spill").unwrap().auto_delete);
+    let orders = v.exchange("orders").unwrap();
+    assert_eq!(orders.alternate_exchange.as_deref(), Some("alt"));
+    assert_eq!(orders.bindings().len(), 2);
+    let alt = v.exchange("alt").unwrap();
+    assert!(alt.durable && alt.internal && alt.auto_delete);
+    super::write_wiring_file(&dir, &read).unwrap();
+    assert_eq!(
+        super::read_wiring_file(&dir).unwrap(),
+        read,
+        "rewritten, it reads the same"
     );
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -31,14 +31,14 @@ impl WiringStore for Store {
             .map(|r| (r, None))
     }
 
-    fn export(&mut self) -> BTreeMap<String, SharedWiring> {
+    fn export(&mut self) -> BTreeMap<String, Wiring> {
         self.vhosts
             .iter()
             .map(|(n, v)| (n.clone(), v.shared_wiring()))
             .collect()
     }
 
-    fn install(&mut self, vhosts: BTreeMap<String, SharedWiring>) {
+    fn install(&mut self, vhosts: BTreeMap<String, Wiring>) {
         for (name, w) in vhosts {
             let v = self
                 .vhosts

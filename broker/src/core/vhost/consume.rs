@@ -1,0 +1,376 @@
+//! How messages reach consumers: basic.consume and basic.cancel, the windows that hold
+//! deliveries back (qos prefetch, unwritten bytes), dispatch round-robin or to a
+//! single active consumer, and basic.get for clients that pull.
+
+use super::effects::apply;
+use super::expiry::expire_head;
+use super::{DeadLetter, Delivery, Effects, VHost};
+use crate::amqp::codes;
+use crate::core::channel::{ChannelKey, ChannelState, Consumer, Unacked};
+use crate::core::error::{AmqpError, CoreResult};
+use crate::core::message::Message;
+use crate::core::ops::OpKind;
+use crate::core::queue::ConsumerRef;
+use std::sync::Arc;
+
+/// basic.consume, decoded.
+#[derive(Debug, Clone, Default)]
+pub struct Consume {
+    /// Queue name.
+    pub queue: String,
+    /// Tag; empty asks the server to make one up.
+    pub tag: String,
+    /// No acks expected.
+    pub no_ack: bool,
+    /// No other consumer may use the queue meanwhile.
+    pub exclusive: bool,
+}
+
+/// Reply to basic.get with a message.
+#[derive(Debug, Clone)]
+pub struct GetOk {
+    /// Delivery tag.
+    pub delivery_tag: u64,
+    /// Delivered before.
+    pub redelivered: bool,
+    /// Ready messages left.
+    pub message_count: u32,
+    /// The message.
+    pub message: Arc<Message>,
+}
+
+impl VHost {
+    /// basic.qos. `global` = false sets the window of consumers created from now on;
+    /// true sets one window shared by the whole channel (RabbitMQ's reading of the flag).
+    pub fn basic_qos(
+        &mut self,
+        key: ChannelKey,
+        prefetch_bytes: u32,
+        prefetch_count: u16,
+        global: bool,
+        now_ms: u64,
+        fx: &mut Effects,
+    ) {
+        let Some(ch) = self.channels.get_mut(&key) else {
+            return;
+        };
+        if global {
+            ch.channel_prefetch_count = prefetch_count.into();
+            ch.channel_prefetch_bytes = prefetch_bytes.into();
+        } else {
+            ch.consumer_prefetch_count = prefetch_count.into();
+            ch.consumer_prefetch_bytes = prefetch_bytes.into();
+        }
+        let queues = consumer_queues(ch);
+        self.dispatch_all(queues, now_ms, fx);
+    }
+
+    /// The connection wrote `count` deliveries (`bytes` body bytes) of channel `key` to its
+    /// socket: they no longer count against the channel's write window.
+    pub fn delivered_written(
+        &mut self,
+        key: ChannelKey,
+        count: u32,
+        bytes: u64,
+        now_ms: u64,
+        fx: &mut Effects,
+    ) {
+        let Some(ch) = self.channels.get_mut(&key) else {
+            return;
+        };
+        let was_full = ch.write_window_full();
+        ch.unwritten = ch.unwritten.saturating_sub(count);
+        ch.unwritten_bytes = ch.unwritten_bytes.saturating_sub(bytes);
+        if was_full {
+            let queues = consumer_queues(ch);
+            self.dispatch_all(queues, now_ms, fx);
+        }
+    }
+
+    /// basic.consume: returns the consumer tag.
+    pub fn basic_consume(
+        &mut self,
+        key: ChannelKey,
+        c: Consume,
+        now_ms: u64,
+        fx: &mut Effects,
+    ) -> CoreResult<Arc<str>> {
+        let vhost = self.name.clone();
+        let ch = self
+            .channels
+            .get(&key)
+            .ok_or_else(|| AmqpError::new(codes::CHANNEL_ERROR, "channel not open"))?;
+        // The tag is checked first, as RabbitMQ does: a reused tag is a connection error.
+        if !c.tag.is_empty() && ch.consumers.contains_key(c.tag.as_str()) {
+            return Err(AmqpError::new(
+                codes::NOT_ALLOWED,
+                format!("attempt to reuse consumer tag '{}'", c.tag),
+            ));
+        }
+        let q = self.usable_queue(&c.queue, key.conn)?;
+        let exclusive_in_use = || {
+            AmqpError::access_refused(format!(
+                "queue '{}' in vhost '{vhost}' in exclusive use",
+                c.queue
+            ))
+        };
+        if c.exclusive && !q.consumers.is_empty() {
+            return Err(exclusive_in_use());
+        }
+        let has_exclusive = q.consumers.iter().any(|r| {
+            self.channels
+                .get(&r.channel)
+                .and_then(|ch| ch.consumers.get(&r.tag))
+                .is_some_and(|x| x.exclusive)
+        });
+        if has_exclusive {
+            return Err(exclusive_in_use());
+        }
+        let qname = q.name.clone();
+        let max = self.limits.max_consumers_per_channel;
+        if max > 0
+            && self
+                .channels
+                .get(&key)
+                .is_some_and(|ch| ch.consumers.len() >= max)
+        {
+            return Err(AmqpError::precondition(format!(
+                "reached maximum ({max}) of consumers per channel"
+            )));
+        }
+        let tag: Arc<str> = if c.tag.is_empty() {
+            self.fresh_name("amq.ctag-").into()
+        } else {
+            c.tag.into()
+        };
+        let ch = self.channels.get_mut(&key).expect("checked above");
+        ch.consumers.insert(
+            tag.clone(),
+            Consumer {
+                tag: tag.clone(),
+                queue: qname.clone(),
+                no_ack: c.no_ack,
+                exclusive: c.exclusive,
+                prefetch_count: ch.consumer_prefetch_count,
+                prefetch_bytes: ch.consumer_prefetch_bytes,
+                unacked: 0,
+                unacked_bytes: 0,
+            },
+        );
+        let q = self.queues.get_mut(&qname).expect("checked above");
+        q.consumers.push(ConsumerRef {
+            channel: key,
+            tag: tag.clone(),
+        });
+        q.had_consumer = true;
+        q.last_used_ms = now_ms;
+        self.dispatch(&qname, now_ms, fx);
+        Ok(tag)
+    }
+
+    /// basic.cancel. Cancelling an unknown tag succeeds, as the spec allows.
+    pub fn basic_cancel(&mut self, key: ChannelKey, tag: &str, now_ms: u64, fx: &mut Effects) {
+        let Some(ch) = self.channels.get_mut(&key) else {
+            return;
+        };
+        let Some(c) = ch.consumers.remove(tag) else {
+            return;
+        };
+        self.detach_consumer(key, &c.queue, &c.tag, fx);
+        self.dispatch(&c.queue, now_ms, fx);
+    }
+
+    pub(super) fn detach_consumer(
+        &mut self,
+        key: ChannelKey,
+        queue: &str,
+        tag: &Arc<str>,
+        fx: &mut Effects,
+    ) {
+        let Some(q) = self.queues.get_mut(queue) else {
+            return;
+        };
+        q.consumers.retain(|r| !(r.channel == key && &r.tag == tag));
+        if q.auto_delete && q.consumers.is_empty() && q.had_consumer {
+            self.remove_queue(queue, fx);
+        }
+    }
+
+    /// basic.get.
+    pub fn basic_get(
+        &mut self,
+        key: ChannelKey,
+        queue: &str,
+        no_ack: bool,
+        now_ms: u64,
+        fx: &mut Effects,
+    ) -> CoreResult<Option<GetOk>> {
+        self.usable_queue(queue, key.conn)?;
+        if let Some(ch) = self.channels.get(&key)
+            && !no_ack
+            && ch.unacked_limit_reached()
+        {
+            return Err(AmqpError::precondition(format!(
+                "unacked message limit of the channel ({}) is reached: ack before basic.get",
+                ch.max_unacked
+            )));
+        }
+        let record = self.record_ops;
+        let mut dead = Vec::new();
+        let q = self.queues.get_mut(queue).expect("checked above");
+        q.last_used_ms = now_ms;
+        expire_head(q, now_ms, true, record, fx, &mut dead);
+        let got = match q.peek().map(|e| e.id) {
+            None => None,
+            Some(id) => {
+                let qname = q.name.clone();
+                let entry = apply(
+                    q,
+                    if no_ack {
+                        OpKind::Take { id }
+                    } else {
+                        OpKind::Deliver { id }
+                    },
+                    record,
+                    fx,
+                )
+                .expect("head exists");
+                let message_count = q.ready_count() as u32;
+                let ch = self
+                    .channels
+                    .get_mut(&key)
+                    .ok_or_else(|| AmqpError::new(codes::CHANNEL_ERROR, "channel not open"))?;
+                let tag = ch.next_tag();
+                if !no_ack {
+                    ch.track(Unacked {
+                        tag,
+                        queue: qname,
+                        id,
+                        consumer: None,
+                        bytes: entry.message.body_len() as u64,
+                    });
+                }
+                Some(GetOk {
+                    delivery_tag: tag,
+                    redelivered: entry.redelivered,
+                    message_count,
+                    message: entry.message,
+                })
+            }
+        };
+        self.dead_letter_all(dead, now_ms, fx);
+        Ok(got)
+    }
+
+    pub(super) fn dispatch_all(
+        &mut self,
+        mut queues: Vec<Arc<str>>,
+        now_ms: u64,
+        fx: &mut Effects,
+    ) {
+        queues.sort_unstable();
+        queues.dedup();
+        let mut dead = Vec::new();
+        for q in queues {
+            self.dispatch_collect(&q, now_ms, fx, &mut dead);
+        }
+        self.dead_letter_all(dead, now_ms, fx);
+    }
+
+    pub(super) fn dispatch(&mut self, queue: &str, now_ms: u64, fx: &mut Effects) {
+        let mut dead = Vec::new();
+        self.dispatch_collect(queue, now_ms, fx, &mut dead);
+        self.dead_letter_all(dead, now_ms, fx);
+    }
+
+    /// Hands ready messages of `queue` to consumers that have room, round-robin (or to the
+    /// single active consumer), until either runs out.
+    pub(super) fn dispatch_collect(
+        &mut self,
+        queue: &str,
+        now_ms: u64,
+        fx: &mut Effects,
+        dead: &mut Vec<DeadLetter>,
+    ) {
+        let record = self.record_ops;
+        let Some(q) = self.queues.get_mut(queue) else {
+            return;
+        };
+        if q.consumers.is_empty() {
+            return;
+        }
+        loop {
+            expire_head(q, now_ms, false, record, fx, dead);
+            let Some((id, bytes)) = q.peek().map(|h| (h.id, h.message.body_len() as u64)) else {
+                return;
+            };
+            let candidates = if q.args.single_active_consumer {
+                1
+            } else {
+                q.consumers.len()
+            };
+            let mut chosen = None;
+            for i in 0..candidates {
+                let at = if q.args.single_active_consumer {
+                    0
+                } else {
+                    (q.next_consumer + i) % q.consumers.len()
+                };
+                let r = &q.consumers[at];
+                if self
+                    .channels
+                    .get(&r.channel)
+                    .is_some_and(|ch| ch.can_deliver(&r.tag, bytes))
+                {
+                    chosen = Some(at);
+                    break;
+                }
+            }
+            let Some(at) = chosen else { return };
+            q.next_consumer = (at + 1) % q.consumers.len();
+            let r = q.consumers[at].clone();
+            let ch = self
+                .channels
+                .get_mut(&r.channel)
+                .expect("checked by can_deliver");
+            let no_ack = ch.consumers[&r.tag].no_ack;
+            let entry = apply(
+                q,
+                if no_ack {
+                    OpKind::Take { id }
+                } else {
+                    OpKind::Deliver { id }
+                },
+                record,
+                fx,
+            )
+            .expect("head exists");
+            let delivery_tag = ch.next_tag();
+            if !no_ack {
+                ch.track(Unacked {
+                    tag: delivery_tag,
+                    queue: q.name.clone(),
+                    id,
+                    consumer: Some(r.tag.clone()),
+                    bytes,
+                });
+            }
+            ch.unwritten += 1;
+            ch.unwritten_bytes += bytes;
+            fx.deliveries.push(Delivery {
+                channel: r.channel,
+                consumer_tag: r.tag,
+                delivery_tag,
+                redelivered: entry.redelivered,
+                message: entry.message,
+            });
+        }
+    }
+}
+
+pub(super) fn consumer_queues(ch: &ChannelState) -> Vec<Arc<str>> {
+    let mut qs: Vec<Arc<str>> = ch.consumers.values().map(|c| c.queue.clone()).collect();
+    qs.sort_unstable();
+    qs.dedup();
+    qs
+}

@@ -1,0 +1,105 @@
+//! What a batch of commands hands back beyond its replies: deliveries, cancelled consumers,
+//! queue ops for the journal and replicas, page records, dead letters whose bodies are on disk.
+//! The core never does I/O itself; everything the server must write or read comes out here, and
+//! [`apply`] is the one place a queue op is both applied and recorded, so that the journal and
+//! the replication stream see exactly the changes the queue went through.
+
+use crate::core::channel::ChannelKey;
+use crate::core::message::Message;
+use crate::core::ops::{DropReason, OpKind, QueueOp};
+use crate::core::queue::{Entry, Queue};
+use std::sync::Arc;
+
+/// A message handed to a consumer, to be written by the connection that owns `channel`.
+#[derive(Debug, Clone)]
+pub struct Delivery {
+    /// Target channel.
+    pub channel: ChannelKey,
+    /// Consumer tag.
+    pub consumer_tag: Arc<str>,
+    /// Delivery tag on that channel.
+    pub delivery_tag: u64,
+    /// Delivered before.
+    pub redelivered: bool,
+    /// The message.
+    pub message: Arc<Message>,
+}
+
+/// A consumer the broker cancelled (its queue was deleted): the client is told with
+/// basic.cancel when it announced `consumer_cancel_notify`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Cancelled {
+    /// Channel of the consumer.
+    pub channel: ChannelKey,
+    /// Its tag.
+    pub tag: Arc<str>,
+}
+
+/// What a command caused beyond its reply. The caller drains it after each batch of commands.
+#[derive(Debug, Default)]
+pub struct Effects {
+    /// Deliveries to write, grouped by nothing; the caller routes them to their connections.
+    pub deliveries: Vec<Delivery>,
+    /// Consumers cancelled by the broker.
+    pub cancelled: Vec<Cancelled>,
+    /// Queue ops of durable queues, in order, when the vhost records them (see
+    /// [`VHost::set_record_ops`](super::VHost::set_record_ops)).
+    pub ops: Vec<QueueOp>,
+    /// Bodies paged out that need a page record of their own (flow-to-disk).
+    pub page_out: Vec<PageOut>,
+    /// Page records (uid, id) whose entries left their queue: the store may forget them.
+    pub page_released: Vec<(u64, u64)>,
+    /// Queues (uid) deleted while holding page records: the store forgets all of them.
+    pub queues_released: Vec<u64>,
+    /// Dead letters whose body is only on disk: the server reads the bodies, before it
+    /// hands this batch's removals to the journal, and passes them back with
+    /// [`VHost::dead_letter_resolved`](super::VHost::dead_letter_resolved).
+    pub paged_dead_letters: Vec<DeadLetter>,
+
+    /// A publish landed on a queue whose consumers cannot keep up (see
+    /// [`FLOW_READY_THRESHOLD`](super::FLOW_READY_THRESHOLD)): the publisher should pause
+    /// before reading more.
+    pub backlogged: bool,
+}
+
+/// A message on its way to its queue's dead-letter exchange.
+#[derive(Debug, Clone)]
+pub struct DeadLetter {
+    /// The message as it left the queue.
+    pub message: Arc<Message>,
+    /// The queue it left.
+    pub queue: Arc<str>,
+    /// Why it left.
+    pub reason: DropReason,
+}
+
+/// A body that flow-to-disk moved out of memory and that no journal record holds: the server
+/// writes `message` to a page record under the key (`uid`, `id`).
+#[derive(Debug, Clone)]
+pub struct PageOut {
+    /// Queue incarnation.
+    pub uid: u64,
+    /// Message id in that queue.
+    pub id: u64,
+    /// The message, body included.
+    pub message: Arc<Message>,
+}
+
+/// Applies `kind` to `q` as its next op, recording the op when asked and the queue is
+/// durable (only durable queues have anyone to read their ops: the journal). An entry that
+/// leaves with a page record of its own has that record released.
+pub(super) fn apply(q: &mut Queue, kind: OpKind, record: bool, fx: &mut Effects) -> Option<Entry> {
+    let leaves = matches!(
+        kind,
+        OpKind::Take { .. } | OpKind::Settle { .. } | OpKind::Drop { .. }
+    );
+    let op = q.op(kind);
+    let out = q.apply(&op);
+    if leaves && let Some(e) = out.as_ref().filter(|e| e.owns_page) {
+        fx.page_released.push((q.uid, e.id));
+    }
+    if record && q.durable && q.exclusive_owner.is_none() {
+        fx.ops.push(op);
+    }
+    out
+}

@@ -1,0 +1,68 @@
+//! Time as an input: messages past their TTL leave the head of their queue, queues unused
+//! past their `x-expires` are deleted. The core has no clock; the server calls [`VHost::tick`]
+//! and passes `now_ms` with every command, so tests and simulations control time.
+
+use super::effects::apply;
+use super::{DeadLetter, Effects, VHost};
+use crate::core::ops::{DropReason, OpKind};
+use crate::core::queue::Queue;
+
+impl VHost {
+    /// Advances time: expires messages at queue heads and deletes queues unused past their
+    /// `x-expires`. The server calls it periodically.
+    pub fn tick(&mut self, now_ms: u64, fx: &mut Effects) {
+        let record = self.record_ops;
+        let mut dead = Vec::new();
+        let mut expired_queues = Vec::new();
+        for q in self.queues.values_mut() {
+            expire_head(q, now_ms, true, record, fx, &mut dead);
+            if let Some(expires) = q.args.expires_ms
+                && q.consumers.is_empty()
+                && now_ms.saturating_sub(q.last_used_ms) >= expires
+            {
+                expired_queues.push(q.name.clone());
+            }
+        }
+        for name in expired_queues {
+            self.remove_queue(&name, fx);
+        }
+        self.dead_letter_all(dead, now_ms, fx);
+    }
+}
+
+/// Drops expired messages from the head of `q`. `inclusive` also drops those expiring right
+/// now (a TTL of 0 means "deliver now or never"); dispatch passes false so that such a
+/// message still reaches a consumer that is ready in the same instant.
+pub(super) fn expire_head(
+    q: &mut Queue,
+    now_ms: u64,
+    inclusive: bool,
+    record: bool,
+    fx: &mut Effects,
+    dead: &mut Vec<DeadLetter>,
+) {
+    while let Some(head) = q.peek() {
+        let expired = head
+            .expires_at_ms
+            .is_some_and(|t| if inclusive { t <= now_ms } else { t < now_ms });
+        if !expired {
+            return;
+        }
+        let id = head.id;
+        let entry = apply(
+            q,
+            OpKind::Drop {
+                id,
+                reason: DropReason::Expired,
+            },
+            record,
+            fx,
+        )
+        .expect("head exists");
+        dead.push(DeadLetter {
+            message: entry.message,
+            queue: q.name.clone(),
+            reason: DropReason::Expired,
+        });
+    }
+}

@@ -1,0 +1,278 @@
+//! The virtual host: exchanges, queues, bindings, consumers, routing and delivery, as a pure
+//! state machine. Commands come in with the current time; replies come back as return values
+//! and everything that must reach other channels comes back as [`Effects`]. No sockets, no
+//! tasks, no clock: the same code runs behind the server, in tests and in simulations.
+//!
+//! This file holds the state itself and what every command leans on: construction, limits,
+//! lookups, names, and the lifecycle of channels and connections. Each kind of command has its
+//! own file, one `impl VHost` block each, so that a reader finds a command by its job:
+//! `declare` (wiring), `routing` (publish), `consume` (deliveries to consumers and
+//! basic.get), `settle` (acks, nacks, requeues), `expiry` (time and TTLs),
+//! `dead_letter` (messages leaving for a dead-letter exchange), and `effects` (what a
+//! batch hands back to the server).
+
+mod consume;
+mod dead_letter;
+mod declare;
+mod effects;
+mod expiry;
+mod routing;
+mod settle;
+
+pub use consume::{Consume, GetOk};
+pub use declare::{ExchangeDeclare, QueueDeclare, QueueDeclared};
+pub use effects::{Cancelled, DeadLetter, Delivery, Effects, PageOut};
+pub use routing::{FLOW_READY_THRESHOLD, PublishOutcome};
+
+use super::channel::{ChannelKey, ChannelState, Consumer};
+use super::error::{AmqpError, CoreResult};
+use super::exchange::{Exchange, ExchangeKind};
+use super::queue::Queue;
+use crate::amqp::FieldTable;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// One virtual host's state.
+#[derive(Debug)]
+pub struct VHost {
+    pub(super) name: String,
+    pub(super) exchanges: HashMap<Arc<str>, Exchange>,
+    pub(super) queues: HashMap<Arc<str>, Queue>,
+    channels: HashMap<ChannelKey, ChannelState>,
+    name_seed: u64,
+    names_issued: u64,
+    record_ops: bool,
+    wiring_dirty: bool,
+    pub(super) limits: Limits,
+}
+
+/// Per-vhost resource limits; 0 means none.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Limits {
+    /// Most queues in the vhost.
+    pub max_queues: usize,
+    /// Most consumers on one channel.
+    pub max_consumers_per_channel: usize,
+    /// Most unacked deliveries on one channel, whatever its prefetch (see
+    /// [`ChannelState::max_unacked`]).
+    pub max_unacked_per_channel: u32,
+    /// Bytes of message bodies a queue keeps in memory before new ones go to disk
+    /// (flow-to-disk); `None` keeps everything in memory (no store to page to).
+    pub queue_memory_budget_bytes: Option<usize>,
+}
+
+impl VHost {
+    /// A vhost with the predeclared exchanges. `name_seed` makes server-named queues and
+    /// consumer tags unique across broker runs without a clock or RNG inside the core.
+    pub fn new(name: &str, name_seed: u64) -> Self {
+        let mut vhost = Self {
+            name: name.to_owned(),
+            exchanges: HashMap::new(),
+            queues: HashMap::new(),
+            channels: HashMap::new(),
+            name_seed,
+            names_issued: 0,
+            record_ops: false,
+            wiring_dirty: false,
+            limits: Limits::default(),
+        };
+        for (n, kind) in [
+            ("", ExchangeKind::Direct),
+            ("amq.direct", ExchangeKind::Direct),
+            ("amq.fanout", ExchangeKind::Fanout),
+            ("amq.topic", ExchangeKind::Topic),
+            ("amq.headers", ExchangeKind::Headers),
+            ("amq.match", ExchangeKind::Headers),
+        ] {
+            let name: Arc<str> = n.into();
+            vhost.exchanges.insert(
+                name.clone(),
+                Exchange::new(name, kind, true, false, false, FieldTable::default()),
+            );
+        }
+        vhost
+    }
+
+    /// The vhost's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Turns recording of queue ops into [`Effects::ops`] on or off. Off by default: a queue
+    /// with no journal and no replica has nobody to read them.
+    pub fn set_record_ops(&mut self, on: bool) {
+        self.record_ops = on;
+    }
+
+    /// Sets the vhost's resource limits.
+    pub fn set_limits(&mut self, limits: Limits) {
+        self.limits = limits;
+    }
+
+    /// Records which cluster member owns queue `name` (a no-op if there is no such queue).
+    pub fn set_queue_home(&mut self, name: &str, node: &str) {
+        if let Some(q) = self.queues.get_mut(name) {
+            q.home = Some(node.into());
+        }
+    }
+
+    /// A fresh server-made queue name (`amq.gen-…`). A cluster member makes the name up
+    /// before it multicasts the declare, so that every member creates the same queue.
+    pub fn fresh_queue_name(&mut self) -> String {
+        self.fresh_name("amq.gen-")
+    }
+
+    /// Makes sure a broker-owned exchange exists (such as `amq.qpid` in a cluster); the
+    /// `amq.` prefix keeps clients from declaring or deleting it.
+    pub fn ensure_system_exchange(&mut self, name: &str, kind: ExchangeKind) {
+        let name: Arc<str> = name.into();
+        self.exchanges.entry(name.clone()).or_insert_with(|| {
+            Exchange::new(name, kind, true, false, false, FieldTable::default())
+        });
+    }
+
+    pub(super) fn mark_wiring_changed(&mut self) {
+        self.wiring_dirty = true;
+    }
+
+    /// Whether a durable exchange, queue or binding was created or removed since the last
+    /// call: the durable wiring must then be saved before the command is answered.
+    pub fn take_wiring_changed(&mut self) -> bool {
+        std::mem::take(&mut self.wiring_dirty)
+    }
+
+    /// A queue by name.
+    pub fn queue(&self, name: &str) -> Option<&Queue> {
+        self.queues.get(name)
+    }
+
+    /// An exchange by name.
+    pub fn exchange(&self, name: &str) -> Option<&Exchange> {
+        self.exchanges.get(name)
+    }
+
+    /// All queues.
+    pub fn queues(&self) -> impl Iterator<Item = &Queue> {
+        self.queues.values()
+    }
+
+    /// All exchanges.
+    pub fn exchanges(&self) -> impl Iterator<Item = &Exchange> {
+        self.exchanges.values()
+    }
+
+    /// All open channels and their consumer state (read-only, for the admin API).
+    pub fn channels(&self) -> impl Iterator<Item = (&ChannelKey, &ChannelState)> {
+        self.channels.iter()
+    }
+
+    fn not_found_queue(&self, name: &str) -> AmqpError {
+        AmqpError::not_found(format!("no queue '{name}' in vhost '{}'", self.name))
+    }
+
+    fn not_found_exchange(&self, name: &str) -> AmqpError {
+        AmqpError::not_found(format!("no exchange '{name}' in vhost '{}'", self.name))
+    }
+
+    fn locked(&self, name: &str) -> AmqpError {
+        AmqpError::resource_locked(format!(
+            "cannot obtain exclusive access to locked queue '{name}' in vhost '{}'. It could be \
+             originally declared on another connection or the exclusive property value does not \
+             match that of the original declaration.",
+            self.name
+        ))
+    }
+
+    /// Looks a queue up for use by connection `conn`, enforcing exclusivity.
+    fn usable_queue(&self, name: &str, conn: u64) -> CoreResult<&Queue> {
+        let q = self
+            .queues
+            .get(name)
+            .ok_or_else(|| self.not_found_queue(name))?;
+        match q.exclusive_owner {
+            Some(owner) if owner != conn => Err(self.locked(name)),
+            _ => Ok(q),
+        }
+    }
+
+    /// A 64-bit id no other queue of this broker has had (see
+    /// [`QueueOp::uid`](crate::core::QueueOp::uid)).
+    pub(super) fn fresh_uid(&mut self) -> u64 {
+        self.names_issued += 1;
+        let mut z = self.name_seed ^ self.names_issued.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        (z ^ (z >> 31)).max(1)
+    }
+
+    fn fresh_name(&mut self, prefix: &str) -> String {
+        self.names_issued += 1;
+        self.name_at(prefix, self.names_issued)
+    }
+
+    /// The name queue.declare with an empty name gives next: permission checks match it
+    /// before the queue exists (RabbitMQ checks configure on the generated name too).
+    pub fn next_server_queue_name(&self) -> String {
+        self.name_at("amq.gen-", self.names_issued + 1)
+    }
+
+    fn name_at(&self, prefix: &str, issued: u64) -> String {
+        const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
+        // splitmix64 over (seed, counter): unique per counter, unpredictable enough for names.
+        let mut x = self.name_seed ^ issued.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let mut out = String::from(prefix);
+        for _ in 0..2 {
+            x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = x;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^= z >> 31;
+            for i in 0..11 {
+                out.push(ALPHABET[((z >> (i * 6)) & 63) as usize] as char);
+            }
+        }
+        out
+    }
+
+    /// channel.open.
+    pub fn channel_open(&mut self, key: ChannelKey) {
+        self.channels.insert(
+            key,
+            ChannelState {
+                max_unacked: self.limits.max_unacked_per_channel,
+                ..ChannelState::default()
+            },
+        );
+    }
+
+    /// channel.close (or the connection went away): unacked messages go back to their
+    /// queues in their original places, consumers are removed.
+    pub fn channel_close(&mut self, key: ChannelKey, now_ms: u64, fx: &mut Effects) {
+        let Some(mut ch) = self.channels.remove(&key) else {
+            return;
+        };
+        let unacked = ch.settle(0, true).unwrap_or_default();
+        let consumers: Vec<Consumer> = ch.consumers.drain().map(|(_, c)| c).collect();
+        let mut touched: Vec<Arc<str>> = Vec::new();
+        for c in consumers {
+            self.detach_consumer(key, &c.queue, &c.tag, fx);
+            touched.push(c.queue);
+        }
+        self.requeue(unacked, &mut touched, fx);
+        self.dispatch_all(touched, now_ms, fx);
+    }
+
+    /// The connection `conn` closed: its exclusive queues go (its channels are closed by the
+    /// caller first).
+    pub fn connection_closed(&mut self, conn: u64, fx: &mut Effects) {
+        let exclusive: Vec<Arc<str>> = self
+            .queues
+            .values()
+            .filter(|q| q.exclusive_owner == Some(conn))
+            .map(|q| q.name.clone())
+            .collect();
+        for name in exclusive {
+            self.remove_queue(&name, fx);
+        }
+    }
+}

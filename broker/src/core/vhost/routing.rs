@@ -1,0 +1,229 @@
+//! Publishing: which queues a message reaches (exchange-to-exchange bindings and alternate
+//! exchanges followed, each queue once) and putting it on them, with their length limits,
+//! TTLs and flow-to-disk applied on the way in. Dead-lettering routes through here too.
+
+use super::effects::apply;
+use super::expiry::expire_head;
+use super::{DeadLetter, Effects, PageOut, VHost};
+use crate::core::args::Overflow;
+use crate::core::error::{AmqpError, CoreResult};
+use crate::core::exchange::Destination;
+use crate::core::message::Message;
+use crate::core::ops::{DropReason, OpKind};
+use std::sync::Arc;
+
+/// What became of a published message, for confirms and basic.return.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PublishOutcome {
+    /// Enqueued on at least one queue.
+    Routed,
+    /// No queue matched (basic.return if mandatory; confirms ack it).
+    Unroutable,
+    /// A queue refused it (`x-overflow` = reject-publish): confirms nack it.
+    Rejected,
+}
+
+/// Ready messages above which a queue that has consumers counts as backlogged: its consumers
+/// are all saturated and more publishes only add latency. Publishers to it are paced (the
+/// broker's flow control, like RabbitMQ's credit flow); a queue with no consumer is not a
+/// reason to slow anyone down.
+pub const FLOW_READY_THRESHOLD: usize = 16384;
+
+/// How deep exchange-to-exchange bindings and dead-letter chains are followed; beyond this a
+/// message is not routed further (a guard against cycles and runaway fan-out).
+pub(super) const MAX_ROUTING_HOPS: usize = 64;
+
+impl VHost {
+    /// basic.publish of a complete message.
+    pub fn publish(
+        &mut self,
+        exchange: &str,
+        routing_key: &str,
+        message: Arc<Message>,
+        now_ms: u64,
+        fx: &mut Effects,
+    ) -> CoreResult<PublishOutcome> {
+        let ex = self
+            .exchanges
+            .get(exchange)
+            .ok_or_else(|| self.not_found_exchange(exchange))?;
+        if ex.internal {
+            return Err(AmqpError::access_refused(format!(
+                "cannot publish to internal exchange '{exchange}' in vhost '{}'",
+                self.name
+            )));
+        }
+        let targets = self.route(exchange, routing_key, &message, None);
+        if targets.is_empty() {
+            return Ok(PublishOutcome::Unroutable);
+        }
+        let mut dead = Vec::new();
+        let rejected = self.enqueue_all(&targets, &message, now_ms, fx, &mut dead);
+        self.dead_letter_all(dead, now_ms, fx);
+        Ok(if rejected {
+            PublishOutcome::Rejected
+        } else {
+            PublishOutcome::Routed
+        })
+    }
+
+    /// The queues a message published to `exchange` reaches, following exchange-to-exchange
+    /// bindings and alternate exchanges, each queue once. `skip` drops queues a dead letter
+    /// must not cycle back to.
+    pub(super) fn route(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        message: &Message,
+        skip: Option<&dyn Fn(&str) -> bool>,
+    ) -> Vec<Arc<str>> {
+        let mut queues: Vec<Arc<str>> = Vec::new();
+        if exchange.is_empty() {
+            if let Some(q) = self.queues.get(routing_key) {
+                queues.push(q.name.clone());
+            }
+        } else {
+            let headers = message.properties.headers().as_ref();
+            let mut visited: Vec<&str> = vec![exchange];
+            let mut frontier: Vec<&str> = vec![exchange];
+            let mut dests = Vec::new();
+            while let Some(name) = frontier.pop() {
+                let Some(ex) = self.exchanges.get(name) else {
+                    continue;
+                };
+                dests.clear();
+                ex.matches(routing_key, headers, &mut dests);
+                if dests.is_empty()
+                    && let Some(ae) = ex.alternate_exchange.as_deref()
+                    && !visited.contains(&ae)
+                    && visited.len() < MAX_ROUTING_HOPS
+                    && let Some(ae) = self.exchanges.get(ae)
+                {
+                    visited.push(&ae.name);
+                    frontier.push(&ae.name);
+                }
+                for d in &dests {
+                    match d {
+                        Destination::Queue(q) => {
+                            if !queues.contains(q) {
+                                queues.push(q.clone());
+                            }
+                        }
+                        Destination::Exchange(e) => {
+                            if let Some(e) = self.exchanges.get(e.as_ref())
+                                && !visited.contains(&e.name.as_ref())
+                                && visited.len() < MAX_ROUTING_HOPS
+                            {
+                                visited.push(&e.name);
+                                frontier.push(&e.name);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        if let Some(skip) = skip {
+            queues.retain(|q| !skip(q));
+        }
+        queues
+    }
+
+    /// Enqueues on every target; returns true when any refused the message.
+    pub(super) fn enqueue_all(
+        &mut self,
+        targets: &[Arc<str>],
+        message: &Arc<Message>,
+        now_ms: u64,
+        fx: &mut Effects,
+        dead: &mut Vec<DeadLetter>,
+    ) -> bool {
+        let mut rejected = false;
+        for name in targets {
+            let record = self.record_ops;
+            let Some(q) = self.queues.get_mut(name) else {
+                continue;
+            };
+            let size = message.body_len() as u64;
+            let full = q
+                .args
+                .max_length
+                .is_some_and(|m| q.ready_count() as u64 >= m)
+                || q.args
+                    .max_length_bytes
+                    .is_some_and(|m| q.ready_bytes() as u64 + size > m);
+            if full && q.args.overflow != Overflow::DropHead {
+                rejected = true;
+                if q.args.overflow == Overflow::RejectPublishDlx {
+                    dead.push(DeadLetter {
+                        message: message.clone(),
+                        queue: q.name.clone(),
+                        reason: DropReason::MaxLength,
+                    });
+                }
+                continue;
+            }
+            let ttl = match (q.args.message_ttl_ms, message.expiration_ms) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+            let id = q.next_id();
+            apply(
+                q,
+                OpKind::Enqueue {
+                    id,
+                    message: message.clone(),
+                    expires_at_ms: ttl.map(|t| now_ms.saturating_add(t)),
+                },
+                record,
+                fx,
+            );
+            self.dispatch_collect(name, now_ms, fx, dead);
+            let q = self.queues.get_mut(name).expect("dispatch keeps the queue");
+            if let Some(budget) = self.limits.queue_memory_budget_bytes {
+                let journaled =
+                    record && q.durable && q.exclusive_owner.is_none() && message.persistent;
+                if let Some(full) = q.page_out(id, budget, journaled)
+                    && !journaled
+                {
+                    fx.page_out.push(PageOut {
+                        uid: q.uid,
+                        id,
+                        message: full,
+                    });
+                }
+            }
+            while q
+                .args
+                .max_length
+                .is_some_and(|m| q.ready_count() as u64 > m)
+                || q.args
+                    .max_length_bytes
+                    .is_some_and(|m| q.ready_bytes() as u64 > m)
+            {
+                let Some(id) = q.oldest().map(|e| e.id) else {
+                    break;
+                };
+                let entry = apply(
+                    q,
+                    OpKind::Drop {
+                        id,
+                        reason: DropReason::MaxLength,
+                    },
+                    record,
+                    fx,
+                )
+                .expect("oldest exists");
+                dead.push(DeadLetter {
+                    message: entry.message,
+                    queue: q.name.clone(),
+                    reason: DropReason::MaxLength,
+                });
+            }
+            expire_head(q, now_ms, true, record, fx, dead);
+            if !q.consumers.is_empty() && q.ready_count() > FLOW_READY_THRESHOLD {
+                fx.backlogged = true;
+            }
+        }
+        rejected
+    }
+}

@@ -1,0 +1,142 @@
+//! What becomes of a delivered message once its consumer answers: basic.ack settles it,
+//! basic.nack and basic.reject requeue or drop it (dead-lettering), basic.recover and a closed
+//! channel put every unacked delivery back at its original place.
+
+use super::consume::consumer_queues;
+use super::effects::apply;
+use super::{DeadLetter, Effects, VHost};
+use crate::amqp::codes;
+use crate::core::channel::{ChannelKey, Unacked};
+use crate::core::error::{AmqpError, CoreResult};
+use crate::core::ops::{DropReason, OpKind};
+use std::sync::Arc;
+
+impl VHost {
+    /// How many unacknowledged messages an ack of `tag` (with `multiple`) on this channel
+    /// settles; read-only, for the acked-messages metric. An unknown tag settles none.
+    pub fn ackable(&self, key: ChannelKey, tag: u64, multiple: bool) -> usize {
+        let Some(ch) = self.channels.get(&key) else {
+            return 0;
+        };
+        match (multiple, tag) {
+            (true, 0) => ch.unacked.len(),
+            (true, _) => ch.unacked.partition_point(|u| u.tag <= tag),
+            (false, _) => usize::from(ch.unacked.binary_search_by_key(&tag, |u| u.tag).is_ok()),
+        }
+    }
+
+    /// basic.ack.
+    pub fn basic_ack(
+        &mut self,
+        key: ChannelKey,
+        tag: u64,
+        multiple: bool,
+        now_ms: u64,
+        fx: &mut Effects,
+    ) -> CoreResult<()> {
+        let settled = self.settle(key, tag, multiple)?;
+        let record = self.record_ops;
+        let mut touched = Vec::new();
+        for u in settled {
+            if let Some(q) = self.queues.get_mut(&u.queue)
+                && q.unacked(u.id).is_some()
+            {
+                apply(q, OpKind::Settle { id: u.id }, record, fx);
+            }
+            if !touched.contains(&u.queue) {
+                touched.push(u.queue);
+            }
+        }
+        if let Some(ch) = self.channels.get(&key) {
+            for q in consumer_queues(ch) {
+                if !touched.contains(&q) {
+                    touched.push(q);
+                }
+            }
+        }
+        self.dispatch_all(touched, now_ms, fx);
+        Ok(())
+    }
+
+    /// basic.nack and basic.reject (`multiple` = false): requeue at the original place or
+    /// drop (dead-lettering where the queue has a dead-letter exchange).
+    pub fn basic_nack(
+        &mut self,
+        key: ChannelKey,
+        tag: u64,
+        multiple: bool,
+        requeue: bool,
+        now_ms: u64,
+        fx: &mut Effects,
+    ) -> CoreResult<()> {
+        let settled = self.settle(key, tag, multiple)?;
+        let mut touched = Vec::new();
+        if requeue {
+            self.requeue(settled, &mut touched, fx);
+        } else {
+            let record = self.record_ops;
+            let mut dead = Vec::new();
+            for u in settled {
+                if let Some(q) = self.queues.get_mut(&u.queue)
+                    && q.unacked(u.id).is_some()
+                {
+                    let entry =
+                        apply(q, OpKind::Settle { id: u.id }, record, fx).expect("unacked exists");
+                    dead.push(DeadLetter {
+                        message: entry.message,
+                        queue: q.name.clone(),
+                        reason: DropReason::Rejected,
+                    });
+                }
+                if !touched.contains(&u.queue) {
+                    touched.push(u.queue);
+                }
+            }
+            self.dead_letter_all(dead, now_ms, fx);
+        }
+        if let Some(ch) = self.channels.get(&key) {
+            touched.extend(consumer_queues(ch));
+        }
+        self.dispatch_all(touched, now_ms, fx);
+        Ok(())
+    }
+
+    /// basic.recover (requeue = true): every unacked delivery of the channel goes back.
+    pub fn basic_recover(&mut self, key: ChannelKey, now_ms: u64, fx: &mut Effects) {
+        let Some(ch) = self.channels.get_mut(&key) else {
+            return;
+        };
+        let unacked = ch.settle(0, true).unwrap_or_default();
+        let mut touched = consumer_queues(ch);
+        self.requeue(unacked, &mut touched, fx);
+        self.dispatch_all(touched, now_ms, fx);
+    }
+
+    fn settle(&mut self, key: ChannelKey, tag: u64, multiple: bool) -> CoreResult<Vec<Unacked>> {
+        let ch = self
+            .channels
+            .get_mut(&key)
+            .ok_or_else(|| AmqpError::new(codes::CHANNEL_ERROR, "channel not open"))?;
+        ch.settle(tag, multiple)
+            .ok_or_else(|| AmqpError::precondition(format!("unknown delivery tag {tag}")))
+    }
+
+    pub(super) fn requeue(
+        &mut self,
+        unacked: Vec<Unacked>,
+        touched: &mut Vec<Arc<str>>,
+        fx: &mut Effects,
+    ) {
+        let record = self.record_ops;
+        for u in unacked {
+            if let Some(q) = self.queues.get_mut(&u.queue)
+                && q.unacked(u.id).is_some()
+            {
+                apply(q, OpKind::Requeue { id: u.id }, record, fx);
+            }
+            if !touched.contains(&u.queue) {
+                touched.push(u.queue);
+            }
+        }
+    }
+}
