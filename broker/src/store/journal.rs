@@ -335,6 +335,64 @@ struct Pending {
     durable: bool,
 }
 
+/// One group commit being assembled: the records to write, in order (a record cancelled
+/// later in the same batch becomes `None`), where each message's record sits, and what else
+/// the batch changes.
+#[derive(Default)]
+struct BatchPlan {
+    records: Vec<Option<Pending>>,
+    pending: HashMap<RecordKey, usize>,
+    wiring_changed: bool,
+    removals: bool,
+    released: Vec<RecordKey>,
+    released_queues: Vec<u64>,
+}
+
+impl BatchPlan {
+    /// Adds a message's record.
+    fn push(&mut self, key: RecordKey, record: Record, durable: bool) {
+        self.pending.insert(key, self.records.len());
+        self.records.push(Some(Pending { record, durable }));
+    }
+
+    /// Cancels the record of a message this batch would write; false if it has none.
+    fn cancel(&mut self, key: RecordKey) -> bool {
+        match self.pending.remove(&key) {
+            Some(at) => {
+                self.records[at] = None;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Drops every record this batch holds for the queues `dead` picks.
+    fn drop_queues(&mut self, dead: impl Fn(u64) -> bool) {
+        let records = &mut self.records;
+        self.pending.retain(|&(uid, _), at| {
+            let drop = dead(uid);
+            if drop {
+                records[*at] = None;
+            }
+            !drop
+        });
+    }
+
+    /// Released pages and queues: their records in this batch go unwritten, the index forgets
+    /// what was written before.
+    fn release(&mut self, pages: Vec<RecordKey>, queues: Vec<u64>) {
+        for key in pages {
+            if !self.cancel(key) {
+                self.released.push(key);
+            }
+        }
+        for uid in queues {
+            self.drop_queues(|u| u == uid);
+            self.released_queues.push(uid);
+        }
+    }
+}
+
 impl Writer {
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -520,149 +578,30 @@ impl Writer {
     /// Writes one batch with one sync (none when it holds only page records and releases:
     /// nothing in it is promised to survive a crash).
     fn commit(&mut self, batch: &mut Vec<(u64, Job)>) -> Result<(), StoreError> {
-        let mut records: Vec<Option<Pending>> = Vec::new();
-        let mut pending: HashMap<RecordKey, usize> = HashMap::new();
-        let mut wiring_changed = false;
-        let mut removals = false;
-        let mut released: Vec<RecordKey> = Vec::new();
-        let mut released_queues: Vec<u64> = Vec::new();
+        let mut plan = BatchPlan::default();
         let mut last_seq = 0;
         let body_bytes_taken: u64 = batch.iter().map(|(_, job)| body_bytes(job)).sum();
         for (seq, job) in batch.drain(..) {
             last_seq = seq;
             match job {
-                Job::Records(rs) => {
-                    for r in rs {
-                        match r {
-                            Record::Enqueued { uid, id, .. } => {
-                                if self.live_uids.contains(&uid) {
-                                    pending.insert((uid, id), records.len());
-                                    records.push(Some(Pending {
-                                        record: r,
-                                        durable: true,
-                                    }));
-                                }
-                            }
-                            Record::Paged { uid, id, .. } => {
-                                pending.insert((uid, id), records.len());
-                                records.push(Some(Pending {
-                                    record: r,
-                                    durable: false,
-                                }));
-                            }
-                            Record::Removed { uid, ids } => {
-                                let mut keep = Vec::new();
-                                let mut index = self.index.index.lock();
-                                for id in ids {
-                                    if let Some(at) = pending.remove(&(uid, id)) {
-                                        records[at] = None;
-                                        self.stats
-                                            .records_cancelled
-                                            .fetch_add(1, Ordering::Relaxed);
-                                    } else if index.remove((uid, id)) {
-                                        keep.push(id);
-                                    }
-                                }
-                                if !keep.is_empty() {
-                                    removals = true;
-                                    records.push(Some(Pending {
-                                        record: Record::Removed { uid, ids: keep },
-                                        durable: true,
-                                    }));
-                                }
-                            }
-                        }
-                    }
+                Job::Records(rs) => self.plan_records(&mut plan, rs),
+                Job::Release { pages, queues } => plan.release(pages, queues),
+                Job::Wiring { vhost, wiring } => {
+                    self.wiring.insert(vhost, wiring);
+                    self.wiring_changed(&mut plan);
                 }
-                Job::Release { pages, queues } => {
-                    for key in pages {
-                        if let Some(at) = pending.remove(&key) {
-                            records[at] = None;
-                        } else {
-                            released.push(key);
-                        }
-                    }
-                    for uid in queues {
-                        pending.retain(|(u, _), at| {
-                            if *u == uid {
-                                records[*at] = None;
-                            }
-                            *u != uid
-                        });
-                        released_queues.push(uid);
-                    }
-                }
-                Job::Wiring { .. } | Job::VhostDeleted { .. } => {
-                    match job {
-                        Job::Wiring { vhost, wiring } => {
-                            self.wiring.insert(vhost, wiring);
-                        }
-                        Job::VhostDeleted { vhost } => {
-                            self.wiring.remove(&vhost);
-                        }
-                        Job::Records(_) | Job::Release { .. } => unreachable!("matched above"),
-                    }
-                    let new_uids = self.live_uids();
-                    let old_uids = std::mem::replace(&mut self.live_uids, new_uids);
-                    wiring_changed = true;
-                    // Messages of deleted queues are garbage now, written or not.
-                    let gone: HashSet<u64> =
-                        old_uids.difference(&self.live_uids).copied().collect();
-                    if !gone.is_empty() {
-                        pending.retain(|(uid, _), at| {
-                            let dead = gone.contains(uid);
-                            if dead {
-                                records[*at] = None;
-                            }
-                            !dead
-                        });
-                        self.index
-                            .index
-                            .lock()
-                            .retain_uids(|uid| !gone.contains(&uid));
-                    }
+                Job::VhostDeleted { vhost } => {
+                    self.wiring.remove(&vhost);
+                    self.wiring_changed(&mut plan);
                 }
             }
         }
-        {
-            let mut index = self.index.index.lock();
-            for key in released {
-                index.remove(key);
-            }
-            if !released_queues.is_empty() {
-                index.retain_uids(|uid| !released_queues.contains(&uid));
-            }
-        }
+        self.apply_releases(&plan);
         self.buf.clear();
-        let mut written: Vec<Written> = Vec::new();
-        let mut must_sync = wiring_changed || removals;
-        for p in records.into_iter().flatten() {
-            let start = self.buf.len();
-            p.record.encode(&mut self.buf);
-            must_sync |= p.durable;
-            if !p.durable {
-                self.stats.pages_written.fetch_add(1, Ordering::Relaxed);
-            }
-            let len = (self.buf.len() - start) as u64;
-            match &p.record {
-                Record::Enqueued {
-                    uid, id, message, ..
-                } => {
-                    let body = start + RECORD_HEADER;
-                    let head = Bytes::copy_from_slice(
-                        &self.buf[body..body + Record::head_len_of(message)],
-                    );
-                    written.push(((*uid, *id), start as u64, len, Some(head)));
-                }
-                Record::Paged { uid, id, .. } => {
-                    written.push(((*uid, *id), start as u64, len, None));
-                }
-                Record::Removed { .. } => {}
-            }
-            self.stats.records_written.fetch_add(1, Ordering::Relaxed);
-            self.snapshots.records_since += u64::from(p.durable);
-        }
-        if wiring_changed {
+        let mut must_sync = plan.wiring_changed || plan.removals;
+        let (written, durable) = self.encode(plan.records);
+        must_sync |= durable;
+        if plan.wiring_changed {
             write_wiring_file(&self.dir, &self.wiring)?;
         }
         if !self.buf.is_empty() {
@@ -694,6 +633,101 @@ impl Writer {
             .fetch_sub(body_bytes_taken, Ordering::Relaxed);
         self.synced.send_replace(last_seq);
         Ok(())
+    }
+
+    /// Adds a job's records to the batch. An enqueue of a queue that no longer exists is
+    /// dropped; a removal of a message enqueued earlier in the same batch cancels both ("no
+    /// write on fast consume"); a removal of a written message is kept.
+    fn plan_records(&mut self, plan: &mut BatchPlan, rs: Vec<Record>) {
+        for r in rs {
+            match r {
+                Record::Enqueued { uid, id, .. } => {
+                    if self.live_uids.contains(&uid) {
+                        plan.push((uid, id), r, true);
+                    }
+                }
+                Record::Paged { uid, id, .. } => plan.push((uid, id), r, false),
+                Record::Removed { uid, ids } => {
+                    let mut keep = Vec::new();
+                    let mut index = self.index.index.lock();
+                    for id in ids {
+                        if plan.cancel((uid, id)) {
+                            self.stats.records_cancelled.fetch_add(1, Ordering::Relaxed);
+                        } else if index.remove((uid, id)) {
+                            keep.push(id);
+                        }
+                    }
+                    if !keep.is_empty() {
+                        plan.removals = true;
+                        plan.records.push(Some(Pending {
+                            record: Record::Removed { uid, ids: keep },
+                            durable: true,
+                        }));
+                    }
+                }
+            }
+        }
+    }
+
+    /// The durable wiring changed: messages of queues deleted by it are garbage now,
+    /// written or not.
+    fn wiring_changed(&mut self, plan: &mut BatchPlan) {
+        let new_uids = self.live_uids();
+        let old_uids = std::mem::replace(&mut self.live_uids, new_uids);
+        plan.wiring_changed = true;
+        let gone: HashSet<u64> = old_uids.difference(&self.live_uids).copied().collect();
+        if !gone.is_empty() {
+            plan.drop_queues(|uid| gone.contains(&uid));
+            self.index
+                .index
+                .lock()
+                .retain_uids(|uid| !gone.contains(&uid));
+        }
+    }
+
+    /// Forgets the index entries of released pages and queues.
+    fn apply_releases(&self, plan: &BatchPlan) {
+        let mut index = self.index.index.lock();
+        for &key in &plan.released {
+            index.remove(key);
+        }
+        if !plan.released_queues.is_empty() {
+            index.retain_uids(|uid| !plan.released_queues.contains(&uid));
+        }
+    }
+
+    /// Encodes the batch's surviving records into the write buffer; returns where each
+    /// message record lands (for the index) and whether any must survive a crash.
+    fn encode(&mut self, records: Vec<Option<Pending>>) -> (Vec<Written>, bool) {
+        let mut written: Vec<Written> = Vec::new();
+        let mut durable = false;
+        for p in records.into_iter().flatten() {
+            let start = self.buf.len();
+            p.record.encode(&mut self.buf);
+            durable |= p.durable;
+            if !p.durable {
+                self.stats.pages_written.fetch_add(1, Ordering::Relaxed);
+            }
+            let len = (self.buf.len() - start) as u64;
+            match &p.record {
+                Record::Enqueued {
+                    uid, id, message, ..
+                } => {
+                    let body = start + RECORD_HEADER;
+                    let head = Bytes::copy_from_slice(
+                        &self.buf[body..body + Record::head_len_of(message)],
+                    );
+                    written.push(((*uid, *id), start as u64, len, Some(head)));
+                }
+                Record::Paged { uid, id, .. } => {
+                    written.push(((*uid, *id), start as u64, len, None));
+                }
+                Record::Removed { .. } => {}
+            }
+            self.stats.records_written.fetch_add(1, Ordering::Relaxed);
+            self.snapshots.records_since += u64::from(p.durable);
+        }
+        (written, durable)
     }
 
     /// Appends `bytes` to the current segment (rolling to a new one first when they do not
