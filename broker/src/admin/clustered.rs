@@ -1,51 +1,49 @@
 //! Wiring writes of the admin API on a cluster member: declaring or deleting a queue or an
 //! exchange, and adding a binding, go through the cluster map like the same AMQP methods,
 //! so every member applies them in the same order; the reply comes after the commit.
+//!
+//! The route table names the planner of each such route next to its local handler
+//! ([`super::router::Route::through_cluster`]); a planner only checks the call and builds the
+//! operation, [`run`] submits it.
 
-use super::api::{created, flag, no_exchange, no_queue, vhost};
-use super::json::table_from_json;
-use super::{ApiError, Call, Reply, empty_reply};
+use super::router::{Ctx, Result};
+use super::routes::{
+    arguments, created, flag, no_exchange, no_queue, refuse_exclusive, routing_key, type_field,
+    vhost,
+};
+use super::{ApiError, Reply, empty_reply};
 use crate::broker::Broker;
 use crate::cluster::Cluster;
 use crate::core::WiringOp;
-use hyper::{Method, StatusCode};
-use serde_json::Value;
+use hyper::StatusCode;
 use std::sync::Arc;
 
-type Result<T> = std::result::Result<T, ApiError>;
+/// Turns a call into the cluster operation that makes its change, checking what can be
+/// checked on this member first so that a bad request never reaches the cluster map.
+pub(super) type Planner = for<'a> fn(&Ctx<'a>, &Cluster) -> Result<Plan<'a>>;
 
-/// Handles `c` if it changes shared wiring; `None` leaves it to the ordinary routes.
-pub async fn route(b: &Arc<Broker>, cluster: &Arc<Cluster>, c: &Call) -> Option<Result<Reply>> {
-    let p: Vec<&str> = c.path.iter().map(String::as_str).collect();
-    let (put, del, post) = (
-        c.method == Method::PUT,
-        c.method == Method::DELETE,
-        c.method == Method::POST,
-    );
-    let planned = match p.as_slice() {
-        ["queues", _, name] if put => declare_queue(cluster, c, name),
-        ["queues", vh, name] if del => delete_queue(b, c, vh, name),
-        ["exchanges", _, name] if put => declare_exchange(c, name),
-        ["exchanges", vh, name] if del => delete_exchange(b, c, vh, name),
-        ["bindings", _, "e", src, kind @ ("q" | "e"), dst] if post => bind(c, src, kind, dst),
-        _ => return None,
-    };
-    let vh = p[1];
-    Some(match planned {
-        Ok((op, planned)) => commit(b, cluster, vh, op, planned).await,
-        Err(e) => Err(e),
-    })
+/// A wiring change ready to submit: the vhost it applies to, the operation, and which
+/// success reply it gets once committed.
+pub(super) struct Plan<'a> {
+    vhost: &'a str,
+    op: WiringOp,
+    reply: Planned,
+}
+
+/// Plans the call with `plan`, submits the operation and answers once it is committed.
+pub(super) async fn run(c: &Ctx<'_>, cluster: &Arc<Cluster>, plan: Planner) -> Result<Reply> {
+    let planned = plan(c, cluster)?;
+    commit(c.broker, cluster, planned).await
 }
 
 /// Submits the change and waits for its commit. Existence before the change decides 201 or
 /// 204, as on a single broker.
-async fn commit(
-    b: &Arc<Broker>,
-    cluster: &Arc<Cluster>,
-    vh: &str,
-    op: WiringOp,
-    reply: Planned,
-) -> Result<Reply> {
+async fn commit(b: &Arc<Broker>, cluster: &Arc<Cluster>, plan: Plan<'_>) -> Result<Reply> {
+    let Plan {
+        vhost: vh,
+        op,
+        reply,
+    } = plan;
     let was_new = match (&op, reply) {
         (WiringOp::DeclareQueue { name, .. }, Planned::Created) => {
             vhost(b, vh)?.lock().queue(name).is_none()
@@ -82,22 +80,17 @@ enum Planned {
     BindingCreated,
 }
 
-fn arguments(body: &Value) -> Result<crate::amqp::FieldTable> {
-    table_from_json(body.get("arguments").unwrap_or(&Value::Null)).map_err(ApiError::bad_request)
-}
-
-fn declare_queue(cluster: &Cluster, c: &Call, name: &str) -> Result<(WiringOp, Planned)> {
-    let body = c.json()?;
-    if flag(&body, "exclusive", false)? {
-        return Err(ApiError::bad_request(
-            "exclusive queues belong to an AMQP connection: declare them over AMQP",
-        ));
-    }
+/// `PUT /api/queues/{vhost}/{name}`: the queue is owned by this member.
+pub(super) fn declare_queue<'a>(c: &Ctx<'a>, cluster: &Cluster) -> Result<Plan<'a>> {
+    let [vh, name] = c.args();
+    let body = c.call.json()?;
+    refuse_exclusive(&body)?;
     if name.is_empty() {
         return Err(ApiError::bad_request("a queue needs a non-empty name"));
     }
-    Ok((
-        WiringOp::DeclareQueue {
+    Ok(Plan {
+        vhost: vh,
+        op: WiringOp::DeclareQueue {
             name: name.to_owned(),
             durable: flag(&body, "durable", true)?,
             exclusive: false,
@@ -106,45 +99,46 @@ fn declare_queue(cluster: &Cluster, c: &Call, name: &str) -> Result<(WiringOp, P
             home: Some(cluster.node_id().to_owned()),
             server_named: false,
         },
-        Planned::Created,
-    ))
+        reply: Planned::Created,
+    })
 }
 
-fn delete_queue(b: &Broker, c: &Call, vh: &str, name: &str) -> Result<(WiringOp, Planned)> {
-    let v = vhost(b, vh)?;
+/// `DELETE /api/queues/{vhost}/{name}`: `if-unused` and `if-empty` are checked here, against
+/// this member's view of the queue.
+pub(super) fn delete_queue<'a>(c: &Ctx<'a>, _: &Cluster) -> Result<Plan<'a>> {
+    let [vh, name] = c.args();
+    let v = vhost(c.broker, vh)?;
     let v = v.lock();
     let q = v.queue(name).ok_or_else(|| no_queue(vh, name))?;
-    if c.query("if-unused") == Some("true") && !q.consumers.is_empty() {
+    if c.call.query("if-unused") == Some("true") && !q.consumers.is_empty() {
         return Err(ApiError::from_amqp(crate::core::AmqpError::precondition(
             format!("queue '{name}' in vhost '{vh}' in use"),
         )));
     }
-    if c.query("if-empty") == Some("true") && q.ready_count() > 0 {
+    if c.call.query("if-empty") == Some("true") && q.ready_count() > 0 {
         return Err(ApiError::from_amqp(crate::core::AmqpError::precondition(
             format!("queue '{name}' in vhost '{vh}' is not empty"),
         )));
     }
-    Ok((
-        WiringOp::DeleteQueue {
+    Ok(Plan {
+        vhost: vh,
+        op: WiringOp::DeleteQueue {
             name: name.to_owned(),
             if_unused: false,
             if_empty: false,
         },
-        Planned::NoContent,
-    ))
+        reply: Planned::NoContent,
+    })
 }
 
-fn declare_exchange(c: &Call, name: &str) -> Result<(WiringOp, Planned)> {
-    let body = c.json()?;
-    let kind = body
-        .get("type")
-        .and_then(Value::as_str)
-        .ok_or_else(|| {
-            ApiError::bad_request("the body needs \"type\": one of direct, fanout, topic, headers")
-        })?
-        .to_owned();
-    Ok((
-        WiringOp::DeclareExchange {
+/// `PUT /api/exchanges/{vhost}/{name}`.
+pub(super) fn declare_exchange<'a>(c: &Ctx<'a>, _: &Cluster) -> Result<Plan<'a>> {
+    let [vh, name] = c.args();
+    let body = c.call.json()?;
+    let kind = type_field(&body)?;
+    Ok(Plan {
+        vhost: vh,
+        op: WiringOp::DeclareExchange {
             name: name.to_owned(),
             kind,
             durable: flag(&body, "durable", true)?,
@@ -152,30 +146,31 @@ fn declare_exchange(c: &Call, name: &str) -> Result<(WiringOp, Planned)> {
             internal: flag(&body, "internal", false)?,
             arguments: arguments(&body)?,
         },
-        Planned::Created,
-    ))
+        reply: Planned::Created,
+    })
 }
 
-fn delete_exchange(b: &Broker, c: &Call, vh: &str, name: &str) -> Result<(WiringOp, Planned)> {
-    if vhost(b, vh)?.lock().exchange(name).is_none() {
+/// `DELETE /api/exchanges/{vhost}/{name}`: `if-unused` is checked when the operation applies.
+pub(super) fn delete_exchange<'a>(c: &Ctx<'a>, _: &Cluster) -> Result<Plan<'a>> {
+    let [vh, name] = c.args();
+    if vhost(c.broker, vh)?.lock().exchange(name).is_none() {
         return Err(no_exchange(vh, name));
     }
-    Ok((
-        WiringOp::DeleteExchange {
+    Ok(Plan {
+        vhost: vh,
+        op: WiringOp::DeleteExchange {
             name: name.to_owned(),
-            if_unused: c.query("if-unused") == Some("true"),
+            if_unused: c.call.query("if-unused") == Some("true"),
         },
-        Planned::NoContent,
-    ))
+        reply: Planned::NoContent,
+    })
 }
 
-fn bind(c: &Call, src: &str, kind: &str, dst: &str) -> Result<(WiringOp, Planned)> {
-    let body = c.json()?;
-    let routing_key = match body.get("routing_key") {
-        None | Some(Value::Null) => String::new(),
-        Some(Value::String(s)) => s.clone(),
-        Some(_) => return Err(ApiError::bad_request("routing_key must be a string")),
-    };
+/// `POST /api/bindings/{vhost}/e/{source}/{q|e}/{destination}`.
+pub(super) fn bind<'a>(c: &Ctx<'a>, _: &Cluster) -> Result<Plan<'a>> {
+    let [vh, src, kind, dst] = c.args();
+    let body = c.call.json()?;
+    let routing_key = routing_key(&body)?.to_owned();
     let arguments = arguments(&body)?;
     let op = if kind == "q" {
         WiringOp::BindQueue {
@@ -192,5 +187,9 @@ fn bind(c: &Call, src: &str, kind: &str, dst: &str) -> Result<(WiringOp, Planned
             arguments,
         }
     };
-    Ok((op, Planned::BindingCreated))
+    Ok(Plan {
+        vhost: vh,
+        op,
+        reply: Planned::BindingCreated,
+    })
 }

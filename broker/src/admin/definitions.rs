@@ -8,8 +8,11 @@
 //! equal brokers are equal. Parameters and policies are exported empty and ignored on import.
 
 use super::ApiError;
-use super::api::{self, bind, declare_exchange, declare_queue, parse_tags, put_user, put_vhost};
 use super::json::{table_from_json, table_to_json};
+use super::routes::{
+    bind, bindings_json, declare_exchange, declare_queue, parse_tags, put_user, put_vhost,
+    set_permission,
+};
 use crate::auth::Permission;
 use crate::broker::Broker;
 use crate::core::ExchangeDeclare;
@@ -79,7 +82,7 @@ pub fn export(b: &Broker) -> Value {
                 }));
             }
         }
-        for bd in api::bindings_json(&name, &v) {
+        for bd in bindings_json(&name, &v) {
             if bd["source"] == "" {
                 continue;
             }
@@ -227,7 +230,7 @@ pub fn import(b: &Broker, body: &Value, caller: &str) -> Result<(), ApiError> {
         put_user(b, name, u)?;
     }
     for p in defs.permissions {
-        api::set_permission(
+        set_permission(
             b,
             &p.vhost,
             &p.user,

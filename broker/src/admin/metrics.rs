@@ -58,9 +58,24 @@ fn gauge(reg: &mut Registry, name: &str, help: &str, value: u64) {
     reg.register(name, help, g);
 }
 
-/// The exposition text. `per_queue` adds the labelled per-queue gauges.
+/// The exposition text. `per_queue` adds the labelled per-queue gauges. Series appear in the
+/// order they are registered: counters, the journal's, gauges, then per-queue gauges.
 pub fn render(broker: &Broker, per_queue: bool) -> String {
     let mut reg = Registry::with_prefix("ringmq");
+    register_client_counters(&mut reg, broker);
+    register_journal(&mut reg, broker);
+    register_gauges(&mut reg, broker);
+    if per_queue {
+        register_per_queue(&mut reg, broker);
+    }
+    let mut out = String::new();
+    // Writing into a String cannot fail.
+    let _ = encode(&mut out, &reg);
+    out
+}
+
+/// The counters the connections add to once per wake-up.
+fn register_client_counters(reg: &mut Registry, broker: &Broker) {
     let s = &broker.stats;
     for (name, help, c) in [
         (
@@ -117,6 +132,10 @@ pub fn render(broker: &Broker, per_queue: bool) -> String {
     ] {
         reg.register(name, help, c.clone());
     }
+}
+
+/// The journal writer's counters and fsync histogram, updated once per sync.
+fn register_journal(reg: &mut Registry, broker: &Broker) {
     let j = &broker.journal.stats;
     for (name, help, value) in [
         (
@@ -169,6 +188,11 @@ pub fn render(broker: &Broker, per_queue: bool) -> String {
         "Duration of the journal's fdatasync calls",
         j.fsync_seconds.clone(),
     );
+}
+
+/// Gauges of what the broker holds now, computed at scrape time.
+fn register_gauges(reg: &mut Registry, broker: &Broker) {
+    let s = &broker.stats;
     reg.register(
         "blocked_publishers",
         "Publishing connections held back by the memory alarm",
@@ -177,85 +201,85 @@ pub fn render(broker: &Broker, per_queue: bool) -> String {
     let t = totals(broker);
     let c = &broker.config;
     gauge(
-        &mut reg,
+        reg,
         "connections",
         "Open AMQP connections",
         broker.registry.connection_count() as u64,
     );
-    gauge(&mut reg, "channels", "Open channels", t.channels);
-    gauge(&mut reg, "consumers", "Consumers", t.consumers);
-    gauge(&mut reg, "queues", "Queues", t.queues);
-    gauge(&mut reg, "exchanges", "Exchanges", t.exchanges);
-    gauge(&mut reg, "vhosts", "Virtual hosts", t.vhosts);
+    gauge(reg, "channels", "Open channels", t.channels);
+    gauge(reg, "consumers", "Consumers", t.consumers);
+    gauge(reg, "queues", "Queues", t.queues);
+    gauge(reg, "exchanges", "Exchanges", t.exchanges);
+    gauge(reg, "vhosts", "Virtual hosts", t.vhosts);
     gauge(
-        &mut reg,
+        reg,
         "messages_ready",
         "Ready messages in all queues",
         t.ready,
     );
     gauge(
-        &mut reg,
+        reg,
         "messages_unacked",
         "Delivered, unacknowledged messages in all queues",
         t.unacked,
     );
     gauge(
-        &mut reg,
+        reg,
         "memory_used_bytes",
         "Resident memory of the broker process",
         rss_bytes().unwrap_or(0),
     );
     gauge(
-        &mut reg,
+        reg,
         "memory_high_watermark_bytes",
         "Resident memory above which publishers are blocked",
         c.memory_high_watermark_bytes,
     );
     gauge(
-        &mut reg,
+        reg,
         "memory_alarm",
         "1 while a resource alarm (memory or disk) blocks publishers",
         u64::from(broker.publishers_blocked()),
     );
     gauge(
-        &mut reg,
+        reg,
         "disk_free_bytes",
         "Free bytes on the data directory's file system",
         disk_free_bytes(&c.data_dir).unwrap_or(0),
     );
-    if per_queue {
-        let ready: Family<Vec<(String, String)>, Gauge> = Family::default();
-        let unacked: Family<Vec<(String, String)>, Gauge> = Family::default();
-        let consumers: Family<Vec<(String, String)>, Gauge> = Family::default();
-        let mut left = c.metrics_max_queues;
-        'vhosts: for (name, vhost) in broker.vhosts() {
-            let v = vhost.lock();
-            for q in v.queues() {
-                if left == 0 {
-                    break 'vhosts;
-                }
-                left -= 1;
-                let labels = vec![
-                    ("vhost".to_owned(), name.clone()),
-                    ("queue".to_owned(), q.name.to_string()),
-                ];
-                ready.get_or_create(&labels).set(q.ready_count() as i64);
-                unacked.get_or_create(&labels).set(q.unacked_count() as i64);
-                consumers
-                    .get_or_create(&labels)
-                    .set(q.consumers.len() as i64);
+}
+
+/// Ready, unacked and consumers per queue, for at most `metrics_max_queues` queues so that
+/// label cardinality stays bounded.
+fn register_per_queue(reg: &mut Registry, broker: &Broker) {
+    let c = &broker.config;
+    let ready: Family<Vec<(String, String)>, Gauge> = Family::default();
+    let unacked: Family<Vec<(String, String)>, Gauge> = Family::default();
+    let consumers: Family<Vec<(String, String)>, Gauge> = Family::default();
+    let mut left = c.metrics_max_queues;
+    'vhosts: for (name, vhost) in broker.vhosts() {
+        let v = vhost.lock();
+        for q in v.queues() {
+            if left == 0 {
+                break 'vhosts;
             }
+            left -= 1;
+            let labels = vec![
+                ("vhost".to_owned(), name.clone()),
+                ("queue".to_owned(), q.name.to_string()),
+            ];
+            ready.get_or_create(&labels).set(q.ready_count() as i64);
+            unacked.get_or_create(&labels).set(q.unacked_count() as i64);
+            consumers
+                .get_or_create(&labels)
+                .set(q.consumers.len() as i64);
         }
-        reg.register("queue_messages_ready", "Ready messages per queue", ready);
-        reg.register(
-            "queue_messages_unacked",
-            "Unacknowledged messages per queue",
-            unacked,
-        );
-        reg.register("queue_consumers", "Consumers per queue", consumers);
     }
-    let mut out = String::new();
-    // Writing into a String cannot fail.
-    let _ = encode(&mut out, &reg);
-    out
+    reg.register("queue_messages_ready", "Ready messages per queue", ready);
+    reg.register(
+        "queue_messages_unacked",
+        "Unacknowledged messages per queue",
+        unacked,
+    );
+    reg.register("queue_consumers", "Consumers per queue", consumers);
 }

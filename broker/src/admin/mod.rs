@@ -6,11 +6,12 @@
 //! the tag `administrator` may do everything, `monitoring` may only read. Every error is a
 //! JSON object `{"error": ..., "reason": ...}`.
 
-mod api;
 mod clustered;
 pub mod definitions;
 pub mod json;
 pub mod metrics;
+mod router;
+mod routes;
 
 use crate::auth::UserRecord;
 use crate::broker::Broker;
@@ -308,11 +309,7 @@ async fn handle(broker: &Arc<Broker>, peer: SocketAddr, req: Request<Incoming>) 
         query,
         body,
     };
-    let clustered = match broker.cluster() {
-        Some(cluster) => clustered::route(broker, cluster, &call).await,
-        None => None,
-    };
-    let reply = match clustered.unwrap_or_else(|| api::route(broker, &call)) {
+    let reply = match router::dispatch(broker, &call).await {
         Ok(r) => r,
         Err(e) => e.into_reply(),
     };

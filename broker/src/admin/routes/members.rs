@@ -1,0 +1,85 @@
+//! `/api/members`: the brokers of the cluster (or this one alone), and asking this member to
+//! leave so that a load balancer drains it before it stops.
+
+use super::ok;
+use crate::admin::router::{Ctx, Result};
+use crate::admin::{ApiError, Reply, json_reply, metrics};
+use crate::broker::Broker;
+use hyper::StatusCode;
+use serde_json::{Value, json};
+use std::sync::atomic::Ordering;
+
+/// `GET /api/members`.
+pub(super) fn list(c: &Ctx<'_>) -> Result<Reply> {
+    ok(members(c.broker))
+}
+
+/// `GET /api/members/{id}`: this member, with the number of queues it holds.
+pub(super) fn get(c: &Ctx<'_>) -> Result<Reply> {
+    let [id] = c.args();
+    let b = c.broker;
+    this_member(b, id)?;
+    let mut m = member(b);
+    m["owned_queues"] = json!(metrics::totals(b).queues);
+    ok(m)
+}
+
+/// `POST /api/members/{id}/leave`: from now on `/readyz` answers 503.
+pub(super) fn leave(c: &Ctx<'_>) -> Result<Reply> {
+    let [id] = c.args();
+    let b = c.broker;
+    this_member(b, id)?;
+    b.registry.leaving.store(true, Ordering::Relaxed);
+    tracing::warn!(member = %id, "member leaving on request: /readyz now answers 503");
+    Ok(json_reply(
+        StatusCode::ACCEPTED,
+        &json!({"id": id, "state": "leaving"}),
+    ))
+}
+
+fn this_member(b: &Broker, id: &str) -> Result<()> {
+    if id != b.config.node_id {
+        return Err(ApiError::not_found(format!(
+            "no member '{id}': this single node is '{}'",
+            b.config.node_id
+        )));
+    }
+    Ok(())
+}
+
+fn member(b: &Broker) -> Value {
+    let r = &b.registry;
+    json!({
+        "id": b.config.node_id,
+        "amqp": r.amqp_addr.get().map(ToString::to_string),
+        "admin": r.admin_addr.get().map(ToString::to_string),
+        "zone": b.config.zone,
+        "state": if r.leaving.load(Ordering::Relaxed) { "leaving" } else { "running" },
+    })
+}
+
+/// Every member in ring order when clustered (with `ring_position` and whether it holds the
+/// cluster map), else this broker alone; the overview lists the same.
+pub(super) fn members(b: &Broker) -> Value {
+    let Some(cluster) = b.cluster() else {
+        return json!([member(b)]);
+    };
+    Value::Array(
+        cluster
+            .members()
+            .iter()
+            .enumerate()
+            .filter_map(|(position, m)| {
+                let info = m.info.as_ref()?;
+                Some(json!({
+                    "id": info.node_id,
+                    "amqp": info.amqp,
+                    "admin": info.admin,
+                    "zone": info.zone,
+                    "state": if m.synced { "running" } else { "joining" },
+                    "ring_position": position,
+                }))
+            })
+            .collect(),
+    )
+}

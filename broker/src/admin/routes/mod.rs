@@ -1,0 +1,133 @@
+//! The `/api/` route table: every endpoint of the management API on one line — method, path
+//! pattern, handler, and for wiring writes the planner a cluster member uses instead — so a
+//! reader finds an endpoint by the path the docs give it, and adding one is a line here plus
+//! a handler in its resource's file. [`super::router`] matches calls against this list.
+//!
+//! Also here: the few reply and body helpers every resource's handlers share, so that a body
+//! field is read the same way on every path.
+
+mod bindings;
+mod channels;
+mod connections;
+mod definitions;
+mod exchanges;
+mod members;
+mod overview;
+mod permissions;
+mod queues;
+mod users;
+mod vhosts;
+
+pub(super) use bindings::{bind, bindings_json, routing_key};
+pub(super) use exchanges::{declare_exchange, no_exchange, type_field};
+pub(super) use permissions::set_permission;
+pub(super) use queues::{declare_queue, no_queue, refuse_exclusive};
+pub(super) use users::{parse_tags, put_user};
+pub(super) use vhosts::{put_vhost, vhost};
+
+use super::json::table_from_json;
+use super::router::{Result, Route};
+use super::{ApiError, Reply, clustered, empty_reply, json_reply};
+use hyper::StatusCode;
+use serde_json::Value;
+
+/// Every `/api/` endpoint. Patterns are matched in order on the decoded path segments; a
+/// path whose first segment appears here with another method answers 405, any other 404.
+pub(super) static ROUTES: &[Route] = &[
+    Route::get("/api/overview", overview::show),
+    Route::get("/api/whoami", overview::whoami),
+    Route::get("/api/members", members::list),
+    Route::get("/api/members/{id}", members::get),
+    Route::post("/api/members/{id}/leave", members::leave),
+    Route::get("/api/vhosts", vhosts::list),
+    Route::get("/api/vhosts/{vhost}", vhosts::get),
+    Route::put("/api/vhosts/{vhost}", vhosts::put),
+    Route::delete("/api/vhosts/{vhost}", vhosts::delete),
+    Route::get("/api/queues", queues::list_all),
+    Route::get("/api/queues/{vhost}", queues::list),
+    Route::get("/api/queues/{vhost}/{name}", queues::get),
+    Route::put("/api/queues/{vhost}/{name}", queues::declare)
+        .through_cluster(clustered::declare_queue),
+    Route::delete("/api/queues/{vhost}/{name}", queues::delete)
+        .through_cluster(clustered::delete_queue),
+    Route::delete("/api/queues/{vhost}/{name}/contents", queues::purge),
+    Route::get("/api/queues/{vhost}/{name}/bindings", queues::bindings),
+    Route::get("/api/exchanges", exchanges::list_all),
+    Route::get("/api/exchanges/{vhost}", exchanges::list),
+    Route::get("/api/exchanges/{vhost}/{name}", exchanges::get),
+    Route::put("/api/exchanges/{vhost}/{name}", exchanges::declare)
+        .through_cluster(clustered::declare_exchange),
+    Route::delete("/api/exchanges/{vhost}/{name}", exchanges::delete)
+        .through_cluster(clustered::delete_exchange),
+    Route::get(
+        "/api/exchanges/{vhost}/{name}/bindings/{source|destination}",
+        exchanges::bindings,
+    ),
+    Route::get("/api/bindings", bindings::list_all),
+    Route::get("/api/bindings/{vhost}", bindings::list),
+    Route::get(
+        "/api/bindings/{vhost}/e/{source}/{q|e}/{destination}",
+        bindings::between,
+    ),
+    Route::post(
+        "/api/bindings/{vhost}/e/{source}/{q|e}/{destination}",
+        bindings::create,
+    )
+    .through_cluster(clustered::bind),
+    Route::get(
+        "/api/bindings/{vhost}/e/{source}/{q|e}/{destination}/{props}",
+        bindings::get,
+    ),
+    Route::delete(
+        "/api/bindings/{vhost}/e/{source}/{q|e}/{destination}/{props}",
+        bindings::delete,
+    ),
+    Route::get("/api/connections", connections::list),
+    Route::get("/api/connections/{name}", connections::get),
+    Route::delete("/api/connections/{name}", connections::close),
+    Route::get("/api/connections/{name}/channels", connections::channels),
+    Route::get("/api/channels", channels::list),
+    Route::delete("/api/channels/{name}", channels::close),
+    Route::get("/api/users", users::list),
+    Route::get("/api/users/{name}", users::get),
+    Route::put("/api/users/{name}", users::put),
+    Route::delete("/api/users/{name}", users::delete),
+    Route::get("/api/permissions", permissions::list),
+    Route::get("/api/permissions/{vhost}/{user}", permissions::get),
+    Route::put("/api/permissions/{vhost}/{user}", permissions::put),
+    Route::delete("/api/permissions/{vhost}/{user}", permissions::delete),
+    Route::get("/api/definitions", definitions::export),
+    Route::post("/api/definitions", definitions::import),
+];
+
+/// 200 with `v` as the body: what every read answers.
+fn ok(v: Value) -> Result<Reply> {
+    Ok(json_reply(StatusCode::OK, &v))
+}
+
+/// 201 for a new object, 204 for one that was there with the same properties: a `PUT` is
+/// idempotent and the status tells the caller which happened.
+pub(super) fn created(was_new: bool) -> Reply {
+    empty_reply(if was_new {
+        StatusCode::CREATED
+    } else {
+        StatusCode::NO_CONTENT
+    })
+}
+
+/// A boolean body field; absent or `null` is `default`, anything but a boolean is 400.
+pub(super) fn flag(body: &Value, key: &str, default: bool) -> Result<bool> {
+    match body.get(key) {
+        None | Some(Value::Null) => Ok(default),
+        Some(Value::Bool(v)) => Ok(*v),
+        Some(_) => Err(ApiError::bad_request(format!(
+            "{key} must be true or false"
+        ))),
+    }
+}
+
+/// The body's `arguments` object as a field table (absent is empty); 400 names the argument
+/// that cannot be converted.
+pub(super) fn arguments(body: &Value) -> Result<crate::amqp::FieldTable> {
+    table_from_json(body.get("arguments").unwrap_or(&Value::Null)).map_err(ApiError::bad_request)
+}
