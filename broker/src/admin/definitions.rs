@@ -10,12 +10,12 @@
 use super::ApiError;
 use super::json::{table_from_json, table_to_json};
 use super::routes::{
-    bind, bindings_json, declare_exchange, declare_queue, parse_tags, put_user, put_vhost,
-    set_permission,
+    bind_op, bindings_json, declare_op, parse_tags, put_user, put_vhost, set_permission,
 };
+use super::wiring::apply_here;
 use crate::auth::Permission;
 use crate::broker::Broker;
-use crate::core::ExchangeDeclare;
+use crate::core::WiringOp;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
@@ -193,6 +193,9 @@ struct DefBinding {
 /// Imports definitions: vhosts, users, permissions, exchanges, queues, then bindings. Objects
 /// that exist with the same properties are left alone; one that exists with other properties
 /// stops the import with 409 (what came before it stays applied).
+/// Exchanges, queues and bindings are the wiring ops the API's routes make, applied on this
+/// broker alone ([`super::wiring::apply_here`]) — on a cluster member too: an import does
+/// not go through the cluster map.
 pub fn import(b: &Broker, body: &Value, caller: &str) -> Result<(), ApiError> {
     let defs: Definitions = serde_json::from_value(body.clone()).map_err(|e| {
         ApiError::bad_request(format!(
@@ -248,38 +251,35 @@ pub fn import(b: &Broker, body: &Value, caller: &str) -> Result<(), ApiError> {
             continue;
         }
         let arguments = table_from_json(&e.arguments).map_err(ApiError::bad_request)?;
-        declare_exchange(
-            b,
-            &e.vhost,
-            ExchangeDeclare {
-                name: e.name,
-                kind: e.kind,
-                passive: false,
-                durable: e.durable,
-                auto_delete: e.auto_delete,
-                internal: e.internal,
-                arguments,
-            },
-        )?;
+        let op = WiringOp::DeclareExchange {
+            name: e.name,
+            kind: e.kind,
+            durable: e.durable,
+            auto_delete: e.auto_delete,
+            internal: e.internal,
+            arguments,
+        };
+        apply_here(b, &e.vhost, &op, caller)?;
     }
     for q in defs.queues {
         let arguments = table_from_json(&q.arguments).map_err(ApiError::bad_request)?;
-        declare_queue(b, &q.vhost, &q.name, q.durable, q.auto_delete, arguments)?;
+        let op = declare_op(&q.name, q.durable, q.auto_delete, arguments, None)?;
+        apply_here(b, &q.vhost, &op, caller)?;
     }
     for bd in defs.bindings {
         if bd.source.is_empty() {
             continue;
         }
         let arguments = table_from_json(&bd.arguments).map_err(ApiError::bad_request)?;
-        bind(
-            b,
-            &bd.vhost,
+        let to_queue = bd.destination_type == "queue";
+        let op = bind_op(
             &bd.source,
-            bd.destination_type == "queue",
+            to_queue,
             &bd.destination,
-            &bd.routing_key,
+            bd.routing_key,
             arguments,
-        )?;
+        );
+        apply_here(b, &bd.vhost, &op, caller)?;
     }
     tracing::info!(by = caller, "definitions imported");
     Ok(())

@@ -6,12 +6,12 @@
 //! the tag `administrator` may do everything, `monitoring` may only read. Every error is a
 //! JSON object `{"error": ..., "reason": ...}`.
 
-mod clustered;
 pub mod definitions;
 pub mod json;
 pub mod metrics;
 mod router;
 mod routes;
+mod wiring;
 
 use crate::auth::UserRecord;
 use crate::broker::Broker;

@@ -3,8 +3,8 @@
 //! answer is 405 (the resource exists, the method does not) or 404. The table is the only
 //! list of endpoints, so that decision cannot drift from what is actually served.
 
-use super::clustered::{self, Planner};
 use super::routes::ROUTES;
+use super::wiring::{self, Planner};
 use super::{ApiError, Call, Reply};
 use crate::broker::Broker;
 use hyper::{Method, StatusCode};
@@ -13,7 +13,8 @@ use std::sync::Arc;
 /// What every handler returns: an error becomes the JSON error reply.
 pub(super) type Result<T> = std::result::Result<T, ApiError>;
 
-/// A handler answers one route on this broker alone.
+/// A handler answers one route from this broker: reads, and writes that are not wiring
+/// changes.
 pub(super) type Handler = fn(&Ctx<'_>) -> Result<Reply>;
 
 /// The prefix every pattern in the table is written with, so that the table reads like the
@@ -52,44 +53,53 @@ impl Verb {
 pub(super) struct Route {
     verb: Verb,
     pattern: &'static str,
-    local: Handler,
-    clustered: Option<Planner>,
+    action: Action,
+}
+
+/// Who answers a route.
+#[derive(Debug, Clone, Copy)]
+enum Action {
+    /// A handler.
+    Handle(Handler),
+    /// A wiring change: the planner builds its op, [`wiring::run`] applies it here or
+    /// commits it through the cluster.
+    Wiring(Planner),
 }
 
 impl Route {
     /// `GET` (and `HEAD`) on `pattern`.
-    pub(super) const fn get(pattern: &'static str, local: Handler) -> Self {
-        Self::new(Verb::Get, pattern, local)
+    pub(super) const fn get(pattern: &'static str, handler: Handler) -> Self {
+        Self::new(Verb::Get, pattern, handler)
     }
     /// `PUT` on `pattern`.
-    pub(super) const fn put(pattern: &'static str, local: Handler) -> Self {
-        Self::new(Verb::Put, pattern, local)
+    pub(super) const fn put(pattern: &'static str, handler: Handler) -> Self {
+        Self::new(Verb::Put, pattern, handler)
     }
     /// `POST` on `pattern`.
-    pub(super) const fn post(pattern: &'static str, local: Handler) -> Self {
-        Self::new(Verb::Post, pattern, local)
+    pub(super) const fn post(pattern: &'static str, handler: Handler) -> Self {
+        Self::new(Verb::Post, pattern, handler)
     }
     /// `DELETE` on `pattern`.
-    pub(super) const fn delete(pattern: &'static str, local: Handler) -> Self {
-        Self::new(Verb::Delete, pattern, local)
+    pub(super) const fn delete(pattern: &'static str, handler: Handler) -> Self {
+        Self::new(Verb::Delete, pattern, handler)
     }
 
-    const fn new(verb: Verb, pattern: &'static str, local: Handler) -> Self {
+    /// A wiring change (declare, delete, bind) on `pattern`: `plan` turns the call into the
+    /// op, which a single broker applies at once and a cluster member, when the op is shared,
+    /// commits through the cluster map first.
+    pub(super) const fn wiring(verb: Verb, pattern: &'static str, plan: Planner) -> Self {
         Self {
             verb,
             pattern,
-            local,
-            clustered: None,
+            action: Action::Wiring(plan),
         }
     }
 
-    /// On a cluster member, this route changes shared wiring: `plan` turns the call into a
-    /// cluster operation, which every member applies in the same order, instead of running
-    /// the local handler.
-    pub(super) const fn through_cluster(self, plan: Planner) -> Self {
+    const fn new(verb: Verb, pattern: &'static str, handler: Handler) -> Self {
         Self {
-            clustered: Some(plan),
-            ..self
+            verb,
+            pattern,
+            action: Action::Handle(handler),
         }
     }
 
@@ -176,8 +186,7 @@ impl<'a> Ctx<'a> {
     }
 }
 
-/// Answers one authenticated `/api/` call from the route table; on a cluster member, routes
-/// that change shared wiring go through the cluster map.
+/// Answers one authenticated `/api/` call from the route table.
 pub(super) async fn dispatch(broker: &Arc<Broker>, call: &Call) -> Result<Reply> {
     let path: Vec<&str> = call.path.iter().map(String::as_str).collect();
     let Some((route, args)) = ROUTES
@@ -187,9 +196,9 @@ pub(super) async fn dispatch(broker: &Arc<Broker>, call: &Call) -> Result<Reply>
         return Err(unmatched(call, &path));
     };
     let c = Ctx { broker, call, args };
-    match (broker.cluster(), route.clustered) {
-        (Some(cluster), Some(plan)) => clustered::run(&c, cluster, plan).await,
-        _ => (route.local)(&c),
+    match route.action {
+        Action::Handle(handler) => handler(&c),
+        Action::Wiring(plan) => wiring::run(&c, plan).await,
     }
 }
 

@@ -1,19 +1,18 @@
 //! `/api/bindings`: listing, creating, reading and deleting bindings. A binding has no name of
 //! its own, so one is addressed by its ends and RabbitMQ's `properties_key`
 //! ([`crate::admin::json::properties_key`]), which the listing gives for each binding.
+//! Creating one is a wiring op ([`crate::admin::wiring`]), the one queue.bind or
+//! exchange.bind makes.
 
-use super::exchanges::no_exchange;
-use super::queues::no_queue;
 use super::vhosts::vhost;
 use super::{arguments, ok};
 use crate::admin::json::{properties_key, table_to_json};
 use crate::admin::router::{Ctx, Result};
+use crate::admin::wiring::{Answer, Plan};
 use crate::admin::{ApiError, Reply, empty_reply};
-use crate::broker::Broker;
-use crate::core::VHost;
 use crate::core::exchange::Destination;
+use crate::core::{VHost, WiringOp};
 use hyper::StatusCode;
-use hyper::header::{self, HeaderValue};
 use parking_lot::Mutex;
 use serde_json::{Value, json};
 
@@ -48,14 +47,11 @@ pub(super) fn between(c: &Ctx<'_>) -> Result<Reply> {
 
 /// `POST /api/bindings/{vhost}/e/{source}/{q|e}/{destination}`: 201 with the new binding's
 /// address in `Location`, as RabbitMQ answers.
-pub(super) fn create(c: &Ctx<'_>) -> Result<Reply> {
+pub(super) fn create<'a>(c: &Ctx<'a>) -> Result<Plan<'a>> {
     let [vh, src, kind, dst] = c.args();
     let body = c.call.json()?;
     let rk = routing_key(&body)?;
     let args = arguments(&body)?;
-    let key = properties_key(rk, &args);
-    bind(c.broker, vh, src, kind == "q", dst, rk, args)?;
-    let mut r = empty_reply(StatusCode::CREATED);
     let enc = |s: &str| {
         percent_encoding::utf8_percent_encode(s, percent_encoding::NON_ALPHANUMERIC).to_string()
     };
@@ -64,12 +60,13 @@ pub(super) fn create(c: &Ctx<'_>) -> Result<Reply> {
         enc(vh),
         enc(src),
         enc(dst),
-        enc(&key)
+        enc(&properties_key(rk, &args))
     );
-    if let Ok(loc) = HeaderValue::from_str(&location) {
-        r.headers_mut().insert(header::LOCATION, loc);
-    }
-    Ok(r)
+    Ok(Plan {
+        vhost: vh,
+        op: bind_op(src, kind == "q", dst, rk.to_owned(), args),
+        answer: Answer::Bound { location },
+    })
 }
 
 /// `GET /api/bindings/{vhost}/e/{source}/{q|e}/{destination}/{props}`.
@@ -107,9 +104,8 @@ pub(super) fn delete(c: &Ctx<'_>) -> Result<Reply> {
     Ok(empty_reply(StatusCode::NO_CONTENT))
 }
 
-/// The body's `routing_key` (absent or `null` is the empty key), the same check on the local
-/// and the cluster path.
-pub(in crate::admin) fn routing_key(body: &Value) -> Result<&str> {
+/// The body's `routing_key`: absent or `null` is the empty key.
+fn routing_key(body: &Value) -> Result<&str> {
     match body.get("routing_key") {
         None | Some(Value::Null) => Ok(""),
         Some(Value::String(s)) => Ok(s.as_str()),
@@ -117,36 +113,30 @@ pub(in crate::admin) fn routing_key(body: &Value) -> Result<&str> {
     }
 }
 
-/// queue.bind or exchange.bind on behalf of the API (and of a definitions import), with a
-/// 404 naming whichever end is missing.
-pub(in crate::admin) fn bind(
-    b: &Broker,
-    vh: &str,
-    src: &str,
+/// queue.bind (`to_queue`) or exchange.bind from exchange `source` to `destination`, for a
+/// route or a definitions import.
+pub(in crate::admin) fn bind_op(
+    source: &str,
     to_queue: bool,
-    dst: &str,
-    routing_key: &str,
-    args: crate::amqp::FieldTable,
-) -> Result<()> {
-    let v = vhost(b, vh)?;
-    let mut v = v.lock();
-    if v.exchange(src).is_none() {
-        return Err(no_exchange(vh, src));
-    }
+    destination: &str,
+    routing_key: String,
+    arguments: crate::amqp::FieldTable,
+) -> WiringOp {
     if to_queue {
-        let owner = v
-            .queue(dst)
-            .ok_or_else(|| no_queue(vh, dst))?
-            .exclusive_owner
-            .unwrap_or(0);
-        v.queue_bind(owner, dst, src, routing_key, args)
-    } else {
-        if v.exchange(dst).is_none() {
-            return Err(no_exchange(vh, dst));
+        WiringOp::BindQueue {
+            queue: destination.to_owned(),
+            exchange: source.to_owned(),
+            routing_key,
+            arguments,
         }
-        v.exchange_bind(dst, src, routing_key, args)
+    } else {
+        WiringOp::BindExchange {
+            destination: destination.to_owned(),
+            source: source.to_owned(),
+            routing_key,
+            arguments,
+        }
     }
-    .map_err(ApiError::from_amqp)
 }
 
 fn dest_matches(d: &Destination, kind: &str, name: &str) -> bool {

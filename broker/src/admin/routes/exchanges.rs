@@ -1,16 +1,16 @@
 //! `/api/exchanges`: listing, declaring and deleting exchanges, and the bindings an exchange
-//! is the source or destination of. Declares and deletes go through the vhost core, so the
-//! API keeps the AMQP rules (`amq.*` reserved, 409 on a redeclare with other properties).
+//! is the source or destination of. Declares and deletes are wiring ops
+//! ([`crate::admin::wiring`]), the ones the AMQP methods make, so the API keeps the AMQP
+//! rules (`amq.*` reserved, 409 on a redeclare with other properties).
 
 use super::vhosts::vhost;
-use super::{arguments, bindings_json, created, flag, ok};
+use super::{arguments, bindings_json, flag, ok};
 use crate::admin::json::table_to_json;
 use crate::admin::router::{Ctx, Result};
-use crate::admin::{ApiError, Reply, empty_reply};
-use crate::broker::Broker;
+use crate::admin::wiring::{Answer, Plan};
+use crate::admin::{ApiError, Reply};
 use crate::core::exchange::Exchange;
-use crate::core::{ExchangeDeclare, VHost};
-use hyper::StatusCode;
+use crate::core::{VHost, WiringOp};
 use parking_lot::Mutex;
 use serde_json::{Value, json};
 
@@ -42,38 +42,36 @@ pub(super) fn get(c: &Ctx<'_>) -> Result<Reply> {
 
 /// `PUT /api/exchanges/{vhost}/{name}`: `type` is required, durable unless the body says
 /// otherwise.
-pub(super) fn declare(c: &Ctx<'_>) -> Result<Reply> {
+pub(super) fn declare<'a>(c: &Ctx<'a>) -> Result<Plan<'a>> {
     let [vh, name] = c.args();
     let body = c.call.json()?;
     let kind = type_field(&body)?;
     let args = arguments(&body)?;
-    Ok(created(declare_exchange(
-        c.broker,
-        vh,
-        ExchangeDeclare {
+    Ok(Plan {
+        vhost: vh,
+        op: WiringOp::DeclareExchange {
             name: name.to_owned(),
             kind,
-            passive: false,
             durable: flag(&body, "durable", true)?,
             auto_delete: flag(&body, "auto_delete", false)?,
             internal: flag(&body, "internal", false)?,
             arguments: args,
         },
-    )?))
+        answer: Answer::Declared,
+    })
 }
 
 /// `DELETE /api/exchanges/{vhost}/{name}[?if-unused=true]`.
-pub(super) fn delete(c: &Ctx<'_>) -> Result<Reply> {
+pub(super) fn delete<'a>(c: &Ctx<'a>) -> Result<Plan<'a>> {
     let [vh, name] = c.args();
-    let v = vhost(c.broker, vh)?;
-    let mut v = v.lock();
-    if v.exchange(name).is_none() {
-        return Err(no_exchange(vh, name));
-    }
-    v.exchange_delete(name, c.call.query("if-unused") == Some("true"))
-        .map_err(ApiError::from_amqp)?;
-    tracing::info!(vhost = %vh, exchange = %name, user = %c.call.user.name, "exchange deleted via admin API");
-    Ok(empty_reply(StatusCode::NO_CONTENT))
+    Ok(Plan {
+        vhost: vh,
+        op: WiringOp::DeleteExchange {
+            name: name.to_owned(),
+            if_unused: c.call.query("if-unused") == Some("true"),
+        },
+        answer: Answer::Deleted,
+    })
 }
 
 /// `GET /api/exchanges/{vhost}/{name}/bindings/source` (bindings from the exchange) and
@@ -93,8 +91,8 @@ pub(super) fn bindings(c: &Ctx<'_>) -> Result<Reply> {
     ))
 }
 
-/// The body's required `type`, the same check on the local and the cluster path.
-pub(in crate::admin) fn type_field(body: &Value) -> Result<String> {
+/// The body's required `type`.
+fn type_field(body: &Value) -> Result<String> {
     Ok(body
         .get("type")
         .and_then(Value::as_str)
@@ -123,21 +121,7 @@ fn exchanges_json(vh: &str, v: &Mutex<VHost>) -> Vec<Value> {
     es.into_iter().map(|e| exchange_json(vh, e)).collect()
 }
 
-/// exchange.declare on behalf of the API (and of a definitions import); returns whether the
-/// exchange is new.
-pub(in crate::admin) fn declare_exchange(b: &Broker, vh: &str, d: ExchangeDeclare) -> Result<bool> {
-    let v = vhost(b, vh)?;
-    let mut v = v.lock();
-    let new = v.exchange(&d.name).is_none();
-    let name = d.name.clone();
-    v.exchange_declare(d).map_err(ApiError::from_amqp)?;
-    if new {
-        tracing::info!(vhost = %vh, exchange = %name, "exchange declared via admin API");
-    }
-    Ok(new)
-}
-
-/// The 404 for a missing exchange, the same on the local and the cluster path.
+/// The 404 for a missing exchange, the same wherever the API names one.
 pub(in crate::admin) fn no_exchange(vh: &str, name: &str) -> ApiError {
     ApiError::not_found(format!("no exchange '{name}' in vhost '{vh}'"))
 }

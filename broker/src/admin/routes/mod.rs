@@ -1,7 +1,8 @@
 //! The `/api/` route table: every endpoint of the management API on one line — method, path
-//! pattern, handler, and for wiring writes the planner a cluster member uses instead — so a
-//! reader finds an endpoint by the path the docs give it, and adding one is a line here plus
-//! a handler in its resource's file. [`super::router`] matches calls against this list.
+//! pattern, and the handler that answers it, or for a wiring write the planner that turns it
+//! into the op [`super::wiring`] applies — so a reader finds an endpoint by the path the docs
+//! give it, and adding one is a line here plus a function in its resource's file.
+//! [`super::router`] matches calls against this list.
 //!
 //! Also here: the few reply and body helpers every resource's handlers share, so that a body
 //! field is read the same way on every path.
@@ -18,16 +19,16 @@ mod queues;
 mod users;
 mod vhosts;
 
-pub(super) use bindings::{bind, bindings_json, routing_key};
-pub(super) use exchanges::{declare_exchange, no_exchange, type_field};
+pub(super) use bindings::{bind_op, bindings_json};
+pub(super) use exchanges::no_exchange;
 pub(super) use permissions::set_permission;
-pub(super) use queues::{declare_queue, no_queue, refuse_exclusive};
+pub(super) use queues::{declare_op, no_queue};
 pub(super) use users::{parse_tags, put_user};
 pub(super) use vhosts::{put_vhost, vhost};
 
 use super::json::table_from_json;
-use super::router::{Result, Route};
-use super::{ApiError, Reply, clustered, empty_reply, json_reply};
+use super::router::{Result, Route, Verb};
+use super::{ApiError, Reply, empty_reply, json_reply};
 use hyper::StatusCode;
 use serde_json::Value;
 
@@ -46,19 +47,23 @@ pub(super) static ROUTES: &[Route] = &[
     Route::get("/api/queues", queues::list_all),
     Route::get("/api/queues/{vhost}", queues::list),
     Route::get("/api/queues/{vhost}/{name}", queues::get),
-    Route::put("/api/queues/{vhost}/{name}", queues::declare)
-        .through_cluster(clustered::declare_queue),
-    Route::delete("/api/queues/{vhost}/{name}", queues::delete)
-        .through_cluster(clustered::delete_queue),
+    Route::wiring(Verb::Put, "/api/queues/{vhost}/{name}", queues::declare),
+    Route::wiring(Verb::Delete, "/api/queues/{vhost}/{name}", queues::delete),
     Route::delete("/api/queues/{vhost}/{name}/contents", queues::purge),
     Route::get("/api/queues/{vhost}/{name}/bindings", queues::bindings),
     Route::get("/api/exchanges", exchanges::list_all),
     Route::get("/api/exchanges/{vhost}", exchanges::list),
     Route::get("/api/exchanges/{vhost}/{name}", exchanges::get),
-    Route::put("/api/exchanges/{vhost}/{name}", exchanges::declare)
-        .through_cluster(clustered::declare_exchange),
-    Route::delete("/api/exchanges/{vhost}/{name}", exchanges::delete)
-        .through_cluster(clustered::delete_exchange),
+    Route::wiring(
+        Verb::Put,
+        "/api/exchanges/{vhost}/{name}",
+        exchanges::declare,
+    ),
+    Route::wiring(
+        Verb::Delete,
+        "/api/exchanges/{vhost}/{name}",
+        exchanges::delete,
+    ),
     Route::get(
         "/api/exchanges/{vhost}/{name}/bindings/{source|destination}",
         exchanges::bindings,
@@ -69,11 +74,11 @@ pub(super) static ROUTES: &[Route] = &[
         "/api/bindings/{vhost}/e/{source}/{q|e}/{destination}",
         bindings::between,
     ),
-    Route::post(
+    Route::wiring(
+        Verb::Post,
         "/api/bindings/{vhost}/e/{source}/{q|e}/{destination}",
         bindings::create,
-    )
-    .through_cluster(clustered::bind),
+    ),
     Route::get(
         "/api/bindings/{vhost}/e/{source}/{q|e}/{destination}/{props}",
         bindings::get,

@@ -1,16 +1,17 @@
-//! `/api/queues`: listing, declaring, deleting and purging queues on behalf of an operator,
-//! with the same rules (and the same 409 on a redeclare with other properties) as the AMQP
-//! methods, because both go through the vhost core.
+//! `/api/queues`: listing, declaring, deleting and purging queues on behalf of an operator.
+//! Declares and deletes are wiring ops ([`crate::admin::wiring`]), the ones the AMQP
+//! methods make, so the API keeps the same rules (and the same 409 on a redeclare with
+//! other properties); purge is content, not wiring, and is done here.
 
 use super::vhosts::vhost;
-use super::{arguments, bindings_json, created, flag, ok};
+use super::{arguments, bindings_json, flag, ok};
 use crate::admin::json::table_to_json;
 use crate::admin::router::{Ctx, Result};
+use crate::admin::wiring::{Answer, Plan};
 use crate::admin::{ApiError, Reply, empty_reply};
 use crate::broker::Broker;
-use crate::clock::now_ms;
 use crate::core::queue::Queue;
-use crate::core::{Effects, QueueDeclare, VHost};
+use crate::core::{Effects, VHost, WiringOp};
 use hyper::StatusCode;
 use parking_lot::Mutex;
 use serde_json::{Value, json};
@@ -43,43 +44,35 @@ pub(super) fn get(c: &Ctx<'_>) -> Result<Reply> {
     ok(queue_json(b, vh, q))
 }
 
-/// `PUT /api/queues/{vhost}/{name}`: durable unless the body says otherwise.
-pub(super) fn declare(c: &Ctx<'_>) -> Result<Reply> {
+/// `PUT /api/queues/{vhost}/{name}`: durable unless the body says otherwise. On a cluster
+/// member the queue's home is this member.
+pub(super) fn declare<'a>(c: &Ctx<'a>) -> Result<Plan<'a>> {
     let [vh, name] = c.args();
     let body = c.call.json()?;
     refuse_exclusive(&body)?;
     let args = arguments(&body)?;
     let durable = flag(&body, "durable", true)?;
     let auto_delete = flag(&body, "auto_delete", false)?;
-    Ok(created(declare_queue(
-        c.broker,
-        vh,
-        name,
-        durable,
-        auto_delete,
-        args,
-    )?))
+    let home = c.broker.cluster().map(|m| m.node_id().to_owned());
+    Ok(Plan {
+        vhost: vh,
+        op: declare_op(name, durable, auto_delete, args, home)?,
+        answer: Answer::Declared,
+    })
 }
 
 /// `DELETE /api/queues/{vhost}/{name}[?if-unused=true][&if-empty=true]`.
-pub(super) fn delete(c: &Ctx<'_>) -> Result<Reply> {
+pub(super) fn delete<'a>(c: &Ctx<'a>) -> Result<Plan<'a>> {
     let [vh, name] = c.args();
-    let b = c.broker;
-    let v = vhost(b, vh)?;
-    let mut v = v.lock();
-    let owner = owner(&v, vh, name)?;
-    let mut fx = Effects::default();
-    v.queue_delete(
-        owner,
-        name,
-        c.call.query("if-unused") == Some("true"),
-        c.call.query("if-empty") == Some("true"),
-        &mut fx,
-    )
-    .map_err(ApiError::from_amqp)?;
-    b.finish_batch(0, &mut v, &mut fx);
-    tracing::info!(vhost = %vh, queue = %name, user = %c.call.user.name, "queue deleted via admin API");
-    Ok(empty_reply(StatusCode::NO_CONTENT))
+    Ok(Plan {
+        vhost: vh,
+        op: WiringOp::DeleteQueue {
+            name: name.to_owned(),
+            if_unused: c.call.query("if-unused") == Some("true"),
+            if_empty: c.call.query("if-empty") == Some("true"),
+        },
+        answer: Answer::Deleted,
+    })
 }
 
 /// `DELETE /api/queues/{vhost}/{name}/contents`: drops the ready messages.
@@ -110,7 +103,7 @@ pub(super) fn bindings(c: &Ctx<'_>) -> Result<Reply> {
 }
 
 /// The connection the core should act as on queue `name`: its exclusive owner, so the API
-/// may delete or purge an exclusive queue, else 0. 404 when there is no such queue.
+/// may purge an exclusive queue, else 0. 404 when there is no such queue.
 fn owner(v: &VHost, vh: &str, name: &str) -> Result<u64> {
     Ok(v.queue(name)
         .ok_or_else(|| no_queue(vh, name))?
@@ -120,7 +113,7 @@ fn owner(v: &VHost, vh: &str, name: &str) -> Result<u64> {
 
 /// 400 for `"exclusive": true`: an exclusive queue lives and dies with an AMQP connection,
 /// which an API call does not have.
-pub(in crate::admin) fn refuse_exclusive(body: &Value) -> Result<()> {
+fn refuse_exclusive(body: &Value) -> Result<()> {
     if flag(body, "exclusive", false)? {
         return Err(ApiError::bad_request(
             "exclusive queues belong to an AMQP connection: declare them over AMQP",
@@ -157,42 +150,31 @@ fn queues_json(b: &Broker, vh: &str, v: &Mutex<VHost>) -> Vec<Value> {
     qs.into_iter().map(|q| queue_json(b, vh, q)).collect()
 }
 
-/// queue.declare on behalf of the API (and of a definitions import); returns whether the
-/// queue is new. 409 when it exists with other properties.
-pub(in crate::admin) fn declare_queue(
-    b: &Broker,
-    vh: &str,
+/// queue.declare as the API makes it, for a route or a definitions import: never exclusive
+/// (an API call has no connection to own the queue) and never server-named, so an empty
+/// name is 400.
+pub(in crate::admin) fn declare_op(
     name: &str,
     durable: bool,
     auto_delete: bool,
     arguments: crate::amqp::FieldTable,
-) -> Result<bool> {
+    home: Option<String>,
+) -> Result<WiringOp> {
     if name.is_empty() {
         return Err(ApiError::bad_request("a queue needs a non-empty name"));
     }
-    let v = vhost(b, vh)?;
-    let mut v = v.lock();
-    let existing = v.queue(name).map(|q| q.exclusive_owner.unwrap_or(0));
-    v.queue_declare(
-        existing.unwrap_or(0),
-        QueueDeclare {
-            name: name.to_owned(),
-            passive: false,
-            durable,
-            exclusive: false,
-            auto_delete,
-            arguments,
-        },
-        now_ms(),
-    )
-    .map_err(ApiError::from_amqp)?;
-    if existing.is_none() {
-        tracing::info!(vhost = %vh, queue = %name, "queue declared via admin API");
-    }
-    Ok(existing.is_none())
+    Ok(WiringOp::DeclareQueue {
+        name: name.to_owned(),
+        durable,
+        exclusive: false,
+        auto_delete,
+        arguments,
+        home,
+        server_named: false,
+    })
 }
 
-/// The 404 for a missing queue, the same on the local and the cluster path.
+/// The 404 for a missing queue, the same wherever the API names one.
 pub(in crate::admin) fn no_queue(vh: &str, name: &str) -> ApiError {
     ApiError::not_found(format!("no queue '{name}' in vhost '{vh}'"))
 }
