@@ -39,22 +39,24 @@ async fn next_method(c: &mut RawClient) -> (u16, AMQPClass) {
         .expect("a method within 5 s")
 }
 
-#[tokio::test]
-async fn a_channel_close_that_crosses_the_brokers_leaves_the_other_channels_alone() {
-    let b = Broker::start();
-    let mut c = raw(&b).await;
+/// Opens channel `id` and waits for open-ok.
+async fn open_channel(c: &mut RawClient, id: u16) {
     c.send(
-        2,
+        id,
         AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
     )
     .await
     .unwrap();
     assert!(matches!(
-        next_method(&mut c).await,
-        (2, AMQPClass::Channel(channel::AMQPMethod::OpenOk(_)))
+        next_method(c).await,
+        (got, AMQPClass::Channel(channel::AMQPMethod::OpenOk(_))) if got == id
     ));
-    // One write: a publish the broker refuses with a channel error (404, no such exchange),
-    // and the client's own channel.close, sent before it could see the broker's.
+}
+
+/// Sends, in one write on channel 1, a publish the broker refuses with a channel error (404,
+/// no such exchange) and the client's own channel.close, sent before it could see the
+/// broker's: the two closes cross.
+async fn cross_closes_on_channel_1(c: &mut RawClient) {
     let mut bytes =
         ringmq_tests::publish_frames("no-such-exchange", "k", &Default::default(), b"x");
     let mut w = FrameWriter::default();
@@ -69,6 +71,14 @@ async fn a_channel_close_that_crosses_the_brokers_leaves_the_other_channels_alon
     );
     bytes.extend_from_slice(w.as_slice());
     c.stream.write_all(&bytes).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_channel_close_that_crosses_the_brokers_leaves_the_other_channels_alone() {
+    let b = Broker::start();
+    let mut c = raw(&b).await;
+    open_channel(&mut c, 2).await;
+    cross_closes_on_channel_1(&mut c).await;
 
     // The broker's close (404), then close-ok for the client's close.
     let (id, m) = next_method(&mut c).await;
@@ -107,51 +117,20 @@ async fn a_channel_close_that_crosses_the_brokers_leaves_the_other_channels_alon
         next_method(&mut c).await,
         (2, AMQPClass::Queue(queue::AMQPMethod::DeclareOk(_)))
     ));
-    c.send(
-        1,
-        AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
-    )
-    .await
-    .unwrap();
-    assert!(matches!(
-        next_method(&mut c).await,
-        (1, AMQPClass::Channel(channel::AMQPMethod::OpenOk(_)))
-    ));
+    open_channel(&mut c, 1).await;
 }
 
 #[tokio::test]
 async fn a_client_that_reopens_a_channel_after_a_crossing_close_gets_it() {
     let b = Broker::start();
     let mut c = raw(&b).await;
-    let mut bytes =
-        ringmq_tests::publish_frames("no-such-exchange", "k", &Default::default(), b"x");
-    let mut w = FrameWriter::default();
-    w.method(
-        1,
-        AMQPClass::Channel(channel::AMQPMethod::Close(channel::Close {
-            reply_code: 200,
-            reply_text: "bye".into(),
-            class_id: 0,
-            method_id: 0,
-        })),
-    );
-    bytes.extend_from_slice(w.as_slice());
-    c.stream.write_all(&bytes).await.unwrap();
+    cross_closes_on_channel_1(&mut c).await;
     for _ in 0..2 {
         assert_eq!(next_method(&mut c).await.0, 1);
     }
     // No close-ok for the broker's close: the client treats the channel as gone and reuses
     // the number.
-    c.send(
-        1,
-        AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
-    )
-    .await
-    .unwrap();
-    assert!(matches!(
-        next_method(&mut c).await,
-        (1, AMQPClass::Channel(channel::AMQPMethod::OpenOk(_)))
-    ));
+    open_channel(&mut c, 1).await;
 }
 
 #[tokio::test]

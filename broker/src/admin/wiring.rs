@@ -9,7 +9,7 @@
 //! ([`WiringOp::is_shared`]: it names an exclusive queue, which lives with its connection on
 //! this member). Applied here, it acts as the exclusive queue's connection, so the API may
 //! delete or bind such a queue; a shared op goes out as
-//! [`crate::server::wiring::for_cluster`] makes it, the same form AMQP sends. A definitions
+//! [`crate::core::WiringOp::for_cluster`] makes it, the same form AMQP sends. A definitions
 //! import applies its ops here with the same checks ([`apply_here`]).
 
 use super::router::{Ctx, Result};
@@ -155,7 +155,7 @@ fn submit(
     v: &VHost,
     checked: Checked,
 ) -> Result<Flight> {
-    let shared = crate::server::wiring::for_cluster(op.clone(), v).map_err(ApiError::from_amqp)?;
+    let shared = op.clone().for_cluster(v).map_err(ApiError::from_amqp)?;
     Ok(Flight::Submitted {
         outcome: cluster.submit(vh, shared),
         new_exchange: checked.new_exchange,

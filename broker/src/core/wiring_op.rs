@@ -73,13 +73,15 @@ pub enum WiringOp {
         durable: bool,
         /// Exclusive to the declaring connection (never multicast: it lives where its
         /// connection is).
+        #[serde(default)]
         exclusive: bool,
         /// Auto-delete flag.
         auto_delete: bool,
         /// Arguments.
         arguments: FieldTable,
         /// Node id of the cluster member where it was declared (its home); none on a
-        /// single broker.
+        /// single broker. Named `owner` on the wire, as members before this field had it.
+        #[serde(rename = "owner")]
         home: Option<String>,
         /// The broker made the `amq.gen-` name up (the client sent an empty one).
         server_named: bool,
@@ -91,8 +93,10 @@ pub enum WiringOp {
         /// Name.
         name: String,
         /// Refuse if the queue has consumers.
+        #[serde(default)]
         if_unused: bool,
         /// Refuse if the queue holds messages.
+        #[serde(default)]
         if_empty: bool,
     },
     /// queue.bind.
@@ -145,6 +149,41 @@ impl WiringOp {
             | WiringOp::UnbindQueue { queue: name, .. } => !exclusive(name),
             _ => true,
         }
+    }
+
+    /// The op as a cluster member multicasts it. A queue's consumers and content are known
+    /// only where they are, so the member that took the request checks queue.delete's
+    /// `if-unused` and `if-empty` against its own copy before the op leaves, and the op every
+    /// member applies is unconditional.
+    pub fn for_cluster(self, v: &VHost) -> Result<WiringOp, AmqpError> {
+        let WiringOp::DeleteQueue {
+            name,
+            if_unused,
+            if_empty,
+        } = self
+        else {
+            return Ok(self);
+        };
+        match v.queue(&name) {
+            Some(found) if if_unused && !found.consumers.is_empty() => {
+                return Err(AmqpError::precondition(format!(
+                    "queue '{name}' in vhost '{}' in use",
+                    v.name()
+                )));
+            }
+            Some(found) if if_empty && found.ready_count() > 0 => {
+                return Err(AmqpError::precondition(format!(
+                    "queue '{name}' in vhost '{}' is not empty",
+                    v.name()
+                )));
+            }
+            _ => {}
+        }
+        Ok(WiringOp::DeleteQueue {
+            name,
+            if_unused: false,
+            if_empty: false,
+        })
     }
 
     /// Applies the op to this broker's vhost on behalf of connection `conn` (which exclusive
@@ -329,6 +368,30 @@ mod tests {
         );
         assert_eq!(a[4], Err(codes::NOT_FOUND));
         assert_eq!(a[5], Err(codes::PRECONDITION_FAILED), "x is in use");
+    }
+
+    #[test]
+    fn ops_read_and_written_in_the_form_members_before_the_one_wiring_path_use() {
+        // What a member multicast before ops carried the whole method.
+        let declare: WiringOp = serde_json::from_str(
+            r#"{"DeclareQueue":{"name":"q","durable":true,"auto_delete":false,
+                "arguments":{},"owner":"a","server_named":false}}"#,
+        )
+        .expect("an older member's declare decodes");
+        assert_eq!(declare, queue("q", true));
+        let delete: WiringOp = serde_json::from_str(r#"{"DeleteQueue":{"name":"q"}}"#)
+            .expect("an older member's delete decodes");
+        assert_eq!(
+            delete,
+            WiringOp::DeleteQueue {
+                name: "q".into(),
+                if_unused: false,
+                if_empty: false,
+            }
+        );
+        // And an older member finds the home where it looks for the owner.
+        let sent = serde_json::to_value(queue("q", true)).unwrap();
+        assert_eq!(sent["DeclareQueue"]["owner"], "a");
     }
 
     #[test]

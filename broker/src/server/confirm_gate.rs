@@ -38,11 +38,14 @@ impl Conditions {
     }
 }
 
-/// Held output of one connection: (end offset in the write buffer, conditions) per batch,
-/// in buffer order.
+/// Held output of one connection: (end offset in the write buffer, conditions) per batch
+/// whose conditions did not hold when last asked, in buffer order. Bounded: a stretch leaves
+/// as soon as its conditions hold, whether or not the connection has anything to write.
 #[derive(Debug, Default)]
 pub struct ConfirmGate {
     held: VecDeque<(usize, Conditions)>,
+    /// What [`ConfirmGate::release`] last allowed: [`ConfirmGate::written`] checks against it.
+    releasable: usize,
 }
 
 impl ConfirmGate {
@@ -60,34 +63,31 @@ impl ConfirmGate {
 
     /// How many of the `buffered` bytes may be written at `progress`: all of them when no
     /// held stretch waits, else those up to the end of the last stretch (from the front)
-    /// whose conditions hold.
-    pub fn releasable(&self, buffered: usize, progress: Progress) -> usize {
+    /// whose conditions hold. Forgets the stretches whose conditions hold.
+    pub fn release(&mut self, buffered: usize, progress: Progress) -> usize {
         let mut released = 0;
-        for &(end, conditions) in &self.held {
-            if !conditions.hold_at(progress) {
-                return released;
+        self.releasable = loop {
+            match self.held.front() {
+                None => break buffered,
+                Some(&(_, conditions)) if !conditions.hold_at(progress) => break released,
+                Some(&(end, _)) => {
+                    released = end;
+                    self.held.pop_front();
+                }
             }
-            released = end;
-        }
-        buffered
+        };
+        self.releasable
     }
 
-    /// Whether any output waits (the connection then listens for journal progress).
-    pub fn is_holding(&self, buffered: usize, progress: Progress) -> bool {
-        self.releasable(buffered, progress) < buffered
-    }
-
-    /// `written` bytes from the front of the buffer went out: forgets the stretches they
-    /// covered and shifts the rest. Asserts the invariant the gate exists for: nothing went
-    /// out before its conditions held.
-    pub fn written(&mut self, written: usize, buffered: usize, progress: Progress) {
+    /// `written` bytes from the front of the buffer went out: shifts the held stretches.
+    /// Asserts the invariant the gate exists for: nothing went out that the last
+    /// [`ConfirmGate::release`] did not allow, so nothing before its conditions held.
+    pub fn written(&mut self, written: usize) {
         assert!(
-            written <= self.releasable(buffered, progress),
+            written <= self.releasable,
             "output released before its conditions hold: a confirm would precede its fsync"
         );
-        while self.held.front().is_some_and(|&(end, _)| end <= written) {
-            self.held.pop_front();
-        }
+        self.releasable -= written;
         for (end, _) in self.held.iter_mut() {
             *end -= written;
         }
@@ -110,11 +110,10 @@ mod tests {
     fn output_before_a_held_batch_goes_and_the_batch_waits_for_its_fsync() {
         let mut gate = ConfirmGate::default();
         gate.hold(10, seq(5));
-        assert_eq!(gate.releasable(25, at(4)), 0);
-        assert!(gate.is_holding(25, at(4)));
-        assert_eq!(gate.releasable(25, at(5)), 25);
-        gate.written(25, 25, at(5));
-        assert!(!gate.is_holding(0, at(5)));
+        assert_eq!(gate.release(25, at(4)), 0);
+        assert_eq!(gate.release(25, at(5)), 25);
+        gate.written(25);
+        assert_eq!(gate.release(0, at(5)), 0);
     }
 
     #[test]
@@ -122,17 +121,30 @@ mod tests {
         let mut gate = ConfirmGate::default();
         gate.hold(10, seq(5));
         gate.hold(20, seq(9));
-        assert_eq!(gate.releasable(30, at(6)), 10);
-        gate.written(10, 30, at(6));
-        assert_eq!(gate.releasable(20, at(6)), 0);
-        assert_eq!(gate.releasable(20, at(9)), 20);
+        assert_eq!(gate.release(30, at(6)), 10);
+        gate.written(10);
+        assert_eq!(gate.release(20, at(6)), 0);
+        assert_eq!(gate.release(20, at(9)), 20);
     }
 
     #[test]
     fn batches_that_promise_nothing_durable_are_not_held() {
         let mut gate = ConfirmGate::default();
         gate.hold(10, None);
-        assert_eq!(gate.releasable(10, at(0)), 10);
+        assert_eq!(gate.release(10, at(0)), 10);
+    }
+
+    #[test]
+    fn satisfied_stretches_are_forgotten_even_when_nothing_is_written() {
+        let mut gate = ConfirmGate::default();
+        for n in 1..=10_000u64 {
+            gate.hold(0, seq(n));
+            assert_eq!(gate.release(0, at(n)), 0);
+        }
+        assert!(
+            gate.held.is_empty(),
+            "a publisher with no output holds nothing"
+        );
     }
 
     #[test]
@@ -140,6 +152,7 @@ mod tests {
     fn writing_past_an_unmet_batch_stops_loudly() {
         let mut gate = ConfirmGate::default();
         gate.hold(10, seq(5));
-        gate.written(10, 10, at(4));
+        gate.release(10, at(4));
+        gate.written(10);
     }
 }

@@ -157,40 +157,6 @@ pub fn op_for(
     }))
 }
 
-/// The op as a cluster member multicasts it. A queue's consumers and content are known only
-/// where they are, so this member checks queue.delete's `if-unused` and `if-empty` against
-/// its own copy before the op leaves, and the op every member applies is unconditional.
-pub fn for_cluster(op: WiringOp, v: &VHost) -> Result<WiringOp, AmqpError> {
-    let WiringOp::DeleteQueue {
-        name,
-        if_unused,
-        if_empty,
-    } = op
-    else {
-        return Ok(op);
-    };
-    match v.queue(&name) {
-        Some(found) if if_unused && !found.consumers.is_empty() => {
-            return Err(AmqpError::precondition(format!(
-                "queue '{name}' in vhost '{}' in use",
-                v.name()
-            )));
-        }
-        Some(found) if if_empty && found.ready_count() > 0 => {
-            return Err(AmqpError::precondition(format!(
-                "queue '{name}' in vhost '{}' is not empty",
-                v.name()
-            )));
-        }
-        _ => {}
-    }
-    Ok(WiringOp::DeleteQueue {
-        name,
-        if_unused: false,
-        if_empty: false,
-    })
-}
-
 /// The -ok method for a committed op.
 pub fn reply_method(awaited: &Awaited, reply: &OpReply) -> AMQPClass {
     match awaited {

@@ -7,7 +7,7 @@ use super::{Connection, Lazy};
 use crate::amqp::{AMQPClass, basic, codes};
 use crate::auth::permissions::{Access, Resource};
 use crate::clock::now_ms;
-use crate::core::{AmqpError, Consume};
+use crate::core::{AmqpError, ChannelKey, Consume};
 use crate::server::channel::{BodyParts, HeldAck, PendingPublish};
 
 impl Connection {
@@ -202,6 +202,16 @@ impl Connection {
             return Ok(());
         }
         let key = ch.key;
+        self.apply_settle(key, settle, v)
+    }
+
+    /// Applies one acknowledgement to the vhost (at once, or at tx.commit).
+    pub(super) fn apply_settle(
+        &mut self,
+        key: ChannelKey,
+        settle: HeldAck,
+        v: &mut Lazy,
+    ) -> Result<(), AmqpError> {
         let now = now_ms();
         match settle {
             HeldAck::Ack { tag, multiple } => {

@@ -257,6 +257,8 @@ impl Connection {
                 );
                 if let Some(ch) = self.channels.get_mut(&id) {
                     ch.crossing_close_answered = true;
+                    // Nothing more goes out on a channel after its close-ok.
+                    ch.confirms.clear();
                 }
                 return Ok(());
             }

@@ -142,10 +142,20 @@ struct Connection {
     cluster_wait: Option<wiring::ClusterWait>,
 }
 
+/// How a connection's task ends with its socket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Finish {
+    /// The broker had the last word (close-ok, or the protocol header it speaks): shut the
+    /// socket down and let the client close first ([`close_gracefully`]).
+    Gracefully,
+    /// The client is gone, or stopped reading, or never finished the handshake: drop it.
+    Drop,
+}
+
 /// Serves one accepted socket until it closes: a plain TCP stream, or a TLS stream after its
 /// handshake (`tls` then says what the handshake learnt). Generic so that the plaintext path
 /// is compiled for `TcpStream` alone and pays nothing for TLS.
-pub async fn serve<S>(broker: Arc<Broker>, stream: S, peer: SocketAddr, tls: Option<TlsPeer>)
+pub async fn serve<S>(broker: Arc<Broker>, mut stream: S, peer: SocketAddr, tls: Option<TlsPeer>)
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
@@ -180,14 +190,20 @@ where
         stats: ConnStats::default(),
         cluster_wait: None,
     };
-    let result = conn.run(stream).await;
+    let result = conn.run(&mut stream).await;
+    // The connection's state goes first — unacked messages requeued, exclusive queues
+    // deleted, the connection no longer counted — and only then does the socket wait for
+    // the client to close its side.
     conn.release();
     broker.unregister(id);
     conn.stats.closed(&broker.stats, id); // metrics
     let user = conn.user.as_ref().map(|u| u.name.as_str()).unwrap_or("-");
     match result {
-        Ok(()) => {
-            tracing::info!(conn = id, %peer, user, vhost = %conn.vhost_name, reason = %conn.close_reason, "connection closed")
+        Ok(finish) => {
+            tracing::info!(conn = id, %peer, user, vhost = %conn.vhost_name, reason = %conn.close_reason, "connection closed");
+            if finish == Finish::Gracefully {
+                let _ = close_gracefully(&mut stream).await;
+            }
         }
         Err(e) => {
             tracing::info!(conn = id, %peer, user, vhost = %conn.vhost_name, error = %e, "connection lost")
@@ -196,7 +212,7 @@ where
 }
 
 impl Connection {
-    async fn run<S>(&mut self, mut stream: S) -> std::io::Result<()>
+    async fn run<S>(&mut self, stream: &mut S) -> std::io::Result<Finish>
     where
         S: AsyncRead + AsyncWrite + Unpin,
     {
@@ -208,7 +224,7 @@ impl Connection {
         {
             Err(_) => {
                 self.close_reason = "no protocol header before the handshake timeout".into();
-                return Ok(());
+                return Ok(Finish::Drop);
             }
             Ok(r) => {
                 r?;
@@ -219,7 +235,7 @@ impl Connection {
             stream.write_all(PROTOCOL_HEADER).await?;
             stream.flush().await?;
             self.close_reason = format!("bad protocol header {header:?}");
-            return close_gracefully(&mut stream).await;
+            return Ok(Finish::Gracefully);
         }
         self.send_start();
         let mut rbuf = BytesMut::new();
@@ -238,27 +254,25 @@ impl Connection {
                 journal_synced: *synced.borrow(),
             };
             let buffered = self.writer.len();
-            let writable = self.gate.releasable(buffered, progress);
+            let writable = self.gate.release(buffered, progress);
             let held = writable < buffered;
             if writable > 0 {
                 self.stats.bytes_out += writable as u64; // metrics
-                if !write_with_progress(&mut stream, &self.writer.as_slice()[..writable], stall)
-                    .await?
-                {
+                if !write_with_progress(stream, &self.writer.as_slice()[..writable], stall).await? {
                     tracing::warn!(conn = self.id, peer = %self.peer, timeout_s = stall.as_secs(), "closing connection: the client stopped reading");
                     self.close_reason = format!(
                         "write stalled: the client read nothing for {} s",
                         stall.as_secs()
                     );
-                    return Ok(());
+                    return Ok(Finish::Drop);
                 }
                 self.writer.consume(writable);
-                self.gate.written(writable, buffered, progress);
+                self.gate.written(writable);
                 self.report_written();
                 continue;
             }
             if self.phase == Phase::Done {
-                return close_gracefully(&mut stream).await;
+                return Ok(Finish::Gracefully);
             }
             if self.phase == Phase::Closing && close_deadline.is_none() {
                 close_deadline = Some(Instant::now() + CLOSE_OK_TIMEOUT);
@@ -294,14 +308,14 @@ impl Connection {
                 r = synced.changed(), if held => {
                     if r.is_err() {
                         self.close_reason = "the journal stopped".into();
-                        return Ok(());
+                        return Ok(Finish::Drop);
                     }
                 }
                 r = stream.read_buf(&mut rbuf), if reading => {
                     let n = r?;
                     if n == 0 {
                         self.close_reason = "client closed the socket".into();
-                        return Ok(());
+                        return Ok(Finish::Drop);
                     }
                     // A read that filled most of the space asks for a bigger buffer next time.
                     read_chunk = if n >= read_chunk / 2 { READ_CHUNK_BUSY } else { READ_CHUNK_IDLE };
@@ -319,7 +333,7 @@ impl Connection {
                     if last_recv.elapsed() > limit {
                         tracing::warn!(conn = self.id, peer = %self.peer, timeout_s = self.heartbeat_s, "missed heartbeats from client");
                         self.close_reason = "missed heartbeats".into();
-                        return Ok(());
+                        return Ok(Finish::Drop);
                     }
                     self.writer.heartbeat();
                 }
@@ -329,7 +343,7 @@ impl Connection {
                         Phase::Running => continue,
                         _ => "handshake timeout".into(),
                     };
-                    return Ok(());
+                    return Ok(Finish::Drop);
                 }
             }
         }

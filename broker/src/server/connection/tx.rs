@@ -7,7 +7,7 @@ use super::{Connection, Lazy};
 use crate::amqp::{AMQPClass, basic, confirm, tx};
 use crate::clock::now_ms;
 use crate::core::{AmqpError, ChannelKey, PublishOutcome};
-use crate::server::channel::{HeldAck, Transaction};
+use crate::server::channel::Transaction;
 
 impl Connection {
     /// confirm.select: from now on every publish on the channel is confirmed.
@@ -104,19 +104,8 @@ impl Connection {
                 self.send_return(id, &p.message);
             }
         }
-        for a in held.acks {
-            match a {
-                HeldAck::Ack { tag, multiple } => {
-                    v.get().basic_ack(key, tag, multiple, now, &mut self.fx)?
-                }
-                HeldAck::Nack {
-                    tag,
-                    multiple,
-                    requeue,
-                } => v
-                    .get()
-                    .basic_nack(key, tag, multiple, requeue, now, &mut self.fx)?,
-            }
+        for settle in held.acks {
+            self.apply_settle(key, settle, v)?;
         }
         Ok(())
     }

@@ -57,7 +57,7 @@ impl Connection {
         }
         match cluster {
             Some(cluster) if op.is_shared(v.get()) => {
-                let op = wiring::for_cluster(op, v.get())?;
+                let op = op.for_cluster(v.get())?;
                 self.cluster_wait = Some(ClusterWait {
                     channel: id,
                     class_id,
