@@ -166,6 +166,26 @@ async fn wiring_declared_on_one_member_exists_on_every_member() {
         .map(|m| m["id"].as_str().unwrap())
         .collect();
     assert_eq!(ids, ["wiring-0", "wiring-1", "wiring-2"]);
+
+    // Every member names the same consensus leader, one of them, in its overview.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let leaders = loop {
+        let leaders: Vec<serde_json::Value> = members
+            .iter()
+            .map(|m| {
+                m.admin_client().get("/api/overview").unwrap().body["cluster"]["leader"].clone()
+            })
+            .collect();
+        if leaders.iter().all(|l| *l == leaders[0] && !l.is_null()) {
+            break leaders;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "members disagree on the leader: {leaders:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(ids.contains(&leaders[0].as_str().unwrap()), "{leaders:?}");
 }
 
 #[tokio::test]

@@ -57,6 +57,16 @@ pub enum MapError {
     /// No snapshot came while the buffer filled.
     #[error("no cluster map arrived while {0} events were buffered")]
     NoSnapshot(usize),
+    /// A committed message this member cannot read (another version's format, or damage):
+    /// applying the ones after it would let this member's map drift from the others', so it
+    /// stops instead (and rejoins with a snapshot when restarted).
+    #[error("committed cluster message {index} from member {sender} cannot be decoded")]
+    Undecodable {
+        /// Its index in the group's agreed order.
+        index: u64,
+        /// The member that multicast it.
+        sender: MemberId,
+    },
 }
 
 /// One member's cluster map.
@@ -99,7 +109,7 @@ impl ClusterMap {
     ) -> Result<Vec<Action>, MapError> {
         let mut actions = Vec::new();
         if self.synced {
-            self.handle(ev, store, &mut actions);
+            self.handle(ev, store, &mut actions)?;
             return Ok(actions);
         }
         match &ev {
@@ -118,7 +128,7 @@ impl ClusterMap {
             }
             CpgEvent::Deliver { payload, .. } if self.joined => match ClusterMsg::decode(payload) {
                 Some(ClusterMsg::Snapshot(s)) if s.to == self.me => {
-                    self.install(*s, store, &mut actions);
+                    self.install(*s, store, &mut actions)?;
                 }
                 _ => self.buffered.push(ev),
             },
@@ -141,21 +151,32 @@ impl ClusterMap {
         }))
     }
 
-    fn install(&mut self, s: Snapshot, store: &mut impl WiringStore, actions: &mut Vec<Action>) {
+    fn install(
+        &mut self,
+        s: Snapshot,
+        store: &mut impl WiringStore,
+        actions: &mut Vec<Action>,
+    ) -> Result<(), MapError> {
         store.install(s.vhosts);
         self.membership.install(s.membership);
         self.membership.on_snapshot(self.me);
         self.synced = true;
         for ev in std::mem::take(&mut self.buffered) {
             if ev.index() > s.through {
-                self.handle(ev, store, actions);
+                self.handle(ev, store, actions)?;
             }
         }
         actions.push(Action::HostsChanged);
         actions.push(Action::Synced);
+        Ok(())
     }
 
-    fn handle(&mut self, ev: CpgEvent, store: &mut impl WiringStore, actions: &mut Vec<Action>) {
+    fn handle(
+        &mut self,
+        ev: CpgEvent,
+        store: &mut impl WiringStore,
+        actions: &mut Vec<Action>,
+    ) -> Result<(), MapError> {
         match ev {
             CpgEvent::ConfChg { index, members, .. } => {
                 let ids: Vec<MemberId> = members.iter().map(|m| m.id).collect();
@@ -166,7 +187,10 @@ impl ClusterMap {
                 actions.push(Action::HostsChanged);
             }
             CpgEvent::Deliver {
-                sender, payload, ..
+                index,
+                sender,
+                payload,
+                ..
             } => match ClusterMsg::decode(&payload) {
                 Some(ClusterMsg::Hello(info)) => {
                     self.membership.on_hello(sender, info);
@@ -184,9 +208,10 @@ impl ClusterMap {
                     }
                 }
                 Some(ClusterMsg::Snapshot(s)) => self.membership.on_snapshot(s.to),
-                None => {}
+                None => return Err(MapError::Undecodable { index, sender }),
             },
         }
+        Ok(())
     }
 }
 

@@ -170,6 +170,20 @@ impl Cluster {
         self.cpg.voter_count()
     }
 
+    /// Node id of the consensus leader as this member knows it: `None` during an election,
+    /// or while the leader is not (yet) a member that announced itself in the cluster group.
+    /// What an operator looks at first when the cluster stalls.
+    pub fn leader(&self) -> Option<String> {
+        let leader = self.cpg.leader()?;
+        self.membership
+            .read()
+            .members()
+            .iter()
+            .find(|m| m.id == leader)
+            .and_then(|m| m.info.as_ref())
+            .map(|info| info.node_id.clone())
+    }
+
     /// Whether this member currently holds quorum.
     pub fn has_quorum(&self) -> bool {
         *self.cpg.quorum().borrow()

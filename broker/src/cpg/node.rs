@@ -242,6 +242,12 @@ impl Cpg {
         &self.inner.addr
     }
 
+    /// The consensus leader as this member last heard of it (none during an election, or
+    /// when this member is cut off and has not heard of one).
+    pub fn leader(&self) -> Option<MemberId> {
+        self.inner.raft.metrics().borrow().current_leader
+    }
+
     /// Whether this member currently has quorum; the watch changes within a lease of losing it.
     /// A member without quorum must stop serving what depends on agreement.
     pub fn quorum(&self) -> watch::Receiver<bool> {

@@ -34,6 +34,7 @@ fn overview(b: &Broker) -> Value {
             "cluster_port": c.addr(),
             "quorum": c.has_quorum(),
             "voters": c.voters(),
+            "leader": c.leader(),
         })),
         "object_totals": {
             "connections": b.registry.connection_count(),

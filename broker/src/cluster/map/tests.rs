@@ -312,3 +312,32 @@ fn every_live_member_ends_with_the_same_map() {
         run(seed);
     }
 }
+
+#[test]
+fn a_committed_message_this_member_cannot_read_stops_it() {
+    let mut map = ClusterMap::new(1);
+    let mut store = Store::new(1);
+    let founded = CpgEvent::ConfChg {
+        group: "ringmq".into(),
+        index: 1,
+        members: vec![member(1)],
+        joined: vec![member(1)],
+        left: Vec::new(),
+        failed: Vec::new(),
+    };
+    map.on_event(founded, &mut store).unwrap();
+    assert!(map.is_synced());
+    let garbage = CpgEvent::Deliver {
+        group: "ringmq".into(),
+        index: 2,
+        sender: 2,
+        payload: Bytes::from_static(b"{\"NotAMessage\":1}"),
+    };
+    assert_eq!(
+        map.on_event(garbage, &mut store),
+        Err(MapError::Undecodable {
+            index: 2,
+            sender: 2
+        })
+    );
+}
