@@ -8,6 +8,7 @@
 use super::frames::{ConnError, permit, short};
 use super::{Connection, Lazy};
 use crate::amqp::{AMQPClass, codes, exchange, queue};
+use crate::auth::permissions::{Access, Resource};
 use crate::clock::now_ms;
 use crate::cluster::OpOutcome;
 use crate::core::{AmqpError, ExchangeDeclare, OpReply, QueueDeclare};
@@ -208,11 +209,7 @@ impl Connection {
         let q = ch
             .queue_name(p.queue.as_str())
             .ok_or_else(|| AmqpError::not_found("no previously declared queue"))?;
-        permit(
-            &self.perms,
-            crate::auth::permissions::Access::Read,
-            crate::auth::permissions::Resource::Queue(&q),
-        )?;
+        permit(&self.perms, Access::Read, Resource::Queue(&q))?;
         let message_count = v.get().queue_purge(self.id, &q, &mut self.fx)?;
         if !p.nowait {
             self.writer.method(
