@@ -52,6 +52,42 @@ pub struct Broker {
     pub log: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
     /// Cluster port address, for a broker whose config sets `cluster_listen`.
     pub cluster: Option<String>,
+    /// The fixed ports it was started on ([`Broker::start_on_ports`]), kept across restarts.
+    fixed: Option<Ports>,
+}
+
+/// Ports a broker listens on, chosen before it starts so that a restarted cluster member
+/// comes back at the same addresses (its consensus peers know it by them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ports {
+    /// AMQP listener.
+    pub amqp: SocketAddr,
+    /// Admin HTTP listener.
+    pub admin: SocketAddr,
+    /// Cluster port.
+    pub cluster: SocketAddr,
+}
+
+impl Ports {
+    /// Three free 127.0.0.1 ports (see [`free_port`]).
+    pub fn allocate() -> Self {
+        let at = |port| SocketAddr::from(([127, 0, 0, 1], port));
+        Ports {
+            amqp: at(free_port()),
+            admin: at(free_port()),
+            cluster: at(free_port()),
+        }
+    }
+}
+
+/// A 127.0.0.1 port the OS hands out: bound to port 0, read, and released. Another process
+/// may take it before the broker binds it (a small race the tests accept); ports handed out
+/// this way are not handed out again at once.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("the OS hands out a loopback port")
+        .port()
 }
 
 impl Broker {
@@ -77,11 +113,11 @@ impl Broker {
     }
 
     /// Stops the broker with SIGKILL — a crash at whatever point it was — and starts it
-    /// again on the same data directory (on a new port).
+    /// again on the same data directory (on new ports, unless it was started on fixed ones).
     pub fn crash_and_restart(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        *self = Self::spawn(std::mem::take(&mut self.data_dir));
+        self.respawn();
     }
 
     /// Stops the broker with SIGKILL and waits for it to be gone.
@@ -95,14 +131,14 @@ impl Broker {
     pub fn restart_with_config(&mut self, yaml: &str) {
         self.kill();
         std::fs::write(self.data_dir.join("ringmq.yaml"), yaml).expect("temp dir is writable");
-        *self = Self::spawn(std::mem::take(&mut self.data_dir));
+        self.respawn();
     }
 
     /// Stops the broker with SIGTERM (a clean shutdown) and starts it again on the same data
     /// directory.
     pub fn stop_and_restart(&mut self) {
         self.terminate();
-        *self = Self::spawn(std::mem::take(&mut self.data_dir));
+        self.respawn();
     }
 
     /// Sends SIGTERM and waits (at most 10 s, then SIGKILL) for the broker to exit.
@@ -117,19 +153,74 @@ impl Broker {
         let _ = self.child.wait();
     }
 
-    /// Runs the broker binary on `data_dir` (holding `ringmq.yaml`), waiting for its address.
-    fn spawn(data_dir: PathBuf) -> Self {
+    /// Starts a broker with this YAML on fixed `ports` (`--amqp-listen`, `--admin-listen` and
+    /// `--cluster-listen` override the YAML), in a new data directory. Unlike
+    /// [`Broker::start_with_config`] it does not wait for the `listening` lines (a cluster
+    /// member may print them, or not, long before it is ready): it returns once the admin
+    /// port accepts TCP connections, the process exited, or 30 s passed. Readiness is the
+    /// caller's to poll (`/readyz`). Restart it with [`Broker::start_again`].
+    pub fn start_on_ports(yaml: &str, ports: Ports) -> Self {
+        let n = NEXT_DIR.fetch_add(1, Ordering::Relaxed);
+        let data_dir = std::env::temp_dir().join(format!("ringmq-test-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&data_dir);
+        std::fs::create_dir_all(&data_dir).expect("temp dir is writable");
+        std::fs::write(data_dir.join("ringmq.yaml"), yaml).expect("temp dir is writable");
+        Self::spawn_on_ports(data_dir, ports)
+    }
+
+    /// Kills the broker (SIGKILL, if it still runs) and starts it again on the same data
+    /// directory, configuration and (for [`Broker::start_on_ports`]) ports — the same
+    /// cluster member coming back. Returns as [`Broker::start_on_ports`] does.
+    pub fn start_again(&mut self) {
+        self.kill();
+        self.respawn();
+    }
+
+    /// Starts the (stopped) process again on its data directory, on its fixed ports if it
+    /// has them, else on new ones.
+    fn respawn(&mut self) {
+        let data_dir = std::mem::take(&mut self.data_dir);
+        *self = match self.fixed {
+            Some(ports) => Self::spawn_on_ports(data_dir, ports),
+            None => Self::spawn(data_dir),
+        };
+    }
+
+    /// Sends `signal` to the broker process (by its PID).
+    pub fn signal(&self, signal: libc::c_int) {
+        // SAFETY: signalling a child process this struct owns (and has not reaped).
+        let rc = unsafe { libc::kill(self.child.id() as libc::pid_t, signal) };
+        assert_eq!(rc, 0, "kill({}, {signal})", self.child.id());
+    }
+
+    /// Freezes the broker (SIGSTOP): to its peers it is silent, its sockets stay open.
+    pub fn pause(&self) {
+        self.signal(libc::SIGSTOP);
+    }
+
+    /// Lets a paused broker run again (SIGCONT).
+    pub fn resume(&self) {
+        self.signal(libc::SIGCONT);
+    }
+
+    /// The exit status, if the process has exited.
+    pub fn exit_status(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().ok().flatten()
+    }
+
+    /// The last `n` lines of its log (stderr, and stdout lines prefixed `stdout: ` for a
+    /// broker started on fixed ports), for failure messages.
+    pub fn log_tail(&self, n: usize) -> String {
+        let log = self.log.lock().expect("log lock");
+        log[log.len().saturating_sub(n)..].join("\n")
+    }
+
+    fn command(data_dir: &Path) -> Command {
         let config = data_dir.join("ringmq.yaml");
         let yaml_sets_iterations =
             std::fs::read_to_string(&config).is_ok_and(|y| y.contains("password_hash_iterations"));
-        let mut child = Command::new(binary("ringmq-broker"))
-            .args([
-                "--amqp-listen",
-                "127.0.0.1:0",
-                "--admin-listen",
-                "127.0.0.1:0",
-            ])
-            .arg("--data-dir")
+        let mut cmd = Command::new(binary("ringmq-broker"));
+        cmd.arg("--data-dir")
             .arg(data_dir.join("data"))
             .arg("--config")
             .arg(&config)
@@ -142,7 +233,67 @@ impl Broker {
                 ("RINGMQ_PASSWORD_HASH_ITERATIONS", n)
             }))
             .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
+            .stderr(Stdio::piped());
+        cmd
+    }
+
+    fn spawn_on_ports(data_dir: PathBuf, ports: Ports) -> Self {
+        let mut child = Self::command(&data_dir)
+            .arg("--amqp-listen")
+            .arg(ports.amqp.to_string())
+            .arg("--admin-listen")
+            .arg(ports.admin.to_string())
+            .arg("--cluster-listen")
+            .arg(ports.cluster.to_string())
+            .spawn()
+            .expect("the broker binary starts");
+        let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let stderr = child.stderr.take().expect("piped");
+        let sink = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                sink.lock().expect("log lock").push(line);
+            }
+        });
+        let stdout = child.stdout.take().expect("piped");
+        let sink = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                sink.lock()
+                    .expect("log lock")
+                    .push(format!("stdout: {line}"));
+            }
+        });
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while std::time::Instant::now() < deadline
+            && matches!(child.try_wait(), Ok(None))
+            && std::net::TcpStream::connect_timeout(&ports.admin, Duration::from_millis(200))
+                .is_err()
+        {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Broker {
+            child,
+            addr: ports.amqp,
+            amqps: None,
+            admin: ports.admin,
+            data_dir,
+            log,
+            cluster: Some(ports.cluster.to_string()),
+            fixed: Some(ports),
+        }
+    }
+
+    /// Runs the broker binary on `data_dir` (holding `ringmq.yaml`), waiting for its address.
+    fn spawn(data_dir: PathBuf) -> Self {
+        let config = data_dir.join("ringmq.yaml");
+        let mut child = Self::command(&data_dir)
+            .args([
+                "--amqp-listen",
+                "127.0.0.1:0",
+                "--admin-listen",
+                "127.0.0.1:0",
+            ])
             .spawn()
             .expect("the broker binary starts");
         let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
@@ -207,6 +358,7 @@ impl Broker {
             data_dir,
             log,
             cluster,
+            fixed: None,
         }
     }
 
