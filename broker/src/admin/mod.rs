@@ -211,6 +211,25 @@ fn decode(segment: &str) -> String {
         .into_owned()
 }
 
+/// Why `/readyz` answers 503, or `None` when this broker serves: its listeners are up, it
+/// is not leaving, and a cluster member has joined and holds the majority's lease and map.
+fn not_ready_reason(broker: &Broker) -> Option<String> {
+    let r = &broker.registry;
+    if r.leaving.load(Ordering::Relaxed) {
+        return Some("the node is leaving the cluster".into());
+    }
+    if !r.is_ready() {
+        return Some("listeners are not up yet".into());
+    }
+    match broker.cluster() {
+        Some(cluster) => cluster.not_ready_reason(),
+        None if broker.config.cluster_listen.is_some() => {
+            Some("waiting to join the cluster: not admitted yet".into())
+        }
+        None => None,
+    }
+}
+
 async fn handle(broker: &Arc<Broker>, peer: SocketAddr, req: Request<Incoming>) -> Reply {
     let method = req.method().clone();
     let raw_path = req.uri().path().to_owned();
@@ -220,16 +239,11 @@ async fn handle(broker: &Arc<Broker>, peer: SocketAddr, req: Request<Incoming>) 
             return json_reply(StatusCode::OK, &json!({"status": "ok"}));
         }
         "/readyz" if get => {
-            let r = &broker.registry;
-            return if r.is_ready() {
-                json_reply(StatusCode::OK, &json!({"status": "ready"}))
-            } else {
-                let reason = if r.leaving.load(Ordering::Relaxed) {
-                    "the node is leaving the cluster"
-                } else {
-                    "listeners are not up yet"
-                };
-                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "not_ready", reason).into_reply()
+            return match not_ready_reason(broker) {
+                None => json_reply(StatusCode::OK, &json!({"status": "ready"})),
+                Some(reason) => {
+                    ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "not_ready", reason).into_reply()
+                }
             };
         }
         "/metrics" if get => {

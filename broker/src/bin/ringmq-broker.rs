@@ -61,7 +61,6 @@ struct Args {
     /// PBKDF2 iterations for passwords this broker hashes [default: 600000].
     #[arg(long, env = "RINGMQ_PASSWORD_HASH_ITERATIONS", value_name = "N")]
     password_hash_iterations: Option<u32>,
-    /// Log filter in RUST_LOG syntax [default: info].
     /// Cluster port: makes this broker a cluster member.
     #[arg(long, env = "RINGMQ_CLUSTER_LISTEN", value_name = "ADDR")]
     cluster_listen: Option<SocketAddr>,
@@ -79,6 +78,13 @@ struct Args {
     /// Host other members and clients reach this broker at (when listening on 0.0.0.0).
     #[arg(long, env = "RINGMQ_ADVERTISE_HOST", value_name = "HOST")]
     advertise_host: Option<String>,
+    /// Start a new cluster from this member's state alone, for the day a majority of the
+    /// cluster is lost for good. Changes the lost members committed that this one had not
+    /// applied are gone; every other survivor must empty its `<data-dir>/cluster` and join
+    /// this member. The old cluster state is kept aside as `cluster.before-force-boot-<time>`.
+    #[arg(long, env = "RINGMQ_CLUSTER_FORCE_BOOT")]
+    cluster_force_boot: bool,
+    /// Log filter in RUST_LOG syntax [default: info].
     #[arg(long, env = "RINGMQ_LOG", value_name = "FILTER")]
     log: Option<String>,
     /// Log format.
@@ -94,6 +100,7 @@ enum LogFormat {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    let force_boot = args.cluster_force_boot;
     // openraft logs every vote and append at info; its warnings are what an operator needs.
     let filter =
         tracing_subscriber::EnvFilter::try_new(args.log.as_deref().unwrap_or("info,openraft=warn"))
@@ -177,7 +184,9 @@ fn main() -> anyhow::Result<()> {
             .with_context(|| format!("cannot listen on {} (admin)", config.admin_listen))?;
         tracing::info!(admin = %admin_addr, "admin listener ready");
         let cluster = match config.cluster_listen {
-            Some(listen) => Some(join_cluster(&running, &config, listen, admin_addr).await?),
+            Some(listen) => {
+                Some(join_cluster(&running, &config, listen, admin_addr, force_boot).await?)
+            }
             None => None,
         };
         // Machine-readable lines for scripts and tests that start the broker on port 0.
@@ -208,7 +217,14 @@ async fn join_cluster(
     config: &Config,
     listen: SocketAddr,
     admin_addr: SocketAddr,
+    force_boot: bool,
 ) -> anyhow::Result<std::sync::Arc<ringmq::cluster::Cluster>> {
+    let dir = config.data_dir.join("cluster");
+    let mut seeds = config.cluster_seeds.clone();
+    if force_boot {
+        set_cluster_state_aside(&dir)?;
+        seeds.clear();
+    }
     let secret_file = config
         .cluster_secret_file
         .as_ref()
@@ -231,7 +247,7 @@ async fn join_cluster(
             .advertise_host
             .as_ref()
             .map(|h| format!("{h}:{}", listen.port())),
-        seeds: config.cluster_seeds.clone(),
+        seeds,
         secret,
         failure_timeout_ms: config.cluster_failure_timeout_ms,
         info: ringmq::cluster::MemberInfo {
@@ -248,6 +264,7 @@ async fn join_cluster(
         },
         join_timeout: std::time::Duration::from_millis(config.cluster_join_timeout_ms),
         found_if_no_seed_answers: config.cluster_founder.as_deref() == Some(&config.node_id),
+        dir,
     };
     let cluster = ringmq::cluster::Cluster::start(
         ringmq::broker::cluster_host::BrokerHost::new(running.broker.clone()),
@@ -258,6 +275,31 @@ async fn join_cluster(
     let _ = running.broker.cluster.set(cluster.clone());
     running.broker.start_serving();
     Ok(cluster)
+}
+
+/// `--cluster-force-boot`: moves this member's cluster state aside so that it founds a new
+/// cluster from its own wiring and messages, and says loudly what that costs.
+fn set_cluster_state_aside(dir: &std::path::Path) -> anyhow::Result<()> {
+    if !dir.exists() {
+        tracing::warn!(
+            "--cluster-force-boot: this member has no cluster state; founding a new cluster"
+        );
+        return Ok(());
+    }
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let aside = dir.with_file_name(format!("cluster.before-force-boot-{secs}"));
+    std::fs::rename(dir, &aside)
+        .with_context(|| format!("--cluster-force-boot: cannot move {} aside", dir.display()))?;
+    tracing::error!(
+        kept = %aside.display(),
+        "FORCE BOOT: founding a new cluster from this member's state alone. Wiring changes the \
+         old cluster committed that this member had not applied are LOST, and so are the \
+         messages held only by members that do not come back. Every other surviving member \
+         must empty its <data-dir>/cluster directory and join this member (--cluster-seeds)."
+    );
+    Ok(())
 }
 
 fn raise_open_file_limit() {

@@ -24,15 +24,22 @@ impl BrokerHost {
 }
 
 impl WiringStore for BrokerHost {
-    fn apply(&mut self, vhost: &str, op: &WiringOp) -> OpOutcome {
+    fn apply(&mut self, index: u64, vhost: &str, op: &WiringOp) -> OpOutcome {
         let Some(vhost_ref) = self.broker.vhost(vhost) else {
             return Err(AmqpError::not_found(format!("no vhost '{vhost}'")));
         };
         let mut v = vhost_ref.lock();
         let mut fx = Effects::default();
         let result = op.apply(&mut v, NO_CONNECTION, now_ms(), &mut fx);
+        // Saved with the wiring, in the same journal job: a restart then never applies this
+        // op twice, whatever it did (a purge replayed would drop later messages).
+        v.cluster_applied(index);
         let gate = self.broker.finish_batch(0, &mut v, &mut fx);
         result.map(|reply| (reply, gate))
+    }
+
+    fn applied_through(&mut self, vhost: &str) -> Option<u64> {
+        self.broker.vhost(vhost)?.lock().cluster_through()
     }
 
     fn export(&mut self) -> BTreeMap<String, Wiring> {
@@ -43,10 +50,11 @@ impl WiringStore for BrokerHost {
             .collect()
     }
 
-    fn install(&mut self, vhosts: BTreeMap<String, Wiring>) {
+    fn install(&mut self, vhosts: BTreeMap<String, Wiring>, through: u64) {
         let now = now_ms();
         let mut fx = Effects::default();
-        for (name, wiring) in vhosts {
+        for (name, mut wiring) in vhosts {
+            wiring.cluster_through = Some(through);
             self.broker.add_vhost(&name);
             let Some(vhost) = self.broker.vhost(&name) else {
                 continue;
@@ -74,5 +82,12 @@ impl ClusterHost for BrokerHost {
 
     fn shutdown(&mut self) {
         self.broker.journal.shutdown();
+    }
+
+    fn journal(&self) -> (u64, tokio::sync::watch::Receiver<u64>) {
+        (
+            self.broker.journal.last_submitted(),
+            self.broker.journal.synced(),
+        )
     }
 }

@@ -2,20 +2,21 @@
 //! events to the broker's vhosts in agreed order, and answers the requests its own clients
 //! made.
 
-use super::map::{Action, ClusterMap, WiringStore};
+use super::map::{Action, Checkpoint, ClusterMap, WiringStore};
 use super::membership::{MemberInfo, MemberState, Membership};
 use super::message::ClusterMsg;
 use crate::core::AmqpError;
 use crate::core::{OpReply, WiringOp};
-use crate::cpg::{Cpg, CpgConfig, CpgError, CpgEvent, CpgEvents, MemberId};
+use crate::cpg::{Cpg, CpgConfig, CpgError, CpgEvent, CpgEvents, MemberId, SyncPoint};
 use bytes::Bytes;
 use parking_lot::{Mutex, RwLock};
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
-use tokio::sync::{oneshot, watch};
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc, oneshot, watch};
 
 /// The CPG group every member of a cluster joins.
 pub const GROUP: &str = "ringmq";
@@ -43,9 +44,20 @@ pub struct ClusterSettings {
     pub join_timeout: Duration,
     /// When no seed admits this member within `join_timeout`, found the cluster instead of
     /// giving up: the configured founder of a cluster whose seeds are a DNS name that every
-    /// member shares (a Kubernetes headless Service), where the first pod finds nobody.
+    /// member shares (a Kubernetes headless Service), where the first pod finds nobody. Only
+    /// ever on an empty cluster directory: a member that belonged to a cluster never founds.
     pub found_if_no_seed_answers: bool,
+    /// Where this member keeps its cluster state (`<data-dir>/cluster`): its consensus state
+    /// (`consensus/`) and its map checkpoint (`map.json`). With them a restart is the same
+    /// member, resuming where it stopped.
+    pub dir: PathBuf,
 }
+
+/// The map checkpoint's file in the cluster directory.
+const CHECKPOINT_FILE: &str = "map.json";
+
+/// How often, at most, a member saves its map checkpoint.
+const CHECKPOINT_EVERY: Duration = Duration::from_millis(200);
 
 /// Why a broker could not become a cluster member.
 #[derive(Debug, thiserror::Error)]
@@ -53,9 +65,14 @@ pub enum ClusterError {
     /// The CPG layer did not start or admit us.
     #[error("cluster layer: {0}")]
     Cpg(#[from] CpgError),
-    /// No member sent the cluster map in time.
-    #[error("no cluster map received within {0:?}")]
-    NoSnapshot(Duration),
+    /// The cluster directory cannot be read.
+    #[error("cluster state in {dir}: {reason}")]
+    State {
+        /// The directory.
+        dir: String,
+        /// What is wrong.
+        reason: String,
+    },
 }
 
 /// The answer to a client's wiring change: the reply, and the journal sequence number that
@@ -70,6 +87,16 @@ pub struct Cluster {
     pending: Mutex<HashMap<u64, oneshot::Sender<OpOutcome>>>,
     next_request: AtomicU64,
     membership: RwLock<Membership>,
+    progress: Mutex<Progress>,
+}
+
+/// How far this member is on its way to serving: its incarnation started, it holds the map,
+/// and it has applied everything committed when it asked (a read index).
+#[derive(Debug, Default, Clone, Copy)]
+struct Progress {
+    live: bool,
+    synced: bool,
+    caught_up: bool,
 }
 
 impl std::fmt::Debug for Cluster {
@@ -83,12 +110,15 @@ impl std::fmt::Debug for Cluster {
 }
 
 impl Cluster {
-    /// Starts CPG, joins the cluster group and returns once this member holds the cluster
-    /// map (at once for the founder; after the snapshot for a joiner).
+    /// Starts CPG and returns once this member is in the consensus group: at once for a
+    /// member restarting on its cluster directory (which then waits, in the background, for a
+    /// majority of its last configuration), after admission for a new one. It serves clients
+    /// only once [`Cluster::not_ready_reason`] is `None`.
     pub async fn start(
         host: impl ClusterHost,
         settings: ClusterSettings,
     ) -> Result<Arc<Cluster>, ClusterError> {
+        let checkpoint = read_checkpoint(&settings.dir)?;
         let config = CpgConfig {
             listen: settings.listen,
             advertise: settings.advertise.clone(),
@@ -96,15 +126,19 @@ impl Cluster {
             secret: settings.secret.clone(),
             failure_timeout_ms: settings.failure_timeout_ms,
             join_timeout_ms: settings.join_timeout.as_millis() as u64,
+            data_dir: Some(settings.dir.join("consensus")),
+            resume_after: checkpoint.as_ref().map_or(0, |c| c.through),
             ..CpgConfig::default()
         };
+        let mut founding = config.seeds.is_empty();
         let (cpg, events) = match Cpg::start(config.clone()).await {
             Err(CpgError::JoinTimeout { timeout_ms })
                 if settings.found_if_no_seed_answers && !config.seeds.is_empty() =>
             {
+                founding = true;
                 tracing::warn!(
                     timeout_ms,
-                    "no seed admitted this member: founding the cluster (this member is the configured founder)"
+                    "no seed admitted this member: founding the cluster (this member is the configured founder and its cluster directory is empty)"
                 );
                 Cpg::start(CpgConfig {
                     seeds: Vec::new(),
@@ -114,6 +148,12 @@ impl Cluster {
             }
             started => started?,
         };
+        // Founded a new cluster on an empty cluster directory (a restart never founds).
+        let founded = founding && !cpg.is_restart();
+        let map = match checkpoint.filter(|_| cpg.is_restart()) {
+            Some(c) => ClusterMap::resume(cpg.id(), c),
+            None => ClusterMap::new(cpg.id(), founded),
+        };
         let cluster = Arc::new(Cluster {
             me: cpg.id(),
             cpg,
@@ -121,28 +161,51 @@ impl Cluster {
             pending: Mutex::new(HashMap::new()),
             next_request: AtomicU64::new(1),
             membership: RwLock::new(Membership::default()),
+            progress: Mutex::new(Progress::default()),
         });
-        let (synced_tx, mut synced_rx) = watch::channel(false);
         let applier = Applier {
-            map: ClusterMap::new(cluster.me),
+            map,
             host,
             cluster: cluster.clone(),
             info: settings.info,
-            synced_tx,
+            dir: settings.dir,
+            saved_through: Arc::new(AtomicU64::new(0)),
+            saving: None,
+            last_save: Instant::now(),
+            sync_point: None,
         };
         tokio::spawn(applier.run(events));
-        cluster.cpg.join(GROUP).await?;
-        let waited = tokio::time::timeout(settings.join_timeout, synced_rx.wait_for(|s| *s)).await;
-        if !matches!(waited, Ok(Ok(_))) {
-            cluster.cpg.shutdown().await;
-            return Err(ClusterError::NoSnapshot(settings.join_timeout));
-        }
         tracing::info!(
             member = cluster.me,
             addr = cluster.cpg.addr(),
-            "joined the cluster"
+            restart = cluster.cpg.is_restart(),
+            "cluster member started"
         );
         Ok(cluster)
+    }
+
+    /// Why this member must not serve clients now, or `None` when it may: it must hold the
+    /// majority's lease at this instant (checked against the clock, not cached), have started
+    /// its incarnation, hold the cluster map, and have caught up with what was committed when
+    /// it started.
+    pub fn not_ready_reason(&self) -> Option<String> {
+        if !self.cpg.has_quorum_now() {
+            let (reachable, voters) = self.cpg.voters_reachable();
+            let need = voters / 2 + 1;
+            return Some(format!(
+                "waiting for {need} of {voters} members (a majority of its last configuration); {reachable} reachable"
+            ));
+        }
+        let p = *self.progress.lock();
+        if !p.live {
+            Some("starting: announcing this member to the cluster".into())
+        } else if !p.synced {
+            Some("waiting for the cluster map from a member that holds it".into())
+        } else if !p.caught_up {
+            Some("catching up with the cluster's newest changes".into())
+        } else {
+            None
+        }
     }
 
     /// Address of the cluster port (useful with port 0).
@@ -171,9 +234,15 @@ impl Cluster {
     }
 
     /// Node id of the consensus leader as this member knows it: `None` during an election,
-    /// or while the leader is not (yet) a member that announced itself in the cluster group.
+    /// while this member does not hold the majority's lease, or while the leader is not (yet)
+    /// a member that announced itself in the cluster group.
     /// What an operator looks at first when the cluster stalls.
     pub fn leader(&self) -> Option<String> {
+        // Without the majority's lease, what this member last heard of a leader may be long
+        // stale (restarted alone, or just resumed from a pause).
+        if !self.cpg.has_quorum_now() {
+            return None;
+        }
         let leader = self.cpg.leader()?;
         self.membership
             .read()
@@ -184,15 +253,26 @@ impl Cluster {
             .map(|info| info.node_id.clone())
     }
 
-    /// Whether this member currently holds quorum.
+    /// Whether this member holds the majority's lease at this instant (see
+    /// [`Cpg::has_quorum_now`]): after a pause of this process it is false from the first
+    /// question on.
     pub fn has_quorum(&self) -> bool {
-        *self.cpg.quorum().borrow()
+        self.cpg.has_quorum_now()
     }
 
     /// Multicasts a wiring change for `vhost`; the receiver yields the outcome once this
     /// member applied it (or an error if it could not be committed in time).
     pub fn submit(self: &Arc<Self>, vhost: &str, op: WiringOp) -> oneshot::Receiver<OpOutcome> {
         let (tx, rx) = oneshot::channel();
+        if let Some(reason) = self.not_ready_reason() {
+            // Refused at once rather than after a commit timeout: this member is not part of
+            // the majority's cluster now.
+            let _ = tx.send(Err(AmqpError::new(
+                crate::amqp::codes::RESOURCE_ERROR,
+                format!("this cluster member cannot change the wiring now: {reason}"),
+            )));
+            return rx;
+        }
         let request = self.next_request.fetch_add(1, Ordering::Relaxed);
         self.pending.lock().insert(request, tx);
         let msg = ClusterMsg::Op {
@@ -242,51 +322,156 @@ pub trait ClusterHost: WiringStore + Send + 'static {
     fn publish_known_hosts(&mut self, hosts: &[String]);
     /// Saves what must survive before the process exits (the journal).
     fn shutdown(&mut self);
+    /// The newest journal sequence number handed to the journal, and a watch of the newest
+    /// one on disk: a map checkpoint is saved only once every change before it is.
+    fn journal(&self) -> (u64, watch::Receiver<u64>);
 }
 
-/// Feeds the cluster group's events to the map, in agreed order, and carries out what it
-/// asks for.
+/// Feeds the cluster group's events to the map, in agreed order, carries out what it asks
+/// for, and saves its checkpoint.
 struct Applier<H> {
     map: ClusterMap,
     host: H,
     cluster: Arc<Cluster>,
     info: MemberInfo,
-    synced_tx: watch::Sender<bool>,
+    dir: PathBuf,
+    /// The newest checkpoint saved (and reported to CPG).
+    saved_through: Arc<AtomicU64>,
+    /// The checkpoint being saved, if any.
+    saving: Option<tokio::task::JoinHandle<()>>,
+    last_save: Instant,
+    /// The read index this member catches up to before it serves.
+    sync_point: Option<SyncPoint>,
 }
 
 impl<H: ClusterHost> Applier<H> {
     async fn run(mut self, mut events: CpgEvents) {
-        while let Some(ev) = events.recv().await {
-            if ev.group() != GROUP {
-                continue;
-            }
-            if let CpgEvent::ConfChg {
-                members,
-                joined,
-                left,
-                failed,
-                ..
-            } = &ev
-            {
-                let addrs = |ms: &[crate::cpg::Member]| {
-                    ms.iter().map(|m| m.addr.clone()).collect::<Vec<_>>()
-                };
-                tracing::info!(members = members.len(), joined = ?addrs(joined), left = ?addrs(left), failed = ?addrs(failed), "cluster membership changed");
-            }
-            match self.map.on_event(ev, &mut self.host) {
-                Ok(actions) => self.act(actions),
-                Err(e) => {
-                    tracing::error!(error = %e, "cannot follow the cluster");
-                    break;
+        let (sync_tx, mut sync_rx) = mpsc::channel::<SyncPoint>(1);
+        let mut tick = tokio::time::interval(CHECKPOINT_EVERY);
+        loop {
+            tokio::select! {
+                ev = events.recv() => {
+                    let Some(ev) = ev else { break };
+                    if let Err(e) = self.on_event(ev, &sync_tx) {
+                        tracing::error!(error = %e, "cannot follow the cluster");
+                        break;
+                    }
                 }
+                Some(point) = sync_rx.recv() => self.sync_point = Some(point),
+                _ = tick.tick() => {}
             }
+            self.check_caught_up(&events);
+            self.save_checkpoint();
         }
         // CPG stopped: evicted (cut off or too slow) or shut down. A member that is not in
         // the cluster must not go on serving a wiring it can no longer keep in step; its
-        // supervisor restarts it and it rejoins with the others' map.
+        // supervisor restarts it and it resumes, as the same member, from its cluster state.
         tracing::error!(reason = ?self.cluster.cpg.stop_reason(), "this broker left the cluster; exiting so that it restarts and rejoins");
         self.host.shutdown();
         std::process::exit(3);
+    }
+
+    fn on_event(
+        &mut self,
+        ev: CpgEvent,
+        sync_tx: &mpsc::Sender<SyncPoint>,
+    ) -> Result<(), super::map::MapError> {
+        if ev.group().is_some_and(|g| g != GROUP) {
+            return Ok(());
+        }
+        if let CpgEvent::ConfChg {
+            members,
+            joined,
+            left,
+            failed,
+            ..
+        } = &ev
+        {
+            let addrs =
+                |ms: &[crate::cpg::Member]| ms.iter().map(|m| m.addr.clone()).collect::<Vec<_>>();
+            tracing::info!(members = members.len(), joined = ?addrs(joined), left = ?addrs(left), failed = ?addrs(failed), "cluster membership changed");
+        }
+        let started = matches!(ev, CpgEvent::Started { .. });
+        let actions = self.map.on_event(ev, &mut self.host)?;
+        self.act(actions);
+        if started {
+            self.cluster.progress.lock().live = true;
+            self.spawn_sync(sync_tx.clone());
+        }
+        Ok(())
+    }
+
+    /// Asks for the read index this member must reach before serving (retrying until the
+    /// cluster answers).
+    fn spawn_sync(&self, tx: mpsc::Sender<SyncPoint>) {
+        let cluster = self.cluster.clone();
+        tokio::spawn(async move {
+            loop {
+                match cluster.cpg.sync().await {
+                    Ok(point) => {
+                        let _ = tx.send(point).await;
+                        return;
+                    }
+                    Err(CpgError::Stopped(_)) => return,
+                    Err(e) => {
+                        tracing::debug!(error = %e, "read index not confirmed yet; retrying");
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
+                }
+            }
+        });
+    }
+
+    fn check_caught_up(&mut self, events: &CpgEvents) {
+        let mut p = self.cluster.progress.lock();
+        p.synced = self.map.is_synced();
+        if let Some(point) = self.sync_point
+            && events.received() >= point.events
+            && !p.caught_up
+        {
+            p.caught_up = true;
+            tracing::info!(
+                index = point.index,
+                "caught up with the cluster: serving clients"
+            );
+        }
+    }
+
+    /// Saves the map checkpoint when it moved on (at most every [`CHECKPOINT_EVERY`], one
+    /// save at a time): once the journal holds every change applied before it, write
+    /// `map.json`, then tell CPG that events up to it need no replay.
+    fn save_checkpoint(&mut self) {
+        if self.saving.as_ref().is_some_and(|h| !h.is_finished()) {
+            return;
+        }
+        let Some(checkpoint) = self.map.checkpoint() else {
+            return;
+        };
+        let saved = self.saved_through.load(Ordering::Acquire);
+        if checkpoint.through <= saved || self.last_save.elapsed() < CHECKPOINT_EVERY {
+            return;
+        }
+        self.last_save = Instant::now();
+        let (submitted, mut synced) = self.host.journal();
+        let dir = self.dir.clone();
+        let saved = Arc::clone(&self.saved_through);
+        let cpg = self.cluster.cpg.clone();
+        self.saving = Some(tokio::spawn(async move {
+            while *synced.borrow() < submitted {
+                if synced.changed().await.is_err() {
+                    return;
+                }
+            }
+            let through = checkpoint.through;
+            match tokio::task::spawn_blocking(move || write_checkpoint(&dir, &checkpoint)).await {
+                Ok(Ok(())) => {
+                    saved.store(through, Ordering::Release);
+                    cpg.checkpointed(through);
+                }
+                Ok(Err(e)) => tracing::error!(error = %e, "cannot save the cluster map checkpoint"),
+                Err(_) => {}
+            }
+        }));
     }
 
     fn act(&mut self, actions: Vec<Action>) {
@@ -302,11 +487,36 @@ impl<H: ClusterHost> Applier<H> {
                     *self.cluster.membership.write() = self.map.membership().clone();
                     self.publish_known_hosts();
                 }
-                Action::Synced => {
-                    let _ = self.synced_tx.send(true);
-                }
+                Action::Synced => self.cluster.progress.lock().synced = true,
+                Action::Join => self.join(false),
+                Action::Rejoin => self.join(true),
             }
         }
+    }
+
+    /// Joins the cluster group (after leaving it, for a rejoin), retrying until it is done
+    /// or the member stops.
+    fn join(&self, leave_first: bool) {
+        let cpg = self.cluster.cpg.clone();
+        tokio::spawn(async move {
+            if leave_first {
+                while let Err(e) = cpg.leave(GROUP).await {
+                    if matches!(e, CpgError::Stopped(_) | CpgError::NotInGroup { .. }) {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }
+            loop {
+                match cpg.join(GROUP).await {
+                    Ok(_) | Err(CpgError::Stopped(_)) => return,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "joining the cluster group; retrying");
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
+                }
+            }
+        });
     }
 
     fn multicast(&self, msg: ClusterMsg) {
@@ -322,4 +532,36 @@ impl<H: ClusterHost> Applier<H> {
         let hosts = self.cluster.known_hosts();
         self.host.publish_known_hosts(&hosts);
     }
+}
+
+/// Reads the map checkpoint of the cluster directory `dir`, if there is one.
+fn read_checkpoint(dir: &Path) -> Result<Option<Checkpoint>, ClusterError> {
+    let path = dir.join(CHECKPOINT_FILE);
+    let err = |reason: String| ClusterError::State {
+        dir: dir.display().to_string(),
+        reason,
+    };
+    match std::fs::read(&path) {
+        Ok(bytes) => serde_json::from_slice(&bytes)
+            .map(Some)
+            .map_err(|e| err(format!("{} is damaged: {e}", path.display()))),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(err(e.to_string())),
+    }
+}
+
+/// Replaces the map checkpoint atomically (temp file, fsync, rename, fsync the directory).
+fn write_checkpoint(dir: &Path, checkpoint: &Checkpoint) -> std::io::Result<()> {
+    use std::io::Write as _;
+    std::fs::create_dir_all(dir)?;
+    let path = dir.join(CHECKPOINT_FILE);
+    let tmp = dir.join(format!("{CHECKPOINT_FILE}.tmp"));
+    let bytes = serde_json::to_vec(checkpoint).map_err(std::io::Error::other)?;
+    {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(&bytes)?;
+        f.sync_all()?;
+    }
+    std::fs::rename(&tmp, &path)?;
+    std::fs::File::open(dir)?.sync_all()
 }

@@ -90,6 +90,12 @@ pub struct Wiring {
     pub queues: Vec<WiringQueue>,
     /// Bindings, except those to exclusive queues.
     pub bindings: Vec<WiringBinding>,
+    /// On a cluster member, the agreed index of the newest cluster change this vhost has
+    /// applied (disk view only): a restart replays the cluster's log after it, and never an
+    /// op at or before it a second time (a purge applied twice would empty a queue of
+    /// messages published after it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cluster_through: Option<u64>,
 }
 
 /// Objects in wiring files written before the views shared one type were all durable.
@@ -187,6 +193,9 @@ impl VHost {
                 });
             }
         }
+        if view == View::Durable {
+            w.cluster_through = self.cluster_through;
+        }
         w.exchanges.sort_by(|a, b| a.name.cmp(&b.name));
         w.queues.sort_by(|a, b| a.name.cmp(&b.name));
         w.bindings.sort_by(|a, b| {
@@ -218,6 +227,7 @@ impl VHost {
             }
         }
         self.restore_bindings(w.bindings, &mut skipped);
+        self.cluster_through = w.cluster_through;
         // Restoring is not a change: nothing needs saving.
         self.take_wiring_changed();
         skipped
@@ -233,6 +243,7 @@ impl VHost {
         now_ms: u64,
         fx: &mut Effects,
     ) -> Vec<String> {
+        self.cluster_through = w.cluster_through;
         let mut skipped = Vec::new();
         let wanted_queues: Vec<&str> = w.queues.iter().map(|q| q.name.as_str()).collect();
         let gone: Vec<Arc<str>> = self

@@ -2,6 +2,7 @@
 //! flags, a file or code without this module knowing where they came from.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 
 use super::error::CpgError;
 
@@ -20,6 +21,13 @@ pub struct CpgConfig {
     pub seeds: Vec<String>,
     /// Shared cluster secret; a peer that cannot prove it knows it is refused.
     pub secret: Vec<u8>,
+    /// Where the member's consensus state (id, vote, log, snapshot) lives. With it, a restarted
+    /// process is the same member and never founds a cluster; `None` keeps everything in
+    /// memory and makes every process a new member.
+    pub data_dir: Option<PathBuf>,
+    /// Events up to this index reached the application, durably, before a restart: the
+    /// replay of the log starts after it (0: the application has nothing).
+    pub resume_after: u64,
     /// How often the leader heartbeats followers and every member renews its quorum lease.
     pub heartbeat_ms: u64,
     /// Lower bound of the randomised election timeout; the upper bound is twice this.
@@ -61,6 +69,8 @@ impl Default for CpgConfig {
             advertise: None,
             seeds: Vec::new(),
             secret: Vec::new(),
+            data_dir: None,
+            resume_after: 0,
             heartbeat_ms: 50,
             election_timeout_ms: 300,
             lease_ms: 500,

@@ -24,6 +24,23 @@ pub enum CpgError {
         /// How long it tried.
         timeout_ms: u64,
     },
+    /// The member's consensus state on disk cannot be read or written; the message names the
+    /// file and the cause.
+    #[error("consensus state in {dir}: {reason}")]
+    Storage {
+        /// The member's data directory.
+        dir: String,
+        /// What went wrong.
+        reason: String,
+    },
+    /// A multicast meant for one view of its group was not delivered: the group changed.
+    #[error("group {group} moved to view {view}; the multicast was not delivered")]
+    ViewChanged {
+        /// The group.
+        group: String,
+        /// Its view when the multicast was applied.
+        view: u64,
+    },
     /// The payload is larger than `max_payload_bytes`.
     #[error("payload of {len_bytes} bytes exceeds max_payload_bytes {max_bytes}; split it")]
     PayloadTooLarge {

@@ -7,7 +7,7 @@ use super::types::MemberId;
 /// A member of a group as a configuration change reports it.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Member {
-    /// Incarnation id (new on every restart).
+    /// Member id (stable across restarts on the same data directory).
     pub id: MemberId,
     /// Cluster address it was admitted with.
     pub addr: String,
@@ -44,20 +44,33 @@ pub enum CpgEvent {
         /// Members removed from the cluster (crashed, cut off, too slow).
         failed: Vec<Member>,
     },
+    /// This process's incarnation has started: every event before this one was addressed to
+    /// an earlier incarnation of the member (a restart replays the ones its application had
+    /// not yet made durable), every later one to this one. Lists the groups the member still
+    /// belongs to; for the rest it must join again.
+    Started {
+        /// Position in the agreed order.
+        index: u64,
+        /// Groups whose membership carries over from the previous incarnation.
+        groups: Vec<String>,
+    },
 }
 
 impl CpgEvent {
     /// Position of the event in the agreed order.
     pub fn index(&self) -> u64 {
         match self {
-            CpgEvent::Deliver { index, .. } | CpgEvent::ConfChg { index, .. } => *index,
+            CpgEvent::Deliver { index, .. }
+            | CpgEvent::ConfChg { index, .. }
+            | CpgEvent::Started { index, .. } => *index,
         }
     }
 
-    /// Group the event belongs to.
-    pub fn group(&self) -> &str {
+    /// Group the event belongs to (`None` for [`CpgEvent::Started`], which concerns them all).
+    pub fn group(&self) -> Option<&str> {
         match self {
-            CpgEvent::Deliver { group, .. } | CpgEvent::ConfChg { group, .. } => group,
+            CpgEvent::Deliver { group, .. } | CpgEvent::ConfChg { group, .. } => Some(group),
+            CpgEvent::Started { .. } => None,
         }
     }
 }

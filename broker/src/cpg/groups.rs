@@ -24,15 +24,36 @@ pub(crate) struct Emitted {
 pub(crate) struct Groups {
     groups: BTreeMap<String, BTreeSet<MemberId>>,
     voters: BTreeMap<MemberId, String>,
-    /// Voters declared failed (by a [`Command::Fail`]) that are still Raft voters: out of every
-    /// group for good, but still voting until the cluster replaces them.
+    /// Voters declared failed (by a [`Command::Fail`]) and not started again since: out of
+    /// every group, granted no lease, until their next incarnation starts
+    /// ([`Command::Start`]).
     failed: BTreeSet<MemberId>,
+    /// Each group's view: the index of its newest configuration change.
+    views: BTreeMap<String, u64>,
 }
 
 impl Groups {
     /// Whether `member` currently belongs to any group (a snapshot must not skip its events).
     pub fn is_in_any_group(&self, member: MemberId) -> bool {
         self.groups.values().any(|g| g.contains(&member))
+    }
+
+    /// The groups `member` belongs to.
+    pub fn groups_of(&self, member: MemberId) -> Vec<String> {
+        self.groups
+            .iter()
+            .filter(|(_, ids)| ids.contains(&member))
+            .map(|(name, _)| name.clone())
+            .collect()
+    }
+
+    /// The view of `group`: the index of its newest configuration change (`None` while it
+    /// has no members).
+    #[cfg(test)]
+    pub fn view(&self, group: &str) -> Option<u64> {
+        self.groups
+            .contains_key(group)
+            .then(|| self.views.get(group).copied().unwrap_or(0))
     }
 
     fn member(&self, id: MemberId) -> Member {
@@ -81,6 +102,11 @@ impl Groups {
                 id,
                 addr: self.voters.get(&id).cloned().unwrap_or_default(),
             };
+            self.views.insert(name.clone(), index);
+            // The failed members are told too: a live one stops on it anyway, and a restarted
+            // one replaying its log learns where its membership ended.
+            let mut to = ids.clone();
+            to.extend(failed.iter().copied());
             out.push(Emitted {
                 event: CpgEvent::ConfChg {
                     group: name.clone(),
@@ -90,10 +116,11 @@ impl Groups {
                     left: Vec::new(),
                     failed: failed.into_iter().map(lookup).collect(),
                 },
-                to: ids.clone(),
+                to,
             });
         }
         self.groups.retain(|_, ids| !ids.is_empty());
+        self.views.retain(|name, _| self.groups.contains_key(name));
         self.failed.extend(
             members
                 .iter()
@@ -105,17 +132,48 @@ impl Groups {
 
     /// Applies one agreed command at `index`.
     pub fn apply(&mut self, index: u64, cmd: Command) -> (Outcome, Vec<Emitted>) {
-        if let Command::Fail { members } = &cmd {
-            let members: BTreeSet<MemberId> = members.iter().copied().collect();
-            return (Outcome::Applied { index }, self.fail(index, &members));
+        match cmd {
+            Command::Fail { members } => {
+                let members: BTreeSet<MemberId> = members.iter().copied().collect();
+                (Outcome::Applied { index }, self.fail(index, &members))
+            }
+            Command::Start { member, reset, .. } => self.start(index, member, reset),
+            cmd => {
+                let (outcome, emitted) = self.apply_to_group(index, cmd);
+                (outcome, emitted.into_iter().collect())
+            }
         }
-        let (outcome, emitted) = self.apply_to_group(index, cmd);
-        (outcome, emitted.into_iter().collect())
+    }
+
+    /// A new incarnation of voter `member` starts at `index`: it is no longer failed, and it
+    /// is told which groups its previous incarnation still belongs to (none after `reset`,
+    /// which ends those memberships as a failure would: the new incarnation could not
+    /// resume them).
+    fn start(&mut self, index: u64, member: MemberId, reset: bool) -> (Outcome, Vec<Emitted>) {
+        if !self.voters.contains_key(&member) {
+            return (Outcome::NotMember, Vec::new());
+        }
+        let mut out = Vec::new();
+        if reset {
+            out = self.fail(index, &BTreeSet::from([member]));
+            for e in &mut out {
+                e.to.remove(&member);
+            }
+        }
+        self.failed.remove(&member);
+        out.push(Emitted {
+            event: CpgEvent::Started {
+                index,
+                groups: self.groups_of(member),
+            },
+            to: BTreeSet::from([member]),
+        });
+        (Outcome::Applied { index }, out)
     }
 
     fn apply_to_group(&mut self, index: u64, cmd: Command) -> (Outcome, Option<Emitted>) {
         match cmd {
-            Command::Fail { .. } => (Outcome::Applied { index }, None),
+            Command::Fail { .. } | Command::Start { .. } => (Outcome::Applied { index }, None),
             Command::Join { group, member } => {
                 if !self.voters.contains_key(&member) || self.failed.contains(&member) {
                     return (Outcome::NotMember, None);
@@ -125,6 +183,7 @@ impl Groups {
                     return (Outcome::Applied { index }, None);
                 }
                 let ids = ids.clone();
+                self.views.insert(group.clone(), index);
                 let event = CpgEvent::ConfChg {
                     group,
                     index,
@@ -145,6 +204,9 @@ impl Groups {
                 let remaining = ids.clone();
                 if remaining.is_empty() {
                     self.groups.remove(&group);
+                    self.views.remove(&group);
+                } else {
+                    self.views.insert(group.clone(), index);
                 }
                 let mut to = remaining.clone();
                 to.insert(member);
@@ -161,6 +223,7 @@ impl Groups {
             Command::Mcast {
                 group,
                 sender,
+                view,
                 payload,
             } => {
                 let Some(ids) = self.groups.get(&group) else {
@@ -168,6 +231,10 @@ impl Groups {
                 };
                 if !ids.contains(&sender) {
                     return (Outcome::NotMember, None);
+                }
+                let current = self.views.get(&group).copied().unwrap_or(0);
+                if view.is_some_and(|v| v != current) {
+                    return (Outcome::ViewChanged { view: current }, None);
                 }
                 let event = CpgEvent::Deliver {
                     group,
@@ -205,7 +272,8 @@ mod tests {
         }
         let out = g.set_voters(9, voters(&[1, 2]));
         assert_eq!(out.len(), 1);
-        assert_eq!(out[0].to, BTreeSet::from([1, 2]));
+        // The failed member is told too (a restarted one replays where its membership ended).
+        assert_eq!(out[0].to, BTreeSet::from([1, 2, 3]));
         let CpgEvent::ConfChg {
             failed, members, ..
         } = &out[0].event
@@ -232,7 +300,7 @@ mod tests {
         let (outcome, out) = g.apply(5, Command::Fail { members: vec![3] });
         assert_eq!(outcome, Outcome::Applied { index: 5 });
         assert_eq!(out.len(), 1);
-        assert_eq!(out[0].to, BTreeSet::from([1, 2]));
+        assert_eq!(out[0].to, BTreeSet::from([1, 2, 3]));
         let CpgEvent::ConfChg { failed, .. } = &out[0].event else {
             panic!("expected a configuration change");
         };
@@ -243,9 +311,28 @@ mod tests {
             group: "a".into(),
             member: 3,
         };
-        assert_eq!(g.apply(6, join).0, Outcome::NotMember);
+        assert_eq!(g.apply(6, join.clone()).0, Outcome::NotMember);
+        // Its next incarnation can, once started.
+        let (_, out) = g.apply(
+            7,
+            Command::Start {
+                member: 3,
+                incarnation: 1,
+                reset: false,
+            },
+        );
+        assert!(g.failed().is_empty());
+        assert_eq!(
+            out.into_iter().map(|e| e.event).collect::<Vec<_>>(),
+            vec![CpgEvent::Started {
+                index: 7,
+                groups: Vec::new()
+            }]
+        );
+        assert_eq!(g.apply(8, join).0, Outcome::Applied { index: 8 });
+        g.apply(9, Command::Fail { members: vec![3] });
         // Removing it from the voters later reports nothing new and forgets it.
-        assert!(g.set_voters(7, voters(&[1, 2])).is_empty());
+        assert!(g.set_voters(10, voters(&[1, 2])).is_empty());
         assert!(g.failed().is_empty());
     }
 
@@ -261,6 +348,7 @@ mod tests {
         let mcast = Command::Mcast {
             group: "a".into(),
             sender: 1,
+            view: None,
             payload: vec![1],
         };
         assert_eq!(g.apply(3, mcast).0, Outcome::NotMember);
@@ -298,6 +386,7 @@ mod tests {
         let mcast = Command::Mcast {
             group: "a".into(),
             sender: 1,
+            view: None,
             payload: vec![],
         };
         let (_, e) = g.apply(5, mcast);
@@ -305,5 +394,85 @@ mod tests {
             e.into_iter().next().map(|e| e.to),
             Some(BTreeSet::from([1]))
         );
+    }
+
+    fn join(g: &mut Groups, index: u64, member: MemberId) {
+        g.apply(
+            index,
+            Command::Join {
+                group: "a".into(),
+                member,
+            },
+        );
+    }
+
+    fn mcast(sender: MemberId, view: Option<u64>) -> Command {
+        Command::Mcast {
+            group: "a".into(),
+            sender,
+            view,
+            payload: vec![7],
+        }
+    }
+
+    #[test]
+    fn a_multicast_for_an_older_view_is_refused() {
+        let mut g = Groups::default();
+        g.set_voters(1, voters(&[1, 2]));
+        join(&mut g, 2, 1);
+        assert_eq!(g.view("a"), Some(2));
+        assert_eq!(
+            g.apply(3, mcast(1, Some(2))).0,
+            Outcome::Applied { index: 3 }
+        );
+        join(&mut g, 4, 2);
+        assert_eq!(g.view("a"), Some(4));
+        let (outcome, out) = g.apply(5, mcast(1, Some(2)));
+        assert_eq!(outcome, Outcome::ViewChanged { view: 4 });
+        assert!(out.is_empty());
+        assert_eq!(g.apply(6, mcast(1, None)).0, Outcome::Applied { index: 6 });
+    }
+
+    #[test]
+    fn a_restarted_member_resumes_its_groups_or_leaves_them_on_reset() {
+        let mut g = Groups::default();
+        g.set_voters(1, voters(&[1, 2]));
+        join(&mut g, 2, 1);
+        join(&mut g, 3, 2);
+        let (_, out) = g.apply(
+            4,
+            Command::Start {
+                member: 2,
+                incarnation: 1,
+                reset: false,
+            },
+        );
+        assert_eq!(out.len(), 1);
+        assert_eq!(
+            out[0].event,
+            CpgEvent::Started {
+                index: 4,
+                groups: vec!["a".into()]
+            }
+        );
+        let (_, out) = g.apply(
+            5,
+            Command::Start {
+                member: 2,
+                incarnation: 2,
+                reset: true,
+            },
+        );
+        assert_eq!(out.len(), 2);
+        assert_eq!(out[0].to, BTreeSet::from([1]));
+        assert!(matches!(&out[0].event, CpgEvent::ConfChg { failed, .. } if failed[0].id == 2));
+        assert_eq!(
+            out[1].event,
+            CpgEvent::Started {
+                index: 5,
+                groups: Vec::new()
+            }
+        );
+        assert_eq!(g.groups_of(2), Vec::<String>::new());
     }
 }

@@ -66,18 +66,28 @@ impl Lease {
         self.granted_until.is_some_and(|u| now < u)
     }
 
-    /// The leader's last majority acknowledgement is `millis_since_quorum_ack` old, as of a
-    /// report up to `staleness_ms` old (openraft publishes it on its ticks).
-    pub fn leader_acked(
-        &mut self,
-        now: Instant,
-        millis_since_quorum_ack: Option<u64>,
-        staleness_ms: u64,
-    ) {
-        self.leader_until = millis_since_quorum_ack.and_then(|ms| {
-            let used = Duration::from_millis(ms.saturating_add(staleness_ms));
-            (now + self.lease).checked_sub(used)
-        });
+    /// A round of heartbeats this leader sent at `sent_at`, in `term`, was acknowledged by a
+    /// majority: its lease runs `lease_ms` from the *send* time, so neither a slow answer nor
+    /// a pause of this process between sending and hearing back can lengthen it. An answer
+    /// for an earlier term counts for nothing.
+    pub fn leader_confirmed(&mut self, term: u64, sent_at: Instant) {
+        if self.leading_term != Some(term) {
+            return;
+        }
+        let until = sent_at + self.lease;
+        if self.leader_until.is_none_or(|u| u < until) {
+            self.leader_until = Some(until);
+        }
+    }
+
+    /// When this member's lease ends: the leader's own, or a follower's grant. Compared with
+    /// the clock when asked ([`super::Cpg::has_quorum_now`]), never cached.
+    pub fn deadline(&self) -> Option<Instant> {
+        if self.leading_term.is_some() {
+            self.leader_until
+        } else {
+            self.granted_until
+        }
     }
 
     /// Whether this leader's own lease runs at `now`.
@@ -105,6 +115,7 @@ impl Lease {
     pub fn leading(&mut self, term: u64) {
         if self.leading_term != Some(term) {
             self.leading_term = Some(term);
+            self.leader_until = None;
             self.last_heard.clear();
             self.lagging_since.clear();
             self.withheld.clear();
@@ -117,6 +128,13 @@ impl Lease {
     /// them no lease, since the declaration may commit at any later moment.
     pub fn removing(&mut self, members: &BTreeSet<MemberId>) {
         self.removing.extend(members);
+    }
+
+    /// Declarations this leader proposed that are now applied (`failed`): from here on the
+    /// applied set denies those members a lease, until their next incarnation starts — which
+    /// a member that restarts on its own data does, as the same member.
+    pub fn removals_applied(&mut self, failed: &BTreeSet<MemberId>) {
+        self.removing.retain(|m| !failed.contains(m));
     }
 
     /// Members this leader proposed declaring failed in this term.
@@ -209,7 +227,9 @@ mod tests {
     async fn follower_lease_never_outlives_the_leaders() {
         let mut leader = Lease::new(500, 1_200, 50);
         leader.leading(3);
-        leader.leader_acked(Instant::now(), Some(300), 50);
+        let sent = Instant::now();
+        tokio::time::advance(Duration::from_millis(350)).await;
+        leader.leader_confirmed(3, sent);
         let grant = leader.grant_ms(2, Instant::now());
         assert_eq!(grant, 150);
         let mut follower = Lease::new(500, 1_200, 50);
@@ -223,7 +243,7 @@ mod tests {
     async fn member_being_removed_gets_no_grant() {
         let mut leader = Lease::new(500, 1_200, 50);
         leader.leading(3);
-        leader.leader_acked(Instant::now(), Some(0), 0);
+        leader.leader_confirmed(3, Instant::now());
         leader.removing(&BTreeSet::from([2]));
         assert_eq!(leader.grant_ms(2, Instant::now()), 0);
         assert!(leader.grant_ms(4, Instant::now()) > 0);
@@ -266,7 +286,7 @@ mod tests {
         l.heard(2, Instant::now());
         tokio::time::advance(Duration::from_millis(150)).await;
         l.heard(2, Instant::now());
-        l.leader_acked(Instant::now(), Some(0), 0);
+        l.leader_confirmed(1, Instant::now());
         // Lagging for the failure timeout: no more lease, but it may still hold one.
         assert!(l.suspects(Instant::now(), 1, &voters, &lag, 10).is_empty());
         assert_eq!(l.grant_ms(2, Instant::now()), 0);
@@ -276,5 +296,22 @@ mod tests {
             l.suspects(Instant::now(), 1, &voters, &lag, 10),
             BTreeSet::from([2])
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_leader_lease_is_checked_against_the_clock_and_ignores_old_terms() {
+        let mut l = Lease::new(500, 1_200, 50);
+        l.leading(4);
+        let sent = Instant::now();
+        l.leader_confirmed(3, sent);
+        assert_eq!(l.deadline(), None);
+        l.leader_confirmed(4, sent);
+        assert_eq!(l.deadline(), Some(sent + Duration::from_millis(500)));
+        // A pause: nothing ran, but the deadline is in the past when the clock is read.
+        tokio::time::advance(Duration::from_millis(3_600)).await;
+        assert!(l.deadline().is_some_and(|d| d <= Instant::now()));
+        // A new term starts with no lease at all.
+        l.leading(5);
+        assert_eq!(l.deadline(), None);
     }
 }

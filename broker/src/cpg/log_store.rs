@@ -1,16 +1,23 @@
-//! The Raft log of one member, kept in memory. CPG state is deliberately not persistent: a
-//! restarted process is a new member (new [`super::MemberId`]) and catches up from the others,
-//! so it never needs its old log and can never vote twice in one term.
+//! The Raft log of one member: kept in memory for reads, and written through to its
+//! [`Disk`] (when it has one) before openraft is told a write is done, so that a restarted
+//! member is the same voter with the same log. Without a disk (tests of the old model) a
+//! restart is a new member.
+//!
+//! Purging is held back to the member's durable snapshot (`keep_after`): the entries after it
+//! are what a restart replays to the application, so they stay until a newer snapshot the
+//! application has caught up with replaces it (see `state_machine.rs`).
 
 use std::collections::BTreeMap;
 use std::fmt::Debug;
 use std::ops::RangeBounds;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use openraft::storage::{LogFlushed, RaftLogStorage};
-use openraft::{Entry, LogId, LogState, RaftLogReader, StorageError, Vote};
+use openraft::{Entry, LogId, LogState, RaftLogReader, StorageError, StorageIOError, Vote};
 use parking_lot::Mutex;
 
+use super::disk::{Disk, LogOp, Recovered};
 use super::types::{CpgTypes, MemberId};
 
 #[derive(Default)]
@@ -21,10 +28,57 @@ struct Inner {
     committed: Option<LogId<MemberId>>,
 }
 
-/// In-memory log; clones share the same log (openraft reads it from its replication tasks).
-#[derive(Clone, Default)]
+/// The log; clones share it (openraft reads it from its replication tasks).
+#[derive(Clone)]
 pub(crate) struct LogStore {
     inner: Arc<Mutex<Inner>>,
+    disk: Option<Arc<dyn Disk>>,
+    /// Index of the durable snapshot a restart would start from: entries after it are kept.
+    keep_after: Arc<AtomicU64>,
+}
+
+impl LogStore {
+    /// A log with nothing in it and no disk: a restart is a new member.
+    pub fn in_memory() -> Self {
+        Self {
+            inner: Arc::default(),
+            disk: None,
+            keep_after: Arc::new(AtomicU64::new(u64::MAX)),
+        }
+    }
+
+    /// The log `recovered` from `disk`, written through to it from now on; never purged past
+    /// `keep_after`.
+    pub fn durable(disk: Arc<dyn Disk>, recovered: &Recovered, keep_after: Arc<AtomicU64>) -> Self {
+        let inner = Inner {
+            last_purged: recovered.last_purged,
+            entries: recovered.entries.clone(),
+            vote: recovered.vote,
+            committed: recovered.committed,
+        };
+        Self {
+            inner: Arc::new(Mutex::new(inner)),
+            disk: Some(disk),
+            keep_after,
+        }
+    }
+
+    /// The entries with indexes in `range`, for a restart's replay and the simulation.
+    pub fn entries(&self, range: impl RangeBounds<u64>) -> Vec<Entry<CpgTypes>> {
+        self.inner
+            .lock()
+            .entries
+            .range(range)
+            .map(|(_, e)| e.clone())
+            .collect()
+    }
+
+    fn persist(&self, ops: &[LogOp]) -> Result<(), std::io::Error> {
+        match &self.disk {
+            Some(disk) => disk.write(ops),
+            None => Ok(()),
+        }
+    }
 }
 
 impl RaftLogReader<CpgTypes> for LogStore {
@@ -32,8 +86,7 @@ impl RaftLogReader<CpgTypes> for LogStore {
         &mut self,
         range: RB,
     ) -> Result<Vec<Entry<CpgTypes>>, StorageError<MemberId>> {
-        let inner = self.inner.lock();
-        Ok(inner.entries.range(range).map(|(_, e)| e.clone()).collect())
+        Ok(self.entries(range))
     }
 }
 
@@ -54,6 +107,8 @@ impl RaftLogStorage<CpgTypes> for LogStore {
     }
 
     async fn save_vote(&mut self, vote: &Vote<MemberId>) -> Result<(), StorageError<MemberId>> {
+        self.persist(&[LogOp::Vote(*vote)])
+            .map_err(|e| StorageIOError::write_vote(&e))?;
         self.inner.lock().vote = Some(*vote);
         Ok(())
     }
@@ -66,6 +121,8 @@ impl RaftLogStorage<CpgTypes> for LogStore {
         &mut self,
         committed: Option<LogId<MemberId>>,
     ) -> Result<(), StorageError<MemberId>> {
+        self.persist(&[LogOp::Committed(committed)])
+            .map_err(|e| StorageIOError::write(&e))?;
         self.inner.lock().committed = committed;
         Ok(())
     }
@@ -83,6 +140,13 @@ impl RaftLogStorage<CpgTypes> for LogStore {
         I: IntoIterator<Item = Entry<CpgTypes>> + Send,
         I::IntoIter: Send,
     {
+        let entries: Vec<Entry<CpgTypes>> = entries.into_iter().collect();
+        let written = self.persist(&[LogOp::Append(entries.clone())]);
+        if let Err(e) = written {
+            let err = std::io::Error::new(e.kind(), e.to_string());
+            callback.log_io_completed(Err(e));
+            return Err(StorageIOError::write_logs(&err).into());
+        }
         {
             let mut inner = self.inner.lock();
             for entry in entries {
@@ -94,19 +158,33 @@ impl RaftLogStorage<CpgTypes> for LogStore {
     }
 
     async fn truncate(&mut self, log_id: LogId<MemberId>) -> Result<(), StorageError<MemberId>> {
+        self.persist(&[LogOp::Truncate(log_id.index)])
+            .map_err(|e| StorageIOError::write_logs(&e))?;
         let mut inner = self.inner.lock();
         inner.entries.split_off(&log_id.index);
         Ok(())
     }
 
     async fn purge(&mut self, log_id: LogId<MemberId>) -> Result<(), StorageError<MemberId>> {
+        let keep_after = self.keep_after.load(Ordering::Acquire);
+        let upto = {
+            let inner = self.inner.lock();
+            if log_id.index <= keep_after {
+                Some(log_id)
+            } else {
+                // Only as far as the durable snapshot: the rest is a restart's replay.
+                inner.entries.get(&keep_after).map(|e| e.log_id)
+            }
+            .filter(|upto| inner.last_purged.is_none_or(|p| p.index < upto.index))
+        };
+        let Some(upto) = upto else {
+            return Ok(());
+        };
+        self.persist(&[LogOp::Purge(upto)])
+            .map_err(|e| StorageIOError::write_logs(&e))?;
         let mut inner = self.inner.lock();
-        assert!(
-            inner.last_purged.map(|p| p.index) <= Some(log_id.index),
-            "purge must only move forward"
-        );
-        inner.last_purged = Some(log_id);
-        let keep = inner.entries.split_off(&(log_id.index + 1));
+        inner.last_purged = Some(upto);
+        let keep = inner.entries.split_off(&(upto.index + 1));
         inner.entries = keep;
         Ok(())
     }

@@ -12,6 +12,7 @@
 
 mod auth;
 mod config;
+mod disk;
 mod error;
 mod event;
 mod groups;
@@ -34,6 +35,6 @@ mod sim;
 pub use config::CpgConfig;
 pub use error::{CpgError, StopReason};
 pub use event::{CpgEvent, Member};
-pub use node::{Cpg, CpgEvents};
+pub use node::{Cpg, CpgEvents, SyncPoint};
 pub use runtime::seed_thread_rng;
 pub use types::MemberId;

@@ -35,6 +35,10 @@ impl Cpg {
                 tick.tick().await;
                 let Some(inner) = weak.upgrade() else { return };
                 let cpg = Cpg { inner };
+                #[cfg(test)]
+                if cpg.inner.paused.load(Ordering::Acquire) {
+                    continue;
+                }
                 match cpg.stop_reason() {
                     Some(StopReason::Shutdown) => return,
                     Some(_) if cpg.may_retire(&monitor) => {
@@ -73,7 +77,7 @@ impl Cpg {
         let inner = &self.inner;
         let now = Instant::now();
         let stopped = self.stop_reason().is_some();
-        let (state, term, membership_index, leader, voters, joint, addrs, quorum_ack_ms, lag) = {
+        let (state, term, membership_index, leader, voters, joint, addrs, lag) = {
             let m = inner.raft.metrics();
             let m = m.borrow();
             let membership = m.membership_config.membership();
@@ -104,7 +108,6 @@ impl Cpg {
                 voters,
                 joint,
                 addrs,
-                m.millis_since_quorum_ack,
                 lag,
             )
         };
@@ -112,12 +115,10 @@ impl Cpg {
             let failed = inner.failed.lock().clone();
             let mut lease = inner.lease.lock();
             lease.leading(term);
-            // openraft republishes its metrics at least once per tick, every 1.5 heartbeats
-            // (plus up to 1 ms of rounding down): that is how stale `quorum_ack_ms` can be
-            // (seed 1004604: counting one heartbeat let a cut-off leader's lease run 16 ms
-            // long).
-            let staleness_ms = inner.config.heartbeat_ms * 3 / 2 + 1;
-            lease.leader_acked(now, quorum_ack_ms, staleness_ms);
+            lease.removals_applied(&failed);
+            if monitor.confirm.as_ref().is_none_or(JoinHandle::is_finished) {
+                monitor.confirm = Some(self.spawn_confirm(term));
+            }
             let q = lease.leader_has_quorum(now);
             // Only a leader with quorum declares failures or removes voters.
             if q {
@@ -191,7 +192,7 @@ impl Cpg {
             q
         };
         // A stopped member serves nothing that depends on agreement.
-        let has_quorum = has_quorum && !stopped;
+        let has_quorum = has_quorum && !stopped && self.started().is_some();
         inner.quorum_tx.send_if_modified(|q| {
             if *q == has_quorum {
                 return false;
@@ -199,6 +200,25 @@ impl Cpg {
             *q = has_quorum;
             true
         });
+    }
+
+    /// Renews the leader's lease: one round of heartbeats that a majority must acknowledge
+    /// (openraft's read-index check), the lease counted from when it was sent. Its own
+    /// measurement, rather than openraft's `millis_since_quorum_ack`, which is a report of
+    /// the past: after a pause it would describe acknowledgements from before the pause.
+    fn spawn_confirm(&self, term: u64) -> JoinHandle<()> {
+        let weak = Arc::downgrade(&self.inner);
+        let raft = self.inner.raft.clone();
+        let timeout = Duration::from_millis(self.inner.config.rpc_timeout_ms);
+        tokio::spawn(async move {
+            let sent_at = Instant::now();
+            let confirmed = tokio::time::timeout(timeout, raft.get_read_log_id()).await;
+            if matches!(confirmed, Ok(Ok(_)))
+                && let Some(inner) = weak.upgrade()
+            {
+                inner.lease.lock().leader_confirmed(term, sent_at);
+            }
+        })
     }
 
     fn spawn_ping(
@@ -242,6 +262,7 @@ impl Cpg {
 /// What the monitor keeps between ticks.
 #[derive(Default)]
 struct Monitor {
+    confirm: Option<JoinHandle<()>>,
     fail: Option<JoinHandle<()>>,
     removal: Option<JoinHandle<()>>,
     removed: Arc<AtomicBool>,

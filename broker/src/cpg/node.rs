@@ -2,8 +2,9 @@
 //! reads, and the background duties (admission, lease renewal, failure detection).
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -17,6 +18,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use super::config::CpgConfig;
+use super::disk::{DirDisk, Disk, write_atomically};
 use super::error::{CpgError, StopReason};
 use super::event::CpgEvent;
 use super::lease::Lease;
@@ -24,7 +26,7 @@ use super::log_store::LogStore;
 use super::network::NetworkFactory;
 use super::runtime::CpgRng;
 use super::service::Service;
-use super::state_machine::{EventSink, StateMachine};
+use super::state_machine::{EventSink, Snapshots, StateMachine};
 use super::tcp::{self, TcpTransport};
 use super::transport::Transport;
 use super::types::{Command, CpgTypes, MemberId, Outcome};
@@ -52,6 +54,21 @@ pub(super) struct Inner {
     /// Consensus has stopped too (see [`Cpg::is_retired`]).
     pub(super) retired: AtomicBool,
     pub(super) tasks: Mutex<Vec<JoinHandle<()>>>,
+    /// This process's incarnation (random per start; see [`Command::Start`]).
+    pub(super) incarnation: u64,
+    /// Index of this incarnation's start once applied here, 0 before.
+    pub(super) started: Arc<AtomicU64>,
+    /// Events handed to the application so far.
+    pub(super) events_sent: Arc<AtomicU64>,
+    /// The member's snapshots (and, with a disk, which one a restart starts from).
+    pub(super) snapshots: Arc<Snapshots>,
+    /// It found consensus state of its own on disk: it is a restarted member.
+    pub(super) restarted: bool,
+    /// Its application's state is older than what its log holds: it must start afresh.
+    pub(super) reset: bool,
+    /// The simulation froze it (a SIGSTOP): its background duties do not run.
+    #[cfg(test)]
+    pub(super) paused: AtomicBool,
 }
 
 impl Drop for Inner {
@@ -75,12 +92,24 @@ impl Drop for Inner {
 pub struct CpgEvents {
     rx: mpsc::Receiver<CpgEvent>,
     stop: watch::Receiver<Option<StopReason>>,
+    received: u64,
 }
 
 impl CpgEvents {
+    /// How many events [`CpgEvents::recv`] has returned: compare with [`SyncPoint::events`].
+    pub fn received(&self) -> u64 {
+        self.received
+    }
+
     /// The next event; `None` once the member has stopped and every event queued before that
     /// has been returned ([`Cpg::stop_reason`] then tells why).
     pub async fn recv(&mut self) -> Option<CpgEvent> {
+        let ev = self.next().await;
+        self.received += u64::from(ev.is_some());
+        ev
+    }
+
+    async fn next(&mut self) -> Option<CpgEvent> {
         loop {
             if let Ok(ev) = self.rx.try_recv() {
                 return Some(ev);
@@ -99,6 +128,17 @@ impl CpgEvents {
             }
         }
     }
+}
+
+/// Where the newest committed state was, as of a [`Cpg::sync`]: every event up to it is
+/// applied here and queued for the application.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SyncPoint {
+    /// The read index: the newest committed index a majority confirmed.
+    pub index: u64,
+    /// Events queued for the application by then: once [`CpgEvents::received`] reaches it,
+    /// the application has seen everything up to `index`.
+    pub events: u64,
 }
 
 /// A member built but not yet serving or admitted; the transport-specific start finishes it.
@@ -151,8 +191,14 @@ impl Cpg {
             Arc::clone(&secret),
             config.max_frame_bytes,
         ));
-        let id = CpgRng.next_u64();
-        let launched = Self::launch(config.clone(), id, addr, transport).await?;
+        let (id, disk) = match &config.data_dir {
+            Some(dir) => {
+                let (id, disk) = open_data_dir(dir)?;
+                (id, Some(disk))
+            }
+            None => (CpgRng.next_u64(), None),
+        };
+        let launched = Self::launch(config.clone(), id, addr, transport, disk).await?;
         let server = tokio::spawn(tcp::serve(
             listener,
             Arc::clone(&launched.service),
@@ -161,9 +207,25 @@ impl Cpg {
             Duration::from_millis(config.rpc_timeout_ms.saturating_mul(4)),
         ));
         launched.cpg.inner.tasks.lock().push(server);
-        launched.cpg.admit().await?;
-        launched.cpg.spawn_monitor();
+        launched.cpg.boot().await?;
         Ok((launched.cpg, launched.events))
+    }
+
+    /// Brings a launched member into its cluster: a new member founds it or is admitted
+    /// (returning once it is); a restarted one never founds, and reaches the others in the
+    /// background. Either way its incarnation then starts ([`CpgEvent::Started`]).
+    pub(crate) async fn boot(&self) -> Result<(), CpgError> {
+        if self.inner.restarted {
+            tracing::info!(
+                member = self.inner.id,
+                "restarting on this member's consensus state: waiting for a majority of its last configuration"
+            );
+        } else {
+            self.admit().await?;
+        }
+        self.spawn_monitor();
+        self.spawn_start();
+        Ok(())
     }
 
     /// Builds member `id` at `addr` over `transport`, without serving or joining yet.
@@ -172,24 +234,71 @@ impl Cpg {
         id: MemberId,
         addr: String,
         transport: Arc<dyn Transport>,
+        disk: Option<Arc<dyn Disk>>,
     ) -> Result<Launched, CpgError> {
         config.validate()?;
         let raft_config = raft_config(&config)?;
         let (tx, rx) = mpsc::channel(config.event_queue_len);
         let stop = Arc::new(watch::channel(None).0);
         let failed = Arc::new(Mutex::new(BTreeSet::new()));
-        let sm = StateMachine::new(EventSink {
-            local: id,
-            tx,
-            stop: Arc::clone(&stop),
-            failed: Arc::clone(&failed),
-        });
+        let storage_err = |reason: String| CpgError::Storage {
+            dir: config
+                .data_dir
+                .as_ref()
+                .map_or_else(|| "memory".into(), |d| d.display().to_string()),
+            reason,
+        };
+        let recovered = match &disk {
+            Some(d) => d.load().map_err(|e| storage_err(e.to_string()))?,
+            None => Default::default(),
+        };
+        let restarted = !recovered.is_empty();
+        let snapshot_index = recovered
+            .snapshot
+            .as_ref()
+            .and_then(|s| s.meta.last_log_id)
+            .map_or(0, |l| l.index);
+        let (log, keep_after) = match &disk {
+            Some(d) => {
+                let keep_after = Arc::new(AtomicU64::new(snapshot_index));
+                let log = LogStore::durable(Arc::clone(d), &recovered, Arc::clone(&keep_after));
+                (log, keep_after)
+            }
+            None => {
+                let log = LogStore::in_memory();
+                (log, Arc::new(AtomicU64::new(u64::MAX)))
+            }
+        };
+        let snapshots = Arc::new(Snapshots::new(
+            disk.clone(),
+            recovered.snapshot.clone(),
+            keep_after,
+            config.resume_after,
+        ));
+        let incarnation = CpgRng.next_u64();
+        let started = Arc::new(AtomicU64::new(0));
+        let events_sent = Arc::new(AtomicU64::new(0));
+        let sm = StateMachine::new(
+            EventSink {
+                local: id,
+                tx,
+                stop: Arc::clone(&stop),
+                failed: Arc::clone(&failed),
+                resume_after: config.resume_after,
+                incarnation,
+                started: Arc::clone(&started),
+                sent: Arc::clone(&events_sent),
+            },
+            Arc::clone(&snapshots),
+        )
+        .map_err(|e| storage_err(format!("the snapshot cannot be decoded: {e}")))?;
+        let reset = sm.cannot_resume();
         let network = NetworkFactory {
             transport: Arc::clone(&transport),
             rpc_timeout: Duration::from_millis(config.rpc_timeout_ms),
             backoff: Duration::from_millis(config.heartbeat_ms),
         };
-        let raft = Raft::new(id, raft_config, network, LogStore::default(), sm)
+        let raft = Raft::new(id, raft_config, network, log, sm)
             .await
             .map_err(|e| CpgError::Config(format!("openraft refused to start: {e}")))?;
         let lease = Arc::new(Mutex::new(Lease::new(
@@ -208,6 +317,7 @@ impl Cpg {
         let events = CpgEvents {
             rx,
             stop: stop.subscribe(),
+            received: 0,
         };
         let cpg = Cpg {
             inner: Arc::new(Inner {
@@ -222,6 +332,14 @@ impl Cpg {
                 failed,
                 retired: AtomicBool::new(false),
                 tasks: Mutex::new(Vec::new()),
+                incarnation,
+                started,
+                events_sent,
+                snapshots,
+                restarted,
+                reset,
+                #[cfg(test)]
+                paused: AtomicBool::new(false),
             }),
         };
         Ok(Launched {
@@ -231,7 +349,8 @@ impl Cpg {
         })
     }
 
-    /// This member's incarnation id, as other members' events name it.
+    /// This member's id, as other members' events name it (stable across restarts on the
+    /// same data directory).
     pub fn id(&self) -> MemberId {
         self.inner.id
     }
@@ -248,10 +367,128 @@ impl Cpg {
         self.inner.raft.metrics().borrow().current_leader
     }
 
-    /// Whether this member currently has quorum; the watch changes within a lease of losing it.
-    /// A member without quorum must stop serving what depends on agreement.
+    /// Notifies quorum changes: the watch turns false within a heartbeat of the lease running
+    /// out. For a decision, ask [`Cpg::has_quorum_now`]: a watch read after a pause of this
+    /// process may still show what was true before it.
     pub fn quorum(&self) -> watch::Receiver<bool> {
         self.inner.quorum_tx.subscribe()
+    }
+
+    /// Whether this member holds the majority's lease at this instant: its incarnation has
+    /// started, it has not stopped, and the lease's deadline (the leader's own, or what the
+    /// leader granted) is later than the clock now. Checked when asked, never cached, so the
+    /// first question after a pause longer than the lease is answered "no".
+    pub fn has_quorum_now(&self) -> bool {
+        self.stop_reason().is_none()
+            && self.started().is_some()
+            && self
+                .inner
+                .lease
+                .lock()
+                .deadline()
+                .is_some_and(|d| Instant::now() < d)
+    }
+
+    /// When this member's lease ends, if it holds one (see [`Cpg::has_quorum_now`]).
+    pub fn lease_deadline(&self) -> Option<Instant> {
+        self.inner.lease.lock().deadline()
+    }
+
+    /// The index at which this process's incarnation started, once it has (see
+    /// [`CpgEvent::Started`]). Until then the member serves nothing that needs agreement.
+    pub fn started(&self) -> Option<u64> {
+        Some(self.inner.started.load(Ordering::Acquire)).filter(|i| *i > 0)
+    }
+
+    /// Whether this member found consensus state of its own when it started (a restart).
+    pub fn is_restart(&self) -> bool {
+        self.inner.restarted
+    }
+
+    /// How many voters the member's last configuration has and how many of them it can see
+    /// (itself included: heard from lately, as leader, or answering as leader or follower):
+    /// what a restarted member waits for, for `/readyz`.
+    pub fn voters_reachable(&self) -> (usize, usize) {
+        let m = self.inner.raft.metrics();
+        let m = m.borrow();
+        let voters: Vec<MemberId> = m.membership_config.membership().voter_ids().collect();
+        let reachable = if m.current_leader.is_some() {
+            m.replication.as_ref().map_or_else(
+                || usize::from(m.current_leader.is_some()) + 1,
+                |r| {
+                    r.values()
+                        .filter(|matched| matched.is_some())
+                        .count()
+                        .max(1)
+                },
+            )
+        } else {
+            1
+        };
+        (reachable.min(voters.len().max(1)), voters.len())
+    }
+
+    /// The application has made durable every event up to `index`: a restart of this member
+    /// may resume after it, and the log before it may go.
+    pub fn checkpointed(&self, index: u64) {
+        self.inner.snapshots.checkpointed(index);
+    }
+
+    /// A read index: asks the leader (which confirms its leadership with a majority) for the
+    /// newest committed index, and returns once this member has applied it, so that the
+    /// application can act on the newest committed state rather than on what it has seen.
+    pub async fn sync(&self) -> Result<SyncPoint, CpgError> {
+        let timeout = write_timeout(&self.inner.config);
+        let deadline = Instant::now() + timeout;
+        let retry = Duration::from_millis(self.inner.config.heartbeat_ms);
+        let index = loop {
+            self.check_running()?;
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(CpgError::NotCommitted(
+                    "no leader confirmed a read index in time".into(),
+                ));
+            }
+            let leader = self.leader();
+            if leader == Some(self.inner.id) {
+                match tokio::time::timeout(left, self.inner.raft.get_read_log_id()).await {
+                    Ok(Ok((read, _))) => break read.map_or(0, |l| l.index),
+                    _ => tokio::time::sleep(retry).await,
+                }
+                continue;
+            }
+            let addr = leader.and_then(|l| {
+                let m = self.inner.raft.metrics();
+                let m = m.borrow();
+                m.membership_config
+                    .membership()
+                    .get_node(&l)
+                    .map(|n| n.addr.clone())
+            });
+            let Some(addr) = addr else {
+                tokio::time::sleep(retry).await;
+                continue;
+            };
+            let env = Envelope {
+                to: None,
+                req: Request::ReadIndex,
+            };
+            match self.inner.transport.call(&addr, env, left).await {
+                Ok(Response::ReadIndex(i)) => break i,
+                _ => tokio::time::sleep(retry).await,
+            }
+        };
+        let left = deadline.saturating_duration_since(Instant::now());
+        self.inner
+            .raft
+            .wait(Some(left))
+            .applied_index_at_least(Some(index), "sync")
+            .await
+            .map_err(|e| CpgError::NotCommitted(format!("not applied in time: {e}")))?;
+        Ok(SyncPoint {
+            index,
+            events: self.inner.events_sent.load(Ordering::Acquire),
+        })
     }
 
     /// The log index of this member's newest membership and its voter sets (two during a joint
@@ -265,6 +502,21 @@ impl Cpg {
             index,
             m.membership_config.membership().get_joint_config().clone(),
         )
+    }
+
+    /// The newest index this member applied, for the simulation.
+    #[cfg(test)]
+    pub(crate) fn applied_index(&self) -> u64 {
+        let m = self.inner.raft.metrics();
+        let index = m.borrow().last_applied.map_or(0, |l| l.index);
+        index
+    }
+
+    /// Freezes (or thaws) this member's background duties, as a SIGSTOP would: for the
+    /// simulation, whose network holds the member's traffic meanwhile.
+    #[cfg(test)]
+    pub(crate) fn set_paused(&self, paused: bool) {
+        self.inner.paused.store(paused, Ordering::Release);
     }
 
     /// The index of the last entry in this member's log, for the simulation.
@@ -334,7 +586,9 @@ impl Cpg {
         };
         match self.propose(cmd).await? {
             Outcome::Applied { index } => Ok(index),
-            Outcome::NotMember => Err(CpgError::Stopped(StopReason::Evicted)),
+            Outcome::NotMember | Outcome::ViewChanged { .. } => {
+                Err(CpgError::Stopped(StopReason::Evicted))
+            }
         }
     }
 
@@ -347,7 +601,7 @@ impl Cpg {
         };
         match self.propose(cmd).await? {
             Outcome::Applied { index } => Ok(index),
-            Outcome::NotMember => Err(CpgError::NotInGroup {
+            Outcome::NotMember | Outcome::ViewChanged { .. } => Err(CpgError::NotInGroup {
                 group: group.to_string(),
             }),
         }
@@ -356,6 +610,28 @@ impl Cpg {
     /// Multicasts `payload` to `group` and returns its position in the agreed order once it is
     /// committed on a majority. Calls made one after another are delivered in that order.
     pub async fn mcast(&self, group: &str, payload: Bytes) -> Result<u64, CpgError> {
+        self.mcast_to_view(group, None, payload).await
+    }
+
+    /// Like [`Cpg::mcast`], but delivered only if `group` is still in `view` (the index of the
+    /// configuration change the sender last saw) when it is applied; otherwise nobody
+    /// delivers it and the caller gets [`CpgError::ViewChanged`]. For what must not cross a
+    /// membership change (a stream to the members of one view, a role change decided in it).
+    pub async fn mcast_in_view(
+        &self,
+        group: &str,
+        view: u64,
+        payload: Bytes,
+    ) -> Result<u64, CpgError> {
+        self.mcast_to_view(group, Some(view), payload).await
+    }
+
+    async fn mcast_to_view(
+        &self,
+        group: &str,
+        view: Option<u64>,
+        payload: Bytes,
+    ) -> Result<u64, CpgError> {
         let max_bytes = self.inner.config.max_payload_bytes;
         if payload.len() > max_bytes {
             return Err(CpgError::PayloadTooLarge {
@@ -366,12 +642,17 @@ impl Cpg {
         let cmd = Command::Mcast {
             group: group.to_string(),
             sender: self.inner.id,
+            view,
             payload: payload.to_vec(),
         };
         match self.propose(cmd).await? {
             Outcome::Applied { index } => Ok(index),
             Outcome::NotMember => Err(CpgError::NotInGroup {
                 group: group.to_string(),
+            }),
+            Outcome::ViewChanged { view } => Err(CpgError::ViewChanged {
+                group: group.to_string(),
+                view,
             }),
         }
     }
@@ -451,6 +732,78 @@ impl Cpg {
         }
     }
 
+    /// Starts this process's incarnation in the background: a restarted member first makes
+    /// sure the leader knows it (at its current address, as a voter), then commits its
+    /// [`Command::Start`], retrying until it is applied or the member stops.
+    fn spawn_start(&self) {
+        let weak = Arc::downgrade(&self.inner);
+        let task = tokio::spawn(async move {
+            let mut admitted = false;
+            loop {
+                let Some(inner) = weak.upgrade() else { return };
+                let cpg = Cpg { inner };
+                if cpg.stop_reason().is_some() || cpg.started().is_some() {
+                    return;
+                }
+                let retry = Duration::from_millis(cpg.inner.config.join_retry_ms);
+                if cpg.inner.restarted && !admitted {
+                    admitted = cpg.rejoin_once().await;
+                    if !admitted {
+                        drop(cpg);
+                        tokio::time::sleep(retry).await;
+                        continue;
+                    }
+                }
+                let cmd = Command::Start {
+                    member: cpg.inner.id,
+                    incarnation: cpg.inner.incarnation,
+                    reset: cpg.inner.reset,
+                };
+                let done = matches!(cpg.propose(cmd).await, Ok(Outcome::Applied { .. }));
+                drop(cpg);
+                if !done {
+                    tokio::time::sleep(retry).await;
+                }
+            }
+        });
+        self.inner.tasks.lock().push(task);
+    }
+
+    /// One round of asking the members of the last known configuration (and the seeds) to
+    /// admit this restarted member; true once one that leads said it is a voter here.
+    async fn rejoin_once(&self) -> bool {
+        let inner = &self.inner;
+        let mut targets: Vec<String> = {
+            let m = inner.raft.metrics();
+            let m = m.borrow();
+            m.membership_config
+                .membership()
+                .nodes()
+                .filter(|(id, _)| **id != inner.id)
+                .map(|(_, n)| n.addr.clone())
+                .collect()
+        };
+        targets.extend(inner.config.seeds.iter().cloned());
+        let timeout = Duration::from_millis(inner.config.rpc_timeout_ms.saturating_mul(4));
+        let mut hint: Option<String> = None;
+        for addr in targets {
+            let addr = hint.take().unwrap_or(addr);
+            let env = Envelope {
+                to: None,
+                req: Request::Join {
+                    id: inner.id,
+                    addr: inner.addr.clone(),
+                },
+            };
+            match inner.transport.call(&addr, env, timeout).await {
+                Ok(Response::Joined) => return true,
+                Ok(Response::NotLeader { leader: Some(l) }) => hint = Some(l),
+                Ok(_) | Err(_) => {}
+            }
+        }
+        false
+    }
+
     /// Founds the cluster (no seeds) or asks the seeds until one admits this member.
     pub(crate) async fn admit(&self) -> Result<(), CpgError> {
         let inner = &self.inner;
@@ -506,4 +859,45 @@ impl Cpg {
         }
         Err(CpgError::JoinTimeout { timeout_ms })
     }
+}
+
+/// The file holding a member's stable id inside its data directory.
+const MEMBER_ID_FILE: &str = "member-id";
+
+/// Opens the member's consensus state in `dir`: its id (made on first use) and its disk.
+/// An id file without state is a member that never got admitted (it may still found or join
+/// afresh); state without an id file is damage, refused rather than guessed at.
+fn open_data_dir(dir: &Path) -> Result<(MemberId, Arc<dyn Disk>), CpgError> {
+    let err = |reason: String| CpgError::Storage {
+        dir: dir.display().to_string(),
+        reason,
+    };
+    let disk = DirDisk::open(dir).map_err(|e| err(e.to_string()))?;
+    let path = dir.join(MEMBER_ID_FILE);
+    let id = match std::fs::read_to_string(&path) {
+        Ok(text) => text
+            .trim()
+            .parse::<MemberId>()
+            .map_err(|e| err(format!("{} is damaged: {e}", path.display())))?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let state = disk.load().map_err(|e| err(e.to_string()))?;
+            if !state.is_empty() {
+                return Err(err(format!(
+                    "consensus state without {}: restore the file or empty the directory",
+                    path.display()
+                )));
+            }
+            let id = CpgRng.next_u64().max(1);
+            write_atomically(
+                dir,
+                &dir.join(format!("{MEMBER_ID_FILE}.tmp")),
+                &path,
+                format!("{id}\n").as_bytes(),
+            )
+            .map_err(|e| err(e.to_string()))?;
+            id
+        }
+        Err(e) => return Err(err(e.to_string())),
+    };
+    Ok((id, Arc::new(disk)))
 }

@@ -1,7 +1,7 @@
 //! Answers what peers ask of this member: Raft RPCs go to openraft, pings renew leases and prove
 //! liveness, joins admit new members, forwarded writes are proposed by the leader.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -67,6 +67,7 @@ impl Service {
             Request::Ping { from } => self.ping(from),
             Request::Join { id, addr } => self.admit(id, addr).await,
             Request::Write(cmd) => self.write(cmd).await,
+            Request::ReadIndex => self.read_index().await,
         }
     }
 
@@ -134,27 +135,54 @@ impl Service {
         }
     }
 
+    async fn read_index(&self) -> Response {
+        match tokio::time::timeout(self.write_timeout, self.raft.get_read_log_id()).await {
+            Ok(Ok((read, _))) => Response::ReadIndex(read.map_or(0, |l| l.index)),
+            Ok(Err(RaftError::APIError(_))) => self.not_leader(),
+            Ok(Err(e)) => Response::Failed(e.to_string()),
+            Err(_) => Response::Failed("read index timed out".into()),
+        }
+    }
+
     async fn admit(&self, id: MemberId, addr: String) -> Response {
-        let is_voter = {
+        let known = {
             let m = self.raft.metrics();
             let m = m.borrow();
             if m.state != ServerState::Leader {
-                None
-            } else {
-                Some(
-                    m.membership_config
-                        .membership()
-                        .voter_ids()
-                        .any(|v| v == id),
-                )
+                return self.not_leader();
             }
+            let membership = m.membership_config.membership();
+            membership
+                .voter_ids()
+                .any(|v| v == id)
+                .then(|| membership.get_node(&id).map(|n| n.addr.clone()))
         };
-        match is_voter {
-            None => return self.not_leader(),
-            Some(true) => return Response::Joined,
-            Some(false) => {}
-        }
         let raft = &self.raft;
+        match known {
+            Some(Some(known)) if known == addr => return Response::Joined,
+            Some(_) => {
+                // A restarted voter that came back at another address.
+                let change = raft.change_membership(
+                    ChangeMembers::SetNodes(BTreeMap::from([(
+                        id,
+                        BasicNode { addr: addr.clone() },
+                    )])),
+                    false,
+                );
+                return match tokio::time::timeout(self.write_timeout, change).await {
+                    Ok(Ok(_)) => {
+                        tracing::info!(member = self.id, moved = id, %addr, "a cluster member's address changed");
+                        Response::Joined
+                    }
+                    Ok(Err(RaftError::APIError(ClientWriteError::ForwardToLeader(_)))) => {
+                        self.not_leader()
+                    }
+                    Ok(Err(e)) => Response::Failed(e.to_string()),
+                    Err(_) => Response::Failed("address change timed out".into()),
+                };
+            }
+            None => {}
+        }
         let admitted = tokio::time::timeout(self.write_timeout, async {
             raft.add_learner(id, BasicNode { addr: addr.clone() }, true)
                 .await?;

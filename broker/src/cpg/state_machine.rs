@@ -5,6 +5,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Cursor;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use openraft::storage::RaftStateMachine;
 use openraft::{
@@ -15,6 +16,7 @@ use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, watch};
 
+use super::disk::{Disk, StoredSnapshot};
 use super::error::StopReason;
 use super::event::CpgEvent;
 use super::groups::{Emitted, Groups};
@@ -24,7 +26,7 @@ type Membership = StoredMembership<MemberId, openraft::BasicNode>;
 
 /// What a snapshot holds: enough for a new member to apply the log from there on.
 #[derive(Clone, Default, Serialize, Deserialize)]
-struct SnapshotData {
+pub(crate) struct SnapshotData {
     last_applied: Option<LogId<MemberId>>,
     membership: Membership,
     groups: Groups,
@@ -41,6 +43,15 @@ pub(crate) struct EventSink {
     /// The voters declared failed as of the applied log, for the lease (a leader grants them
     /// nothing).
     pub failed: Arc<Mutex<BTreeSet<MemberId>>>,
+    /// Events up to this index reached the application before a restart: a replay skips them.
+    pub resume_after: u64,
+    /// This process's incarnation: random per start, so that a restart replaying the log
+    /// tells its own [`Command::Start`] from its predecessors'.
+    pub incarnation: u64,
+    /// The index at which this process's incarnation started ([`Command::Start`]), 0 before.
+    pub started: Arc<AtomicU64>,
+    /// Events queued for the application so far (for `sync`).
+    pub sent: Arc<AtomicU64>,
 }
 
 impl EventSink {
@@ -48,11 +59,12 @@ impl EventSink {
         self.stop.borrow().is_some()
     }
 
-    /// Publishes the applied set of failed voters; a member that finds itself in it is evicted
-    /// (its Raft node keeps voting until the cluster removes it, see `monitor.rs`).
+    /// Publishes the applied set of failed voters. A member that finds itself in it is
+    /// evicted — unless its incarnation has not started yet: then the failure was its previous
+    /// incarnation's (a restart replaying its log).
     fn failed_now(&self, groups: &Groups) {
         let failed = groups.failed();
-        if failed.contains(&self.local) {
+        if failed.contains(&self.local) && self.started.load(Ordering::Acquire) > 0 {
             self.stop
                 .send_if_modified(|s| s.replace(StopReason::Evicted).is_none());
         }
@@ -63,10 +75,15 @@ impl EventSink {
     }
 
     fn emit(&self, emitted: Emitted) {
-        if self.stopped() || !emitted.to.contains(&self.local) {
+        if self.stopped()
+            || !emitted.to.contains(&self.local)
+            || emitted.event.index() <= self.resume_after
+        {
             return;
         }
-        if self.tx.try_send(emitted.event).is_err() {
+        if self.tx.try_send(emitted.event).is_ok() {
+            self.sent.fetch_add(1, Ordering::AcqRel);
+        } else {
             // A gap would break virtual synchrony, so deliver nothing more and let the majority
             // remove this member.
             self.stop
@@ -78,21 +95,134 @@ impl EventSink {
 /// The CPG state machine of one member.
 pub(crate) struct StateMachine {
     data: SnapshotData,
-    snapshot: CurrentSnapshot,
+    snapshots: Arc<Snapshots>,
     sink: EventSink,
 }
 
-/// The latest snapshot, shared with the builder that writes it.
-type CurrentSnapshot = Arc<Mutex<Option<(SnapshotMeta<MemberId, openraft::BasicNode>, Vec<u8>)>>>;
+/// The member's snapshots: the newest (what openraft sends a lagging follower) and, with a
+/// disk, the durable one a restart starts from. A snapshot becomes durable only once the
+/// application has made durable every event up to it ([`Snapshots::checkpointed`]), so that
+/// a restart can replay, from the log the disk keeps after it, every event the application
+/// has not yet got for good; the log is purged only up to it (`keep_after`).
+pub(crate) struct Snapshots {
+    disk: Option<Arc<dyn Disk>>,
+    keep_after: Arc<AtomicU64>,
+    state: Mutex<SnapshotState>,
+}
+
+#[derive(Default)]
+struct SnapshotState {
+    current: Option<StoredSnapshot>,
+    /// Built but newer than the application's checkpoint, oldest first.
+    pending: Vec<StoredSnapshot>,
+    checkpointed: u64,
+    /// Whether this member is in no group, so there is nothing to replay to it.
+    idle: bool,
+}
+
+impl Snapshots {
+    /// The snapshots of a member with `disk` (or none), starting from `recovered`, purging
+    /// the log up to `keep_after` only.
+    pub fn new(
+        disk: Option<Arc<dyn Disk>>,
+        recovered: Option<StoredSnapshot>,
+        keep_after: Arc<AtomicU64>,
+        checkpointed: u64,
+    ) -> Self {
+        let state = SnapshotState {
+            current: recovered,
+            checkpointed,
+            ..SnapshotState::default()
+        };
+        Self {
+            disk,
+            keep_after,
+            state: Mutex::new(state),
+        }
+    }
+
+    /// The application has made durable every event up to `index`.
+    pub fn checkpointed(&self, index: u64) {
+        let mut state = self.state.lock();
+        state.checkpointed = state.checkpointed.max(index);
+        self.promote(&mut state);
+    }
+
+    /// A snapshot was built; it becomes durable once the application has caught up with it.
+    fn built(&self, snapshot: StoredSnapshot, idle: bool) {
+        let mut state = self.state.lock();
+        state.current = Some(snapshot.clone());
+        if self.disk.is_some() {
+            state.pending.push(snapshot);
+            state.idle = idle;
+            self.promote(&mut state);
+        }
+    }
+
+    /// A snapshot from the leader replaced the state machine: durable at once (openraft
+    /// purges the log it covers).
+    fn installed(&self, snapshot: StoredSnapshot) -> std::io::Result<()> {
+        let mut state = self.state.lock();
+        let index = snapshot_index(&snapshot);
+        if let Some(disk) = &self.disk {
+            disk.save_snapshot(&snapshot)?;
+            self.keep_after.store(index, Ordering::Release);
+        }
+        state.pending.retain(|p| snapshot_index(p) > index);
+        state.current = Some(snapshot);
+        Ok(())
+    }
+
+    /// Makes the newest pending snapshot the application has caught up with durable.
+    fn promote(&self, state: &mut SnapshotState) {
+        let Some(disk) = &self.disk else { return };
+        let ready = |p: &StoredSnapshot| state.idle || snapshot_index(p) <= state.checkpointed;
+        let Some(pos) = state.pending.iter().rposition(ready) else {
+            return;
+        };
+        let snapshot = state.pending[pos].clone();
+        match disk.save_snapshot(&snapshot) {
+            Ok(()) => {
+                self.keep_after
+                    .store(snapshot_index(&snapshot), Ordering::Release);
+                state.pending.drain(..=pos);
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "cannot save the consensus snapshot; keeping the log")
+            }
+        }
+    }
+
+    fn current(&self) -> Option<StoredSnapshot> {
+        self.state.lock().current.clone()
+    }
+}
+
+fn snapshot_index(s: &StoredSnapshot) -> u64 {
+    s.meta.last_log_id.map_or(0, |l| l.index)
+}
 
 impl StateMachine {
-    /// A fresh state machine delivering to `sink`.
-    pub fn new(sink: EventSink) -> Self {
-        Self {
-            data: SnapshotData::default(),
-            snapshot: CurrentSnapshot::default(),
+    /// A state machine delivering to `sink`, starting from `snapshot` (a restart's durable
+    /// one) or from nothing.
+    pub fn new(sink: EventSink, snapshots: Arc<Snapshots>) -> Result<Self, postcard::Error> {
+        let data = match snapshots.current() {
+            Some(s) => postcard::from_bytes(&s.data)?,
+            None => SnapshotData::default(),
+        };
+        sink.failed_now(&data.groups);
+        Ok(Self {
+            data,
+            snapshots,
             sink,
-        }
+        })
+    }
+
+    /// Whether this member's application state is older than the snapshot it restarts from,
+    /// while it belongs to a group: the events between are gone, so it cannot resume.
+    pub fn cannot_resume(&self) -> bool {
+        let index = self.data.last_applied.map_or(0, |l| l.index);
+        index > self.sink.resume_after && self.data.groups.is_in_any_group(self.sink.local)
     }
 
     fn voters(membership: &Membership) -> BTreeMap<MemberId, String> {
@@ -109,7 +239,8 @@ impl StateMachine {
 /// Builds snapshots from a copy of the state taken when openraft asks.
 pub(crate) struct SnapshotBuilder {
     data: SnapshotData,
-    current: CurrentSnapshot,
+    local: MemberId,
+    snapshots: Arc<Snapshots>,
 }
 
 impl RaftSnapshotBuilder<CpgTypes> for SnapshotBuilder {
@@ -126,7 +257,14 @@ impl RaftSnapshotBuilder<CpgTypes> for SnapshotBuilder {
                 last.map_or(0, |l| l.index)
             ),
         };
-        *self.current.lock() = Some((meta.clone(), bytes.clone()));
+        let idle = !self.data.groups.is_in_any_group(self.local);
+        self.snapshots.built(
+            StoredSnapshot {
+                meta: meta.clone(),
+                data: bytes.clone(),
+            },
+            idle,
+        );
         Ok(Snapshot {
             meta,
             snapshot: Box::new(Cursor::new(bytes)),
@@ -155,7 +293,13 @@ impl RaftStateMachine<CpgTypes> for StateMachine {
             match entry.payload {
                 EntryPayload::Blank => outcomes.push(Outcome::Applied { index }),
                 EntryPayload::Normal(cmd) => {
-                    let fail = matches!(cmd, Command::Fail { .. });
+                    // Both change who is failed (a start ends it), which the lease reads.
+                    let fail = matches!(cmd, Command::Fail { .. } | Command::Start { .. });
+                    if matches!(cmd, Command::Start { member, incarnation, .. }
+                        if member == self.sink.local && incarnation == self.sink.incarnation)
+                    {
+                        self.sink.started.store(index, Ordering::Release);
+                    }
                     let (outcome, emitted) = self.data.groups.apply(index, cmd);
                     for e in emitted {
                         self.sink.emit(e);
@@ -182,7 +326,8 @@ impl RaftStateMachine<CpgTypes> for StateMachine {
     async fn get_snapshot_builder(&mut self) -> Self::SnapshotBuilder {
         SnapshotBuilder {
             data: self.data.clone(),
-            current: Arc::clone(&self.snapshot),
+            local: self.sink.local,
+            snapshots: Arc::clone(&self.snapshots),
         }
     }
 
@@ -200,25 +345,32 @@ impl RaftStateMachine<CpgTypes> for StateMachine {
         let bytes = snapshot.into_inner();
         let data: SnapshotData = postcard::from_bytes(&bytes)
             .map_err(|e| StorageIOError::read_snapshot(Some(meta.signature()), &e))?;
-        if self.data.groups.is_in_any_group(self.sink.local) {
-            // The entries the snapshot skips may hold events for this member: rather than a gap,
-            // stop (the majority then removes it and it can rejoin as a new member).
+        let local = self.sink.local;
+        if self.data.groups.is_in_any_group(local) || data.groups.is_in_any_group(local) {
+            // The entries the snapshot skips may hold events for this member (its own join
+            // among them, when it is a member only in the snapshot): rather than a gap, stop.
+            // Restarted, it finds its application behind the snapshot and starts afresh.
             self.sink
                 .stop
                 .send_if_modified(|s| s.replace(StopReason::FellBehind).is_none());
         }
+        self.snapshots
+            .installed(StoredSnapshot {
+                meta: meta.clone(),
+                data: bytes,
+            })
+            .map_err(|e| StorageIOError::write_snapshot(Some(meta.signature()), &e))?;
         self.data = data;
         self.sink.failed_now(&self.data.groups);
-        *self.snapshot.lock() = Some((meta.clone(), bytes));
         Ok(())
     }
 
     async fn get_current_snapshot(
         &mut self,
     ) -> Result<Option<Snapshot<CpgTypes>>, StorageError<MemberId>> {
-        Ok(self.snapshot.lock().as_ref().map(|(meta, bytes)| Snapshot {
-            meta: meta.clone(),
-            snapshot: Box::new(Cursor::new(bytes.clone())),
+        Ok(self.snapshots.current().map(|s| Snapshot {
+            meta: s.meta,
+            snapshot: Box::new(Cursor::new(s.data)),
         }))
     }
 }

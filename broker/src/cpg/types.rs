@@ -6,8 +6,10 @@ use serde::{Deserialize, Serialize};
 
 use super::runtime::CpgRuntime;
 
-/// Identity of one CPG member *incarnation*. A restarted process gets a new id (like Corosync's
-/// node id + pid), so a member that lost its state can never vote twice under one identity.
+/// Identity of one CPG member. With a data directory it is stable: the member's consensus
+/// state (vote, log) is on disk, so a restarted process is the same voter and can never vote
+/// twice in a term. Without one, every process is a new member (like Corosync's node id +
+/// pid).
 pub type MemberId = u64;
 
 openraft::declare_raft_types!(
@@ -45,6 +47,9 @@ pub enum Command {
         group: String,
         /// Member that sent it.
         sender: MemberId,
+        /// The view (index of the group's newest configuration change) the sender meant it
+        /// for: delivered only if the group is still in that view. `None`: any view.
+        view: Option<u64>,
         /// Application bytes, encoded as one byte string: as a sequence of `u8`, a 1 MiB
         /// payload costs a million encoder calls, which made appends outlast openraft's
         /// heartbeat-long append timeout in debug builds, so a follower never caught up.
@@ -57,6 +62,18 @@ pub enum Command {
     Fail {
         /// Members declared failed.
         members: Vec<MemberId>,
+    },
+    /// A new process of voter `member` started (on its own data: the same voter). It is no
+    /// longer failed, and is told which groups it still belongs to.
+    Start {
+        /// The member.
+        member: MemberId,
+        /// The process's incarnation (random per start), so that it recognises its own start
+        /// among its predecessors' when its log is replayed.
+        incarnation: u64,
+        /// It cannot resume its groups (its application's state is older than what its log
+        /// still holds): end its memberships, as a failure would.
+        reset: bool,
     },
 }
 
@@ -71,4 +88,9 @@ pub enum Outcome {
     /// The proposer is not (or no longer) a member of the group or the cluster, so the command
     /// changed nothing.
     NotMember,
+    /// A multicast for an older view of its group: not delivered.
+    ViewChanged {
+        /// The group's view when it was applied.
+        view: u64,
+    },
 }

@@ -37,15 +37,18 @@ pub(crate) enum Request {
         /// Member renewing its lease.
         from: MemberId,
     },
-    /// A new member asks to be admitted as a voter.
+    /// A member asks to be admitted as a voter (or, already one, to have its address updated).
     Join {
-        /// The new incarnation.
+        /// The member.
         id: MemberId,
         /// Its cluster address.
         addr: String,
     },
     /// A follower forwards a command to the leader.
     Write(Command),
+    /// A follower asks the leader for the newest committed index, confirmed by a majority
+    /// (a read index).
+    ReadIndex,
 }
 
 /// Responses between members.
@@ -71,6 +74,8 @@ pub(crate) enum Response {
     Joined,
     /// Answer to [`Request::Write`]: committed and applied.
     Written(Outcome),
+    /// Answer to [`Request::ReadIndex`].
+    ReadIndex(u64),
     /// This member is not the leader; try `leader` if known.
     NotLeader {
         /// Address of the leader as this member knows it.

@@ -25,10 +25,16 @@ impl Store {
 }
 
 impl WiringStore for Store {
-    fn apply(&mut self, vhost: &str, op: &WiringOp) -> Result<(OpReply, Option<u64>), AmqpError> {
+    fn apply(
+        &mut self,
+        index: u64,
+        vhost: &str,
+        op: &WiringOp,
+    ) -> Result<(OpReply, Option<u64>), AmqpError> {
         let v = self.vhosts.get_mut(vhost).expect("test vhost");
-        op.apply(v, crate::core::NO_CONNECTION, 0, &mut Effects::default())
-            .map(|r| (r, None))
+        let reply = op.apply(v, crate::core::NO_CONNECTION, 0, &mut Effects::default());
+        v.cluster_applied(index);
+        reply.map(|r| (r, None))
     }
 
     fn export(&mut self) -> BTreeMap<String, Wiring> {
@@ -38,8 +44,13 @@ impl WiringStore for Store {
             .collect()
     }
 
-    fn install(&mut self, vhosts: BTreeMap<String, Wiring>) {
-        for (name, w) in vhosts {
+    fn applied_through(&mut self, vhost: &str) -> Option<u64> {
+        self.vhosts.get(vhost)?.cluster_through()
+    }
+
+    fn install(&mut self, vhosts: BTreeMap<String, Wiring>, through: u64) {
+        for (name, mut w) in vhosts {
+            w.cluster_through = Some(through);
             let v = self
                 .vhosts
                 .entry(name.clone())
@@ -98,7 +109,7 @@ impl Model {
                         self.pending.push((node.id, delay, msg));
                     }
                     Action::Answer { .. } => self.answers += 1,
-                    Action::HostsChanged | Action::Synced => {}
+                    Action::HostsChanged | Action::Synced | Action::Join | Action::Rejoin => {}
                 }
             }
         }
@@ -194,11 +205,18 @@ impl Model {
     }
 
     fn join(&mut self, id: MemberId) {
-        self.nodes.push(Node {
+        let mut node = Node {
             id,
-            map: ClusterMap::new(id),
+            map: ClusterMap::new(id, self.group.is_empty()),
             store: Store::new(id),
-        });
+        };
+        let started = CpgEvent::Started {
+            index: self.next_index(),
+            groups: Vec::new(),
+        };
+        let actions = node.map.on_event(started, &mut node.store).unwrap();
+        assert_eq!(actions, vec![Action::Join]);
+        self.nodes.push(node);
         let mut members = self.group.clone();
         members.push(id);
         self.conf_change(members, vec![id], Vec::new());
@@ -315,7 +333,7 @@ fn every_live_member_ends_with_the_same_map() {
 
 #[test]
 fn a_committed_message_this_member_cannot_read_stops_it() {
-    let mut map = ClusterMap::new(1);
+    let mut map = ClusterMap::new(1, true);
     let mut store = Store::new(1);
     let founded = CpgEvent::ConfChg {
         group: "ringmq".into(),
@@ -340,4 +358,125 @@ fn a_committed_message_this_member_cannot_read_stops_it() {
             sender: 2
         })
     );
+}
+
+fn conf(index: u64, members: &[MemberId], joined: &[MemberId], failed: &[MemberId]) -> CpgEvent {
+    CpgEvent::ConfChg {
+        group: "ringmq".into(),
+        index,
+        members: members.iter().copied().map(member).collect(),
+        joined: joined.iter().copied().map(member).collect(),
+        left: Vec::new(),
+        failed: failed.iter().copied().map(member).collect(),
+    }
+}
+
+fn op_event(index: u64, origin: MemberId, op: WiringOp) -> CpgEvent {
+    let msg = ClusterMsg::Op {
+        origin,
+        request: index,
+        vhost: "/".into(),
+        op,
+    };
+    CpgEvent::Deliver {
+        group: "ringmq".into(),
+        index,
+        sender: origin,
+        payload: Bytes::from(msg.encode()),
+    }
+}
+
+fn declare(index: u64, origin: MemberId, name: &str) -> CpgEvent {
+    let op = WiringOp::DeclareQueue {
+        name: name.into(),
+        durable: true,
+        exclusive: false,
+        auto_delete: false,
+        arguments: FieldTable::default(),
+        home: None,
+        server_named: false,
+    };
+    op_event(index, origin, op)
+}
+
+fn delete(index: u64, origin: MemberId, name: &str) -> CpgEvent {
+    let op = WiringOp::DeleteQueue {
+        name: name.into(),
+        if_unused: false,
+        if_empty: false,
+    };
+    op_event(index, origin, op)
+}
+
+fn has_queue(store: &Store, name: &str) -> bool {
+    store.vhosts["/"]
+        .shared_wiring()
+        .queues
+        .iter()
+        .any(|q| q.name == name)
+}
+
+fn started(index: u64, in_group: bool) -> CpgEvent {
+    CpgEvent::Started {
+        index,
+        groups: if in_group {
+            vec!["ringmq".into()]
+        } else {
+            Vec::new()
+        },
+    }
+}
+
+#[test]
+fn a_restart_replays_what_its_checkpoint_lacks_and_nothing_its_store_saved() {
+    let mut store = Store::new(1);
+    let mut map = ClusterMap::new(1, true);
+    map.on_event(started(1, false), &mut store).unwrap();
+    map.on_event(conf(2, &[1], &[1], &[]), &mut store).unwrap();
+    let checkpoint = map.checkpoint().expect("a synced map has a checkpoint");
+    assert_eq!(checkpoint.through, 2);
+    map.on_event(declare(3, 1, "a"), &mut store).unwrap();
+    map.on_event(delete(4, 1, "a"), &mut store).unwrap();
+    // The process dies: its store saved up to 4, its checkpoint says 2. Ops the store
+    // already applied are not applied again (a purge replayed would drop later messages;
+    // here, replaying the declare alone would bring "a" back).
+    let mut map = ClusterMap::resume(1, checkpoint);
+    assert!(
+        map.on_event(declare(3, 1, "a"), &mut store)
+            .unwrap()
+            .is_empty()
+    );
+    assert!(!has_queue(&store, "a"), "op 3 was applied a second time");
+    map.on_event(delete(4, 1, "a"), &mut store).unwrap();
+    // Events after what the store saved are applied; a replay sends nothing.
+    assert!(
+        map.on_event(declare(5, 1, "c"), &mut store)
+            .unwrap()
+            .is_empty()
+    );
+    assert!(has_queue(&store, "c"));
+    let actions = map.on_event(started(6, true), &mut store).unwrap();
+    assert_eq!(actions[0], Action::SendHello);
+    assert!(actions.contains(&Action::Synced));
+    let actions = map.on_event(declare(7, 1, "d"), &mut store).unwrap();
+    assert!(matches!(actions[0], Action::Answer { request: 7, .. }));
+}
+
+#[test]
+fn a_restarted_member_failed_meanwhile_joins_again_and_never_founds_alone() {
+    let mut store = Store::new(2);
+    let checkpoint = Checkpoint {
+        through: 5,
+        membership: Membership::default(),
+    };
+    let mut map = ClusterMap::resume(2, checkpoint);
+    // The replay shows the others declaring it failed while it was down.
+    map.on_event(conf(6, &[1], &[], &[2]), &mut store).unwrap();
+    assert!(!map.is_synced());
+    let actions = map.on_event(started(7, false), &mut store).unwrap();
+    assert_eq!(actions, vec![Action::Join]);
+    // Alone in the group after its join (everyone else failed): it holds a map that may be
+    // stale, so it waits instead of founding with it.
+    map.on_event(conf(8, &[2], &[2], &[]), &mut store).unwrap();
+    assert!(!map.is_synced());
 }

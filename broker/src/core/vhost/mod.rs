@@ -43,6 +43,8 @@ pub struct VHost {
     names_issued: u64,
     record_ops: bool,
     wiring_dirty: bool,
+    /// See [`VHost::cluster_applied`].
+    pub(super) cluster_through: Option<u64>,
     pub(super) limits: Limits,
 }
 
@@ -74,6 +76,7 @@ impl VHost {
             names_issued: 0,
             record_ops: false,
             wiring_dirty: false,
+            cluster_through: None,
             limits: Limits::default(),
         };
         for (n, kind) in [
@@ -129,6 +132,20 @@ impl VHost {
         self.exchanges.entry(name.clone()).or_insert_with(|| {
             Exchange::new(name, kind, true, false, false, FieldTable::default())
         });
+    }
+
+    /// Records that the cluster change at agreed `index` has been applied here (whatever it
+    /// did): the durable wiring is saved with it as its `cluster_through`, so that a restart
+    /// replays the cluster's log from after it and never applies it twice.
+    pub fn cluster_applied(&mut self, index: u64) {
+        self.cluster_through = Some(index);
+        self.mark_wiring_changed();
+    }
+
+    /// The agreed index of the newest cluster change applied here (see
+    /// [`VHost::cluster_applied`]).
+    pub fn cluster_through(&self) -> Option<u64> {
+        self.cluster_through
     }
 
     pub(super) fn mark_wiring_changed(&mut self) {

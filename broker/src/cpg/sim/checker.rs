@@ -262,7 +262,7 @@ fn check_quiescence(
                 l.iter()
                     .filter_map(|e| match e {
                         CpgEvent::Deliver { payload, .. } => Some(payload.as_ref()),
-                        CpgEvent::ConfChg { .. } => None,
+                        CpgEvent::ConfChg { .. } | CpgEvent::Started { .. } => None,
                     })
                     .collect()
             })

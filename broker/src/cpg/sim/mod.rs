@@ -90,23 +90,26 @@ impl Sim {
             id,
             addr.clone(),
             self.net.transport(&addr),
+            None,
         )
         .await
         else {
             return;
         };
         self.net.register(&addr, Arc::clone(&l.service));
-        if l.cpg.admit().await.is_err() {
+        if l.cpg.boot().await.is_err() {
             self.net.unregister(&addr);
             l.cpg.shutdown().await;
             return;
         }
-        l.cpg.spawn_monitor();
         self.record(Record::Started { member: id });
         let (trace, start) = (Arc::clone(&self.trace), self.start);
         let mut events = l.events;
         tokio::spawn(async move {
             while let Some(ev) = events.recv().await {
+                if matches!(ev, CpgEvent::Started { .. }) {
+                    continue;
+                }
                 trace.lock().push(
                     Self::now_ms(start),
                     Record::Event {

@@ -186,6 +186,14 @@ impl Connection {
     }
 
     pub(super) fn on_open(&mut self, open: connection::Open) -> Result<(), ConnError> {
+        if let Some(reason) = self.broker.cluster().and_then(|c| c.not_ready_reason()) {
+            // A member that is not (yet) part of the majority's cluster serves nobody: what it
+            // holds may be stale, and what it accepted could be rolled back.
+            return Err(ConnError::new(
+                codes::CONNECTION_FORCED,
+                format!("this cluster member is not ready: {reason}"),
+            ));
+        }
         let name = open.virtual_host.as_str();
         let user = self.user.as_ref().expect("authenticated before open");
         let vhost = self.broker.vhost(name).filter(|_| user.may_open(name));
