@@ -1,6 +1,6 @@
 //! Deterministic simulation of the CPG layer: 3–5 members on a [`net::SimNet`] in paused
-//! virtual time, with seeded crashes, restarts, partitions, loss and delay, checked by
-//! [`checker`]. A failing seed replays exactly:
+//! virtual time, with seeded crashes, restarts, partitions (symmetric, one-way, bridged),
+//! paused members, loss and delay, checked by [`checker`]. A failing seed replays exactly:
 //!
 //! ```text
 //! CPG_SIM_SEED=1234 cargo test -p ringmq --lib cpg::sim -- --nocapture
@@ -20,7 +20,7 @@ use tokio::time::Instant;
 
 use super::{Cpg, CpgConfig, CpgEvent, MemberId, seed_thread_rng};
 use checker::{Record, Trace};
-use net::SimNet;
+use net::{BRIDGE, SimNet};
 
 const GROUP: &str = "g";
 
@@ -256,6 +256,8 @@ impl Sim {
             .max()
             .unwrap_or(0);
         self.record(Record::Partitioned {
+            fault: format!("partition {minority:?} from the rest"),
+            leaseless: members.clone(),
             minority: members,
             appended,
         });
@@ -307,18 +309,193 @@ impl Sim {
         let mut n = 0u64;
         while Instant::now() < deadline {
             let i = usize::try_from(self.net.gen_range(0, self.slots.len() as u64)).unwrap_or(0);
-            if let Some(m) = self.slots[i].member.clone() {
+            // A paused member's application is stopped too: it calls nothing.
+            let running = !self.net.is_paused(&self.slots[i].addr);
+            if let Some(m) = self.slots[i].member.clone().filter(|_| running) {
                 if !self.slots[i].in_group {
-                    self.slots[i].in_group = m.join(GROUP).await.is_ok();
+                    self.join(i, &m).await;
                 } else {
-                    let payload = Bytes::from(format!("{tag}-{}-{n}", m.id()));
+                    let payload = format!("{tag}-{}-{n}", m.id());
                     n += 1;
-                    tokio::spawn(async move { m.mcast(GROUP, payload).await });
+                    self.spawn_mcast(m, payload);
                 }
             }
             tokio::time::sleep(Duration::from_millis(self.net.gen_range(5, 60))).await;
         }
     }
+}
+
+impl Sim {
+    /// Member `m` of slot `i` joins the group; the index `join` returns goes into the trace.
+    async fn join(&mut self, i: usize, m: &Cpg) {
+        let joined = m.join(GROUP).await;
+        if let Ok(index) = joined {
+            self.record(Record::Joined {
+                member: m.id(),
+                index,
+            });
+        }
+        self.slots[i].in_group = joined.is_ok();
+    }
+
+    /// `m` multicasts `payload` in the background; the index `mcast` returns goes into the
+    /// trace.
+    fn spawn_mcast(&self, m: Cpg, payload: String) {
+        let (trace, start) = (Arc::clone(&self.trace), self.start);
+        tokio::spawn(async move {
+            if let Ok(index) = m.mcast(GROUP, Bytes::from(payload.clone())).await {
+                let sent = Record::Sent {
+                    member: m.id(),
+                    payload,
+                    index,
+                };
+                trace.lock().push(Self::now_ms(start), sent);
+            }
+        });
+    }
+
+    /// Every address of slot `i`: its current one and those of its lingering incarnations.
+    fn addrs(&self, i: usize) -> Vec<String> {
+        let slot = &self.slots[i];
+        std::iter::once(slot.addr.clone())
+            .chain(slot.lingering.iter().map(|m| m.addr().to_string()))
+            .collect()
+    }
+
+    /// Cuts slot `i` off one way: `outbound` loses every message it sends (its requests and
+    /// its responses to others' requests), else every message sent to it. The other direction
+    /// flows, so it still acts on what reaches it.
+    fn cut_one_way(&self, i: usize, outbound: bool) {
+        let me = self.addrs(i);
+        let others: Vec<String> = (0..self.slots.len())
+            .filter(|&j| j != i)
+            .flat_map(|j| self.addrs(j))
+            .collect();
+        let (from, to, way) = if outbound {
+            (&me, &others, "from")
+        } else {
+            (&others, &me, "to")
+        };
+        self.net.cut_one_way(from, to);
+        self.record_links(format!("one-way cut: messages {way} slot {i} lost"));
+    }
+
+    /// Splits the slots into two sides that cannot talk, `left` and the rest but `bridge`,
+    /// and `bridge`, which talks to both.
+    fn bridge(&self, bridge: usize, left: &[usize]) {
+        let side = (0..self.slots.len())
+            .flat_map(|j| {
+                let s = if j == bridge {
+                    BRIDGE
+                } else if left.contains(&j) {
+                    1
+                } else {
+                    2
+                };
+                self.addrs(j).into_iter().map(move |a| (a, s))
+            })
+            .collect();
+        self.net.partition(side);
+        self.record_links(format!(
+            "bridge: slot {bridge} between {left:?} and the rest"
+        ));
+    }
+
+    /// Records the links now in force and what they cut off, judged from the network itself
+    /// (see [`Record::Partitioned`]). A member could lead a majority if it can exchange
+    /// messages both ways with at least half of some voter set any member still uses,
+    /// itself included; "at least half" rather than "more than half" keeps this on the safe
+    /// side of a removal that shrinks an even set during the cut. A member that no such
+    /// member can send to delivers nothing appended after the cut; one that can complete no
+    /// exchange with any such member (nor is one) loses quorum within a lease.
+    fn record_links(&self, fault: String) {
+        let live: Vec<&Cpg> = self
+            .slots
+            .iter()
+            .flat_map(|s| s.member.iter().chain(&s.lingering))
+            .collect();
+        let sets = self.all_voter_sets();
+        let reaches = |a: &Cpg, b: &Cpg| a.id() == b.id() || self.net.reaches(a.addr(), b.addr());
+        let talks = |a: &Cpg, b: &Cpg| reaches(a, b) && reaches(b, a);
+        let capable: BTreeSet<MemberId> = live
+            .iter()
+            .filter(|y| {
+                sets.iter().any(|set| {
+                    let n = live
+                        .iter()
+                        .filter(|z| set.contains(&z.id()) && talks(y, z))
+                        .count();
+                    2 * n >= set.len()
+                })
+            })
+            .map(|y| y.id())
+            .collect();
+        let current = self.slots.iter().filter_map(|s| s.member.as_ref());
+        let cut_off = |linked: &dyn Fn(&Cpg, &Cpg) -> bool| -> Vec<MemberId> {
+            current
+                .clone()
+                .filter(|x| {
+                    !live
+                        .iter()
+                        .any(|y| capable.contains(&y.id()) && linked(y, x))
+                })
+                .map(Cpg::id)
+                .collect()
+        };
+        let minority = cut_off(&|y, x| reaches(y, x));
+        let leaseless = cut_off(&|y, x| talks(y, x));
+        // Entries the cut-off side held at the cut may still commit after it: those of every
+        // member whose messages can reach a cut-off member, directly or through others that
+        // cannot lead a majority either.
+        let mut side: BTreeSet<MemberId> = minority.iter().copied().collect();
+        loop {
+            let more: Vec<MemberId> = live
+                .iter()
+                .filter(|y| !side.contains(&y.id()) && !capable.contains(&y.id()))
+                .filter(|y| live.iter().any(|x| side.contains(&x.id()) && reaches(y, x)))
+                .map(|y| y.id())
+                .collect();
+            if more.is_empty() {
+                break;
+            }
+            side.extend(more);
+        }
+        let appended = live
+            .iter()
+            .filter(|m| side.contains(&m.id()))
+            .map(|m| m.last_log_index())
+            .max()
+            .unwrap_or(0);
+        self.record(Record::Partitioned {
+            fault,
+            minority,
+            leaseless,
+            appended,
+        });
+    }
+
+    /// Pauses slot `i`'s member for `pause` (its messages are held both ways, as a SIGSTOP
+    /// would hold them) while the others go on with traffic, then resumes it. Only its
+    /// messages and its application's calls stop: its own tasks (openraft's timers, the
+    /// monitor that publishes its quorum watch) keep running until the member has a hook to
+    /// stop them.
+    async fn pause(&mut self, i: usize, pause: Duration, tag: &str) {
+        let Some(m) = self.slots[i].member.clone() else {
+            return;
+        };
+        self.net.pause(m.addr());
+        self.record(Record::Paused { member: m.id() });
+        self.traffic(pause, tag).await;
+        self.net.resume(m.addr());
+        self.record(Record::Resumed { member: m.id() });
+    }
+}
+
+/// How long a pause lasts: past the failure timeout, so that the others declare the paused
+/// member failed while it cannot hear it, and up to three failure timeouts.
+fn pause_ms(net: &SimNet, config: &CpgConfig) -> u64 {
+    let ft = config.failure_timeout_ms;
+    net.gen_range(ft + config.heartbeat_ms, 3 * ft + 1)
 }
 
 /// Runs one seed and returns its trace (already checked).
@@ -351,7 +528,7 @@ fn run_seed(seed: u64) -> Trace {
         }
         sim.traffic(Duration::from_secs(1), "warm").await;
         for step in 0..8 {
-            match sim.net.gen_range(0, 5) {
+            match sim.net.gen_range(0, 8) {
                 0 => {
                     let i = usize::try_from(sim.net.gen_range(0, n as u64)).unwrap_or(0);
                     sim.crash_if_majority_survives(i).await;
@@ -369,6 +546,22 @@ fn run_seed(seed: u64) -> Trace {
                 3 => sim
                     .net
                     .set_loss(u32::try_from(sim.net.gen_range(0, 60)).unwrap_or(0)),
+                4 => {
+                    let i = usize::try_from(sim.net.gen_range(0, n as u64)).unwrap_or(0);
+                    sim.cut_one_way(i, sim.net.gen_range(0, 2) == 0);
+                }
+                5 => {
+                    let first = usize::try_from(sim.net.gen_range(0, n as u64)).unwrap_or(0);
+                    let k = usize::try_from(sim.net.gen_range(1, n as u64 - 1)).unwrap_or(1);
+                    let left: Vec<usize> = (1..=k).map(|j| (first + j) % n).collect();
+                    sim.bridge(first, &left);
+                }
+                6 => {
+                    let i = usize::try_from(sim.net.gen_range(0, n as u64)).unwrap_or(0);
+                    let pause = pause_ms(&sim.net, &sim_config(Vec::new()));
+                    sim.pause(i, Duration::from_millis(pause), &format!("p{step}"))
+                        .await;
+                }
                 _ => sim.heal(),
             }
             let tag = format!("s{step}");
@@ -391,7 +584,7 @@ fn run_seed(seed: u64) -> Trace {
                 if let Some(m) = sim.slots[i].member.clone()
                     && !sim.slots[i].in_group
                 {
-                    sim.slots[i].in_group = m.join(GROUP).await.is_ok();
+                    sim.join(i, &m).await;
                 }
             }
         }
@@ -412,8 +605,18 @@ fn run_seed(seed: u64) -> Trace {
                 .filter(|m| slot.in_group && m.stop_reason().is_none());
             let Some(m) = m else { continue };
             let payload = format!("final-{}", m.id());
-            let ok = m.mcast(GROUP, Bytes::from(payload.clone())).await.is_ok();
-            sim.record(Record::FinalSent { member: m.id(), ok });
+            let sent = m.mcast(GROUP, Bytes::from(payload.clone())).await;
+            if let Ok(index) = sent {
+                sim.record(Record::Sent {
+                    member: m.id(),
+                    payload: payload.clone(),
+                    index,
+                });
+            }
+            sim.record(Record::FinalSent {
+                member: m.id(),
+                ok: sent.is_ok(),
+            });
             finals.push(payload);
         }
         tokio::time::sleep(Duration::from_secs(2)).await;
@@ -428,7 +631,20 @@ fn run_seed(seed: u64) -> Trace {
                     .map(Cpg::id)
             })
             .collect();
-        sim.record(Record::Quiesced { live, finals });
+        // Running members that still could not join: after healing, every member that has
+        // not stopped must be able to (one the cluster removed must learn it and stop).
+        let stranded: Vec<MemberId> = sim
+            .slots
+            .iter()
+            .filter(|s| !s.in_group)
+            .filter_map(|s| s.member.as_ref().filter(|m| m.stop_reason().is_none()))
+            .map(Cpg::id)
+            .collect();
+        sim.record(Record::Quiesced {
+            live,
+            finals,
+            stranded,
+        });
         for i in 0..n {
             sim.crash(i).await;
             sim.reap(i, true).await;
@@ -437,18 +653,19 @@ fn run_seed(seed: u64) -> Trace {
     })
 }
 
-fn check_seed(seed: u64) {
+/// Runs and checks one seed: `Err` names the broken property, with the trace's tail.
+fn check_seed(seed: u64) -> Result<(), String> {
     let trace = run_seed(seed);
-    if let Err(why) = checker::check(&trace, &sim_config(Vec::new()), 20) {
+    checker::check(&trace, &sim_config(Vec::new()), 20).map_err(|why| {
         let lines = std::env::var("CPG_SIM_DUMP_LINES")
             .ok()
             .and_then(|s| s.parse().ok())
             .unwrap_or(80);
-        panic!(
+        format!(
             "seed {seed} failed: {why}\nreplay with CPG_SIM_SEED={seed}\n{}",
             trace.dump_tail(lines)
-        );
-    }
+        )
+    })
 }
 
 /// How many tests the seed sweep is split into, so that a test runner that runs tests in
@@ -476,9 +693,23 @@ fn seeds(part: u64) -> Vec<u64> {
     (from..to).collect()
 }
 
+/// Checks every seed of part `part` and fails with all that broke (the trace of the first),
+/// so one sweep shows every failing seed rather than stopping at the first.
 fn check_part(part: u64) {
-    for seed in seeds(part) {
-        check_seed(seed);
+    let failures: Vec<(u64, String)> = seeds(part)
+        .into_iter()
+        .filter_map(|seed| check_seed(seed).err().map(|why| (seed, why)))
+        .collect();
+    if let Some((_, first)) = failures.first() {
+        let summary: Vec<String> = failures
+            .iter()
+            .map(|(seed, why)| format!("{seed}: {}", why.lines().next().unwrap_or_default()))
+            .collect();
+        panic!(
+            "{} seeds failed:\n{}\n\n{first}",
+            failures.len(),
+            summary.join("\n")
+        );
     }
 }
 

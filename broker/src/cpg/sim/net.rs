@@ -1,23 +1,46 @@
-//! A simulated network for the CPG layer: seeded loss and delay, crashes and partitions, in
-//! virtual time. Every random choice comes from one seeded generator, so a seed replays.
+//! A simulated network for the CPG layer: seeded loss and delay, crashes, partitions (symmetric,
+//! one-way and bridged) and paused members, in virtual time. Every random choice comes from one
+//! seeded generator, so a seed replays.
+//!
+//! The CPG talks in request/response exchanges (a ping goes follower → leader and its answer
+//! back; an append goes leader → follower and its acknowledgement back). The network carries
+//! the two halves of an exchange as two separate messages: the request over the link
+//! caller → callee, the response over the link callee → caller. A link is cut per direction,
+//! so a one-way cut of A → B loses A's requests to B *and* A's responses to B's requests.
+//! B's requests still reach A and are acted on, but B never hears the outcome: no exchange
+//! between the two completes, yet B can still change A's state (a leader B still appends to
+//! a follower A, which applies what B has committed; A's pings to B are lost).
+//!
+//! An exchange runs on its own task, as on a real server that reads a request off a
+//! connection and handles it to the end whether or not the caller has given up waiting: a
+//! caller that times out only stops listening for the response.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
 use rand08::rngs::StdRng;
 use rand08::{Rng, SeedableRng};
+use tokio::sync::oneshot;
 
 use crate::cpg::service::Service;
 use crate::cpg::transport::{BoxFuture, Transport, TransportError};
 use crate::cpg::wire::{Envelope, Response};
 
+/// The side of a bridge member: it talks to every side.
+pub(crate) const BRIDGE: u8 = u8::MAX;
+
 struct State {
     rng: StdRng,
     services: BTreeMap<String, Arc<Service>>,
-    /// Side of the partition each address is on; addresses on different sides cannot talk.
+    /// Side of the partition each address is on; addresses on different sides cannot talk,
+    /// except that an address on side [`BRIDGE`] talks to all.
     side: BTreeMap<String, u8>,
+    /// Directed links `(from, to)` that lose every message, on top of `side`.
+    cut: BTreeSet<(String, String)>,
+    /// Paused addresses, each with the messages it holds, in the order they were held.
+    paused: BTreeMap<String, VecDeque<oneshot::Sender<()>>>,
     loss_per_mille: u32,
     max_delay_ms: u64,
 }
@@ -36,6 +59,8 @@ impl SimNet {
                 rng: StdRng::seed_from_u64(seed),
                 services: BTreeMap::new(),
                 side: BTreeMap::new(),
+                cut: BTreeSet::new(),
+                paused: BTreeMap::new(),
                 loss_per_mille: 0,
                 max_delay_ms,
             })),
@@ -57,9 +82,24 @@ impl SimNet {
         self.state.lock().services.remove(addr);
     }
 
-    /// Puts each address on a side; unlisted addresses are on side 0.
+    /// Puts each address on a side; unlisted addresses are on side 0. Replaces any earlier
+    /// partition or one-way cut.
     pub fn partition(&self, side: BTreeMap<String, u8>) {
-        self.state.lock().side = side;
+        let mut st = self.state.lock();
+        st.side = side;
+        st.cut.clear();
+    }
+
+    /// Loses every message sent over the directed link `from → to`, for each pair of the two
+    /// lists; the opposite direction flows. Replaces any earlier partition or cut.
+    pub fn cut_one_way(&self, from: &[String], to: &[String]) {
+        let mut st = self.state.lock();
+        st.side.clear();
+        st.cut = from
+            .iter()
+            .flat_map(|f| to.iter().map(move |t| (f.clone(), t.clone())))
+            .filter(|(f, t)| f != t)
+            .collect();
     }
 
     /// Drops messages with this probability (per mille).
@@ -67,8 +107,60 @@ impl SimNet {
         self.state.lock().loss_per_mille = loss_per_mille;
     }
 
-    fn connected(st: &State, a: &str, b: &str) -> bool {
-        st.side.get(a).copied().unwrap_or(0) == st.side.get(b).copied().unwrap_or(0)
+    /// Whether a message sent now from `from` to `to` can arrive (loss and pauses aside).
+    pub fn reaches(&self, from: &str, to: &str) -> bool {
+        Self::link_up(&self.state.lock(), from, to)
+    }
+
+    /// Pauses `addr`, as SIGSTOP would its process: from now on, messages it sends and
+    /// messages that arrive for it are held, not lost, until [`SimNet::resume`].
+    pub fn pause(&self, addr: &str) {
+        self.state
+            .lock()
+            .paused
+            .entry(addr.to_string())
+            .or_default();
+    }
+
+    /// Resumes `addr`: what it held goes on, in the order it was held.
+    pub fn resume(&self, addr: &str) {
+        let held = self.state.lock().paused.remove(addr).unwrap_or_default();
+        for release in held {
+            // The message's task may be gone (its member crashed); nothing waits then.
+            let _ = release.send(());
+        }
+    }
+
+    /// Whether `addr` is paused.
+    pub fn is_paused(&self, addr: &str) -> bool {
+        self.state.lock().paused.contains_key(addr)
+    }
+
+    fn link_up(st: &State, from: &str, to: &str) -> bool {
+        let (a, b) = (
+            st.side.get(from).copied().unwrap_or(0),
+            st.side.get(to).copied().unwrap_or(0),
+        );
+        let sides_talk = a == b || a == BRIDGE || b == BRIDGE;
+        sides_talk && !st.cut.contains(&(from.to_string(), to.to_string()))
+    }
+
+    /// Waits while `addr` is paused: a message at a paused member, on its way out or in, waits
+    /// for the resume, behind the messages held before it.
+    async fn held_at(&self, addr: &str) {
+        loop {
+            let wait = {
+                let mut st = self.state.lock();
+                let Some(queue) = st.paused.get_mut(addr) else {
+                    return;
+                };
+                let (release, wait) = oneshot::channel();
+                queue.push_back(release);
+                wait
+            };
+            // A dropped sender (the network went away) releases the message too.
+            let _ = wait.await;
+        }
     }
 
     /// One hop: `None` if lost, else its delay.
@@ -77,7 +169,49 @@ impl SimNet {
         let (loss_per_mille, max_delay_ms) = (st.loss_per_mille, st.max_delay_ms);
         let lost = st.rng.gen_range(0..1000) < loss_per_mille;
         let delay_ms = st.rng.gen_range(1..=max_delay_ms);
-        (!lost && Self::connected(&st, from, to)).then(|| Duration::from_millis(delay_ms))
+        (!lost && Self::link_up(&st, from, to)).then(|| Duration::from_millis(delay_ms))
+    }
+
+    /// Carries one message from `from` to `to`: held while the sender is paused, then lost or
+    /// delayed, and lost if the link is cut when it arrives. `true` if it arrived.
+    async fn travel(&self, from: &str, to: &str) -> bool {
+        self.held_at(from).await;
+        let Some(delay) = self.hop(from, to) else {
+            return false;
+        };
+        tokio::time::sleep(delay).await;
+        self.reaches(from, to)
+    }
+
+    /// One whole exchange: the request to `to`, its handling there (after any pause of `to`),
+    /// the response back to `from` (after any pause of `from`). A lost message leaves `reply`
+    /// unanswered, so the caller waits out its own timeout, as for a real lost packet.
+    async fn carry(
+        self,
+        from: String,
+        to: String,
+        env: Envelope,
+        reply: oneshot::Sender<Result<Response, TransportError>>,
+    ) {
+        if !self.travel(&from, &to).await {
+            return;
+        }
+        let service = self.state.lock().services.get(&to).cloned();
+        let Some(service) = service else {
+            // Nobody listens there: like a TCP reset, the caller learns at once.
+            let _ = reply.send(Err(TransportError::Unreachable(format!(
+                "nothing listens at {to}"
+            ))));
+            return;
+        };
+        self.held_at(&to).await;
+        let resp = service.handle(env).await;
+        if !self.travel(&to, &from).await {
+            return;
+        }
+        self.held_at(&from).await;
+        // The caller may have given up meanwhile.
+        let _ = reply.send(Ok(resp));
     }
 
     /// A transport for the member at `from`.
@@ -96,32 +230,17 @@ struct SimTransport {
 
 impl SimTransport {
     async fn exchange(&self, addr: &str, env: Envelope) -> Result<Response, TransportError> {
-        let Some(there) = self.net.hop(&self.from, addr) else {
-            return std::future::pending().await;
-        };
-        tokio::time::sleep(there).await;
-        let (connected, service) = {
-            let st = self.net.state.lock();
-            (
-                SimNet::connected(&st, &self.from, addr),
-                st.services.get(addr).cloned(),
-            )
-        };
-        if !connected {
-            return std::future::pending().await;
+        let (reply, answer) = oneshot::channel();
+        tokio::spawn(
+            self.net
+                .clone()
+                .carry(self.from.clone(), addr.to_string(), env, reply),
+        );
+        match answer.await {
+            Ok(resp) => resp,
+            // Lost on the way there or back: no answer ever comes.
+            Err(_) => std::future::pending().await,
         }
-        let Some(service) = service else {
-            // Nobody listens there: like a TCP reset, the caller learns at once.
-            return Err(TransportError::Unreachable(format!(
-                "nothing listens at {addr}"
-            )));
-        };
-        let resp = service.handle(env).await;
-        let Some(back) = self.net.hop(addr, &self.from) else {
-            return std::future::pending().await;
-        };
-        tokio::time::sleep(back).await;
-        Ok(resp)
     }
 }
 
