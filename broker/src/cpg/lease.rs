@@ -27,6 +27,10 @@ pub(crate) struct Lease {
     failure_timeout: Duration,
     fresh: Duration,
     granted_until: Option<Instant>,
+    /// The index a follower must have applied for its grant to count.
+    grant_needs: u64,
+    /// The index a leader must have applied for its lease to count.
+    leader_needs: u64,
     leader_until: Option<Instant>,
     leading_term: Option<u64>,
     last_heard: BTreeMap<MemberId, Instant>,
@@ -44,6 +48,8 @@ impl Lease {
             failure_timeout: Duration::from_millis(failure_timeout_ms),
             fresh: Duration::from_millis(heartbeat_ms.saturating_mul(3)),
             granted_until: None,
+            grant_needs: 0,
+            leader_needs: 0,
             leader_until: None,
             leading_term: None,
             last_heard: BTreeMap::new(),
@@ -53,15 +59,18 @@ impl Lease {
         }
     }
 
-    /// The leader granted `granted_ms` to the ping sent at `sent_at`.
-    pub fn granted(&mut self, sent_at: Instant, granted_ms: u64) {
+    /// The leader granted `granted_ms` to the ping sent at `sent_at`, having applied up to
+    /// `committed` when it answered.
+    pub fn granted(&mut self, sent_at: Instant, granted_ms: u64, committed: u64) {
         let until = sent_at + self.lease.min(Duration::from_millis(granted_ms));
         if self.granted_until.is_none_or(|u| u < until) {
             self.granted_until = Some(until);
+            self.grant_needs = self.grant_needs.max(committed);
         }
     }
 
-    /// Whether a follower's lease still runs at `now`.
+    /// Whether a follower's lease still runs at `now` (whatever it has applied).
+    #[cfg(test)]
     pub fn follower_has_quorum(&self, now: Instant) -> bool {
         self.granted_until.is_some_and(|u| now < u)
     }
@@ -70,23 +79,29 @@ impl Lease {
     /// majority: its lease runs `lease_ms` from the *send* time, so neither a slow answer nor
     /// a pause of this process between sending and hearing back can lengthen it. An answer
     /// for an earlier term counts for nothing.
-    pub fn leader_confirmed(&mut self, term: u64, sent_at: Instant) {
+    ///
+    /// `read_index` is what the round confirmed as committed: a new leader may not have
+    /// applied entries of earlier terms yet, and claims nothing until it has.
+    pub fn leader_confirmed(&mut self, term: u64, sent_at: Instant, read_index: u64) {
         if self.leading_term != Some(term) {
             return;
         }
         let until = sent_at + self.lease;
         if self.leader_until.is_none_or(|u| u < until) {
             self.leader_until = Some(until);
+            self.leader_needs = self.leader_needs.max(read_index);
         }
     }
 
-    /// When this member's lease ends: the leader's own, or a follower's grant. Compared with
-    /// the clock when asked ([`super::Cpg::has_quorum_now`]), never cached.
-    pub fn deadline(&self) -> Option<Instant> {
+    /// When this member's lease ends, for a member that has applied up to `applied`: the
+    /// leader's own, or a follower's grant once it has applied what the leader had when it
+    /// granted it. Compared with the clock when asked ([`super::Cpg::has_quorum_now`]), never
+    /// cached.
+    pub fn deadline_at(&self, applied: u64) -> Option<Instant> {
         if self.leading_term.is_some() {
-            self.leader_until
+            self.leader_until.filter(|_| applied >= self.leader_needs)
         } else {
-            self.granted_until
+            self.granted_until.filter(|_| applied >= self.grant_needs)
         }
     }
 
@@ -116,6 +131,7 @@ impl Lease {
         if self.leading_term != Some(term) {
             self.leading_term = Some(term);
             self.leader_until = None;
+            self.leader_needs = 0;
             self.last_heard.clear();
             self.lagging_since.clear();
             self.withheld.clear();
@@ -217,7 +233,7 @@ mod tests {
         let mut l = Lease::new(500, 1_200, 50);
         let sent = Instant::now();
         tokio::time::advance(Duration::from_millis(100)).await;
-        l.granted(sent, 10_000);
+        l.granted(sent, 10_000, 0);
         assert!(l.follower_has_quorum(Instant::now()));
         tokio::time::advance(Duration::from_millis(401)).await;
         assert!(!l.follower_has_quorum(Instant::now()));
@@ -229,11 +245,11 @@ mod tests {
         leader.leading(3);
         let sent = Instant::now();
         tokio::time::advance(Duration::from_millis(350)).await;
-        leader.leader_confirmed(3, sent);
+        leader.leader_confirmed(3, sent, 0);
         let grant = leader.grant_ms(2, Instant::now());
         assert_eq!(grant, 150);
         let mut follower = Lease::new(500, 1_200, 50);
-        follower.granted(Instant::now(), grant);
+        follower.granted(Instant::now(), grant, 0);
         tokio::time::advance(Duration::from_millis(151)).await;
         assert!(!leader.leader_has_quorum(Instant::now()));
         assert!(!follower.follower_has_quorum(Instant::now()));
@@ -243,7 +259,7 @@ mod tests {
     async fn member_being_removed_gets_no_grant() {
         let mut leader = Lease::new(500, 1_200, 50);
         leader.leading(3);
-        leader.leader_confirmed(3, Instant::now());
+        leader.leader_confirmed(3, Instant::now(), 0);
         leader.removing(&BTreeSet::from([2]));
         assert_eq!(leader.grant_ms(2, Instant::now()), 0);
         assert!(leader.grant_ms(4, Instant::now()) > 0);
@@ -286,7 +302,7 @@ mod tests {
         l.heard(2, Instant::now());
         tokio::time::advance(Duration::from_millis(150)).await;
         l.heard(2, Instant::now());
-        l.leader_confirmed(1, Instant::now());
+        l.leader_confirmed(1, Instant::now(), 0);
         // Lagging for the failure timeout: no more lease, but it may still hold one.
         assert!(l.suspects(Instant::now(), 1, &voters, &lag, 10).is_empty());
         assert_eq!(l.grant_ms(2, Instant::now()), 0);
@@ -303,15 +319,24 @@ mod tests {
         let mut l = Lease::new(500, 1_200, 50);
         l.leading(4);
         let sent = Instant::now();
-        l.leader_confirmed(3, sent);
-        assert_eq!(l.deadline(), None);
-        l.leader_confirmed(4, sent);
-        assert_eq!(l.deadline(), Some(sent + Duration::from_millis(500)));
+        l.leader_confirmed(3, sent, 0);
+        assert_eq!(l.deadline_at(0), None);
+        l.leader_confirmed(4, sent, 7);
+        assert_eq!(l.deadline_at(6), None);
+        assert_eq!(l.deadline_at(7), Some(sent + Duration::from_millis(500)));
         // A pause: nothing ran, but the deadline is in the past when the clock is read.
         tokio::time::advance(Duration::from_millis(3_600)).await;
-        assert!(l.deadline().is_some_and(|d| d <= Instant::now()));
+        assert!(l.deadline_at(7).is_some_and(|d| d <= Instant::now()));
         // A new term starts with no lease at all.
         l.leading(5);
-        assert_eq!(l.deadline(), None);
+        assert_eq!(l.deadline_at(0), None);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_grant_counts_only_once_the_follower_applied_what_the_leader_had() {
+        let mut l = Lease::new(500, 1_200, 50);
+        l.granted(Instant::now(), 400, 90);
+        assert_eq!(l.deadline_at(89), None);
+        assert!(l.deadline_at(90).is_some_and(|d| Instant::now() < d));
     }
 }

@@ -77,7 +77,7 @@ impl Cpg {
         let inner = &self.inner;
         let now = Instant::now();
         let stopped = self.stop_reason().is_some();
-        let (state, term, membership_index, leader, voters, joint, addrs, lag) = {
+        let (state, term, membership_index, leader, voters, joint, addrs, lag, applied) = {
             let m = inner.raft.metrics();
             let m = m.borrow();
             let membership = m.membership_config.membership();
@@ -109,6 +109,7 @@ impl Cpg {
                 joint,
                 addrs,
                 lag,
+                m.last_applied.map_or(0, |l| l.index),
             )
         };
         let has_quorum = if state == ServerState::Leader {
@@ -162,7 +163,7 @@ impl Cpg {
         } else {
             let mut lease = inner.lease.lock();
             lease.following();
-            let q = lease.follower_has_quorum(now);
+            let q = lease.deadline_at(applied).is_some_and(|d| now < d);
             drop(lease);
             if monitor.ping.as_ref().is_none_or(JoinHandle::is_finished) {
                 let target = leader
@@ -170,10 +171,13 @@ impl Cpg {
                     .and_then(|l| addrs.get(&l).cloned())
                     .or_else(|| monitor.hint.lock().take())
                     .or_else(|| {
+                        // With no configuration yet (admitted, then cut off before it got a
+                        // single entry) the seeds are the only way to learn its fate.
                         let others: Vec<&String> = addrs
                             .iter()
                             .filter(|(id, _)| **id != inner.id)
                             .map(|(_, a)| a)
+                            .chain(inner.config.seeds.iter().filter(|_| addrs.len() <= 1))
                             .collect();
                         monitor.next_peer = monitor.next_peer.wrapping_add(1);
                         others
@@ -213,10 +217,14 @@ impl Cpg {
         tokio::spawn(async move {
             let sent_at = Instant::now();
             let confirmed = tokio::time::timeout(timeout, raft.get_read_log_id()).await;
-            if matches!(confirmed, Ok(Ok(_)))
+            if let Ok(Ok((read, _))) = confirmed
                 && let Some(inner) = weak.upgrade()
             {
-                inner.lease.lock().leader_confirmed(term, sent_at);
+                let read_index = read.map_or(0, |l| l.index);
+                inner
+                    .lease
+                    .lock()
+                    .leader_confirmed(term, sent_at, read_index);
             }
         })
     }
@@ -245,8 +253,9 @@ impl Cpg {
                     membership_index,
                     member,
                     granted_ms,
+                    committed,
                 }) => {
-                    inner.lease.lock().granted(sent_at, granted_ms);
+                    inner.lease.lock().granted(sent_at, granted_ms, committed);
                     if !member && membership_index > known_membership_index {
                         removed.store(true, Ordering::Release);
                         Cpg { inner }.set_stop(StopReason::Evicted);

@@ -381,17 +381,17 @@ impl Cpg {
     pub fn has_quorum_now(&self) -> bool {
         self.stop_reason().is_none()
             && self.started().is_some()
-            && self
-                .inner
-                .lease
-                .lock()
-                .deadline()
-                .is_some_and(|d| Instant::now() < d)
+            && self.lease_deadline().is_some_and(|d| Instant::now() < d)
     }
 
     /// When this member's lease ends, if it holds one (see [`Cpg::has_quorum_now`]).
     pub fn lease_deadline(&self) -> Option<Instant> {
-        self.inner.lease.lock().deadline()
+        let applied = {
+            let m = self.inner.raft.metrics();
+            let applied = m.borrow().last_applied.map_or(0, |l| l.index);
+            applied
+        };
+        self.inner.lease.lock().deadline_at(applied)
     }
 
     /// The index at which this process's incarnation started, once it has (see
@@ -502,14 +502,6 @@ impl Cpg {
             index,
             m.membership_config.membership().get_joint_config().clone(),
         )
-    }
-
-    /// The newest index this member applied, for the simulation.
-    #[cfg(test)]
-    pub(crate) fn applied_index(&self) -> u64 {
-        let m = self.inner.raft.metrics();
-        let index = m.borrow().last_applied.map_or(0, |l| l.index);
-        index
     }
 
     /// Freezes (or thaws) this member's background duties, as a SIGSTOP would: for the
@@ -759,11 +751,13 @@ impl Cpg {
                     incarnation: cpg.inner.incarnation,
                     reset: cpg.inner.reset,
                 };
-                let done = matches!(cpg.propose(cmd).await, Ok(Outcome::Applied { .. }));
-                drop(cpg);
-                if !done {
-                    tokio::time::sleep(retry).await;
+                if matches!(cpg.propose(cmd).await, Ok(Outcome::Applied { .. })) {
+                    // Committed (this member applies it in its turn): once only, so that the
+                    // incarnation starts at one index.
+                    return;
                 }
+                drop(cpg);
+                tokio::time::sleep(retry).await;
             }
         });
         self.inner.tasks.lock().push(task);

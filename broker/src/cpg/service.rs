@@ -84,7 +84,7 @@ impl Service {
     }
 
     fn ping(&self, from: MemberId) -> Response {
-        let (is_leader, membership_index, in_newest, removed, caught_up) = {
+        let (is_leader, membership_index, in_newest, removed, caught_up, committed) = {
             let m = self.raft.metrics();
             let m = m.borrow();
             let membership = m.membership_config.membership();
@@ -111,6 +111,7 @@ impl Service {
                 in_newest,
                 removed,
                 caught_up,
+                m.last_applied.map_or(0, |l| l.index),
             )
         };
         if !is_leader {
@@ -132,6 +133,7 @@ impl Service {
             membership_index,
             member: !removed,
             granted_ms,
+            committed,
         }
     }
 

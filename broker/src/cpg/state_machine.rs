@@ -295,14 +295,27 @@ impl RaftStateMachine<CpgTypes> for StateMachine {
                 EntryPayload::Normal(cmd) => {
                     // Both change who is failed (a start ends it), which the lease reads.
                     let fail = matches!(cmd, Command::Fail { .. } | Command::Start { .. });
-                    if matches!(cmd, Command::Start { member, incarnation, .. }
-                        if member == self.sink.local && incarnation == self.sink.incarnation)
-                    {
-                        self.sink.started.store(index, Ordering::Release);
-                    }
+                    // A start of this member by an earlier process (replayed, or committed
+                    // after that process died) is not this incarnation's.
+                    let other_start = match &cmd {
+                        Command::Start {
+                            member,
+                            incarnation,
+                            ..
+                        } if *member == self.sink.local => {
+                            let mine = *incarnation == self.sink.incarnation;
+                            if mine {
+                                self.sink.started.store(index, Ordering::Release);
+                            }
+                            !mine
+                        }
+                        _ => false,
+                    };
                     let (outcome, emitted) = self.data.groups.apply(index, cmd);
                     for e in emitted {
-                        self.sink.emit(e);
+                        if !(other_start && matches!(e.event, CpgEvent::Started { .. })) {
+                            self.sink.emit(e);
+                        }
                     }
                     if fail {
                         self.sink.failed_now(&self.data.groups);

@@ -69,6 +69,10 @@ pub(crate) enum Response {
         member: bool,
         /// What is left of the leader's quorum lease, granted to the pinger (0: none).
         granted_ms: u64,
+        /// The leader's applied (so committed) index when it answered: the lease counts for
+        /// the pinger only once it has applied as far, so that a member reporting quorum is
+        /// never far behind (a member that reconnects after a cut is not current yet).
+        committed: u64,
     },
     /// Answer to [`Request::Join`]: admitted as a voter.
     Joined,

@@ -45,9 +45,19 @@ pub(crate) enum Record {
     Paused {
         member: MemberId,
     },
-    /// The member's held messages are released.
+    /// The member's held messages are released; `has_quorum_now` is what it answered at
+    /// once when asked.
     Resumed {
         member: MemberId,
+        has_quorum_now: bool,
+    },
+    /// The member's incarnation started at agreed `index` ([`CpgEvent::Started`]);
+    /// `resumed`: its group membership carried over (else its earlier one ended unseen, as
+    /// at a crash, and it joins again).
+    Incarnated {
+        member: MemberId,
+        index: u64,
+        resumed: bool,
     },
     /// `join` returned `Ok(index)`.
     Joined {
@@ -116,14 +126,41 @@ impl Trace {
 /// Checks every property; `Err` says which one broke and where.
 pub(crate) fn check(trace: &Trace, config: &CpgConfig, max_delay_ms: u64) -> Result<(), String> {
     let delivered = Delivered::collect(trace)?;
-    delivered.check_no_gaps()?;
+    delivered.check_no_gaps(trace)?;
     check_returned_indices(trace, &delivered)?;
     check_minorities(trace, config, max_delay_ms)?;
     check_failures_after_lease(trace, config)?;
     check_no_quorum_after_failure(trace)?;
+    check_no_quorum_on_resume(trace, config)?;
     check_quiescence(trace, &delivered.per_member)?;
     // Last: it fails on a design gap (see its comment) that would otherwise hide the rest.
     check_quorum_freshness(trace, config, &delivered)
+}
+
+/// A member paused for longer than a lease answers "no quorum" to the first question after
+/// it resumes (`Cpg::has_quorum_now` reads the clock; nothing cached survives the pause).
+fn check_no_quorum_on_resume(trace: &Trace, config: &CpgConfig) -> Result<(), String> {
+    let mut paused_at: BTreeMap<MemberId, u64> = BTreeMap::new();
+    for (t, r) in &trace.records {
+        match r {
+            Record::Paused { member } => {
+                paused_at.insert(*member, *t);
+            }
+            Record::Resumed {
+                member,
+                has_quorum_now: true,
+            } if paused_at
+                .get(member)
+                .is_some_and(|p| t.saturating_sub(*p) > config.lease_ms) =>
+            {
+                return Err(format!(
+                    "member {member} claimed quorum at {t} ms, the instant it resumed from a pause longer than the lease"
+                ));
+            }
+            _ => {}
+        }
+    }
+    Ok(())
 }
 
 /// Every delivery of the run, per member and per index.
@@ -199,22 +236,31 @@ impl<'a> Delivered<'a> {
         Ok(d)
     }
 
-    /// Virtual synchrony: each member saw every event of the group from its join to its end.
-    fn check_no_gaps(&self) -> Result<(), String> {
+    /// Virtual synchrony: each member saw every event of the group from its join to its end
+    /// (a member with a disk may be declared failed and join again: the events between its
+    /// failure and its next join are not its).
+    fn check_no_gaps(&self, trace: &Trace) -> Result<(), String> {
+        // A new incarnation that did not resume its membership ends the previous one unseen
+        // (as a crash does): membership spans are checked one by one.
+        let resets = resets(trace);
         for (member, list) in &self.per_member {
-            let (Some((_, first)), Some((_, last))) = (list.first(), list.last()) else {
-                continue;
-            };
-            let mine: BTreeSet<u64> = list.iter().map(|(_, e)| e.index()).collect();
-            for idx in self
-                .global
-                .range(first.index()..=last.index())
-                .map(|(i, _)| *i)
-            {
-                if !mine.contains(&idx) {
-                    return Err(format!(
-                        "member {member} skipped index {idx} within its membership"
-                    ));
+            let cuts = resets.get(member).map(Vec::as_slice).unwrap_or_default();
+            let span_of = |idx: u64| cuts.iter().filter(|(c, _)| *c < idx).count();
+            let mut spans: BTreeMap<usize, Vec<u64>> = BTreeMap::new();
+            for (_, e) in list {
+                spans.entry(span_of(e.index())).or_default().push(e.index());
+            }
+            for indices in spans.values() {
+                let (Some(first), Some(last)) = (indices.first(), indices.last()) else {
+                    continue;
+                };
+                let mine: BTreeSet<u64> = indices.iter().copied().collect();
+                for idx in self.global.range(*first..=*last).map(|(i, _)| *i) {
+                    if !mine.contains(&idx) && self.receives(*member, idx) {
+                        return Err(format!(
+                            "member {member} skipped index {idx} within its membership"
+                        ));
+                    }
                 }
             }
         }
@@ -245,15 +291,33 @@ impl<'a> Delivered<'a> {
                     group: g,
                     members,
                     left,
+                    failed,
                     ..
-                } if g == group => Some(
+                } if Some(g.as_str()) == group => Some(
                     members.iter().any(|m| m.id == member)
-                        || (*i == idx && left.iter().any(|m| m.id == member)),
+                        || (*i == idx && left.iter().chain(failed).any(|m| m.id == member)),
                 ),
                 _ => None,
             })
             .unwrap_or(false)
     }
+}
+
+/// Per member, where (agreed index, time) an incarnation started without resuming its group
+/// membership: the earlier membership ended there unseen, as at a crash.
+fn resets(trace: &Trace) -> BTreeMap<MemberId, Vec<(u64, u64)>> {
+    let mut out: BTreeMap<MemberId, Vec<(u64, u64)>> = BTreeMap::new();
+    for (t, r) in &trace.records {
+        if let Record::Incarnated {
+            member,
+            index,
+            resumed: false,
+        } = r
+        {
+            out.entry(*member).or_default().push((*index, *t));
+        }
+    }
+    out
 }
 
 fn lists_joined(event: &CpgEvent, member: MemberId) -> bool {
@@ -333,7 +397,7 @@ fn judged_at(trace: &Trace, member: MemberId, at_ms: u64, allowance_ms: u64) -> 
     for (t, r) in &trace.records {
         match r {
             Record::Paused { member: m } if *m == member && *t <= at_ms => resumed = Some(None),
-            Record::Resumed { member: m } if *m == member && resumed == Some(None) => {
+            Record::Resumed { member: m, .. } if *m == member && resumed == Some(None) => {
                 resumed = Some(Some(*t));
             }
             _ => {}
@@ -476,19 +540,36 @@ fn check_failures_after_lease(trace: &Trace, config: &CpgConfig) -> Result<(), S
 /// A member a configuration change lists in `failed` never reports quorum again under that
 /// incarnation: only a later `Started` of it (a restart) may.
 fn check_no_quorum_after_failure(trace: &Trace) -> Result<(), String> {
+    // Member -> index of the configuration change that declared it failed.
     let mut failed: BTreeMap<MemberId, u64> = BTreeMap::new();
+    // Member -> the newest index at which an incarnation of it started.
+    let mut incarnated: BTreeMap<MemberId, u64> = BTreeMap::new();
     for (t, r) in &trace.records {
         match r {
+            // (Every member delivers the same failure, some much later than others: one that
+            // an incarnation agreed after it has superseded is no longer news.)
             Record::Event {
-                event: CpgEvent::ConfChg { failed: f, .. },
+                event:
+                    CpgEvent::ConfChg {
+                        failed: f, index, ..
+                    },
                 ..
             } => {
                 for m in f {
-                    failed.entry(m.id).or_insert(*t);
+                    if incarnated.get(&m.id).is_none_or(|i| i < index) {
+                        failed.entry(m.id).or_insert(*index);
+                    }
                 }
             }
-            Record::Started { member } => {
-                failed.remove(member);
+            // A new process (no disk: a new member id anyway), or the incarnation of a member
+            // with a disk whose start was agreed after the failure: the failure was its
+            // predecessor's.
+            Record::Incarnated { member, index, .. } => {
+                let newest = incarnated.entry(*member).or_insert(*index);
+                *newest = (*newest).max(*index);
+                if failed.get(member).is_some_and(|f| f < index) {
+                    failed.remove(member);
+                }
             }
             Record::Quorum {
                 member,
@@ -497,7 +578,7 @@ fn check_no_quorum_after_failure(trace: &Trace) -> Result<(), String> {
                 if let Some(at) = failed.get(member) {
                     return Err(format!(
                         "member {member} reports quorum at {t} ms although it was declared \
-                         failed at {at} ms and has not restarted since"
+                         failed at index {at} and no incarnation of it started after that"
                     ));
                 }
             }
@@ -532,7 +613,7 @@ fn quorum_intervals(trace: &Trace, member: MemberId, allowance_ms: u64) -> Vec<(
                 }
             }
             Record::Paused { member: m } if *m == member => paused = Some(*t),
-            Record::Resumed { member: m } if *m == member => {
+            Record::Resumed { member: m, .. } if *m == member => {
                 if let Some(p) = paused.take() {
                     frozen.push((p, *t + allowance_ms));
                 }
@@ -597,11 +678,15 @@ fn check_quorum_freshness(
             _ => None,
         })
         .collect();
+    let resets = resets(trace);
     for x in members {
+        let cuts = resets.get(&x).map(Vec::as_slice).unwrap_or_default();
         for (from, to) in quorum_intervals(trace, x, resume_allowance_ms(config)) {
             for (&idx, &first) in &delivered.first_at {
                 let must_by = from.max(first + bound);
-                if must_by >= to || !delivered.receives(x, idx) {
+                // A membership that ended unseen (a reset start before the claim) owes nothing.
+                let ended = cuts.iter().any(|(c, at)| idx < *c && *at <= must_by);
+                if must_by >= to || ended || !delivered.receives(x, idx) {
                     continue;
                 }
                 if delivered.delivered_at(x, idx).is_none_or(|at| at > must_by) {

@@ -12,12 +12,14 @@ mod net;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
 use parking_lot::Mutex;
 use tokio::time::Instant;
 
+use super::disk::{Disk, MemDisk};
 use super::{Cpg, CpgConfig, CpgEvent, MemberId, seed_thread_rng};
 use checker::{Record, Trace};
 use net::{BRIDGE, SimNet};
@@ -38,16 +40,29 @@ fn sim_config(seeds: Vec<String>) -> CpgConfig {
     }
 }
 
-/// One slot of the cluster: an address and the incarnation living there, if any, plus earlier
-/// incarnations that stopped (evicted, overrun) but still vote until the cluster removes them,
-/// each at its own address. A replacement starts at a fresh address, as a supervisor that
-/// keeps the old process until [`Cpg::is_retired`] would.
+/// One slot of the cluster: an address and the process living there, if any. Without a disk
+/// every process is a new member, and earlier ones that stopped (evicted, overrun) but still
+/// vote until the cluster removes them linger, each at its own address: a replacement starts
+/// at a fresh address, as a supervisor that keeps the old process until [`Cpg::is_retired`]
+/// would. With a disk (what the broker runs) a restart is the same member at the same
+/// address, resuming after what its application recorded.
 struct Slot {
     addr: String,
     member: Option<Cpg>,
     in_group: bool,
     lingering: Vec<Cpg>,
     incarnation: u32,
+    durable: Option<Durable>,
+}
+
+/// What survives a crash of a slot's member in durable mode.
+struct Durable {
+    /// The stable member id.
+    id: MemberId,
+    /// Its consensus state.
+    disk: MemDisk,
+    /// The newest index its application (the trace) recorded: a restart resumes after it.
+    delivered: Arc<AtomicU64>,
 }
 
 struct Sim {
@@ -83,16 +98,21 @@ impl Sim {
                 )
                 .collect()
         };
-        let id: MemberId = self.net.gen_range(1, u64::MAX);
+        let fresh_id: MemberId = self.net.gen_range(1, u64::MAX);
+        let (id, disk, delivered) = match &self.slots[i].durable {
+            Some(d) => (
+                d.id,
+                Some(Arc::new(d.disk.clone()) as Arc<dyn Disk>),
+                Some(Arc::clone(&d.delivered)),
+            ),
+            None => (fresh_id, None, None),
+        };
+        let config = CpgConfig {
+            resume_after: delivered.as_ref().map_or(0, |d| d.load(Ordering::Acquire)),
+            ..sim_config(seeds)
+        };
         let addr = self.slots[i].addr.clone();
-        let Ok(l) = Cpg::launch(
-            sim_config(seeds),
-            id,
-            addr.clone(),
-            self.net.transport(&addr),
-            None,
-        )
-        .await
+        let Ok(l) = Cpg::launch(config, id, addr.clone(), self.net.transport(&addr), disk).await
         else {
             return;
         };
@@ -105,11 +125,27 @@ impl Sim {
         self.record(Record::Started { member: id });
         let (trace, start) = (Arc::clone(&self.trace), self.start);
         let mut events = l.events;
+        let (started_tx, started_rx) = tokio::sync::oneshot::channel();
+        let cpg = l.cpg.clone();
         tokio::spawn(async move {
+            let mut started_tx = Some(started_tx);
             while let Some(ev) = events.recv().await {
-                if matches!(ev, CpgEvent::Started { .. }) {
+                if let CpgEvent::Started { groups, index } = &ev {
+                    let resumed = groups.iter().any(|g| g == GROUP);
+                    trace.lock().push(
+                        Self::now_ms(start),
+                        Record::Incarnated {
+                            member: id,
+                            index: *index,
+                            resumed,
+                        },
+                    );
+                    if let Some(tx) = started_tx.take() {
+                        let _ = tx.send(resumed);
+                    }
                     continue;
                 }
+                let index = ev.index();
                 trace.lock().push(
                     Self::now_ms(start),
                     Record::Event {
@@ -117,6 +153,11 @@ impl Sim {
                         event: ev,
                     },
                 );
+                // The trace is the application's durable state: recorded is saved.
+                if let Some(d) = &delivered {
+                    d.store(index, Ordering::Release);
+                    cpg.checkpointed(index);
+                }
             }
         });
         let mut quorum = l.cpg.quorum();
@@ -133,8 +174,14 @@ impl Sim {
                 );
             }
         });
+        let restarted = l.cpg.is_restart();
         self.slots[i].member = Some(l.cpg);
-        self.slots[i].in_group = false;
+        // A restarted member may still be in the group (its membership carries over): its
+        // incarnation's start says so, once a majority is there to commit it.
+        self.slots[i].in_group = restarted
+            && tokio::time::timeout(Duration::from_secs(2), started_rx)
+                .await
+                .is_ok_and(|g| g.unwrap_or(false));
     }
 
     /// The voter sets (two during a joint change) as the member with the newest membership
@@ -276,7 +323,16 @@ impl Sim {
                 .member
                 .as_ref()
                 .is_some_and(|m| m.stop_reason().is_some());
-            if stopped {
+            if stopped && self.slots[i].durable.is_some() {
+                // The broker exits and its supervisor restarts it: the same member.
+                if let Some(m) = &self.slots[i].member {
+                    self.record(Record::Note {
+                        member: m.id(),
+                        text: m.raft_summary(),
+                    });
+                }
+                self.crash(i).await;
+            } else if stopped {
                 let m = self.slots[i].member.take();
                 match m {
                     // Still voting: keep it, and start the replacement at a fresh address.
@@ -475,19 +531,43 @@ impl Sim {
     }
 
     /// Pauses slot `i`'s member for `pause` (its messages are held both ways, as a SIGSTOP
-    /// would hold them) while the others go on with traffic, then resumes it. Only its
-    /// messages and its application's calls stop: its own tasks (openraft's timers, the
-    /// monitor that publishes its quorum watch) keep running until the member has a hook to
-    /// stop them.
+    /// would hold them, and its background duties stop) while the others go on with traffic,
+    /// then resumes it. openraft's own timers keep running: what stays frozen is what
+    /// reports quorum, which is what a pause must not leave stale.
     async fn pause(&mut self, i: usize, pause: Duration, tag: &str) {
         let Some(m) = self.slots[i].member.clone() else {
             return;
         };
         self.net.pause(m.addr());
+        m.set_paused(true);
         self.record(Record::Paused { member: m.id() });
         self.traffic(pause, tag).await;
+        m.set_paused(false);
         self.net.resume(m.addr());
-        self.record(Record::Resumed { member: m.id() });
+        self.record(Record::Resumed {
+            member: m.id(),
+            has_quorum_now: m.has_quorum_now(),
+        });
+    }
+}
+
+impl Sim {
+    /// Every member crashes at once (a power cut), then they come back one by one in a random
+    /// order with random gaps, each on its own disk: nothing a majority committed may be lost,
+    /// and until a majority is back nobody may claim quorum.
+    async fn restart_all(&mut self) {
+        for i in 0..self.slots.len() {
+            self.crash(i).await;
+        }
+        let mut order: Vec<usize> = (0..self.slots.len()).collect();
+        for k in (1..order.len()).rev() {
+            let j = usize::try_from(self.net.gen_range(0, k as u64 + 1)).unwrap_or(0);
+            order.swap(k, j);
+        }
+        for i in order {
+            tokio::time::sleep(Duration::from_millis(self.net.gen_range(0, 1_500))).await;
+            self.boot(i).await;
+        }
     }
 }
 
@@ -520,15 +600,27 @@ fn run_seed(seed: u64) -> Trace {
                     in_group: false,
                     lingering: Vec::new(),
                     incarnation: 0,
+                    durable: None,
                 })
                 .collect(),
         };
+        // Most runs keep consensus state on a disk, as the broker does; the rest check the
+        // in-memory model (every process a new member).
+        if sim.net.gen_range(0, 4) != 0 {
+            for slot in &mut sim.slots {
+                slot.durable = Some(Durable {
+                    id: sim.net.gen_range(1, u64::MAX),
+                    disk: MemDisk::default(),
+                    delivered: Arc::new(AtomicU64::new(0)),
+                });
+            }
+        }
         for i in 0..n {
             sim.boot(i).await;
         }
         sim.traffic(Duration::from_secs(1), "warm").await;
         for step in 0..8 {
-            match sim.net.gen_range(0, 8) {
+            match sim.net.gen_range(0, 9) {
                 0 => {
                     let i = usize::try_from(sim.net.gen_range(0, n as u64)).unwrap_or(0);
                     sim.crash_if_majority_survives(i).await;
@@ -562,6 +654,7 @@ fn run_seed(seed: u64) -> Trace {
                     sim.pause(i, Duration::from_millis(pause), &format!("p{step}"))
                         .await;
                 }
+                7 if sim.slots[0].durable.is_some() => sim.restart_all().await,
                 _ => sim.heal(),
             }
             let tag = format!("s{step}");
