@@ -3,9 +3,10 @@
 //! member is the same voter with the same log. Without a disk (tests of the old model) a
 //! restart is a new member.
 //!
-//! Purging is held back to the member's durable snapshot (`keep_after`): the entries after it
-//! are what a restart replays to the application, so they stay until a newer snapshot the
-//! application has caught up with replaces it (see `state_machine.rs`).
+//! Purging is held back to the member's durable snapshot (`purge_below`: one past its last
+//! index, 0 without one): the entries after it are what a restart replays to the
+//! application, so they stay until a newer snapshot the application has caught up with
+//! replaces it (see `state_machine.rs`).
 
 use std::collections::BTreeMap;
 use std::fmt::Debug;
@@ -33,8 +34,9 @@ struct Inner {
 pub(crate) struct LogStore {
     inner: Arc<Mutex<Inner>>,
     disk: Option<Arc<dyn Disk>>,
-    /// Index of the durable snapshot a restart would start from: entries after it are kept.
-    keep_after: Arc<AtomicU64>,
+    /// One past the last index of the durable snapshot a restart would start from (0: none):
+    /// only entries below it may be purged.
+    purge_below: Arc<AtomicU64>,
 }
 
 impl LogStore {
@@ -43,13 +45,17 @@ impl LogStore {
         Self {
             inner: Arc::default(),
             disk: None,
-            keep_after: Arc::new(AtomicU64::new(u64::MAX)),
+            purge_below: Arc::new(AtomicU64::new(u64::MAX)),
         }
     }
 
     /// The log `recovered` from `disk`, written through to it from now on; never purged past
-    /// `keep_after`.
-    pub fn durable(disk: Arc<dyn Disk>, recovered: &Recovered, keep_after: Arc<AtomicU64>) -> Self {
+    /// `purge_below`.
+    pub fn durable(
+        disk: Arc<dyn Disk>,
+        recovered: &Recovered,
+        purge_below: Arc<AtomicU64>,
+    ) -> Self {
         let inner = Inner {
             last_purged: recovered.last_purged,
             entries: recovered.entries.clone(),
@@ -59,7 +65,7 @@ impl LogStore {
         Self {
             inner: Arc::new(Mutex::new(inner)),
             disk: Some(disk),
-            keep_after,
+            purge_below,
         }
     }
 
@@ -166,14 +172,17 @@ impl RaftLogStorage<CpgTypes> for LogStore {
     }
 
     async fn purge(&mut self, log_id: LogId<MemberId>) -> Result<(), StorageError<MemberId>> {
-        let keep_after = self.keep_after.load(Ordering::Acquire);
+        let purge_below = self.purge_below.load(Ordering::Acquire);
         let upto = {
             let inner = self.inner.lock();
-            if log_id.index <= keep_after {
+            if log_id.index < purge_below {
                 Some(log_id)
             } else {
                 // Only as far as the durable snapshot: the rest is a restart's replay.
-                inner.entries.get(&keep_after).map(|e| e.log_id)
+                purge_below
+                    .checked_sub(1)
+                    .and_then(|last| inner.entries.get(&last))
+                    .map(|e| e.log_id)
             }
             .filter(|upto| inner.last_purged.is_none_or(|p| p.index < upto.index))
         };

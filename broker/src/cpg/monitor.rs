@@ -120,7 +120,7 @@ impl Cpg {
             if monitor.confirm.as_ref().is_none_or(JoinHandle::is_finished) {
                 monitor.confirm = Some(self.spawn_confirm(term));
             }
-            let q = lease.leader_has_quorum(now);
+            let q = lease.deadline_at(applied).is_some_and(|d| now < d);
             // Only a leader with quorum declares failures or removes voters.
             if q {
                 let suspects =

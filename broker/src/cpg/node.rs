@@ -253,16 +253,16 @@ impl Cpg {
             None => Default::default(),
         };
         let restarted = !recovered.is_empty();
-        let snapshot_index = recovered
+        let purge_limit = recovered
             .snapshot
             .as_ref()
             .and_then(|s| s.meta.last_log_id)
-            .map_or(0, |l| l.index);
-        let (log, keep_after) = match &disk {
+            .map_or(0, |l| l.index + 1);
+        let (log, purge_below) = match &disk {
             Some(d) => {
-                let keep_after = Arc::new(AtomicU64::new(snapshot_index));
-                let log = LogStore::durable(Arc::clone(d), &recovered, Arc::clone(&keep_after));
-                (log, keep_after)
+                let purge_below = Arc::new(AtomicU64::new(purge_limit));
+                let log = LogStore::durable(Arc::clone(d), &recovered, Arc::clone(&purge_below));
+                (log, purge_below)
             }
             None => {
                 let log = LogStore::in_memory();
@@ -272,7 +272,7 @@ impl Cpg {
         let snapshots = Arc::new(Snapshots::new(
             disk.clone(),
             recovered.snapshot.clone(),
-            keep_after,
+            purge_below,
             config.resume_after,
         ));
         let incarnation = CpgRng.next_u64();
@@ -569,9 +569,13 @@ impl Cpg {
         self.inner.retired.load(Ordering::Acquire)
     }
 
-    /// Joins `group`; the member's first event of the group is the configuration change that
-    /// lists it in `joined`.
+    /// Joins `group` (once this process's incarnation has started: see
+    /// [`CpgEvent::Started`]); the member's first event of the group is the configuration change
+    /// that lists it in `joined`.
     pub async fn join(&self, group: &str) -> Result<u64, CpgError> {
+        // A join before this process's start would be ambiguous: a failure agreed between
+        // the two would count as its predecessor's, leaving it in no group unawares.
+        self.wait_started().await?;
         let cmd = Command::Join {
             group: group.to_string(),
             member: self.inner.id,
@@ -582,6 +586,21 @@ impl Cpg {
                 Err(CpgError::Stopped(StopReason::Evicted))
             }
         }
+    }
+
+    /// Waits (at most a write timeout) until this process's incarnation has started.
+    async fn wait_started(&self) -> Result<(), CpgError> {
+        let deadline = Instant::now() + write_timeout(&self.inner.config);
+        while self.started().is_none() {
+            self.check_running()?;
+            if Instant::now() >= deadline {
+                return Err(CpgError::NotCommitted(
+                    "this member's start is not agreed yet (no majority?)".into(),
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        Ok(())
     }
 
     /// Leaves `group`; the last event of the group is the configuration change listing this

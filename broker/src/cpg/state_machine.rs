@@ -103,10 +103,10 @@ pub(crate) struct StateMachine {
 /// disk, the durable one a restart starts from. A snapshot becomes durable only once the
 /// application has made durable every event up to it ([`Snapshots::checkpointed`]), so that
 /// a restart can replay, from the log the disk keeps after it, every event the application
-/// has not yet got for good; the log is purged only up to it (`keep_after`).
+/// has not yet got for good; the log is purged only up to it (`purge_below`).
 pub(crate) struct Snapshots {
     disk: Option<Arc<dyn Disk>>,
-    keep_after: Arc<AtomicU64>,
+    purge_below: Arc<AtomicU64>,
     state: Mutex<SnapshotState>,
 }
 
@@ -122,11 +122,11 @@ struct SnapshotState {
 
 impl Snapshots {
     /// The snapshots of a member with `disk` (or none), starting from `recovered`, purging
-    /// the log up to `keep_after` only.
+    /// the log up to `purge_below` only.
     pub fn new(
         disk: Option<Arc<dyn Disk>>,
         recovered: Option<StoredSnapshot>,
-        keep_after: Arc<AtomicU64>,
+        purge_below: Arc<AtomicU64>,
         checkpointed: u64,
     ) -> Self {
         let state = SnapshotState {
@@ -136,7 +136,7 @@ impl Snapshots {
         };
         Self {
             disk,
-            keep_after,
+            purge_below,
             state: Mutex::new(state),
         }
     }
@@ -166,7 +166,8 @@ impl Snapshots {
         let index = snapshot_index(&snapshot);
         if let Some(disk) = &self.disk {
             disk.save_snapshot(&snapshot)?;
-            self.keep_after.store(index, Ordering::Release);
+            self.purge_below
+                .store(purge_limit(&snapshot), Ordering::Release);
         }
         state.pending.retain(|p| snapshot_index(p) > index);
         state.current = Some(snapshot);
@@ -183,8 +184,8 @@ impl Snapshots {
         let snapshot = state.pending[pos].clone();
         match disk.save_snapshot(&snapshot) {
             Ok(()) => {
-                self.keep_after
-                    .store(snapshot_index(&snapshot), Ordering::Release);
+                self.purge_below
+                    .store(purge_limit(&snapshot), Ordering::Release);
                 state.pending.drain(..=pos);
             }
             Err(e) => {
@@ -200,6 +201,12 @@ impl Snapshots {
 
 fn snapshot_index(s: &StoredSnapshot) -> u64 {
     s.meta.last_log_id.map_or(0, |l| l.index)
+}
+
+/// One past the snapshot's last index: the log below it may be purged (nothing for an empty
+/// snapshot).
+fn purge_limit(s: &StoredSnapshot) -> u64 {
+    s.meta.last_log_id.map_or(0, |l| l.index + 1)
 }
 
 impl StateMachine {
