@@ -143,7 +143,12 @@ impl Cpg {
                         let _ = tokio::time::timeout(timeout, raft.client_write(cmd)).await;
                     }));
                 }
-                if let Some(gone) = removable(inner.id, &voters, joint, &failed, &lease, now)
+                // With a disk, a failed voter comes back as the same voter: removing it would
+                // only make its return a membership change (found by the simulation: a
+                // removal, the restart's re-admission and another crash wedged a joint
+                // configuration). A member gone for good is the operator's to remove.
+                if !inner.durable
+                    && let Some(gone) = removable(inner.id, &voters, joint, &failed, &lease, now)
                     && monitor.removal.as_ref().is_none_or(JoinHandle::is_finished)
                 {
                     tracing::warn!(member = inner.id, gone, "removing a failed CPG voter");

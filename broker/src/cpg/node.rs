@@ -64,6 +64,8 @@ pub(super) struct Inner {
     pub(super) snapshots: Arc<Snapshots>,
     /// It found consensus state of its own on disk: it is a restarted member.
     pub(super) restarted: bool,
+    /// Its consensus state is on a disk (a restart is the same member).
+    pub(super) durable: bool,
     /// Its application's state is older than what its log holds: it must start afresh.
     pub(super) reset: bool,
     /// The simulation froze it (a SIGSTOP): its background duties do not run.
@@ -253,6 +255,7 @@ impl Cpg {
             None => Default::default(),
         };
         let restarted = !recovered.is_empty();
+        let durable = disk.is_some();
         let purge_limit = recovered
             .snapshot
             .as_ref()
@@ -337,6 +340,7 @@ impl Cpg {
                 events_sent,
                 snapshots,
                 restarted,
+                durable,
                 reset,
                 #[cfg(test)]
                 paused: AtomicBool::new(false),
@@ -386,11 +390,8 @@ impl Cpg {
 
     /// When this member's lease ends, if it holds one (see [`Cpg::has_quorum_now`]).
     pub fn lease_deadline(&self) -> Option<Instant> {
-        let applied = {
-            let m = self.inner.raft.metrics();
-            let applied = m.borrow().last_applied.map_or(0, |l| l.index);
-            applied
-        };
+        let metrics = self.inner.raft.metrics();
+        let applied = metrics.borrow().last_applied.map_or(0, |l| l.index);
         self.inner.lease.lock().deadline_at(applied)
     }
 

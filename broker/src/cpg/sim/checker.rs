@@ -41,6 +41,10 @@ pub(crate) enum Record {
         appended: u64,
     },
     Healed,
+    /// A member crashed or started while a cut may hold: which side holds a majority of the
+    /// voters may have changed (seeds 301566, 302383, 304793: a restarted member's side became
+    /// the majority), so the minority judgement of the cut in force ends here.
+    Regrouped,
     /// The member's messages, both ways, are held from now on (as if SIGSTOPped).
     Paused {
         member: MemberId,
@@ -457,7 +461,10 @@ fn check_minorities(trace: &Trace, config: &CpgConfig, max_delay_ms: u64) -> Res
             .position(|(_, r)| {
                 matches!(
                     r,
-                    Record::Partitioned { .. } | Record::Healed | Record::Quiesced { .. }
+                    Record::Partitioned { .. }
+                        | Record::Healed
+                        | Record::Regrouped
+                        | Record::Quiesced { .. }
                 )
             })
             .map_or(recs.len(), |p| pos + 1 + p);

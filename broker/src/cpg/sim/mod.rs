@@ -123,6 +123,7 @@ impl Sim {
             return;
         }
         self.record(Record::Started { member: id });
+        self.record(Record::Regrouped);
         let (trace, start) = (Arc::clone(&self.trace), self.start);
         let mut events = l.events;
         let (started_tx, started_rx) = tokio::sync::oneshot::channel();
@@ -241,6 +242,7 @@ impl Sim {
         if let Some(m) = self.slots[i].member.take() {
             self.net.unregister(&self.slots[i].addr);
             self.record(Record::Crashed { member: m.id() });
+            self.record(Record::Regrouped);
             m.shutdown().await;
         }
     }
