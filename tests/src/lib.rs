@@ -165,7 +165,7 @@ impl Broker {
         let _ = std::fs::remove_dir_all(&data_dir);
         std::fs::create_dir_all(&data_dir).expect("temp dir is writable");
         std::fs::write(data_dir.join("ringmq.yaml"), yaml).expect("temp dir is writable");
-        Self::spawn_on_ports(data_dir, ports)
+        Self::spawn_on_ports(data_dir, ports, &[])
     }
 
     /// Kills the broker (SIGKILL, if it still runs) and starts it again on the same data
@@ -176,12 +176,21 @@ impl Broker {
         self.respawn();
     }
 
+    /// Like [`Broker::start_again`] (fixed ports), with `args` added to this start only: a
+    /// one-shot flag such as `--cluster-force-boot`.
+    pub fn start_again_with(&mut self, args: &[&str]) {
+        self.kill();
+        let data_dir = std::mem::take(&mut self.data_dir);
+        let ports = self.fixed.expect("started with start_on_ports");
+        *self = Self::spawn_on_ports(data_dir, ports, args);
+    }
+
     /// Starts the (stopped) process again on its data directory, on its fixed ports if it
     /// has them, else on new ones.
     fn respawn(&mut self) {
         let data_dir = std::mem::take(&mut self.data_dir);
         *self = match self.fixed {
-            Some(ports) => Self::spawn_on_ports(data_dir, ports),
+            Some(ports) => Self::spawn_on_ports(data_dir, ports, &[]),
             None => Self::spawn(data_dir),
         };
     }
@@ -237,7 +246,7 @@ impl Broker {
         cmd
     }
 
-    fn spawn_on_ports(data_dir: PathBuf, ports: Ports) -> Self {
+    fn spawn_on_ports(data_dir: PathBuf, ports: Ports, extra_args: &[&str]) -> Self {
         let mut child = Self::command(&data_dir)
             .arg("--amqp-listen")
             .arg(ports.amqp.to_string())
@@ -245,6 +254,7 @@ impl Broker {
             .arg(ports.admin.to_string())
             .arg("--cluster-listen")
             .arg(ports.cluster.to_string())
+            .args(extra_args)
             .spawn()
             .expect("the broker binary starts");
         let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));

@@ -9,7 +9,8 @@ use serde::{Deserialize, Serialize};
 /// What a member announces about itself once it has joined.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MemberInfo {
-    /// Stable node id (survives restarts, unlike the CPG incarnation id); queues name their
+    /// Node id from the configuration (an operator-given name; the CPG member id is stable
+    /// too, but a member whose data directory is lost gets a new one); queues name their
     /// owner by it.
     pub node_id: String,
     /// AMQP address clients reach it at (`host:port`).
@@ -23,7 +24,7 @@ pub struct MemberInfo {
 /// One member as the map knows it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MemberState {
-    /// CPG incarnation id.
+    /// CPG member id (stable across restarts on the same data directory).
     pub id: MemberId,
     /// What it announced; `None` until its hello is delivered.
     pub info: Option<MemberInfo>,

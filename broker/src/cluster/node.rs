@@ -65,6 +65,14 @@ pub enum ClusterError {
     /// The CPG layer did not start or admit us.
     #[error("cluster layer: {0}")]
     Cpg(#[from] CpgError),
+    /// A new member was admitted but did not become ready (get the map, catch up) in time.
+    #[error("not ready within {waited:?}: {reason}")]
+    NotReady {
+        /// How long it waited.
+        waited: Duration,
+        /// Why it was not ready then.
+        reason: String,
+    },
     /// The cluster directory cannot be read.
     #[error("cluster state in {dir}: {reason}")]
     State {
@@ -110,10 +118,10 @@ impl std::fmt::Debug for Cluster {
 }
 
 impl Cluster {
-    /// Starts CPG and returns once this member is in the consensus group: at once for a
-    /// member restarting on its cluster directory (which then waits, in the background, for a
-    /// majority of its last configuration), after admission for a new one. It serves clients
-    /// only once [`Cluster::not_ready_reason`] is `None`.
+    /// Starts CPG and returns: at once for a member restarting on its cluster directory (which
+    /// then waits, in the background, for a majority of its last configuration, serving
+    /// nobody until [`Cluster::not_ready_reason`] is `None`), and for a new member once it is
+    /// admitted and ready (or an error after `join_timeout`).
     pub async fn start(
         host: impl ClusterHost,
         settings: ClusterSettings,
@@ -181,7 +189,30 @@ impl Cluster {
             restart = cluster.cpg.is_restart(),
             "cluster member started"
         );
+        if !cluster.cpg.is_restart() {
+            // A new member: as before, it starts serving only once it holds the map, so a
+            // script that connects when the listeners are announced finds it ready.
+            cluster.wait_ready(settings.join_timeout).await?;
+        }
         Ok(cluster)
+    }
+
+    /// Waits until this member is ready to serve (see [`Cluster::not_ready_reason`]).
+    async fn wait_ready(&self, limit: Duration) -> Result<(), ClusterError> {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            let Some(reason) = self.not_ready_reason() else {
+                return Ok(());
+            };
+            if tokio::time::Instant::now() >= deadline {
+                self.cpg.shutdown().await;
+                return Err(ClusterError::NotReady {
+                    waited: limit,
+                    reason,
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     /// Why this member must not serve clients now, or `None` when it may: it must hold the

@@ -41,9 +41,11 @@ impl Cpg {
                 }
                 match cpg.stop_reason() {
                     Some(StopReason::Shutdown) => return,
-                    Some(_) if cpg.may_retire(&monitor) => {
-                        // Evicted, overrun or fell behind, and no longer a voter: stop
-                        // consensus too.
+                    Some(_) if cpg.inner.durable || cpg.may_retire(&monitor) => {
+                        // Evicted, overrun or fell behind, and no longer a voter (or, with a
+                        // disk, at once: its vote and log are saved, and its restart is the
+                        // same voter — an evicted leader steps down this way): stop consensus
+                        // too.
                         cpg.inner.retired.store(true, Ordering::Release);
                         let _ = cpg.inner.raft.shutdown().await;
                         return;

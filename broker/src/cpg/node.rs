@@ -560,7 +560,8 @@ impl Cpg {
         *self.inner.stop.borrow()
     }
 
-    /// Whether this member's consensus has stopped too. A member that stopped for a reason of
+    /// Whether this member's consensus has stopped too. With a disk that follows the stop at
+    /// once (a restart is the same voter). Without one, a member that stopped for a reason of
     /// its own (evicted, overrun, fell behind) delivers nothing more, but its Raft node goes on
     /// voting until the cluster has removed it from the voters: dropping it at once would cost
     /// the others a vote they may need (a 3-member cluster with one partitioned member that
