@@ -46,6 +46,9 @@ impl Cpg {
                         // disk, at once: its vote and log are saved, and its restart is the
                         // same voter — an evicted leader steps down this way): stop consensus
                         // too.
+                        cpg.inner
+                            .quorum_tx
+                            .send_if_modified(|q| std::mem::replace(q, false));
                         cpg.inner.retired.store(true, Ordering::Release);
                         let _ = cpg.inner.raft.shutdown().await;
                         return;

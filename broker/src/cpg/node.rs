@@ -26,7 +26,7 @@ use super::log_store::LogStore;
 use super::network::NetworkFactory;
 use super::runtime::CpgRng;
 use super::service::Service;
-use super::state_machine::{EventSink, Snapshots, StateMachine};
+use super::state_machine::{self, EventSink, Snapshots, StateMachine};
 use super::tcp::{self, TcpTransport};
 use super::transport::Transport;
 use super::types::{Command, CpgTypes, MemberId, Outcome};
@@ -278,6 +278,11 @@ impl Cpg {
             purge_below,
             config.resume_after,
         ));
+        let reset = match &recovered.snapshot {
+            Some(snapshot) => state_machine::cannot_resume(snapshot, id, config.resume_after)
+                .map_err(|e| storage_err(format!("the snapshot cannot be decoded: {e}")))?,
+            None => false,
+        };
         let incarnation = CpgRng.next_u64();
         let started = Arc::new(AtomicU64::new(0));
         let events_sent = Arc::new(AtomicU64::new(0));
@@ -291,11 +296,11 @@ impl Cpg {
                 incarnation,
                 started: Arc::clone(&started),
                 sent: Arc::clone(&events_sent),
+                reset,
             },
             Arc::clone(&snapshots),
         )
         .map_err(|e| storage_err(format!("the snapshot cannot be decoded: {e}")))?;
-        let reset = sm.cannot_resume();
         let network = NetworkFactory {
             transport: Arc::clone(&transport),
             rpc_timeout: Duration::from_millis(config.rpc_timeout_ms),

@@ -52,6 +52,9 @@ pub(crate) struct EventSink {
     pub started: Arc<AtomicU64>,
     /// Events queued for the application so far (for `sync`).
     pub sent: Arc<AtomicU64>,
+    /// The application cannot resume (see [`cannot_resume`]): nothing before this process's
+    /// own start reaches it, since it starts afresh.
+    pub reset: bool,
 }
 
 impl EventSink {
@@ -78,6 +81,7 @@ impl EventSink {
         if self.stopped()
             || !emitted.to.contains(&self.local)
             || emitted.event.index() <= self.resume_after
+            || (self.reset && self.started.load(Ordering::Acquire) == 0)
         {
             return;
         }
@@ -199,6 +203,19 @@ impl Snapshots {
     }
 }
 
+/// Whether member `local`, whose application saved events up to `resume_after`, cannot resume
+/// from `snapshot`: it is newer than that while the member belongs to a group, so the events
+/// between are gone.
+pub(crate) fn cannot_resume(
+    snapshot: &StoredSnapshot,
+    local: MemberId,
+    resume_after: u64,
+) -> Result<bool, postcard::Error> {
+    let data: SnapshotData = postcard::from_bytes(&snapshot.data)?;
+    let index = data.last_applied.map_or(0, |l| l.index);
+    Ok(index > resume_after && data.groups.is_in_any_group(local))
+}
+
 fn snapshot_index(s: &StoredSnapshot) -> u64 {
     s.meta.last_log_id.map_or(0, |l| l.index)
 }
@@ -223,13 +240,6 @@ impl StateMachine {
             snapshots,
             sink,
         })
-    }
-
-    /// Whether this member's application state is older than the snapshot it restarts from,
-    /// while it belongs to a group: the events between are gone, so it cannot resume.
-    pub fn cannot_resume(&self) -> bool {
-        let index = self.data.last_applied.map_or(0, |l| l.index);
-        index > self.sink.resume_after && self.data.groups.is_in_any_group(self.sink.local)
     }
 
     fn voters(membership: &Membership) -> BTreeMap<MemberId, String> {
