@@ -564,6 +564,8 @@ fn check_no_quorum_after_failure(trace: &Trace) -> Result<(), String> {
             } => {
                 for m in f {
                     if incarnated.get(&m.id).is_none_or(|i| i < index) {
+                        // (A reset start ends its predecessor's memberships in the same entry:
+                        // the failure at its own index is the predecessor's.)
                         failed.entry(m.id).or_insert(*index);
                     }
                 }
@@ -574,7 +576,7 @@ fn check_no_quorum_after_failure(trace: &Trace) -> Result<(), String> {
             Record::Incarnated { member, index, .. } => {
                 let newest = incarnated.entry(*member).or_insert(*index);
                 *newest = (*newest).max(*index);
-                if failed.get(member).is_some_and(|f| f < index) {
+                if failed.get(member).is_some_and(|f| f <= index) {
                     failed.remove(member);
                 }
             }
@@ -692,7 +694,9 @@ fn check_quorum_freshness(
             for (&idx, &first) in &delivered.first_at {
                 let must_by = from.max(first + bound);
                 // A membership that ended unseen (a reset start before the claim) owes nothing.
-                let ended = cuts.iter().any(|(c, at)| idx < *c && *at <= must_by);
+                // (At the reset's own index too: the failure it announces to the others is
+                // not delivered to the member, whose `Started` says it instead.)
+                let ended = cuts.iter().any(|(c, at)| idx <= *c && *at <= must_by);
                 if must_by >= to || ended || !delivered.receives(x, idx) {
                     continue;
                 }
