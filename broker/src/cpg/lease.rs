@@ -27,10 +27,12 @@ pub(crate) struct Lease {
     failure_timeout: Duration,
     fresh: Duration,
     granted_until: Option<Instant>,
-    /// The index a follower must have applied for its grant to count.
-    grant_needs: u64,
-    /// The index a leader must have applied for its lease to count.
-    leader_needs: u64,
+    /// Recent grants: (until, the index the follower must have applied for it to count). A
+    /// follower under steady traffic is always a little behind the newest grant's index, so
+    /// an older grant it has caught up with keeps its lease running.
+    grants: Vec<(Instant, u64)>,
+    /// Recent confirmations of the leader's lease: (until, its read index).
+    confirms: Vec<(Instant, u64)>,
     leader_until: Option<Instant>,
     leading_term: Option<u64>,
     last_heard: BTreeMap<MemberId, Instant>,
@@ -48,8 +50,8 @@ impl Lease {
             failure_timeout: Duration::from_millis(failure_timeout_ms),
             fresh: Duration::from_millis(heartbeat_ms.saturating_mul(3)),
             granted_until: None,
-            grant_needs: 0,
-            leader_needs: 0,
+            grants: Vec::new(),
+            confirms: Vec::new(),
             leader_until: None,
             leading_term: None,
             last_heard: BTreeMap::new(),
@@ -65,8 +67,8 @@ impl Lease {
         let until = sent_at + self.lease.min(Duration::from_millis(granted_ms));
         if self.granted_until.is_none_or(|u| u < until) {
             self.granted_until = Some(until);
-            self.grant_needs = self.grant_needs.max(committed);
         }
+        remember(&mut self.grants, until, committed);
     }
 
     /// Whether a follower's lease still runs at `now` (whatever it has applied).
@@ -89,8 +91,8 @@ impl Lease {
         let until = sent_at + self.lease;
         if self.leader_until.is_none_or(|u| u < until) {
             self.leader_until = Some(until);
-            self.leader_needs = self.leader_needs.max(read_index);
         }
+        remember(&mut self.confirms, until, read_index);
     }
 
     /// When this member's lease ends, for a member that has applied up to `applied`: the
@@ -99,9 +101,9 @@ impl Lease {
     /// cached.
     pub fn deadline_at(&self, applied: u64) -> Option<Instant> {
         if self.leading_term.is_some() {
-            self.leader_until.filter(|_| applied >= self.leader_needs)
+            latest_caught_up(&self.confirms, applied)
         } else {
-            self.granted_until.filter(|_| applied >= self.grant_needs)
+            latest_caught_up(&self.grants, applied)
         }
     }
 
@@ -132,13 +134,14 @@ impl Lease {
         if self.leading_term != Some(term) {
             self.leading_term = Some(term);
             self.leader_until = None;
-            self.leader_needs = 0;
+            self.confirms.clear();
             self.last_heard.clear();
             self.lagging_since.clear();
             self.withheld.clear();
             self.removing.clear();
         }
         self.granted_until = None;
+        self.grants.clear();
     }
 
     /// The leader proposed declaring `members` failed: from now on in this term it grants
@@ -163,6 +166,7 @@ impl Lease {
     pub fn following(&mut self) {
         self.leading_term = None;
         self.leader_until = None;
+        self.confirms.clear();
     }
 
     /// Members of `voters` (other than the leader) to declare failed at `now`: silent for
@@ -223,6 +227,26 @@ impl Lease {
             .min_by_key(|id| self.last_heard.get(id).copied())
             .copied()
     }
+}
+
+/// How many recent grants (or confirmations) a member keeps: a heartbeat apart, more than a
+/// lease's worth.
+const REMEMBERED: usize = 16;
+
+/// Records a lease running `until`, counting once `needs` is applied; keeps the newest ones.
+fn remember(list: &mut Vec<(Instant, u64)>, until: Instant, needs: u64) {
+    list.push((until, needs));
+    if list.len() > REMEMBERED {
+        list.remove(0);
+    }
+}
+
+/// The latest end among the leases of `list` that count for a member that applied `applied`.
+fn latest_caught_up(list: &[(Instant, u64)], applied: u64) -> Option<Instant> {
+    list.iter()
+        .filter(|(_, needs)| *needs <= applied)
+        .map(|(until, _)| *until)
+        .max()
 }
 
 #[cfg(test)]
@@ -336,8 +360,15 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_grant_counts_only_once_the_follower_applied_what_the_leader_had() {
         let mut l = Lease::new(500, 1_200, 50);
-        l.granted(Instant::now(), 400, 90);
+        let first = Instant::now();
+        l.granted(first, 400, 90);
         assert_eq!(l.deadline_at(89), None);
         assert!(l.deadline_at(90).is_some_and(|d| Instant::now() < d));
+        // Under steady traffic the newest grant is a little ahead of what the follower applied;
+        // the older grant it has caught up with keeps the lease running.
+        tokio::time::advance(Duration::from_millis(50)).await;
+        l.granted(Instant::now(), 450, 95);
+        assert_eq!(l.deadline_at(92), Some(first + Duration::from_millis(400)));
+        assert_eq!(l.deadline_at(95), Some(first + Duration::from_millis(500)));
     }
 }
