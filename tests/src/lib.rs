@@ -11,6 +11,7 @@ use std::time::Duration;
 
 pub use lapin;
 
+pub mod netns;
 pub mod prereq;
 pub mod tls;
 
@@ -257,14 +258,7 @@ impl Broker {
             .args(extra_args)
             .spawn()
             .expect("the broker binary starts");
-        let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-        let stderr = child.stderr.take().expect("piped");
-        let sink = log.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                sink.lock().expect("log lock").push(line);
-            }
-        });
+        let log = capture_stderr(&mut child);
         let stdout = child.stdout.take().expect("piped");
         let sink = log.clone();
         std::thread::spawn(move || {
@@ -306,14 +300,7 @@ impl Broker {
             ])
             .spawn()
             .expect("the broker binary starts");
-        let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-        let stderr = child.stderr.take().expect("piped");
-        let sink = log.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                sink.lock().expect("log lock").push(line);
-            }
-        });
+        let log = capture_stderr(&mut child);
         // Lines: `amqp=` (unless the plaintext listener is off), `amqps=` (with TLS), and
         // `admin=` last.
         let mut stdout = BufReader::new(child.stdout.take().expect("piped"));
@@ -445,6 +432,20 @@ impl Drop for Broker {
             let _ = std::fs::remove_dir_all(&self.data_dir);
         }
     }
+}
+
+/// Collects the broker's stderr lines (its log) in the background, for `log_tail` and
+/// failure messages.
+fn capture_stderr(child: &mut Child) -> std::sync::Arc<std::sync::Mutex<Vec<String>>> {
+    let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let stderr = child.stderr.take().expect("piped");
+    let sink = log.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            sink.lock().expect("log lock").push(line);
+        }
+    });
+    log
 }
 
 /// The AMQP reply code inside a lapin error, if the broker sent one.

@@ -779,137 +779,15 @@ async fn one_crash_at_a_time_twenty_times_never_gets_stuck() {
 /// other two founds nothing.
 mod cut_off {
     use super::*;
-    use std::process::{Child, Command, Stdio};
+    use ringmq_tests::netns::{Net, member_addr};
 
-    fn run(args: &[&str]) {
-        let out = Command::new(args[0])
-            .args(&args[1..])
-            .output()
-            .unwrap_or_else(|e| panic!("{args:?}: {e}"));
-        assert!(
-            out.status.success(),
-            "{args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-
-    /// A hub namespace with a bridge and one namespace per member; deleted on drop.
-    struct Net {
-        hub: String,
-        members: Vec<String>,
-    }
-
-    impl Net {
-        fn create(n: usize) -> Self {
-            let prefix = format!("rmr{}", std::process::id());
-            let net = Net {
-                hub: format!("{prefix}-hub"),
-                members: (0..n).map(|i| format!("{prefix}-m{i}")).collect(),
-            };
-            run(&["ip", "netns", "add", &net.hub]);
-            for ns in &net.members {
-                run(&["ip", "netns", "add", ns]);
-            }
-            let hub = net.hub.as_str();
-            run(&["ip", "-n", hub, "link", "set", "lo", "up"]);
-            run(&["ip", "-n", hub, "link", "add", "br0", "type", "bridge"]);
-            run(&[
-                "ip",
-                "-n",
-                hub,
-                "addr",
-                "add",
-                "10.78.0.254/24",
-                "dev",
-                "br0",
-            ]);
-            run(&["ip", "-n", hub, "link", "set", "br0", "up"]);
-            for (i, ns) in net.members.iter().enumerate() {
-                let port = format!("v{i}");
-                run(&[
-                    "ip", "-n", hub, "link", "add", &port, "type", "veth", "peer", "name", "eth0",
-                    "netns", ns,
-                ]);
-                run(&["ip", "-n", hub, "link", "set", &port, "master", "br0", "up"]);
-                run(&["ip", "-n", ns, "link", "set", "lo", "up"]);
-                run(&[
-                    "ip",
-                    "-n",
-                    ns,
-                    "addr",
-                    "add",
-                    &format!("{}/24", addr(i)),
-                    "dev",
-                    "eth0",
-                ]);
-                run(&["ip", "-n", ns, "link", "set", "eth0", "up"]);
-            }
-            net
-        }
-
-        /// Drops every frame between member `i` and the others on the bridge.
-        fn isolate(&self, i: usize) {
-            use std::io::Write;
-            let others: Vec<String> = (0..self.members.len())
-                .filter(|j| *j != i)
-                .map(|j| format!("\"v{j}\""))
-                .collect();
-            let others = others.join(", ");
-            let rules = format!(
-                "table bridge ringmq_cut {{\n chain forward {{\n  type filter hook forward \
-                 priority 0; policy accept;\n  iifname \"v{i}\" oifname {{ {others} }} drop\n  \
-                 iifname {{ {others} }} oifname \"v{i}\" drop\n }}\n}}\n"
-            );
-            let mut nft = Command::new("ip")
-                .args(["netns", "exec", &self.hub, "nft", "-f", "-"])
-                .stdin(Stdio::piped())
-                .spawn()
-                .unwrap();
-            nft.stdin
-                .take()
-                .unwrap()
-                .write_all(rules.as_bytes())
-                .unwrap();
-            assert!(nft.wait().unwrap().success(), "nft rules: {rules}");
-        }
-
-        fn heal(&self) {
-            run(&[
-                "ip",
-                "netns",
-                "exec",
-                &self.hub,
-                "nft",
-                "delete",
-                "table",
-                "bridge",
-                "ringmq_cut",
-            ]);
-        }
-
-        /// Moves the calling thread into the hub namespace, so its sockets reach every
-        /// member.
-        fn enter_hub(&self) {
-            use std::os::fd::AsRawFd;
-            let file = std::fs::File::open(format!("/var/run/netns/{}", self.hub)).unwrap();
-            // SAFETY: setns on a namespace file descriptor we opened; affects only this
-            // thread.
-            let rc = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
-            assert_eq!(rc, 0, "setns into the hub namespace");
-        }
-    }
-
-    impl Drop for Net {
-        fn drop(&mut self) {
-            for ns in self.members.iter().chain(std::iter::once(&self.hub)) {
-                let _ = Command::new("ip").args(["netns", "del", ns]).status();
-            }
-        }
-    }
+    /// This test's subnet, 10.78.0.0/24 (`partition.rs` has 10.77).
+    const SUBNET: u8 = 78;
 
     fn addr(i: usize) -> String {
-        format!("10.78.0.{}", i + 1)
+        member_addr(SUBNET, i)
     }
+    use std::process::{Child, Command, Stdio};
 
     /// A broker in member namespace `i` on fixed addresses, its data dir kept across
     /// restarts; killed by PID on drop.
@@ -1215,7 +1093,7 @@ mod cut_off {
         ) {
             return;
         }
-        let net = Net::create(N);
+        let net = Net::create("rmr", SUBNET, N);
         std::thread::scope(|s| {
             s.spawn(|| {
                 net.enter_hub();

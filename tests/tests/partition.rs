@@ -8,136 +8,11 @@
 
 use lapin::options::QueueDeclareOptions;
 use lapin::types::FieldTable;
+use ringmq_tests::netns::Net;
 use ringmq_tests::{binary, reply_code};
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-
-fn run(args: &[&str]) {
-    let out = Command::new(args[0])
-        .args(&args[1..])
-        .output()
-        .unwrap_or_else(|e| panic!("{args:?}: {e}"));
-    assert!(
-        out.status.success(),
-        "{args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// Four namespaces (hub with a bridge, and one per member), deleted on drop.
-struct Net {
-    hub: String,
-    members: Vec<String>,
-}
-
-impl Net {
-    fn create(n: usize) -> Self {
-        let prefix = format!("rmq{}", std::process::id());
-        let net = Net {
-            hub: format!("{prefix}-hub"),
-            members: (0..n).map(|i| format!("{prefix}-m{i}")).collect(),
-        };
-        run(&["ip", "netns", "add", &net.hub]);
-        for ns in &net.members {
-            run(&["ip", "netns", "add", ns]);
-        }
-        let hub = net.hub.as_str();
-        run(&["ip", "-n", hub, "link", "set", "lo", "up"]);
-        run(&["ip", "-n", hub, "link", "add", "br0", "type", "bridge"]);
-        run(&[
-            "ip",
-            "-n",
-            hub,
-            "addr",
-            "add",
-            "10.77.0.254/24",
-            "dev",
-            "br0",
-        ]);
-        run(&["ip", "-n", hub, "link", "set", "br0", "up"]);
-        for (i, ns) in net.members.iter().enumerate() {
-            let port = format!("v{i}");
-            run(&[
-                "ip", "-n", hub, "link", "add", &port, "type", "veth", "peer", "name", "eth0",
-                "netns", ns,
-            ]);
-            run(&["ip", "-n", hub, "link", "set", &port, "master", "br0", "up"]);
-            run(&["ip", "-n", ns, "link", "set", "lo", "up"]);
-            run(&[
-                "ip",
-                "-n",
-                ns,
-                "addr",
-                "add",
-                &format!("{}/24", Self::addr(i)),
-                "dev",
-                "eth0",
-            ]);
-            run(&["ip", "-n", ns, "link", "set", "eth0", "up"]);
-        }
-        net
-    }
-
-    fn addr(i: usize) -> String {
-        format!("10.77.0.{}", i + 1)
-    }
-
-    /// Drops every frame between member `i` and the others on the bridge.
-    fn isolate(&self, i: usize) {
-        let others: Vec<String> = (0..self.members.len())
-            .filter(|j| *j != i)
-            .map(|j| format!("\"v{j}\""))
-            .collect();
-        let others = others.join(", ");
-        let rules = format!(
-            "table bridge ringmq_partition {{\n chain forward {{\n  type filter hook forward priority 0; policy accept;\n  iifname \"v{i}\" oifname {{ {others} }} drop\n  iifname {{ {others} }} oifname \"v{i}\" drop\n }}\n}}\n"
-        );
-        let mut nft = Command::new("ip")
-            .args(["netns", "exec", &self.hub, "nft", "-f", "-"])
-            .stdin(Stdio::piped())
-            .spawn()
-            .unwrap();
-        use std::io::Write;
-        nft.stdin
-            .take()
-            .unwrap()
-            .write_all(rules.as_bytes())
-            .unwrap();
-        assert!(nft.wait().unwrap().success(), "nft rules: {rules}");
-    }
-
-    fn heal(&self) {
-        run(&[
-            "ip",
-            "netns",
-            "exec",
-            &self.hub,
-            "nft",
-            "delete",
-            "table",
-            "bridge",
-            "ringmq_partition",
-        ]);
-    }
-
-    /// Moves the calling thread into the hub namespace, so its sockets reach every member.
-    fn enter_hub(&self) {
-        let file = std::fs::File::open(format!("/var/run/netns/{}", self.hub)).unwrap();
-        use std::os::fd::AsRawFd;
-        // SAFETY: setns on a namespace file descriptor we opened; affects only this thread.
-        let rc = unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) };
-        assert_eq!(rc, 0, "setns into the hub namespace");
-    }
-}
-
-impl Drop for Net {
-    fn drop(&mut self) {
-        for ns in self.members.iter().chain(std::iter::once(&self.hub)) {
-            let _ = Command::new("ip").args(["netns", "del", ns]).status();
-        }
-    }
-}
 
 /// A broker process inside a member namespace; killed by PID on drop (its data dir stays
 /// for a restart; the scenario removes it at the end).
@@ -150,7 +25,7 @@ struct Member {
 
 impl Member {
     fn start(net: &Net, i: usize, seeds: &[String], secret: &std::path::Path) -> Self {
-        let ip = Net::addr(i);
+        let ip = net.addr(i);
         let data =
             std::env::temp_dir().join(format!("ringmq-partition-{}-{i}", std::process::id()));
         let mut cmd = Command::new("ip");
@@ -249,7 +124,7 @@ fn a_cut_off_member_stops_changing_wiring_and_rejoins_after_the_cut_heals() {
     ) {
         return;
     }
-    let net = Net::create(3);
+    let net = Net::create("rmq", 77, 3);
     // Only this thread moves into the hub namespace; the test's other threads stay put.
     std::thread::scope(|s| {
         s.spawn(|| {
@@ -265,7 +140,7 @@ fn partition_scenario(net: &Net) {
     let secret =
         std::env::temp_dir().join(format!("ringmq-partition-secret-{}", std::process::id()));
     std::fs::write(&secret, "partition-test-secret").unwrap();
-    let cluster_addr = |i: usize| format!("{}:25672", Net::addr(i));
+    let cluster_addr = |i: usize| format!("{}:25672", net.addr(i));
     let mut members = vec![Member::start(net, 0, &[], &secret)];
     members.push(Member::start(net, 1, &[cluster_addr(0)], &secret));
     members.push(Member::start(
