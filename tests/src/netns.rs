@@ -1,7 +1,7 @@
 //! Test hosts in network namespaces: a hub namespace with a bridge, one namespace per member
 //! joined to it by a veth pair, and nftables rules on the bridge that cut a member off. Used by
 //! the tests that need real network partitions between broker processes (`partition.rs`,
-//! `cluster_restart.rs`). Needs root, `ip` and `nft` (see [`crate::prereq::root_with`]);
+//! `cluster_restart/cut_off.rs`). Needs root, `ip` and `nft` (see [`crate::prereq::root_with`]);
 //! everything lives in namespaces the test creates and [`Net`]'s drop deletes.
 
 use std::io::Write;

@@ -1,0 +1,355 @@
+//! What every restart test uses: members on fixed ports with a shared secret, waiting for
+//! readiness and settling, and the checks a waiting member must pass.
+
+use lapin::Connection;
+use lapin::options::QueueDeclareOptions;
+use lapin::types::FieldTable;
+use ringmq_tests::{Broker, Ports, reply_code};
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// `cluster_failure_timeout_ms` (the default, written out in every member's YAML).
+pub(crate) const FAILURE_TIMEOUT: Duration = Duration::from_millis(1200);
+/// How long a cluster whose majority is back may take to be ready again.
+pub(crate) const READY_LIMIT: Duration = Duration::from_secs(30);
+/// Members per cluster.
+pub(crate) const N: usize = 3;
+
+/// The cluster secret file of one test; removed on drop.
+pub(crate) struct Secret(pub(crate) PathBuf);
+
+impl Drop for Secret {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+pub(crate) fn secret(name: &str) -> Secret {
+    let path = std::env::temp_dir().join(format!(
+        "ringmq-restart-secret-{}-{name}",
+        std::process::id()
+    ));
+    std::fs::write(&path, "restart-test-secret\n").expect("temp dir is writable");
+    Secret(path)
+}
+
+/// How a member finds the cluster.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum Seeds {
+    /// No seeds: the member founds the cluster when its data dir is empty (member 0 only).
+    None,
+    /// Every other member's cluster port, `cluster_founder` naming member 0 (the
+    /// Kubernetes-style configuration every pod shares).
+    Others,
+}
+
+pub(crate) fn node(name: &str, i: usize) -> String {
+    format!("{name}-{i}")
+}
+
+pub(crate) fn member_yaml(
+    name: &str,
+    i: usize,
+    ports: &[Ports],
+    secret: &Path,
+    seeds: Seeds,
+    join_timeout_ms: u64,
+) -> String {
+    let seeds: Vec<String> = match seeds {
+        Seeds::None => Vec::new(),
+        Seeds::Others => ports
+            .iter()
+            .enumerate()
+            .filter(|(j, _)| *j != i)
+            .map(|(_, p)| format!("\"{}\"", p.cluster))
+            .collect(),
+    };
+    format!(
+        "node_id: {}\ncluster_listen: \"{}\"\ncluster_secret_file: {}\ncluster_seeds: [{}]\n\
+         cluster_founder: {}\ncluster_join_timeout_ms: {join_timeout_ms}\n\
+         cluster_failure_timeout_ms: {}\n",
+        node(name, i),
+        ports[i].cluster,
+        secret.display(),
+        seeds.join(", "),
+        node(name, 0),
+        FAILURE_TIMEOUT.as_millis(),
+    )
+}
+
+/// Three members on fixed ports: member 0 founds (no seeds), 1 and 2 join; returns once all
+/// three are ready and agree on a leader.
+pub(crate) fn start_cluster(name: &str) -> (Vec<Broker>, Vec<Ports>, Secret) {
+    let secret = secret(name);
+    let ports: Vec<Ports> = (0..N).map(|_| Ports::allocate()).collect();
+    let mut members: Vec<Broker> = Vec::new();
+    for i in 0..N {
+        let seeds = if i == 0 { Seeds::None } else { Seeds::Others };
+        members.push(Broker::start_on_ports(
+            &member_yaml(name, i, &ports, &secret.0, seeds, 60_000),
+            ports[i],
+        ));
+        let started: Vec<usize> = (0..=i).collect();
+        wait_ready(
+            &mut members,
+            &started,
+            READY_LIMIT,
+            &format!("{name}: start"),
+        );
+    }
+    wait_settled(
+        &mut members,
+        &[0, 1, 2],
+        READY_LIMIT,
+        &format!("{name}: start"),
+    );
+    (members, ports, secret)
+}
+
+pub(crate) fn readyz(b: &Broker) -> Result<ringmq::admin_client::Answer, String> {
+    ringmq::admin_client::AdminClient::new(&b.admin_url(), None, None).get("/readyz")
+}
+
+/// `/api/overview`'s `cluster` object (status and body on any other answer).
+pub(crate) fn cluster_view(b: &Broker) -> Result<Value, String> {
+    let a = b.admin_client().get("/api/overview")?;
+    if a.status != 200 {
+        return Err(format!("/api/overview answered {}: {}", a.status, a.body));
+    }
+    Ok(a.body["cluster"].clone())
+}
+
+/// One line per member for failure messages: running or exit status, `/readyz`, overview.
+pub(crate) fn describe(members: &mut [Broker]) -> String {
+    let mut out = String::new();
+    for (i, m) in members.iter_mut().enumerate() {
+        let state = match m.exit_status() {
+            Some(s) => format!("exited ({s})"),
+            None => {
+                let ready = readyz(m)
+                    .map(|a| format!("{} {}", a.status, a.body))
+                    .unwrap_or_else(|e| e);
+                let view = cluster_view(m).unwrap_or_else(Value::String);
+                format!("readyz {ready}; cluster {view}")
+            }
+        };
+        out.push_str(&format!(
+            "\n  member {i}: {state}\n  ---- log tail ----\n{}\n",
+            m.log_tail(25)
+        ));
+    }
+    out
+}
+
+/// Waits until every member in `which` answers `/readyz` 200.
+pub(crate) fn wait_ready(members: &mut [Broker], which: &[usize], limit: Duration, what: &str) {
+    let deadline = Instant::now() + limit;
+    loop {
+        let ready = which.iter().all(|&i| {
+            let m = &mut members[i];
+            m.exit_status().is_none() && readyz(m).is_ok_and(|a| a.status == 200)
+        });
+        if ready {
+            return;
+        }
+        if Instant::now() > deadline {
+            panic!(
+                "{what}: members {which:?} not all ready within {limit:?}:{}",
+                describe(members)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Waits until every member in `which` is ready, reports quorum, names the same leader (one
+/// of the cluster's members) and counts three voters.
+pub(crate) fn wait_settled(members: &mut [Broker], which: &[usize], limit: Duration, what: &str) {
+    let deadline = Instant::now() + limit;
+    loop {
+        let views: Vec<Option<Value>> = which
+            .iter()
+            .map(|&i| {
+                let m = &mut members[i];
+                if m.exit_status().is_some() || !readyz(m).is_ok_and(|a| a.status == 200) {
+                    return None;
+                }
+                cluster_view(m).ok()
+            })
+            .collect();
+        let settled = views.iter().all(|v| {
+            v.as_ref()
+                .is_some_and(|v| v["quorum"] == true && v["voters"] == N && v["leader"].is_string())
+        }) && views
+            .iter()
+            .all(|v| v.as_ref().map(|v| &v["leader"]) == views[0].as_ref().map(|v| &v["leader"]));
+        if settled {
+            return;
+        }
+        if Instant::now() > deadline {
+            panic!(
+                "{what}: members {which:?} not ready with one leader and quorum within \
+                 {limit:?}: {views:?}{}",
+                describe(members)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// `Ok(how)` if an AMQP client gets no working connection: refused with 320
+/// CONNECTION_FORCED, or not accepted at all (closed, reset, or no answer in 5 s).
+pub(crate) async fn amqp_refused(b: &Broker) -> Result<String, String> {
+    let uri = b.uri();
+    let attempt = Connection::connect(&uri, Default::default());
+    match tokio::time::timeout(Duration::from_secs(5), attempt).await {
+        Err(_) => Ok("no connection.open-ok within 5 s".into()),
+        Ok(Err(e)) => match reply_code(&e) {
+            Some(320) => Ok("refused with 320 CONNECTION_FORCED".into()),
+            Some(code) => Err(format!(
+                "refused with reply code {code}, the contract says 320: {e}"
+            )),
+            None => Ok(format!("not accepted: {e}")),
+        },
+        Ok(Ok(conn)) => {
+            let _ = conn.close(200, "test".into()).await;
+            Err("a working AMQP connection".into())
+        }
+    }
+}
+
+/// Checks, for `window`, that member `i` (alone with less than a majority of its last
+/// configuration) stays running and unready: `/readyz` 503 saying it is waiting, overview
+/// `cluster.quorum` false and no leader; then that AMQP refuses it and (if `wiring`) that
+/// a queue PUT through the admin API does not succeed.
+pub(crate) async fn assert_waiting(members: &mut [Broker], i: usize, window: Duration, what: &str) {
+    let deadline = Instant::now() + window;
+    let mut polls = 0;
+    loop {
+        if let Some(status) = members[i].exit_status() {
+            panic!(
+                "{what}: member {i} exited ({status}) while it should wait for a majority of \
+                 its last configuration:{}",
+                describe(members)
+            );
+        }
+        let fail = |members: &mut [Broker], why: String| -> ! {
+            panic!(
+                "{what}: member {i}, {:?} into the wait (poll {polls}): {why}{}",
+                window.saturating_sub(deadline.saturating_duration_since(Instant::now())),
+                describe(members)
+            )
+        };
+        match readyz(&members[i]) {
+            Ok(a) if a.status == 503 && a.reason().to_lowercase().contains("waiting") => {}
+            Ok(a) if a.status == 200 => fail(
+                members,
+                "/readyz answered 200 (ready) with less than a majority of its last \
+                 configuration back: it founded or joined a new cluster"
+                    .into(),
+            ),
+            Ok(a) => fail(
+                members,
+                format!(
+                    "/readyz answered {} {} (want 503 with a reason saying it is waiting)",
+                    a.status, a.body
+                ),
+            ),
+            Err(e) => fail(members, format!("/readyz: {e}")),
+        }
+        match cluster_view(&members[i]) {
+            Ok(v) if v["quorum"] == false && v["leader"].is_null() => {}
+            Ok(v) => fail(
+                members,
+                format!("overview's cluster claims {v} (want quorum false, leader null)"),
+            ),
+            Err(e) => fail(members, e),
+        }
+        polls += 1;
+        if Instant::now() > deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    if let Err(e) = amqp_refused(&members[i]).await {
+        panic!(
+            "{what}: member {i} while waiting for a majority: {e}{}",
+            describe(members)
+        );
+    }
+}
+
+/// Declares `queue` through member `b`, retrying (new connection each time) while the
+/// cluster cannot commit (506) or the member refuses clients, for at most `limit`.
+pub(crate) async fn declare_until_committed(
+    b: &Broker,
+    queue: &str,
+    durable: bool,
+    limit: Duration,
+) -> Result<(), String> {
+    let deadline = Instant::now() + limit;
+    let mut last;
+    loop {
+        let attempt = async {
+            let conn = Connection::connect(&b.uri(), Default::default())
+                .await
+                .map_err(|e| format!("connect: {e}"))?;
+            let ch = conn
+                .create_channel()
+                .await
+                .map_err(|e| format!("channel: {e}"))?;
+            ch.queue_declare(
+                queue.into(),
+                QueueDeclareOptions {
+                    durable,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|e| format!("queue.declare: {e} (code {:?})", reply_code(&e)))?;
+            let _ = conn.close(200, "done".into()).await;
+            Ok::<(), String>(())
+        };
+        match tokio::time::timeout(Duration::from_secs(15), attempt).await {
+            Ok(Ok(())) => return Ok(()),
+            Ok(Err(e)) => last = e,
+            Err(_) => last = "no answer in 15 s".into(),
+        }
+        if Instant::now() > deadline {
+            return Err(format!("not committed within {limit:?}; last: {last}"));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// A passive declare of `queue` on `b`: its message count, or the error.
+pub(crate) async fn passive(b: &Broker, queue: &str) -> Result<u32, String> {
+    let check = async {
+        let conn = Connection::connect(&b.uri(), Default::default())
+            .await
+            .map_err(|e| format!("connect: {e}"))?;
+        let ch = conn
+            .create_channel()
+            .await
+            .map_err(|e| format!("channel: {e}"))?;
+        let n = ch
+            .queue_declare(
+                queue.into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|e| format!("passive declare: {e} (code {:?})", reply_code(&e)))?
+            .message_count();
+        let _ = conn.close(200, "done".into()).await;
+        Ok(n)
+    };
+    tokio::time::timeout(Duration::from_secs(15), check)
+        .await
+        .unwrap_or_else(|_| Err("no answer in 15 s".into()))
+}
