@@ -10,6 +10,7 @@
 pub mod admin;
 pub mod admin_client;
 pub mod amqp;
+pub mod atomic_file;
 pub mod auth;
 pub mod broker;
 pub mod client;

@@ -581,18 +581,9 @@ fn read_checkpoint(dir: &Path) -> Result<Option<Checkpoint>, ClusterError> {
     }
 }
 
-/// Replaces the map checkpoint atomically (temp file, fsync, rename, fsync the directory).
+/// Replaces the map checkpoint atomically.
 fn write_checkpoint(dir: &Path, checkpoint: &Checkpoint) -> std::io::Result<()> {
-    use std::io::Write as _;
     std::fs::create_dir_all(dir)?;
-    let path = dir.join(CHECKPOINT_FILE);
-    let tmp = dir.join(format!("{CHECKPOINT_FILE}.tmp"));
     let bytes = serde_json::to_vec(checkpoint).map_err(std::io::Error::other)?;
-    {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(&bytes)?;
-        f.sync_all()?;
-    }
-    std::fs::rename(&tmp, &path)?;
-    std::fs::File::open(dir)?.sync_all()
+    crate::atomic_file::write_atomically(dir, CHECKPOINT_FILE, &bytes)
 }

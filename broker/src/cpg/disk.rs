@@ -19,6 +19,7 @@ use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
 use super::types::{CpgTypes, MemberId};
+use crate::atomic_file::write_atomically;
 
 /// One durable change to the log state, in the order it happened.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -195,12 +196,11 @@ impl DirDisk {
 
     /// Rewrites the log file with only the live state, atomically.
     fn compact(&self, log: &mut LogFile) -> io::Result<()> {
-        let tmp = self.dir.join(format!("{LOG_FILE}.tmp"));
         let mut bytes = Vec::new();
         for op in log.state.as_ops() {
             frame(&op, &mut bytes)?;
         }
-        write_atomically(&self.dir, &tmp, &self.dir.join(LOG_FILE), &bytes)?;
+        write_atomically(&self.dir, LOG_FILE, &bytes)?;
         let mut file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -251,12 +251,7 @@ impl Disk for DirDisk {
 
     fn save_snapshot(&self, snapshot: &StoredSnapshot) -> io::Result<()> {
         let bytes = postcard::to_stdvec(snapshot).map_err(io::Error::other)?;
-        write_atomically(
-            &self.dir,
-            &self.dir.join(format!("{SNAPSHOT_FILE}.tmp")),
-            &self.dir.join(SNAPSHOT_FILE),
-            &bytes,
-        )
+        write_atomically(&self.dir, SNAPSHOT_FILE, &bytes)
     }
 }
 
@@ -307,22 +302,6 @@ fn unframe(bytes: &[u8], at: usize) -> Option<(LogOp, usize)> {
     }
     let op = postcard::from_bytes(body).ok()?;
     Some((op, at + 8 + len))
-}
-
-/// Writes `bytes` to `tmp`, fsyncs, renames it over `path` and fsyncs `dir`.
-pub(crate) fn write_atomically(
-    dir: &Path,
-    tmp: &Path,
-    path: &Path,
-    bytes: &[u8],
-) -> io::Result<()> {
-    {
-        let mut f = File::create(tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-    }
-    std::fs::rename(tmp, path)?;
-    File::open(dir)?.sync_all()
 }
 
 #[cfg(test)]

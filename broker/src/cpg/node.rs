@@ -18,7 +18,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use super::config::CpgConfig;
-use super::disk::{DirDisk, Disk, write_atomically};
+use super::disk::{DirDisk, Disk};
 use super::error::{CpgError, StopReason};
 use super::event::CpgEvent;
 use super::lease::Lease;
@@ -31,6 +31,7 @@ use super::tcp::{self, TcpTransport};
 use super::transport::Transport;
 use super::types::{Command, CpgTypes, MemberId, Outcome};
 use super::wire::{Envelope, Request, Response};
+use crate::atomic_file::write_atomically;
 
 /// Handle to a running CPG member. Cheap to clone; the member runs until
 /// [`Cpg::shutdown`], until it is evicted or overrun, or until every clone is dropped (which is
@@ -418,18 +419,16 @@ impl Cpg {
         let m = self.inner.raft.metrics();
         let m = m.borrow();
         let voters: Vec<MemberId> = m.membership_config.membership().voter_ids().collect();
-        let reachable = if m.current_leader.is_some() {
-            m.replication.as_ref().map_or_else(
-                || usize::from(m.current_leader.is_some()) + 1,
-                |r| {
-                    r.values()
-                        .filter(|matched| matched.is_some())
-                        .count()
-                        .max(1)
-                },
-            )
-        } else {
-            1
+        // A leader counts the voters it replicates to; a follower that knows a leader, itself
+        // and the leader; one that knows none, itself.
+        let reachable = match (&m.replication, m.current_leader) {
+            (Some(r), _) => r
+                .values()
+                .filter(|matched| matched.is_some())
+                .count()
+                .max(1),
+            (None, Some(_)) => 2,
+            (None, None) => 1,
         };
         (reachable.min(voters.len().max(1)), voters.len())
     }
@@ -908,13 +907,8 @@ fn open_data_dir(dir: &Path) -> Result<(MemberId, Arc<dyn Disk>), CpgError> {
                 )));
             }
             let id = CpgRng.next_u64().max(1);
-            write_atomically(
-                dir,
-                &dir.join(format!("{MEMBER_ID_FILE}.tmp")),
-                &path,
-                format!("{id}\n").as_bytes(),
-            )
-            .map_err(|e| err(e.to_string()))?;
+            write_atomically(dir, MEMBER_ID_FILE, format!("{id}\n").as_bytes())
+                .map_err(|e| err(e.to_string()))?;
             id
         }
         Err(e) => return Err(err(e.to_string())),

@@ -79,21 +79,17 @@ struct WiringFile {
 
 /// Replaces `wiring.json` atomically.
 pub fn write_wiring_file(dir: &Path, wiring: &BTreeMap<String, Wiring>) -> Result<(), StoreError> {
-    let path = dir.join("wiring.json");
-    let tmp = dir.join("wiring.json.tmp");
     let json = serde_json::to_vec(&WiringFile {
         format: FORMAT_VERSION,
         vhosts: wiring.clone(),
     })
     .expect("wiring serializes to JSON");
-    let io = |what: &str, e| StoreError::Io(format!("{what} {}", tmp.display()), e);
-    let mut f = File::create(&tmp).map_err(|e| io("creating", e))?;
-    f.write_all(&json).map_err(|e| io("writing", e))?;
-    f.sync_all().map_err(|e| io("syncing", e))?;
-    std::fs::rename(&tmp, &path).map_err(|e| io("renaming", e))?;
-    File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(|e| StoreError::Io(format!("syncing directory {}", dir.display()), e))
+    crate::atomic_file::write_atomically(dir, "wiring.json", &json).map_err(|e| {
+        StoreError::Io(
+            format!("replacing {}", dir.join("wiring.json").display()),
+            e,
+        )
+    })
 }
 
 /// Reads `wiring.json` (empty when absent).

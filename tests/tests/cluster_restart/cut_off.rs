@@ -1,5 +1,5 @@
-//! Network namespaces (`ringmq_tests::netns`, as `partition.rs` uses): a founder restarted while cut off from the
-//! other two founds nothing.
+//! A founder restarted while cut off from the other two founds nothing (members in network
+//! namespaces, `ringmq_tests::netns`, as `partition.rs` uses).
 
 use crate::harness::*;
 use lapin::Connection;
