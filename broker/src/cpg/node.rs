@@ -309,7 +309,7 @@ impl Cpg {
         };
         let raft = Raft::new(id, raft_config, network, log, sm)
             .await
-            .map_err(|e| CpgError::Config(format!("openraft refused to start: {e}")))?;
+            .map_err(|e| storage_err(format!("openraft refused to start on it: {e}")))?;
         let lease = Arc::new(Mutex::new(Lease::new(
             config.lease_ms,
             config.failure_timeout_ms,
