@@ -19,5 +19,6 @@ pub mod cluster;
 pub mod config;
 pub mod core;
 pub mod cpg;
+pub mod proxy;
 pub mod server;
 pub mod store;

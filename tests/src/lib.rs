@@ -11,6 +11,7 @@ use std::time::Duration;
 
 pub use lapin;
 
+pub mod cluster;
 pub mod netns;
 pub mod prereq;
 pub mod tls;
@@ -391,6 +392,25 @@ impl Broker {
     /// An admin API client logged in as guest (an administrator).
     pub fn admin_client(&self) -> ringmq::admin_client::AdminClient {
         self.admin_as("guest", "guest")
+    }
+
+    /// Waits until `/readyz` answers 200 (a restarted cluster member listens before it has
+    /// caught up, and refuses clients with 320 until then); panics after `limit` with the
+    /// last answer.
+    pub fn wait_ready(&self, limit: Duration) {
+        let admin = ringmq::admin_client::AdminClient::new(&self.admin_url(), None, None);
+        let deadline = std::time::Instant::now() + limit;
+        loop {
+            let answer = admin.get("/readyz");
+            if answer.as_ref().is_ok_and(|a| a.status == 200) {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "broker not ready within {limit:?}: {answer:?}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 
     /// The process id (to kill it from a test).

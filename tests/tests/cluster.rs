@@ -8,44 +8,9 @@ use lapin::options::{
     QueueDeleteOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
+use ringmq_tests::cluster::{member_yaml, secret, start_cluster};
 use ringmq_tests::{Broker, reply_code};
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
-
-/// A cluster secret file shared by the members of one test.
-fn secret(name: &str) -> PathBuf {
-    let path = std::env::temp_dir().join(format!(
-        "ringmq-cluster-secret-{}-{name}",
-        std::process::id()
-    ));
-    std::fs::write(&path, "test-cluster-secret\n").expect("temp dir is writable");
-    path
-}
-
-fn member_yaml(node: &str, seeds: &[&str], secret: &std::path::Path) -> String {
-    let seeds: Vec<String> = seeds.iter().map(|s| format!("\"{s}\"")).collect();
-    format!(
-        "node_id: {node}\ncluster_listen: 127.0.0.1:0\ncluster_secret_file: {}\ncluster_seeds: [{}]\ncluster_join_timeout_ms: 10000\n",
-        secret.display(),
-        seeds.join(", ")
-    )
-}
-
-/// Starts `n` members: the first founds the cluster, each next one asks the ones before.
-fn start_cluster(name: &str, n: usize) -> (Vec<Broker>, PathBuf) {
-    let secret = secret(name);
-    let mut members: Vec<Broker> = Vec::new();
-    for i in 0..n {
-        let seeds: Vec<String> = members.iter().filter_map(|m| m.cluster.clone()).collect();
-        let seeds: Vec<&str> = seeds.iter().map(String::as_str).collect();
-        members.push(Broker::start_with_config(&member_yaml(
-            &format!("{name}-{i}"),
-            &seeds,
-            &secret,
-        )));
-    }
-    (members, secret)
-}
 
 async fn passive_queue(b: &Broker, name: &str) -> Result<u32, Option<u16>> {
     let (_c, ch) = b.channel().await;
@@ -364,6 +329,8 @@ async fn a_member_killed_with_sigkill_rejoins_and_catches_up() {
     let seeds: Vec<&str> = seeds.iter().map(String::as_str).collect();
     members[1].restart_with_config(&member_yaml("rejoin-1", &seeds, &secret));
     let back = &members[1];
+    // A restarted member listens at once and serves clients once it has caught up.
+    back.wait_ready(Duration::from_secs(30));
     assert_eq!(passive_queue(back, "kept").await, Ok(0));
     assert_eq!(passive_queue(back, "added").await, Ok(0));
     assert_eq!(

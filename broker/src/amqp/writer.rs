@@ -40,6 +40,11 @@ impl FrameWriter {
         }
     }
 
+    /// Keeps the first `len` bytes and forgets the rest (output that must never be sent).
+    pub fn truncate(&mut self, len: usize) {
+        self.buf.truncate(len);
+    }
+
     /// Forgets the first `n` bytes (they were written), keeping the rest in order.
     pub fn consume(&mut self, n: usize) {
         if n >= self.buf.len() {

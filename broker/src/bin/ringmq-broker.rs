@@ -272,7 +272,7 @@ async fn join_cluster(
     )
     .await
     .with_context(|| format!("cannot join the cluster on {listen}"))?;
-    let _ = running.broker.cluster.set(cluster.clone());
+    running.broker.joined(cluster.clone());
     running.broker.start_serving();
     Ok(cluster)
 }

@@ -17,6 +17,7 @@ impl Broker {
     /// sequence number this batch's replies wait for, as `persist` does.
     pub fn finish_batch(&self, own: u64, vhost: &mut VHost, fx: &mut Effects) -> Option<u64> {
         self.resolve_paged(vhost, fx);
+        self.forward(vhost.name(), fx, None);
         self.route_effects(own, fx);
         self.persist(vhost, fx)
     }
@@ -64,6 +65,37 @@ impl Broker {
         for (i, body) in at.into_iter().zip(self.read_bodies(&keys)) {
             let d = &mut fx.deliveries[i];
             d.message = Arc::new(d.message.with_body(body));
+        }
+    }
+
+    /// Hands this batch's messages for queues owned by other members to those members
+    /// ([`Effects::forwards`]); with a tracker, each forward is numbered in it so that the
+    /// publisher's confirms wait for it. Forwards of dead letters and expiries go without
+    /// one (the at-most-once of dead-lettering, as on one broker).
+    pub fn forward(
+        &self,
+        vhost: &str,
+        fx: &mut Effects,
+        tracker: Option<&Arc<crate::proxy::forward::ForwardTracker>>,
+    ) {
+        if fx.forwards.is_empty() {
+            return;
+        }
+        let Some(proxies) = self.proxies() else {
+            fx.forwards.clear();
+            return;
+        };
+        for f in fx.forwards.drain(..) {
+            let message = self.resolve_message(f.message);
+            let ticket = tracker.map(|t| (t.clone(), t.issue()));
+            proxies.forwarders.send(
+                &f.primary,
+                vhost,
+                f.exchange,
+                f.routing_key,
+                message,
+                ticket,
+            );
         }
     }
 

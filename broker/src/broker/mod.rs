@@ -49,6 +49,8 @@ pub struct Broker {
     pub journal: Journal,
     /// This broker's cluster membership, once it joined (never set when standalone).
     pub cluster: std::sync::OnceLock<Arc<crate::cluster::Cluster>>,
+    /// Links to the other members, for proxied queues (set with `cluster`).
+    pub proxies: std::sync::OnceLock<crate::proxy::Proxies>,
     /// Whether the listeners accept clients: a cluster member only starts once it holds
     /// the cluster map, so no client sees a wiring the cluster does not have.
     serving: tokio::sync::watch::Sender<bool>,
@@ -87,6 +89,7 @@ impl Broker {
             blocked_reason: Mutex::new(""),
             journal,
             cluster: std::sync::OnceLock::new(),
+            proxies: std::sync::OnceLock::new(),
             serving: tokio::sync::watch::channel(false).0,
             data_dir,
         }))
@@ -106,6 +109,28 @@ impl Broker {
     /// This broker's cluster membership, if it is a cluster member.
     pub fn cluster(&self) -> Option<&Arc<crate::cluster::Cluster>> {
         self.cluster.get()
+    }
+
+    /// Records the cluster this broker joined and opens its proxies: links to the other
+    /// members, found by node id in the cluster's membership.
+    pub fn joined(&self, cluster: Arc<crate::cluster::Cluster>) {
+        let members = Arc::downgrade(&cluster);
+        let proxies = crate::proxy::Proxies::new(cluster.link_password().to_owned(), move |node| {
+            let cluster = members.upgrade()?;
+            cluster
+                .members()
+                .into_iter()
+                .filter_map(|m| m.info)
+                .find(|i| i.node_id == node)
+                .map(|i| i.amqp)
+        });
+        let _ = self.proxies.set(proxies);
+        let _ = self.cluster.set(cluster);
+    }
+
+    /// This member's proxies, once it joined a cluster.
+    pub fn proxies(&self) -> Option<&crate::proxy::Proxies> {
+        self.proxies.get()
     }
 
     /// Registers a new connection; returns its id and mailbox.

@@ -3,6 +3,7 @@
 //! meant for it), drained by the connection's own task in one swap.
 
 use crate::core::vhost::{Cancelled, Delivery};
+use crate::proxy::upstream::{ProxiedDelivery, ProxiedEnd};
 use parking_lot::Mutex;
 use tokio::sync::Notify;
 
@@ -17,6 +18,10 @@ pub struct Pending {
     pub close: Option<(u16, String)>,
     /// The broker asks the connection to close these channels (number, reason).
     pub close_channels: Vec<(u16, String)>,
+    /// Deliveries from other members for this connection's proxied consumers.
+    pub proxied: Vec<ProxiedDelivery>,
+    /// Proxied consumers that ended without the client asking.
+    pub proxied_ended: Vec<ProxiedEnd>,
     /// Publishers are blocked (Some(true)) or unblocked (Some(false)) since the last drain.
     pub blocked: Option<bool>,
 }
@@ -46,6 +51,8 @@ impl Outbox {
         let mut p = self.pending.lock();
         p.deliveries.retain(|d| d.channel.channel != channel);
         p.cancelled.retain(|c| c.channel.channel != channel);
+        p.proxied.retain(|d| d.channel != channel);
+        p.proxied_ended.retain(|e| e.channel != channel);
     }
 
     /// Resolves when something was pushed since the last call.

@@ -25,6 +25,9 @@ fn new_vhost(
     // Limits first: restoring messages pages out those beyond the memory budget.
     vhost.set_limits(config.vhost_limits());
     restore(&mut vhost);
+    if config.cluster_listen.is_some() {
+        vhost.set_node(&config.node_id);
+    }
     vhost.set_record_ops(true);
     vhost
 }

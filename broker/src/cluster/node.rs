@@ -96,6 +96,7 @@ pub struct Cluster {
     next_request: AtomicU64,
     membership: RwLock<Membership>,
     progress: Mutex<Progress>,
+    link_password: String,
 }
 
 /// How far this member is on its way to serving: its incarnation started, it holds the map,
@@ -170,6 +171,7 @@ impl Cluster {
             next_request: AtomicU64::new(1),
             membership: RwLock::new(Membership::default()),
             progress: Mutex::new(Progress::default()),
+            link_password: crate::proxy::link::link_password(&settings.secret),
         });
         let applier = Applier {
             map,
@@ -247,6 +249,11 @@ impl Cluster {
     /// This member's node id.
     pub fn node_id(&self) -> &str {
         &self.node_id
+    }
+
+    /// The password of the links between members ([`crate::proxy::link`]).
+    pub fn link_password(&self) -> &str {
+        &self.link_password
     }
 
     /// The members in ring order.

@@ -47,6 +47,9 @@ pub struct Unacked {
     pub consumer: Option<Arc<str>>,
     /// Body size, for byte windows.
     pub bytes: u64,
+    /// For a delivery proxied from another cluster member: that member's node id, and `id`
+    /// is the delivery tag on the upstream channel to it.
+    pub upstream: Option<Arc<str>>,
 }
 
 /// How many deliveries a channel may have handed to its connection but not yet written to the
@@ -187,6 +190,7 @@ mod tests {
                 id: tag,
                 consumer: None,
                 bytes: 10,
+                upstream: None,
             });
         }
         ch
@@ -229,6 +233,7 @@ mod tests {
                 id: tag,
                 consumer: Some("c".into()),
                 bytes: 10,
+                upstream: None,
             });
         }
         assert!(!ch.can_deliver("c", 10));

@@ -22,6 +22,9 @@ use std::collections::VecDeque;
 pub struct Conditions {
     /// The journal sequence number that must be durable (fsynced).
     pub journal_seq: u64,
+    /// The connection's forwards (numbered 1, 2, … in its
+    /// [`crate::proxy::forward::ForwardTracker`]) that must be confirmed by their primaries.
+    pub forwards: u64,
 }
 
 /// How far the guarantees have come, as the connection last heard.
@@ -29,12 +32,14 @@ pub struct Conditions {
 pub struct Progress {
     /// The journal is durable up to this sequence number.
     pub journal_synced: u64,
+    /// Every forward of the connection up to this number is confirmed.
+    pub forwards_confirmed: u64,
 }
 
 impl Conditions {
     /// Whether everything the held output promises is true at `progress`.
     fn hold_at(&self, progress: Progress) -> bool {
-        progress.journal_synced >= self.journal_seq
+        progress.journal_synced >= self.journal_seq && progress.forwards_confirmed >= self.forwards
     }
 }
 
@@ -79,6 +84,12 @@ impl ConfirmGate {
         self.releasable
     }
 
+    /// Forgets every held stretch: the connection drops the output they cover (see
+    /// `Connection::abandon_unconfirmed`) and writes only what it may release now.
+    pub fn abandon(&mut self) {
+        self.held.clear();
+    }
+
     /// `written` bytes from the front of the buffer went out: shifts the held stretches.
     /// Asserts the invariant the gate exists for: nothing went out that the last
     /// [`ConfirmGate::release`] did not allow, so nothing before its conditions held.
@@ -99,11 +110,35 @@ mod tests {
     use super::*;
 
     fn at(journal_synced: u64) -> Progress {
-        Progress { journal_synced }
+        Progress {
+            journal_synced,
+            forwards_confirmed: 0,
+        }
     }
 
     fn seq(journal_seq: u64) -> Option<Conditions> {
-        Some(Conditions { journal_seq })
+        Some(Conditions {
+            journal_seq,
+            forwards: 0,
+        })
+    }
+
+    #[test]
+    fn a_batch_that_forwarded_waits_for_its_primaries_as_well() {
+        let mut gate = ConfirmGate::default();
+        gate.hold(
+            10,
+            Some(Conditions {
+                journal_seq: 1,
+                forwards: 3,
+            }),
+        );
+        let progress = |forwards_confirmed| Progress {
+            journal_synced: 1,
+            forwards_confirmed,
+        };
+        assert_eq!(gate.release(10, progress(2)), 0);
+        assert_eq!(gate.release(10, progress(3)), 10);
     }
 
     #[test]

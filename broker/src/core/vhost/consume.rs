@@ -196,6 +196,42 @@ impl VHost {
         }
     }
 
+    /// A delivery that came from `queue`'s primary through this channel's upstream channel
+    /// to it: takes the next delivery tag of the channel, so that proxied and local
+    /// deliveries share one tag sequence, and tracks it for the client's ack unless
+    /// `no_ack`. `None` when the channel is gone (the upstream channel's close requeues it).
+    pub fn track_remote(
+        &mut self,
+        key: ChannelKey,
+        queue: &str,
+        primary: &Arc<str>,
+        upstream_tag: u64,
+        bytes: u64,
+        no_ack: bool,
+    ) -> Option<u64> {
+        let ch = self.channels.get_mut(&key)?;
+        let tag = ch.next_tag();
+        if !no_ack {
+            ch.track(Unacked {
+                tag,
+                queue: queue.into(),
+                id: upstream_tag,
+                consumer: None,
+                bytes,
+                upstream: Some(primary.clone()),
+            });
+        }
+        Some(tag)
+    }
+
+    /// Whether the channel has a (local) consumer with this tag: a proxied consumer must not
+    /// take a tag a local one has, nor the other way round.
+    pub fn has_consumer(&self, key: ChannelKey, tag: &str) -> bool {
+        self.channels
+            .get(&key)
+            .is_some_and(|ch| ch.consumers.contains_key(tag))
+    }
+
     /// basic.get.
     pub fn basic_get(
         &mut self,
@@ -248,6 +284,7 @@ impl VHost {
                         id,
                         consumer: None,
                         bytes: entry.message.body_len() as u64,
+                        upstream: None,
                     });
                 }
                 Some(GetOk {
@@ -353,6 +390,7 @@ impl VHost {
                     id,
                     consumer: Some(r.tag.clone()),
                     bytes,
+                    upstream: None,
                 });
             }
             ch.unwritten += 1;

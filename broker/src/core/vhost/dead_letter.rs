@@ -52,7 +52,9 @@ impl VHost {
                 };
                 let mut targets = Vec::new();
                 for key in &keys {
-                    for t in self.route(&dlx, key, &message, Some(&cycle)) {
+                    let mut routed = self.route(&dlx, key, &message, Some(&cycle));
+                    self.forward_remote(&mut routed, &dlx, key, &message, fx);
+                    for t in routed {
                         if !targets.contains(&t) {
                             targets.push(t);
                         }

@@ -56,10 +56,55 @@ pub struct Effects {
     /// [`VHost::dead_letter_resolved`](super::VHost::dead_letter_resolved).
     pub paged_dead_letters: Vec<DeadLetter>,
 
+    /// Messages for queues whose primary is another cluster member: the server hands each to
+    /// that member, which routes it again over the same replicated bindings into the queues
+    /// it owns ([`VHost::publish_forwarded`](super::VHost::publish_forwarded)).
+    pub forwards: Vec<Forward>,
+    /// Acknowledgements of proxied deliveries, for the server to pass to their primaries.
+    pub remote_settles: Vec<RemoteSettle>,
+
     /// A publish landed on a queue whose consumers cannot keep up (see
     /// [`FLOW_READY_THRESHOLD`](super::FLOW_READY_THRESHOLD)): the publisher should pause
     /// before reading more.
     pub backlogged: bool,
+}
+
+/// A routed message some of whose queues live on another member.
+#[derive(Debug, Clone)]
+pub struct Forward {
+    /// Node id of the member that owns those queues.
+    pub primary: Arc<str>,
+    /// The exchange it was routed through (for a dead letter: the dead-letter exchange).
+    pub exchange: Arc<str>,
+    /// The routing key it was routed with.
+    pub routing_key: Arc<str>,
+    /// The message.
+    pub message: Arc<Message>,
+}
+
+/// What became of a proxied delivery at its consumer's end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Settlement {
+    /// basic.ack.
+    Ack,
+    /// basic.nack/reject with requeue, or basic.recover: back to its place on the primary.
+    Requeue,
+    /// basic.nack/reject without requeue: dropped (dead-lettered) on the primary.
+    Reject,
+}
+
+/// An acknowledgement of a delivery that came from another member through this channel's
+/// upstream channel to that member.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RemoteSettle {
+    /// The client's channel.
+    pub channel: ChannelKey,
+    /// Node id of the member the delivery came from.
+    pub primary: Arc<str>,
+    /// Its delivery tag on the upstream channel.
+    pub upstream_tag: u64,
+    /// What the client said.
+    pub settlement: Settlement,
 }
 
 /// A message on its way to its queue's dead-letter exchange.

@@ -14,9 +14,13 @@ impl VHost {
         let record = self.record_ops;
         let mut dead = Vec::new();
         let mut expired_queues = Vec::new();
+        let node = self.node.clone();
         for q in self.queues.values_mut() {
             expire_head(q, now_ms, true, record, fx, &mut dead);
+            // A proxied queue's use is seen by its primary, which decides its expiry.
+            let proxied = matches!((&node, &q.home), (Some(n), Some(h)) if n != h);
             if let Some(expires) = q.args.expires_ms
+                && !proxied
                 && q.consumers.is_empty()
                 && now_ms.saturating_sub(q.last_used_ms) >= expires
             {

@@ -21,7 +21,9 @@ mod settle;
 
 pub use consume::{Consume, GetOk};
 pub use declare::{ExchangeDeclare, QueueDeclare, QueueDeclared};
-pub use effects::{Cancelled, DeadLetter, Delivery, Effects, PageOut};
+pub use effects::{
+    Cancelled, DeadLetter, Delivery, Effects, Forward, PageOut, RemoteSettle, Settlement,
+};
 pub use routing::{FLOW_READY_THRESHOLD, PublishOutcome};
 
 use super::channel::{ChannelKey, ChannelState, Consumer};
@@ -46,6 +48,9 @@ pub struct VHost {
     /// See [`VHost::cluster_applied`].
     pub(super) cluster_through: Option<u64>,
     pub(super) limits: Limits,
+    /// This member's node id on a cluster (see [`VHost::set_node`]); `None` on a single
+    /// broker, where every queue is local.
+    pub(super) node: Option<Arc<str>>,
 }
 
 /// Per-vhost resource limits; 0 means none.
@@ -78,6 +83,7 @@ impl VHost {
             wiring_dirty: false,
             cluster_through: None,
             limits: Limits::default(),
+            node: None,
         };
         for (n, kind) in [
             ("", ExchangeKind::Direct),
@@ -112,6 +118,32 @@ impl VHost {
         self.limits = limits;
     }
 
+    /// Makes this vhost a cluster member's: a shared queue whose home (its primary) is
+    /// another node holds no messages here — publishes routed to it become
+    /// [`Effects::forwards`] to its primary, and its consumers are proxied by the server.
+    pub fn set_node(&mut self, node: &str) {
+        self.node = Some(node.into());
+    }
+
+    /// The primary of queue `name` when it is another member (the queue is proxied here);
+    /// `None` for a local queue, an unknown one, or on a single broker.
+    pub fn remote_primary(&self, name: &str) -> Option<Arc<str>> {
+        self.queues
+            .get(name)
+            .and_then(|q| self.primary_elsewhere(q))
+    }
+
+    /// See [`VHost::remote_primary`].
+    pub(super) fn primary_elsewhere(&self, q: &Queue) -> Option<Arc<str>> {
+        let node = self.node.as_deref()?;
+        match &q.home {
+            Some(home) if q.exclusive_owner.is_none() && home.as_ref() != node => {
+                Some(home.clone())
+            }
+            _ => None,
+        }
+    }
+
     /// Records which cluster member owns queue `name` (a no-op if there is no such queue).
     pub fn set_queue_home(&mut self, name: &str, node: &str) {
         if let Some(q) = self.queues.get_mut(name) {
@@ -123,6 +155,19 @@ impl VHost {
     /// before it multicasts the declare, so that every member creates the same queue.
     pub fn fresh_queue_name(&mut self) -> String {
         self.fresh_name("amq.gen-")
+    }
+
+    /// A fresh server-made consumer tag (`amq.ctag-…`), for a consumer the server proxies.
+    pub fn fresh_consumer_tag(&mut self) -> String {
+        self.fresh_name("amq.ctag-")
+    }
+
+    /// The per-consumer prefetch count (basic.qos global=false) a consumer registered on the
+    /// channel now would get; 0 = unlimited.
+    pub fn consumer_prefetch(&self, key: ChannelKey) -> u32 {
+        self.channels
+            .get(&key)
+            .map_or(0, |ch| ch.consumer_prefetch_count)
     }
 
     /// Makes sure a broker-owned exchange exists (such as `amq.qpid` in a cluster); the
@@ -268,7 +313,9 @@ impl VHost {
         let Some(mut ch) = self.channels.remove(&key) else {
             return;
         };
-        let unacked = ch.settle(0, true).unwrap_or_default();
+        let mut unacked = ch.settle(0, true).unwrap_or_default();
+        // Proxied deliveries go back when the server closes the channel's upstream channels.
+        unacked.retain(|u| u.upstream.is_none());
         let consumers: Vec<Consumer> = ch.consumers.drain().map(|(_, c)| c).collect();
         let mut touched: Vec<Arc<str>> = Vec::new();
         for c in consumers {

@@ -53,10 +53,11 @@ impl VHost {
                 self.name
             )));
         }
-        let targets = self.route(exchange, routing_key, &message, None);
+        let mut targets = self.route(exchange, routing_key, &message, None);
         if targets.is_empty() {
             return Ok(PublishOutcome::Unroutable);
         }
+        self.forward_remote(&mut targets, exchange, routing_key, &message, fx);
         let mut dead = Vec::new();
         let rejected = self.enqueue_all(&targets, &message, now_ms, fx, &mut dead);
         self.dead_letter_all(dead, now_ms, fx);
@@ -65,6 +66,77 @@ impl VHost {
         } else {
             PublishOutcome::Routed
         })
+    }
+
+    /// A message another member routed here because queues this member owns matched it:
+    /// routed again over the same (replicated) bindings, and enqueued only on the shared
+    /// queues whose primary this member is. Exclusive queues and queues owned elsewhere are
+    /// the receiving member's business, so a publish reaches every queue exactly once. An
+    /// exchange deleted meanwhile routes nowhere (as a publish arriving after the delete).
+    pub fn publish_forwarded(
+        &mut self,
+        exchange: &str,
+        routing_key: &str,
+        message: Arc<Message>,
+        now_ms: u64,
+        fx: &mut Effects,
+    ) -> PublishOutcome {
+        let mut targets = self.route(exchange, routing_key, &message, None);
+        targets.retain(|name| {
+            self.queues
+                .get(name)
+                .is_some_and(|q| q.exclusive_owner.is_none() && self.primary_elsewhere(q).is_none())
+        });
+        if targets.is_empty() {
+            return PublishOutcome::Unroutable;
+        }
+        let mut dead = Vec::new();
+        let rejected = self.enqueue_all(&targets, &message, now_ms, fx, &mut dead);
+        self.dead_letter_all(dead, now_ms, fx);
+        if rejected {
+            PublishOutcome::Rejected
+        } else {
+            PublishOutcome::Routed
+        }
+    }
+
+    /// Takes the queues owned by other members out of `targets` and hands the message to
+    /// each of those members once ([`Effects::forwards`]).
+    pub(super) fn forward_remote(
+        &self,
+        targets: &mut Vec<Arc<str>>,
+        exchange: &str,
+        routing_key: &str,
+        message: &Arc<Message>,
+        fx: &mut Effects,
+    ) {
+        if self.node.is_none() {
+            return;
+        }
+        let mut primaries: Vec<Arc<str>> = Vec::new();
+        targets.retain(|name| {
+            match self
+                .queues
+                .get(name)
+                .and_then(|q| self.primary_elsewhere(q))
+            {
+                Some(primary) => {
+                    if !primaries.contains(&primary) {
+                        primaries.push(primary);
+                    }
+                    false
+                }
+                None => true,
+            }
+        });
+        for primary in primaries {
+            fx.forwards.push(super::Forward {
+                primary,
+                exchange: exchange.into(),
+                routing_key: routing_key.into(),
+                message: message.clone(),
+            });
+        }
     }
 
     /// The queues a message published to `exchange` reaches, following exchange-to-exchange

@@ -4,7 +4,7 @@
 
 use super::consume::consumer_queues;
 use super::effects::apply;
-use super::{DeadLetter, Effects, VHost};
+use super::{DeadLetter, Effects, RemoteSettle, Settlement, VHost};
 use crate::amqp::codes;
 use crate::core::channel::{ChannelKey, Unacked};
 use crate::core::error::{AmqpError, CoreResult};
@@ -34,7 +34,8 @@ impl VHost {
         now_ms: u64,
         fx: &mut Effects,
     ) -> CoreResult<()> {
-        let settled = self.settle(key, tag, multiple)?;
+        let mut settled = self.settle(key, tag, multiple)?;
+        settle_remote(key, &mut settled, Settlement::Ack, fx);
         let record = self.record_ops;
         let mut touched = Vec::new();
         for u in settled {
@@ -69,7 +70,13 @@ impl VHost {
         now_ms: u64,
         fx: &mut Effects,
     ) -> CoreResult<()> {
-        let settled = self.settle(key, tag, multiple)?;
+        let mut settled = self.settle(key, tag, multiple)?;
+        let settlement = if requeue {
+            Settlement::Requeue
+        } else {
+            Settlement::Reject
+        };
+        settle_remote(key, &mut settled, settlement, fx);
         let mut touched = Vec::new();
         if requeue {
             self.requeue(settled, &mut touched, fx);
@@ -106,7 +113,8 @@ impl VHost {
         let Some(ch) = self.channels.get_mut(&key) else {
             return;
         };
-        let unacked = ch.settle(0, true).unwrap_or_default();
+        let mut unacked = ch.settle(0, true).unwrap_or_default();
+        settle_remote(key, &mut unacked, Settlement::Requeue, fx);
         let mut touched = consumer_queues(ch);
         self.requeue(unacked, &mut touched, fx);
         self.dispatch_all(touched, now_ms, fx);
@@ -139,4 +147,26 @@ impl VHost {
             }
         }
     }
+}
+
+/// Takes the proxied deliveries out of `settled` and hands their acknowledgement to the
+/// server for their primaries ([`Effects::remote_settles`]).
+fn settle_remote(
+    key: ChannelKey,
+    settled: &mut Vec<Unacked>,
+    settlement: Settlement,
+    fx: &mut Effects,
+) {
+    settled.retain(|u| match &u.upstream {
+        Some(primary) => {
+            fx.remote_settles.push(RemoteSettle {
+                channel: key,
+                primary: primary.clone(),
+                upstream_tag: u.id,
+                settlement,
+            });
+            false
+        }
+        None => true,
+    });
 }

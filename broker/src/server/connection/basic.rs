@@ -60,6 +60,21 @@ impl Connection {
             basic::AMQPMethod::Consume(c) => {
                 let q = need_queue(c.queue.as_str())?;
                 permit(&self.perms, Access::Read, Resource::Queue(&q))?;
+                if let Some(primary) = v.get().remote_primary(&q) {
+                    return self.consume_remote(id, c, q, primary, v);
+                }
+                if self
+                    .remote_consumers
+                    .contains_key(&(id, c.consumer_tag.as_str().into()))
+                {
+                    return Err(AmqpError::new(
+                        codes::NOT_ALLOWED,
+                        format!(
+                            "consumer tag '{}' is already in use on this channel",
+                            c.consumer_tag
+                        ),
+                    ));
+                }
                 let nowait = c.nowait;
                 let consume = Consume {
                     queue: q,
@@ -80,6 +95,9 @@ impl Connection {
                 }
             }
             basic::AMQPMethod::Cancel(c) => {
+                if self.cancel_remote(id, &c)? {
+                    return Ok(());
+                }
                 v.get()
                     .basic_cancel(key, c.consumer_tag.as_str(), now, &mut self.fx);
                 if !c.nowait {
@@ -94,7 +112,10 @@ impl Connection {
             basic::AMQPMethod::Get(g) => {
                 let q = need_queue(g.queue.as_str())?;
                 permit(&self.perms, Access::Read, Resource::Queue(&q))?;
-                self.basic_get(id, &q, g.no_ack, v)?;
+                match v.get().remote_primary(&q) {
+                    Some(primary) => self.get_remote(id, q, g.no_ack, primary)?,
+                    None => self.basic_get(id, &q, g.no_ack, v)?,
+                }
             }
             basic::AMQPMethod::Ack(a) => self.settle(
                 id,

@@ -192,6 +192,7 @@ impl Connection {
         for id in ids {
             if let Some(ch) = self.channels.remove(&id) {
                 v.get().channel_close(ch.key, now, &mut self.fx);
+                self.drop_upstreams(id);
             }
         }
         self.fx.deliveries.clear();
@@ -320,6 +321,7 @@ impl Connection {
     /// Removes a channel from the vhost and drops anything still addressed to it.
     pub(super) fn forget_channel(&mut self, key: ChannelKey, v: &mut Lazy) {
         v.get().channel_close(key, now_ms(), &mut self.fx);
+        self.drop_upstreams(key.channel);
         self.outbox.purge_channel(key.channel);
         self.fx.deliveries.retain(|d| d.channel != key);
         self.fx.cancelled.retain(|c| c.channel != key);

@@ -6,7 +6,10 @@ use super::frames::ConnError;
 use super::{ClientCaps, Connection, Phase};
 use crate::amqp::frame::{self, FRAME_HEARTBEAT, FRAME_METHOD, RawFrame};
 use crate::amqp::{AMQPClass, AMQPValue, FieldTable, codes, connection};
-use crate::auth::{MECHANISM_EXTERNAL, MECHANISMS};
+use crate::auth::permissions::Permissions;
+use crate::auth::{AuthError, MECHANISM_EXTERNAL, MECHANISMS, Permission, User};
+use crate::proxy::link::LINK_USER;
+use std::sync::Arc;
 
 impl Connection {
     pub(super) fn send_start(&mut self) {
@@ -111,7 +114,10 @@ impl Connection {
             ));
         }
         let external = self.tls.as_ref().and_then(|t| t.external.as_deref());
+        let link = self.link_login(mechanism, ok.response.as_bytes());
+        self.link = matches!(link, Some(Ok(_)));
         let result = match (mechanism, external) {
+            _ if link.is_some() => link.expect("checked"),
             (MECHANISM_EXTERNAL, Some(cn)) => {
                 self.broker.users.authenticate_external(cn, self.peer.ip())
             }
@@ -145,6 +151,36 @@ impl Connection {
         );
         self.phase = Phase::Tune;
         Ok(())
+    }
+
+    /// A login as [`LINK_USER`] on a cluster member: another member's link, which must
+    /// present the password derived from the cluster secret. `None` for any other login.
+    fn link_login(&self, mechanism: &str, response: &[u8]) -> Option<Result<User, AuthError>> {
+        let cluster = self.broker.cluster()?;
+        if mechanism != "PLAIN" {
+            return None;
+        }
+        let mut parts = response.split(|&b| b == 0).skip(1);
+        let (user, password) = (parts.next()?, parts.next()?);
+        if user != LINK_USER.as_bytes() {
+            return None;
+        }
+        let expected = cluster.link_password().as_bytes();
+        // Constant time in the password's content: no early exit on the first difference.
+        let same = password.len() == expected.len()
+            && password
+                .iter()
+                .zip(expected)
+                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+                == 0;
+        Some(if same {
+            Ok(User {
+                name: LINK_USER.to_owned(),
+                vhosts: self.broker.vhosts().into_iter().map(|(n, _)| n).collect(),
+            })
+        } else {
+            Err(AuthError::Refused(LINK_USER.to_owned()))
+        })
     }
 
     pub(super) fn on_tune_ok(&mut self, ok: connection::TuneOk) -> Result<(), ConnError> {
@@ -207,7 +243,13 @@ impl Connection {
             .connection_opened(self.id, self.peer, &user.name, name)
             .map_err(|limit| ConnError::new(codes::NOT_ALLOWED, limit))?;
         self.perms_generation = self.broker.users.permissions_generation();
-        self.perms = self.broker.users.permissions_for(&user.name, name);
+        self.perms = if self.link {
+            let full = Permissions::compile(LINK_USER, name, &Permission::full())
+                .expect("the full permission compiles");
+            Some(Arc::new(full))
+        } else {
+            self.broker.users.permissions_for(&user.name, name)
+        };
         self.vhost = Some(vhost);
         self.vhost_name = name.to_owned();
         // open-ok's reserved shortstr is 0-8's known-hosts: a cluster fills it with the

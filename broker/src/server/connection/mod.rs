@@ -8,6 +8,7 @@
 //!   committed through the cluster;
 //! * [`basic`]: consume, get, ack and the other basic methods;
 //! * [`publish`]: content frames into messages, routed;
+//! * [`proxied`]: methods on queues whose primary is another cluster member;
 //! * [`tx`]: transactions and publisher confirms;
 //! * [`output`]: deliveries, notices and mailbox items onto the write buffer, and the end of
 //!   every batch — where output is held behind the [`ConfirmGate`].
@@ -16,6 +17,7 @@ mod basic;
 mod frames;
 mod handshake;
 mod output;
+mod proxied;
 mod publish;
 mod tx;
 mod wiring;
@@ -32,6 +34,8 @@ use crate::broker::outbox::{Outbox, Pending};
 use crate::broker::stats::ConnStats;
 use crate::clock::now_ms;
 use crate::core::{Effects, VHost};
+use crate::proxy::forward::ForwardTracker;
+use crate::proxy::upstream::Upstream;
 use bytes::BytesMut;
 use frames::ConnError;
 use parking_lot::{Mutex, MutexGuard};
@@ -56,6 +60,9 @@ const FRAMES_PER_BATCH: usize = 1024;
 const CLOSE_OK_TIMEOUT: Duration = Duration::from_secs(1);
 /// Most bytes read and dropped while waiting for a finished client to close its side.
 const MAX_DRAIN_BYTES: usize = 64 * 1024;
+/// Most publishes of one connection forwarded to other members and not yet confirmed by
+/// them: past it the connection stops reading (a slow link pushes back on its publishers).
+const MAX_FORWARDS_IN_FLIGHT: usize = 8192;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
@@ -140,6 +147,21 @@ struct Connection {
     /// A wiring change sent through the cluster, not yet committed: the connection reads no
     /// further frames until it is, so later methods see its effect (as on one broker).
     cluster_wait: Option<wiring::ClusterWait>,
+    /// This is another cluster member's link ([`crate::proxy::link`]): what it publishes is
+    /// routed only into queues this member owns.
+    link: bool,
+    /// Publishes forwarded to the primaries of their queues, for the confirm gate.
+    forwards: Arc<ForwardTracker>,
+    /// The forwards the output held so far already waits for.
+    forwards_held: u64,
+    /// Upstream channels by (client channel, primary's node id).
+    upstreams: HashMap<(u16, Arc<str>), Upstream>,
+    /// Consumers on proxied queues by (client channel, consumer tag).
+    remote_consumers: HashMap<(u16, Arc<str>), proxied::RemoteConsumer>,
+    /// Serial number of the last proxied consumer.
+    next_serial: u64,
+    /// A proxied method in flight: no further frames are read until it is answered.
+    remote_wait: Option<proxied::RemoteWait>,
 }
 
 /// How a connection's task ends with its socket.
@@ -189,6 +211,13 @@ where
         gate: ConfirmGate::default(),
         stats: ConnStats::default(),
         cluster_wait: None,
+        link: false,
+        forwards: Arc::default(),
+        forwards_held: 0,
+        upstreams: HashMap::new(),
+        remote_consumers: HashMap::new(),
+        next_serial: 0,
+        remote_wait: None,
     };
     let result = conn.run(&mut stream).await;
     // The connection's state goes first — unacked messages requeued, exclusive queues
@@ -250,8 +279,14 @@ impl Connection {
         let mut more_input = false;
         loop {
             self.stats.flush(&self.broker.stats); // metrics: once per wake-up
+            if let Some((failed, reason)) = self.forwards.failure()
+                && self.phase == Phase::Running
+            {
+                self.abandon_unconfirmed(failed, &reason);
+            }
             let progress = Progress {
                 journal_synced: *synced.borrow(),
+                forwards_confirmed: self.forwards.confirmed_through(),
             };
             let buffered = self.writer.len();
             let writable = self.gate.release(buffered, progress);
@@ -300,7 +335,11 @@ impl Connection {
                 tokio::time::sleep(FLOW_PAUSE).await;
                 continue;
             }
-            let reading = !self.publish_waits_for_unblock && self.cluster_wait.is_none();
+            let forwarding = self.forwards.in_flight() > 0;
+            let reading = !self.publish_waits_for_unblock
+                && self.cluster_wait.is_none()
+                && self.remote_wait.is_none()
+                && self.forwards.in_flight() < MAX_FORWARDS_IN_FLIGHT;
             if rbuf.capacity() - rbuf.len() < read_chunk / 2 {
                 rbuf.reserve(read_chunk);
             }
@@ -324,6 +363,11 @@ impl Connection {
                     more_input = self.on_bytes(&mut rbuf);
                 }
                 _ = self.outbox.notified() => self.drain_outbox(),
+                _ = self.forwards.changed(), if forwarding || held => {}
+                answer = proxied::answered(&mut self.remote_wait) => {
+                    self.on_remote_answer(answer);
+                    more_input = self.on_bytes(&mut rbuf);
+                }
                 outcome = wiring::committed(&mut self.cluster_wait) => {
                     self.on_committed(outcome);
                     self.on_bytes(&mut rbuf);
@@ -361,7 +405,10 @@ impl Connection {
             self.phase,
             Phase::Start | Phase::Tune | Phase::Open | Phase::Running | Phase::Closing
         ) {
-            if self.publish_waits_for_unblock || self.cluster_wait.is_some() {
+            if self.publish_waits_for_unblock
+                || self.cluster_wait.is_some()
+                || self.remote_wait.is_some()
+            {
                 break;
             }
             if handled == FRAMES_PER_BATCH {
@@ -440,7 +487,11 @@ impl Connection {
         v.connection_closed(self.id, &mut self.fx);
         self.fx.deliveries.retain(|d| d.channel.conn != self.id);
         self.fx.cancelled.retain(|c| c.channel.conn != self.id);
+        self.fx.remote_settles.clear();
         self.broker.finish_batch(self.id, &mut v, &mut self.fx);
+        // Proxied consumers end with their upstream channels: the primaries requeue.
+        self.upstreams.clear();
+        self.remote_consumers.clear();
     }
 }
 

@@ -72,6 +72,17 @@ impl Connection {
     pub(super) fn drain_outbox(&mut self) {
         self.outbox.take(&mut self.spare);
         let mut pending = std::mem::take(&mut self.spare);
+        if (!pending.proxied.is_empty() || !pending.proxied_ended.is_empty())
+            && let Some(vhost) = self.vhost.clone()
+        {
+            let mut v = Lazy {
+                vhost: &vhost,
+                guard: None,
+            };
+            self.write_proxied(&mut pending.proxied, &mut v);
+            self.end_proxied(&mut pending.proxied_ended);
+            self.end_batch(v);
+        }
         for d in pending.deliveries.drain(..) {
             self.write_delivery(&d);
         }
@@ -178,15 +189,46 @@ impl Connection {
             return;
         };
         self.flush_confirms();
+        self.broker
+            .forward(&self.vhost_name, &mut self.fx, Some(&self.forwards));
+        self.send_remote_settles();
         let journal_seq = self.broker.finish_batch(self.id, guard, &mut self.fx);
         drop(v.guard.take());
         self.hold_output(journal_seq);
         self.write_own_effects();
     }
 
-    /// Holds everything written so far until the journal is durable up to `journal_seq`.
+    /// Holds everything written so far until the journal is durable up to `journal_seq`
+    /// and every publish forwarded so far is confirmed by its primary.
     pub(super) fn hold_output(&mut self, journal_seq: Option<u64>) {
-        let conditions = journal_seq.map(|journal_seq| Conditions { journal_seq });
+        let forwards = self.forwards.issued();
+        let conditions = if journal_seq.is_some() || forwards > self.forwards_held {
+            Some(Conditions {
+                journal_seq: journal_seq.unwrap_or(0),
+                forwards,
+            })
+        } else {
+            None
+        };
+        self.forwards_held = forwards;
         self.gate.hold(self.writer.len(), conditions);
+    }
+
+    /// A forwarded publish was not confirmed by its primary (`failed` is its number): what
+    /// the output held for it and after it never leaves — no confirm for a message that
+    /// may be lost — and the connection closes with 320 and the reason, so the publisher
+    /// knows its unconfirmed publishes need sending again.
+    pub(super) fn abandon_unconfirmed(&mut self, failed: u64, reason: &str) {
+        let progress = crate::server::confirm_gate::Progress {
+            journal_synced: u64::MAX,
+            forwards_confirmed: failed - 1,
+        };
+        let keep = self.gate.release(self.writer.len(), progress);
+        self.gate.abandon();
+        self.writer.truncate(keep);
+        self.connection_error(ConnError::new(
+            codes::CONNECTION_FORCED,
+            format!("a publish could not be handed to its queue's primary: {reason}"),
+        ));
     }
 }

@@ -167,13 +167,23 @@ impl Connection {
             });
             return;
         }
-        let outcome = v.get().publish(
-            &p.exchange,
-            &p.routing_key,
-            message.clone(),
-            now_ms(),
-            &mut self.fx,
-        );
+        let outcome = if self.link {
+            Ok(v.get().publish_forwarded(
+                &p.exchange,
+                &p.routing_key,
+                message.clone(),
+                now_ms(),
+                &mut self.fx,
+            ))
+        } else {
+            v.get().publish(
+                &p.exchange,
+                &p.routing_key,
+                message.clone(),
+                now_ms(),
+                &mut self.fx,
+            )
+        };
         match outcome {
             Err(e) => self.channel_error(id, e, class_id, method_id, v),
             Ok(outcome) => {

@@ -171,6 +171,12 @@ impl Connection {
         d: &queue::Declare,
         v: &mut Lazy,
     ) -> Result<(), AmqpError> {
+        let name = d.queue.to_string();
+        if let Some(primary) = v.get().remote_primary(&name)
+            && !d.exclusive
+        {
+            return self.count_remote(id, name, d.nowait, primary);
+        }
         let declared = v.get().queue_declare(
             self.id,
             QueueDeclare {
@@ -210,6 +216,9 @@ impl Connection {
             .queue_name(p.queue.as_str())
             .ok_or_else(|| AmqpError::not_found("no previously declared queue"))?;
         permit(&self.perms, Access::Read, Resource::Queue(&q))?;
+        if let Some(primary) = v.get().remote_primary(&q) {
+            return self.purge_remote(id, q, p.nowait, primary);
+        }
         let message_count = v.get().queue_purge(self.id, &q, &mut self.fx)?;
         if !p.nowait {
             self.writer.method(

@@ -1,0 +1,444 @@
+//! The upstream channel of a proxied client channel: for each primary a client channel
+//! uses, one channel on the link to that member, opened on first use, acting in the
+//! client's name — consumers there with the client's prefetch as credit, basic.get,
+//! purge, passive declares — and closed with the client's channel, so that what the client
+//! had not acked goes back to its queue on the primary in its original order.
+//!
+//! One task per upstream channel runs its [`Command`]s in order (an ack never overtakes
+//! the delivery it answers, a get is answered in its turn); one task per proxied consumer
+//! hands its deliveries to the client connection's mailbox.
+
+use super::link::Links;
+use crate::amqp::writer::FrameWriter;
+use crate::amqp::{FieldTable, codes};
+use crate::broker::outbox::Outbox;
+use crate::core::vhost::Settlement;
+use crate::core::{AmqpError, Message};
+use bytes::Bytes;
+use futures::StreamExt;
+use lapin::options::{
+    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicGetOptions, BasicNackOptions,
+    BasicQosOptions, QueueDeclareOptions, QueuePurgeOptions,
+};
+use std::sync::Arc;
+use tokio::sync::{mpsc, oneshot};
+
+/// The upstream prefetch of a proxied consumer whose client set none (or consumes with
+/// no-ack): the proxy must never hold more than a bounded number of messages that its
+/// client has not taken (DESIGN §4: no "stuck messages"), so credit is always finite.
+pub const DEFAULT_CREDIT: u16 = 4096;
+
+/// A delivery from a primary for a proxied consumer of the client channel `channel`.
+#[derive(Debug)]
+pub struct ProxiedDelivery {
+    /// Client channel number.
+    pub channel: u16,
+    /// Consumer tag (the same upstream and to the client).
+    pub consumer_tag: Arc<str>,
+    /// The consumer's serial number on its connection (a tag may be used again).
+    pub serial: u64,
+    /// The queue.
+    pub queue: Arc<str>,
+    /// The member it came from.
+    pub primary: Arc<str>,
+    /// Delivery tag on the upstream channel.
+    pub upstream_tag: u64,
+    /// Delivered before (as the primary says).
+    pub redelivered: bool,
+    /// The message as the primary delivered it.
+    pub message: Arc<Message>,
+    /// The client consumes with no-ack: the proxy acks upstream once it wrote the delivery.
+    pub no_ack: bool,
+}
+
+/// A message basic.get took from a primary.
+#[derive(Debug)]
+pub struct ProxiedGet {
+    /// Delivery tag on the upstream channel.
+    pub upstream_tag: u64,
+    /// Delivered before.
+    pub redelivered: bool,
+    /// Messages left in the queue.
+    pub message_count: u32,
+    /// The message.
+    pub message: Arc<Message>,
+}
+
+/// A proxied consumer ended without its client asking: the primary cancelled it (its queue
+/// was deleted) or the upstream channel failed.
+#[derive(Debug)]
+pub struct ProxiedEnd {
+    /// Client channel number.
+    pub channel: u16,
+    /// Consumer tag.
+    pub consumer_tag: Arc<str>,
+    /// The consumer's serial number on its connection.
+    pub serial: u64,
+}
+
+/// A reply the client channel waits for.
+pub type Reply<T> = oneshot::Sender<Result<T, AmqpError>>;
+
+/// What a client channel asks of its upstream channel, in order.
+#[derive(Debug)]
+pub enum Command {
+    /// basic.qos with the client's prefetch, then basic.consume.
+    Consume {
+        /// Queue.
+        queue: String,
+        /// Consumer tag (made by the proxy when the client left it empty).
+        tag: String,
+        /// The client's no-ack (upstream always acks, see [`DEFAULT_CREDIT`]).
+        no_ack: bool,
+        /// Exclusive consumer.
+        exclusive: bool,
+        /// Consumer arguments (priority, single-active-consumer …).
+        arguments: FieldTable,
+        /// Upstream prefetch.
+        credit: u16,
+        /// The consumer's serial number on its connection, carried by its deliveries.
+        serial: u64,
+        /// consume-ok or the primary's error.
+        reply: Reply<()>,
+    },
+    /// basic.cancel.
+    Cancel {
+        /// Consumer tag.
+        tag: String,
+        /// cancel-ok.
+        reply: Reply<()>,
+    },
+    /// basic.get.
+    Get {
+        /// Queue.
+        queue: String,
+        /// No-ack.
+        no_ack: bool,
+        /// The message, or none.
+        reply: Reply<Option<ProxiedGet>>,
+    },
+    /// queue.purge: messages purged.
+    Purge {
+        /// Queue.
+        queue: String,
+        /// purge-ok's count.
+        reply: Reply<u32>,
+    },
+    /// Passive queue.declare: (messages, consumers).
+    Counts {
+        /// Queue.
+        queue: String,
+        /// declare-ok's counts.
+        reply: Reply<(u32, u32)>,
+    },
+    /// The client settled a delivery that came through this channel.
+    Settle {
+        /// Upstream delivery tag.
+        tag: u64,
+        /// How.
+        settlement: Settlement,
+    },
+}
+
+/// The handle of one upstream channel; dropping it closes the channel on the primary.
+#[derive(Debug)]
+pub struct Upstream {
+    commands: mpsc::UnboundedSender<Command>,
+}
+
+/// Where an upstream channel is and whom it serves.
+pub struct Target {
+    /// The links of this member.
+    pub links: Arc<Links>,
+    /// Node id of the primary.
+    pub primary: Arc<str>,
+    /// Vhost.
+    pub vhost: String,
+    /// Client channel number.
+    pub channel: u16,
+    /// The client connection's mailbox.
+    pub outbox: Arc<Outbox>,
+}
+
+impl Upstream {
+    /// Starts the task of a new upstream channel (it connects on its first command).
+    pub fn spawn(target: Target) -> Self {
+        let (commands, rx) = mpsc::unbounded_channel();
+        tokio::spawn(run(target, rx));
+        Self { commands }
+    }
+
+    /// Queues a command; a command sent after the channel failed is answered with the
+    /// failure by the dropped reply (see [`gone`]).
+    pub fn send(&self, command: Command) {
+        let _ = self.commands.send(command);
+    }
+}
+
+/// The error a reply that never came stands for: the upstream channel failed.
+pub fn gone(primary: &str) -> AmqpError {
+    AmqpError::new(
+        codes::CONNECTION_FORCED,
+        format!("the link to cluster member '{primary}' failed"),
+    )
+}
+
+fn amqp_error(primary: &str, e: &lapin::Error) -> AmqpError {
+    match e.kind() {
+        lapin::ErrorKind::ProtocolError(amqp) => {
+            AmqpError::new(amqp.get_id(), amqp.get_message().to_string())
+        }
+        _ => AmqpError::new(
+            codes::NOT_FOUND,
+            format!("the queue's primary, cluster member '{primary}', cannot be reached: {e}"),
+        ),
+    }
+}
+
+async fn run(t: Target, mut commands: mpsc::UnboundedReceiver<Command>) {
+    let ch = match t.links.channel(&t.primary, &t.vhost).await {
+        Ok(ch) => ch,
+        Err(e) => {
+            let err = AmqpError::new(
+                codes::NOT_FOUND,
+                format!("the queue's primary is unavailable: {e}"),
+            );
+            while let Some(c) = commands.recv().await {
+                fail(c, &err);
+            }
+            return;
+        }
+    };
+    let mut failed: Option<AmqpError> = None;
+    while let Some(c) = commands.recv().await {
+        if let Some(err) = &failed {
+            fail(c, err);
+            continue;
+        }
+        if let Err(e) = execute(&t, &ch, c).await {
+            failed = Some(e);
+        }
+    }
+    // The client channel closed: close ours, so the primary requeues what it delivered.
+    let _ = ch
+        .close(codes::REPLY_SUCCESS, "client channel closed".into())
+        .await;
+}
+
+/// Runs one command; an error that broke the upstream channel is returned (after it was
+/// given to the command's reply).
+async fn execute(t: &Target, ch: &lapin::Channel, c: Command) -> Result<(), AmqpError> {
+    let err = |e: lapin::Error| amqp_error(&t.primary, &e);
+    match c {
+        Command::Consume {
+            queue,
+            tag,
+            no_ack,
+            exclusive,
+            arguments,
+            credit,
+            serial,
+            reply,
+        } => {
+            let started = async {
+                ch.basic_qos(credit, BasicQosOptions { global: false })
+                    .await
+                    .map_err(err)?;
+                ch.basic_consume(
+                    queue.as_str().into(),
+                    tag.as_str().into(),
+                    BasicConsumeOptions {
+                        exclusive,
+                        ..BasicConsumeOptions::default()
+                    },
+                    arguments,
+                )
+                .await
+                .map_err(err)
+            }
+            .await;
+            match started {
+                Ok(consumer) => {
+                    let _ = reply.send(Ok(()));
+                    tokio::spawn(pump(
+                        consumer,
+                        ch.clone(),
+                        t.outbox.clone(),
+                        Pumped {
+                            channel: t.channel,
+                            tag: tag.into(),
+                            serial,
+                            queue: queue.into(),
+                            primary: t.primary.clone(),
+                            no_ack,
+                        },
+                    ));
+                    Ok(())
+                }
+                Err(e) => answer(reply, Err(e)),
+            }
+        }
+        Command::Cancel { tag, reply } => answer(
+            reply,
+            ch.basic_cancel(tag.as_str().into(), BasicCancelOptions::default())
+                .await
+                .map_err(err),
+        ),
+        Command::Get {
+            queue,
+            no_ack,
+            reply,
+        } => {
+            let got = ch
+                .basic_get(queue.as_str().into(), BasicGetOptions { no_ack })
+                .await
+                .map_err(err)
+                .and_then(|got| {
+                    got.map(|g| {
+                        let d = g.delivery;
+                        Ok(ProxiedGet {
+                            upstream_tag: d.delivery_tag,
+                            redelivered: d.redelivered,
+                            message_count: g.message_count,
+                            message: Arc::new(message(
+                                d.exchange,
+                                d.routing_key,
+                                d.properties,
+                                d.data,
+                            )?),
+                        })
+                    })
+                    .transpose()
+                });
+            answer(reply, got)
+        }
+        Command::Purge { queue, reply } => answer(
+            reply,
+            ch.queue_purge(queue.as_str().into(), QueuePurgeOptions::default())
+                .await
+                .map_err(err),
+        ),
+        Command::Counts { queue, reply } => answer(
+            reply,
+            ch.queue_declare(
+                queue.as_str().into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .map(|q| (q.message_count(), q.consumer_count()))
+            .map_err(err),
+        ),
+        Command::Settle { tag, settlement } => {
+            let done = match settlement {
+                Settlement::Ack => ch.basic_ack(tag, BasicAckOptions::default()).await,
+                Settlement::Requeue | Settlement::Reject => {
+                    ch.basic_nack(
+                        tag,
+                        BasicNackOptions {
+                            multiple: false,
+                            requeue: settlement == Settlement::Requeue,
+                        },
+                    )
+                    .await
+                }
+            };
+            done.map_err(err)
+        }
+    }
+}
+
+/// Gives `result` to `reply`; a failure is also the channel's (AMQP closes a channel on
+/// every error its peer reports).
+fn answer<T>(reply: Reply<T>, result: Result<T, AmqpError>) -> Result<(), AmqpError> {
+    let failure = result.as_ref().err().cloned();
+    let _ = reply.send(result);
+    failure.map_or(Ok(()), Err)
+}
+
+fn fail(c: Command, err: &AmqpError) {
+    match c {
+        Command::Consume { reply, .. } | Command::Cancel { reply, .. } => {
+            let _ = reply.send(Err(err.clone()));
+        }
+        Command::Get { reply, .. } => {
+            let _ = reply.send(Err(err.clone()));
+        }
+        Command::Purge { reply, .. } => {
+            let _ = reply.send(Err(err.clone()));
+        }
+        Command::Counts { reply, .. } => {
+            let _ = reply.send(Err(err.clone()));
+        }
+        Command::Settle { .. } => {}
+    }
+}
+
+/// A message as a primary delivered it, with its content header encoded once for the
+/// client's delivery.
+fn message(
+    exchange: lapin::types::ShortString,
+    routing_key: lapin::types::ShortString,
+    properties: crate::amqp::Properties,
+    body: Vec<u8>,
+) -> Result<Message, AmqpError> {
+    let header = FrameWriter::encode_header_payload(body.len() as u64, &properties);
+    Message::new(exchange, routing_key, properties, header, Bytes::from(body))
+        .map_err(|e| AmqpError::precondition(e.0))
+}
+
+/// Whose deliveries a pump hands on.
+struct Pumped {
+    channel: u16,
+    tag: Arc<str>,
+    serial: u64,
+    queue: Arc<str>,
+    primary: Arc<str>,
+    no_ack: bool,
+}
+
+/// Hands one proxied consumer's deliveries to the client connection, until the consumer
+/// ends (cancelled by either side, or the channel closed).
+async fn pump(mut consumer: lapin::Consumer, ch: lapin::Channel, outbox: Arc<Outbox>, c: Pumped) {
+    let Pumped {
+        channel,
+        tag,
+        serial,
+        queue,
+        primary,
+        no_ack,
+    } = c;
+    while let Some(Ok(d)) = consumer.next().await {
+        let upstream_tag = d.delivery_tag;
+        let redelivered = d.redelivered;
+        match message(d.exchange, d.routing_key, d.properties, d.data) {
+            Ok(m) => outbox.push(|p| {
+                p.proxied.push(ProxiedDelivery {
+                    channel,
+                    consumer_tag: tag.clone(),
+                    serial,
+                    queue: queue.clone(),
+                    primary: primary.clone(),
+                    upstream_tag,
+                    redelivered,
+                    message: Arc::new(m),
+                    no_ack,
+                })
+            }),
+            Err(e) => {
+                tracing::warn!(%primary, %queue, error = %e.text, "dropping a proxied delivery the broker cannot take");
+                let _ = ch.basic_ack(upstream_tag, BasicAckOptions::default()).await;
+            }
+        }
+    }
+    outbox.push(|p| {
+        p.proxied_ended.push(ProxiedEnd {
+            channel,
+            consumer_tag: tag,
+            serial,
+        })
+    });
+}

@@ -1,0 +1,514 @@
+//! Proxied queues on a cluster member: consume, cancel, get, purge and passive declares of
+//! a queue whose primary is another member go to the client channel's upstream channel to
+//! that member ([`crate::proxy::upstream`]), and the connection reads nothing more until the
+//! answer is in — as with a cluster op — so the client sees replies in the order it asked.
+//! Deliveries come back through the mailbox and take the channel's next delivery tag from
+//! the vhost, so proxied and local deliveries share one tag sequence; the client's acks of
+//! them go back upstream ([`crate::core::vhost::RemoteSettle`]).
+
+use super::frames::short;
+use super::{Connection, Lazy};
+use crate::amqp::{AMQPClass, basic, codes, queue};
+use crate::core::vhost::Settlement;
+use crate::core::{AmqpError, ChannelKey};
+use crate::proxy::upstream::{
+    self, Command, DEFAULT_CREDIT, ProxiedDelivery, ProxiedEnd, ProxiedGet, Target, Upstream,
+};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+/// A consumer of this connection on a queue owned by another member.
+#[derive(Debug)]
+pub(super) struct RemoteConsumer {
+    primary: Arc<str>,
+    /// Distinguishes it from an earlier consumer with the same tag on a reopened channel.
+    serial: u64,
+}
+
+/// What a proxied method waits for.
+pub(super) enum Answer {
+    Consumed {
+        tag: String,
+        primary: Arc<str>,
+        serial: u64,
+        nowait: bool,
+        result: Result<(), AmqpError>,
+    },
+    Cancelled {
+        tag: String,
+        nowait: bool,
+        result: Result<(), AmqpError>,
+    },
+    Got {
+        queue: String,
+        primary: Arc<str>,
+        no_ack: bool,
+        result: Result<Option<ProxiedGet>, AmqpError>,
+    },
+    Purged {
+        nowait: bool,
+        result: Result<u32, AmqpError>,
+    },
+    Counted {
+        queue: String,
+        nowait: bool,
+        result: Result<(u32, u32), AmqpError>,
+    },
+}
+
+/// A proxied method in flight: the connection reads no further frames until it is answered.
+pub(super) struct RemoteWait {
+    channel: u16,
+    class_id: u16,
+    method_id: u16,
+    answer: Pin<Box<dyn Future<Output = Answer> + Send>>,
+}
+
+/// The answer of the method in flight, if there is one (pending forever otherwise, so
+/// `select!` can always poll it).
+pub(super) async fn answered(wait: &mut Option<RemoteWait>) -> (u16, u16, u16, Answer) {
+    match wait {
+        Some(w) => {
+            let answer = w.answer.as_mut().await;
+            (w.channel, w.class_id, w.method_id, answer)
+        }
+        None => std::future::pending().await,
+    }
+}
+
+/// Waits for `reply`; a reply dropped unanswered means the upstream channel is gone.
+async fn reply<T>(
+    rx: tokio::sync::oneshot::Receiver<Result<T, AmqpError>>,
+    primary: &str,
+) -> Result<T, AmqpError> {
+    rx.await.unwrap_or_else(|_| Err(upstream::gone(primary)))
+}
+
+impl Connection {
+    /// The upstream channel of client channel `id` to `primary`, started on first use.
+    fn upstream(&mut self, id: u16, primary: &Arc<str>) -> Result<&Upstream, AmqpError> {
+        let proxies = self.broker.proxies().ok_or_else(|| {
+            AmqpError::new(codes::INTERNAL_ERROR, "this member has no links to others")
+        })?;
+        let target = Target {
+            links: proxies.links.clone(),
+            primary: primary.clone(),
+            vhost: self.vhost_name.clone(),
+            channel: id,
+            outbox: self.outbox.clone(),
+        };
+        Ok(self
+            .upstreams
+            .entry((id, primary.clone()))
+            .or_insert_with(|| Upstream::spawn(target)))
+    }
+
+    fn wait_remote(
+        &mut self,
+        channel: u16,
+        (class_id, method_id): (u16, u16),
+        answer: impl Future<Output = Answer> + Send + 'static,
+    ) {
+        self.remote_wait = Some(RemoteWait {
+            channel,
+            class_id,
+            method_id,
+            answer: Box::pin(answer),
+        });
+    }
+
+    /// basic.consume on a proxied queue: a consumer on the primary, with the channel's
+    /// prefetch as its credit.
+    pub(super) fn consume_remote(
+        &mut self,
+        id: u16,
+        c: basic::Consume,
+        queue: String,
+        primary: Arc<str>,
+        v: &mut Lazy,
+    ) -> Result<(), AmqpError> {
+        let key = ChannelKey {
+            conn: self.id,
+            channel: id,
+        };
+        let tag = match c.consumer_tag.as_str() {
+            "" => v.get().fresh_consumer_tag(),
+            t => t.to_owned(),
+        };
+        if v.get().has_consumer(key, &tag)
+            || self
+                .remote_consumers
+                .contains_key(&(id, tag.as_str().into()))
+        {
+            return Err(AmqpError::new(
+                codes::NOT_ALLOWED,
+                format!("consumer tag '{tag}' is already in use on this channel"),
+            ));
+        }
+        let prefetch = v.get().consumer_prefetch(key);
+        let credit = match prefetch {
+            0 => DEFAULT_CREDIT,
+            _ if c.no_ack => DEFAULT_CREDIT,
+            n => u16::try_from(n).unwrap_or(u16::MAX),
+        };
+        self.next_serial += 1;
+        let serial = self.next_serial;
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.upstream(id, &primary)?.send(Command::Consume {
+            queue,
+            tag: tag.clone(),
+            no_ack: c.no_ack,
+            exclusive: c.exclusive,
+            arguments: c.arguments,
+            credit,
+            serial,
+            reply: tx,
+        });
+        let nowait = c.nowait;
+        self.wait_remote(id, (60, 20), async move {
+            let result = reply(rx, &primary).await;
+            Answer::Consumed {
+                tag,
+                primary,
+                serial,
+                nowait,
+                result,
+            }
+        });
+        Ok(())
+    }
+
+    /// basic.cancel of a proxied consumer; false when `tag` is not one.
+    pub(super) fn cancel_remote(&mut self, id: u16, c: &basic::Cancel) -> Result<bool, AmqpError> {
+        let Some(rc) = self
+            .remote_consumers
+            .remove(&(id, c.consumer_tag.as_str().into()))
+        else {
+            return Ok(false);
+        };
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let primary = rc.primary;
+        self.upstream(id, &primary)?.send(Command::Cancel {
+            tag: c.consumer_tag.to_string(),
+            reply: tx,
+        });
+        let (tag, nowait) = (c.consumer_tag.to_string(), c.nowait);
+        self.wait_remote(id, (60, 30), async move {
+            let result = reply(rx, &primary).await;
+            Answer::Cancelled {
+                tag,
+                nowait,
+                result,
+            }
+        });
+        Ok(true)
+    }
+
+    /// basic.get on a proxied queue.
+    pub(super) fn get_remote(
+        &mut self,
+        id: u16,
+        queue: String,
+        no_ack: bool,
+        primary: Arc<str>,
+    ) -> Result<(), AmqpError> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.upstream(id, &primary)?.send(Command::Get {
+            queue: queue.clone(),
+            no_ack,
+            reply: tx,
+        });
+        self.wait_remote(id, (60, 70), async move {
+            let result = reply(rx, &primary).await;
+            Answer::Got {
+                queue,
+                primary,
+                no_ack,
+                result,
+            }
+        });
+        Ok(())
+    }
+
+    /// queue.purge of a proxied queue.
+    pub(super) fn purge_remote(
+        &mut self,
+        id: u16,
+        queue: String,
+        nowait: bool,
+        primary: Arc<str>,
+    ) -> Result<(), AmqpError> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.upstream(id, &primary)?
+            .send(Command::Purge { queue, reply: tx });
+        self.wait_remote(id, (50, 30), async move {
+            let result = reply(rx, &primary).await;
+            Answer::Purged { nowait, result }
+        });
+        Ok(())
+    }
+
+    /// A passive queue.declare of a proxied queue: the counts are the primary's.
+    pub(super) fn count_remote(
+        &mut self,
+        id: u16,
+        queue: String,
+        nowait: bool,
+        primary: Arc<str>,
+    ) -> Result<(), AmqpError> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.upstream(id, &primary)?.send(Command::Counts {
+            queue: queue.clone(),
+            reply: tx,
+        });
+        self.wait_remote(id, (50, 10), async move {
+            let result = reply(rx, &primary).await;
+            Answer::Counted {
+                queue,
+                nowait,
+                result,
+            }
+        });
+        Ok(())
+    }
+
+    /// Answers the proxied method that was in flight, then goes on with the input.
+    pub(super) fn on_remote_answer(
+        &mut self,
+        (id, class_id, method_id, answer): (u16, u16, u16, Answer),
+    ) {
+        self.remote_wait = None;
+        let Some(vhost) = self.vhost.clone() else {
+            return;
+        };
+        let mut v = Lazy {
+            vhost: &vhost,
+            guard: None,
+        };
+        if self.channels.get(&id).is_none_or(|ch| ch.closing) {
+            self.end_batch(v);
+            return;
+        }
+        if let Err(e) = self.answer_remote(id, answer, &mut v) {
+            if e.is_connection_error() {
+                self.connection_error(super::frames::ConnError {
+                    code: e.code,
+                    text: e.text,
+                    class_id,
+                    method_id,
+                });
+            } else {
+                self.channel_error(id, e, class_id, method_id, &mut v);
+            }
+        }
+        self.end_batch(v);
+    }
+
+    fn answer_remote(&mut self, id: u16, answer: Answer, v: &mut Lazy) -> Result<(), AmqpError> {
+        let w = &mut self.writer;
+        match answer {
+            Answer::Consumed {
+                tag,
+                primary,
+                serial,
+                nowait,
+                result,
+            } => {
+                result?;
+                self.remote_consumers.insert(
+                    (id, tag.as_str().into()),
+                    RemoteConsumer { primary, serial },
+                );
+                if !nowait {
+                    w.method(
+                        id,
+                        AMQPClass::Basic(basic::AMQPMethod::ConsumeOk(basic::ConsumeOk {
+                            consumer_tag: short(&tag),
+                        })),
+                    );
+                }
+            }
+            Answer::Cancelled {
+                tag,
+                nowait,
+                result,
+            } => {
+                result?;
+                if !nowait {
+                    w.method(
+                        id,
+                        AMQPClass::Basic(basic::AMQPMethod::CancelOk(basic::CancelOk {
+                            consumer_tag: short(&tag),
+                        })),
+                    );
+                }
+            }
+            Answer::Got {
+                queue,
+                primary,
+                no_ack,
+                result,
+            } => match result? {
+                None => w.method(
+                    id,
+                    AMQPClass::Basic(basic::AMQPMethod::GetEmpty(basic::GetEmpty {})),
+                ),
+                Some(got) => {
+                    let key = ChannelKey {
+                        conn: self.id,
+                        channel: id,
+                    };
+                    let bytes = got.message.body_len() as u64;
+                    let Some(tag) = v.get().track_remote(
+                        key,
+                        &queue,
+                        &primary,
+                        got.upstream_tag,
+                        bytes,
+                        no_ack,
+                    ) else {
+                        return Ok(());
+                    };
+                    self.stats.delivered += 1; // metrics
+                    self.stats.redelivered += u64::from(got.redelivered); // metrics
+                    let w = &mut self.writer;
+                    w.method(
+                        id,
+                        AMQPClass::Basic(basic::AMQPMethod::GetOk(basic::GetOk {
+                            delivery_tag: tag,
+                            redelivered: got.redelivered,
+                            exchange: got.message.exchange.clone(),
+                            routing_key: got.message.routing_key.clone(),
+                            message_count: got.message_count,
+                        })),
+                    );
+                    w.header_payload(id, &got.message.header_payload);
+                    w.body(id, got.message.body.bytes(), self.frame_max);
+                }
+            },
+            Answer::Purged { nowait, result } => {
+                let message_count = result?;
+                if !nowait {
+                    w.method(
+                        id,
+                        AMQPClass::Queue(queue::AMQPMethod::PurgeOk(queue::PurgeOk {
+                            message_count,
+                        })),
+                    );
+                }
+            }
+            Answer::Counted {
+                queue,
+                nowait,
+                result,
+            } => {
+                let (message_count, consumer_count) = result?;
+                if let Some(ch) = self.channels.get_mut(&id) {
+                    ch.last_queue = Some(queue.clone());
+                }
+                if !nowait {
+                    self.writer.method(
+                        id,
+                        AMQPClass::Queue(queue::AMQPMethod::DeclareOk(queue::DeclareOk {
+                            queue: short(&queue),
+                            message_count,
+                            consumer_count,
+                        })),
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes deliveries of proxied consumers that came through the mailbox. A delivery for
+    /// a consumer that is gone (cancelled, or its channel closed) goes back to its queue.
+    pub(super) fn write_proxied(&mut self, deliveries: &mut Vec<ProxiedDelivery>, v: &mut Lazy) {
+        for d in deliveries.drain(..) {
+            let registered = self
+                .remote_consumers
+                .get(&(d.channel, d.consumer_tag.clone()))
+                .is_some_and(|rc| rc.serial == d.serial)
+                && self.channels.get(&d.channel).is_some_and(|ch| !ch.closing);
+            if !registered {
+                self.settle_upstream(d.channel, &d.primary, d.upstream_tag, Settlement::Requeue);
+                continue;
+            }
+            let key = ChannelKey {
+                conn: self.id,
+                channel: d.channel,
+            };
+            let m = &d.message;
+            let bytes = m.body_len() as u64;
+            let Some(tag) =
+                v.get()
+                    .track_remote(key, &d.queue, &d.primary, d.upstream_tag, bytes, d.no_ack)
+            else {
+                continue;
+            };
+            self.writer.deliver(
+                d.channel,
+                &d.consumer_tag,
+                tag,
+                d.redelivered,
+                m.exchange.as_str(),
+                m.routing_key.as_str(),
+            );
+            self.writer.header_payload(d.channel, &m.header_payload);
+            self.writer.body(d.channel, m.body.bytes(), self.frame_max);
+            self.stats.delivered += 1; // metrics
+            self.stats.redelivered += u64::from(d.redelivered); // metrics
+            if d.no_ack {
+                // The client takes it as it is written: settled upstream now.
+                self.settle_upstream(d.channel, &d.primary, d.upstream_tag, Settlement::Ack);
+            }
+        }
+    }
+
+    /// Proxied consumers the primary ended (their queue was deleted, or the link failed):
+    /// the client hears of it as of a local consumer the broker cancelled.
+    pub(super) fn end_proxied(&mut self, ended: &mut Vec<ProxiedEnd>) {
+        for e in ended.drain(..) {
+            let k = (e.channel, e.consumer_tag.clone());
+            if self
+                .remote_consumers
+                .get(&k)
+                .is_none_or(|rc| rc.serial != e.serial)
+            {
+                continue;
+            }
+            self.remote_consumers.remove(&k);
+            self.write_cancel(&crate::core::vhost::Cancelled {
+                channel: ChannelKey {
+                    conn: self.id,
+                    channel: e.channel,
+                },
+                tag: e.consumer_tag,
+            });
+        }
+    }
+
+    /// Passes the client's settlements of proxied deliveries to their upstream channels.
+    pub(super) fn send_remote_settles(&mut self) {
+        let settles = std::mem::take(&mut self.fx.remote_settles);
+        for s in &settles {
+            self.settle_upstream(s.channel.channel, &s.primary, s.upstream_tag, s.settlement);
+        }
+        self.fx.remote_settles = settles;
+        self.fx.remote_settles.clear();
+    }
+
+    fn settle_upstream(&self, channel: u16, primary: &Arc<str>, tag: u64, settlement: Settlement) {
+        if let Some(u) = self.upstreams.get(&(channel, primary.clone())) {
+            u.send(Command::Settle { tag, settlement });
+        }
+    }
+
+    /// Closes the upstream channels of client channel `id` (its proxied consumers end; what
+    /// they had not acked goes back to its queue on the primary).
+    pub(super) fn drop_upstreams(&mut self, id: u16) {
+        self.upstreams.retain(|(ch, _), _| *ch != id);
+        self.remote_consumers.retain(|(ch, _), _| *ch != id);
+    }
+}

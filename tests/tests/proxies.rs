@@ -1,0 +1,339 @@
+//! One virtual broker: a queue's messages live on its primary (the member it was declared
+//! on), and every other member serves it through proxies — publish, consume, get, ack,
+//! nack, purge and counts from any member, with real clients on real sockets.
+
+use futures_lite::StreamExt;
+use lapin::BasicProperties;
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicGetOptions, BasicNackOptions, BasicPublishOptions,
+    BasicQosOptions, ConfirmSelectOptions, QueueDeclareOptions, QueuePurgeOptions,
+};
+use lapin::types::FieldTable;
+use ringmq_tests::cluster::start_cluster;
+use ringmq_tests::{Broker, reply_code};
+use std::time::Duration;
+
+async fn declare(b: &Broker, name: &str) {
+    let (_c, ch) = b.channel().await;
+    ch.queue_declare(
+        name.into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .expect("declare");
+}
+
+async fn count(b: &Broker, name: &str) -> (u32, u32) {
+    let (_c, ch) = b.channel().await;
+    let q = ch
+        .queue_declare(
+            name.into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .expect("passive declare");
+    (q.message_count(), q.consumer_count())
+}
+
+/// Publishes `n` persistent messages `prefix-0` … with confirms and waits for them all.
+async fn publish_confirmed(ch: &lapin::Channel, queue: &str, prefix: &str, n: usize) {
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let mut confirms = Vec::new();
+    for i in 0..n {
+        confirms.push(
+            ch.basic_publish(
+                "".into(),
+                queue.into(),
+                BasicPublishOptions::default(),
+                format!("{prefix}-{i}").as_bytes(),
+                BasicProperties::default().with_delivery_mode(2),
+            )
+            .await
+            .unwrap(),
+        );
+    }
+    for c in confirms {
+        assert!(c.await.unwrap().is_ack(), "every publish is confirmed");
+    }
+}
+
+#[tokio::test]
+async fn a_queue_declared_on_one_member_is_one_queue_on_every_member() {
+    let (members, _secret) = start_cluster("proxy-one", 3);
+    declare(&members[0], "orders").await;
+    let (_c1, on_1) = members[1].channel().await;
+    publish_confirmed(&on_1, "orders", "m", 10).await;
+    // The messages are on the primary, and every member counts them there.
+    for m in &members {
+        assert_eq!(count(m, "orders").await, (10, 0));
+    }
+    // A consumer on the third member gets them all, in order.
+    let (_c2, on_2) = members[2].channel().await;
+    let mut consumer = on_2
+        .basic_consume(
+            "orders".into(),
+            "c".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let mut got = Vec::new();
+    for _ in 0..10 {
+        let d = tokio::time::timeout(Duration::from_secs(10), consumer.next())
+            .await
+            .expect("a delivery within 10 s")
+            .unwrap()
+            .unwrap();
+        assert_eq!(d.exchange.as_str(), "");
+        assert_eq!(d.routing_key.as_str(), "orders");
+        got.push(String::from_utf8(d.data.clone()).unwrap());
+        d.acker.ack(BasicAckOptions::default()).await.unwrap();
+    }
+    let want: Vec<String> = (0..10).map(|i| format!("m-{i}")).collect();
+    assert_eq!(got, want, "order per producer holds across members");
+    // The consumer counts on every member; once acked, nothing is left.
+    for m in &members {
+        assert_eq!(count(m, "orders").await, (0, 1));
+    }
+}
+
+#[tokio::test]
+async fn get_ack_nack_and_purge_through_a_proxy() {
+    let (members, _secret) = start_cluster("proxy-get", 2);
+    declare(&members[0], "work").await;
+    let (_c0, on_0) = members[0].channel().await;
+    publish_confirmed(&on_0, "work", "w", 3).await;
+
+    let (_c1, on_1) = members[1].channel().await;
+    let first = on_1
+        .basic_get("work".into(), BasicGetOptions::default())
+        .await
+        .unwrap()
+        .expect("a message");
+    assert_eq!(first.delivery.data, b"w-0");
+    assert!(!first.delivery.redelivered);
+    assert_eq!(first.message_count, 2);
+    // A nack with requeue puts it back at its place, visible on the primary once the
+    // nack's channel has seen its next reply.
+    on_1.basic_nack(
+        first.delivery.delivery_tag,
+        BasicNackOptions {
+            requeue: true,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(count(&members[1], "work").await.0, 3);
+    let again = on_0
+        .basic_get("work".into(), BasicGetOptions::default())
+        .await
+        .unwrap()
+        .expect("the requeued message");
+    assert_eq!(again.delivery.data, b"w-0");
+    assert!(
+        again.delivery.redelivered,
+        "redelivered flag from the primary"
+    );
+    on_0.basic_ack(again.delivery.delivery_tag, BasicAckOptions::default())
+        .await
+        .unwrap();
+    // get + ack through the proxy, then purge through it.
+    let second = on_1
+        .basic_get("work".into(), BasicGetOptions::default())
+        .await
+        .unwrap()
+        .expect("a message");
+    assert_eq!(second.delivery.data, b"w-1");
+    on_1.basic_ack(second.delivery.delivery_tag, BasicAckOptions::default())
+        .await
+        .unwrap();
+    let purged = on_1
+        .queue_purge("work".into(), QueuePurgeOptions::default())
+        .await
+        .unwrap();
+    assert_eq!(purged, 1);
+    assert_eq!(count(&members[0], "work").await, (0, 0));
+    let empty = on_1
+        .basic_get("work".into(), BasicGetOptions::default())
+        .await
+        .unwrap();
+    assert!(empty.is_none());
+}
+
+#[tokio::test]
+async fn a_slow_consumer_on_a_proxy_holds_only_its_prefetch() {
+    let (members, _secret) = start_cluster("proxy-slow", 2);
+    declare(&members[0], "slow").await;
+    let (_c0, on_0) = members[0].channel().await;
+    publish_confirmed(&on_0, "slow", "s", 50).await;
+
+    let (_c1, on_1) = members[1].channel().await;
+    on_1.basic_qos(5, BasicQosOptions::default()).await.unwrap();
+    let mut consumer = on_1
+        .basic_consume(
+            "slow".into(),
+            "slow-c".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let mut held = Vec::new();
+    for _ in 0..5 {
+        held.push(
+            tokio::time::timeout(Duration::from_secs(10), consumer.next())
+                .await
+                .expect("a delivery")
+                .unwrap()
+                .unwrap(),
+        );
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The other 45 stay ready on the primary, where another consumer could take them.
+    assert_eq!(count(&members[0], "slow").await, (45, 1));
+    // Acking one lets exactly one more through.
+    held.remove(0)
+        .acker
+        .ack(BasicAckOptions::default())
+        .await
+        .unwrap();
+    let next = tokio::time::timeout(Duration::from_secs(10), consumer.next())
+        .await
+        .expect("one more after an ack")
+        .unwrap()
+        .unwrap();
+    assert_eq!(next.data, b"s-5");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(count(&members[0], "slow").await, (44, 1));
+}
+
+#[tokio::test]
+async fn a_proxied_consumer_that_dies_leaves_its_unacked_to_another_redelivered() {
+    let (members, _secret) = start_cluster("proxy-kill", 3);
+    declare(&members[0], "jobs").await;
+    let (_c0, on_0) = members[0].channel().await;
+    publish_confirmed(&on_0, "jobs", "j", 20).await;
+    {
+        let (c1, on_1) = members[1].channel().await;
+        on_1.basic_qos(8, BasicQosOptions::default()).await.unwrap();
+        let mut consumer = on_1
+            .basic_consume(
+                "jobs".into(),
+                "doomed".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        for _ in 0..8 {
+            tokio::time::timeout(Duration::from_secs(10), consumer.next())
+                .await
+                .expect("a delivery")
+                .unwrap()
+                .unwrap();
+        }
+        // The client goes away without acking (its socket closes with the connection).
+        drop(consumer);
+        c1.close(200, "bye".into()).await.unwrap();
+    }
+    let (_c2, on_2) = members[2].channel().await;
+    let mut consumer = on_2
+        .basic_consume(
+            "jobs".into(),
+            "heir".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let mut got = Vec::new();
+    for _ in 0..20 {
+        let d = tokio::time::timeout(Duration::from_secs(10), consumer.next())
+            .await
+            .expect("every message reaches the heir")
+            .unwrap()
+            .unwrap();
+        got.push((String::from_utf8(d.data.clone()).unwrap(), d.redelivered));
+        d.acker.ack(BasicAckOptions::default()).await.unwrap();
+    }
+    let want: Vec<(String, bool)> = (0..20).map(|i| (format!("j-{i}"), i < 8)).collect();
+    assert_eq!(
+        got, want,
+        "none lost, the first eight redelivered in their order"
+    );
+}
+
+#[tokio::test]
+async fn errors_of_the_primary_reach_the_client_of_the_proxy() {
+    let (members, _secret) = start_cluster("proxy-err", 2);
+    declare(&members[0], "mine").await;
+    let (_c0, on_0) = members[0].channel().await;
+    // Kept: lapin cancels a consumer whose stream is dropped.
+    let _solo = on_0
+        .basic_consume(
+            "mine".into(),
+            "solo".into(),
+            BasicConsumeOptions {
+                exclusive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    // An exclusive consumer on the primary excludes consumers on every member.
+    let (_c1, on_1) = members[1].channel().await;
+    let refused = on_1
+        .basic_consume(
+            "mine".into(),
+            "other".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .expect_err("the queue has an exclusive consumer");
+    assert_eq!(reply_code(&refused), Some(403));
+}
+
+#[tokio::test]
+async fn deleting_a_queue_cancels_its_consumers_on_every_member() {
+    let (members, _secret) = start_cluster("proxy-del", 2);
+    declare(&members[0], "gone").await;
+    let (_c1, on_1) = members[1].channel().await;
+    let mut consumer = on_1
+        .basic_consume(
+            "gone".into(),
+            "watcher".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(count(&members[0], "gone").await, (0, 1));
+    let (_c0, on_0) = members[0].channel().await;
+    on_0.queue_delete("gone".into(), Default::default())
+        .await
+        .unwrap();
+    let end = tokio::time::timeout(Duration::from_secs(10), consumer.next())
+        .await
+        .expect("the proxy passes the primary's basic.cancel on");
+    assert!(end.is_none(), "the consumer ended: {end:?}");
+    // The channel stayed open: a later error on it is its own (404), not a closed channel.
+    assert!(
+        on_1.basic_get("nonexistent".into(), BasicGetOptions::default())
+            .await
+            .is_err_and(|e| reply_code(&e) == Some(404))
+    );
+}
