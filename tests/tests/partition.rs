@@ -1,8 +1,8 @@
 //! A network partition between real broker processes, each in its own network namespace,
 //! joined by veth pairs to a bridge in a hub namespace; nftables rules on the bridge cut one
-//! member off. Checks: the cut-off member reports lost quorum and refuses wiring changes (no
-//! split brain), the majority removes it and goes on, and after the cut heals the removed
-//! member stops (exit 3) and rejoins when restarted. Needs root, `ip` and `nft`; without them
+//! member off. Checks: the cut-off member reports lost quorum, closes its clients' connections
+//! and refuses new ones and wiring changes (no split brain), the majority removes it and goes
+//! on, and after the cut heals the removed member stops (exit 3) and rejoins when restarted. Needs root, `ip` and `nft`; without them
 //! it fails saying what to install, unless `RINGMQ_SKIP_ROOT_TESTS=1` skips it. Everything
 //! runs in namespaces the test creates and deletes.
 
@@ -154,6 +154,13 @@ fn partition_scenario(net: &Net) {
         .build()
         .unwrap();
     assert_eq!(rt.block_on(declare(&members[0].amqp, "before")), Ok(()));
+    // A client of the member about to be cut off.
+    let client = rt
+        .block_on(lapin::Connection::connect(
+            &members[0].amqp,
+            Default::default(),
+        ))
+        .unwrap();
 
     net.isolate(0);
     wait_for(
@@ -161,6 +168,17 @@ fn partition_scenario(net: &Net) {
         Duration::from_secs(5),
         || members[0].overview()["cluster"]["quorum"] == false,
     );
+    // Polled inside the runtime: lapin's I/O runs on it.
+    rt.block_on(async {
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while client.status().connected() {
+            assert!(
+                Instant::now() < deadline,
+                "the cut-off member closes its clients' connections (320) within 2 s"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    });
     wait_for(
         "the majority removes the cut-off member",
         Duration::from_secs(10),

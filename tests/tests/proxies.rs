@@ -337,3 +337,127 @@ async fn deleting_a_queue_cancels_its_consumers_on_every_member() {
             .is_err_and(|e| reply_code(&e) == Some(404))
     );
 }
+
+#[tokio::test]
+async fn a_queue_whose_primary_is_gone_refuses_publishes_and_cancels_its_consumers() {
+    let (mut members, _secret) = start_cluster("proxy-down", 3);
+    declare(&members[0], "orphan").await;
+    let (_c1, on_1) = members[1].channel().await;
+    let mut consumer = on_1
+        .basic_consume(
+            "orphan".into(),
+            "left-behind".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    members[0].kill();
+    let end = tokio::time::timeout(Duration::from_secs(10), consumer.next())
+        .await
+        .expect("the proxy cancels the consumer when its primary goes");
+    assert!(
+        !matches!(end, Some(Ok(_))),
+        "no delivery, the consumer ended: {end:?}"
+    );
+    // Once the survivors removed the primary, a publish to its queue is refused.
+    let admin = members[1].admin_client();
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    while admin.get("/api/overview").unwrap().body["members"]
+        .as_array()
+        .map(Vec::len)
+        != Some(2)
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the primary is removed"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (_c2, on_2) = members[2].channel().await;
+    on_2.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let confirm = on_2
+        .basic_publish(
+            "".into(),
+            "orphan".into(),
+            BasicPublishOptions::default(),
+            b"nowhere",
+            BasicProperties::default(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    assert!(confirm.is_nack(), "basic.nack: the queue cannot take it");
+}
+
+#[tokio::test]
+async fn the_primary_is_the_member_the_declare_names() {
+    let (members, _secret) = start_cluster("proxy-place", 3);
+    let (_c0, on_0) = members[0].channel().await;
+    let placed = |primary: &str| {
+        let mut args = FieldTable::default();
+        args.insert(
+            "qpid.cluster.primary".into(),
+            lapin::types::AMQPValue::LongString(primary.into()),
+        );
+        args
+    };
+    // Declared through member 0, placed on member 2 by its node id.
+    on_0.queue_declare(
+        "placed".into(),
+        QueueDeclareOptions::default(),
+        placed("proxy-place-2"),
+    )
+    .await
+    .unwrap();
+    let admin = members[1].admin_client();
+    let q = admin.get("/api/queues/%2f/placed").unwrap();
+    assert_eq!(q.status, 200);
+    assert_eq!(q.body["node"], "proxy-place-2", "{}", q.body);
+    // A publish through member 0 lands there; a delete through member 1 is decided there.
+    publish_confirmed(&on_0, "placed", "p", 2).await;
+    assert_eq!(count(&members[2], "placed").await, (2, 0));
+    let (_c1, on_1) = members[1].channel().await;
+    let refused = on_1
+        .queue_delete(
+            "placed".into(),
+            lapin::options::QueueDeleteOptions {
+                if_empty: true,
+                ..Default::default()
+            },
+        )
+        .await
+        .expect_err("the primary knows the queue is not empty");
+    assert_eq!(reply_code(&refused), Some(406));
+    let (_c1, on_1) = members[1].channel().await;
+    let deleted = on_1
+        .queue_delete("placed".into(), Default::default())
+        .await
+        .unwrap();
+    assert_eq!(deleted, 2, "delete-ok counts the primary's messages");
+
+    // By AMQP address too; an unknown member is 404 naming it.
+    let addr = members[1].uri();
+    let addr = addr.split('@').nth(1).unwrap().split('/').next().unwrap();
+    on_0.queue_declare(
+        "by-address".into(),
+        QueueDeclareOptions::default(),
+        placed(addr),
+    )
+    .await
+    .unwrap();
+    let q = admin.get("/api/queues/%2f/by-address").unwrap();
+    assert_eq!(q.body["node"], "proxy-place-1", "{}", q.body);
+    let refused = on_0
+        .queue_declare(
+            "nowhere".into(),
+            QueueDeclareOptions::default(),
+            placed("no-such-node"),
+        )
+        .await
+        .expect_err("an unknown member");
+    assert_eq!(reply_code(&refused), Some(404));
+}

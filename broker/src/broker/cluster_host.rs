@@ -70,11 +70,12 @@ impl WiringStore for BrokerHost {
 }
 
 impl ClusterHost for BrokerHost {
-    fn publish_known_hosts(&mut self, hosts: &[String]) {
+    fn members_changed(&mut self, hosts: &[String], nodes: &[String]) {
         let now = now_ms();
         let mut fx = Effects::default();
         for (_, vhost) in self.broker.vhosts() {
             let mut v = vhost.lock();
+            v.set_live_nodes(nodes);
             notice::publish(&mut v, hosts, now, &mut fx);
             self.broker.finish_batch(0, &mut v, &mut fx);
         }

@@ -11,6 +11,7 @@
 mod batch;
 pub mod cluster_host;
 pub mod connections;
+pub mod majority;
 pub mod outbox;
 mod persist;
 pub mod resources;
@@ -28,6 +29,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
+
+/// The queue.declare argument that names the member a queue lives on.
+pub const PRIMARY_ARGUMENT: &str = "qpid.cluster.primary";
 
 /// State shared by every connection of the broker.
 #[derive(Debug)]
@@ -126,6 +130,53 @@ impl Broker {
         });
         let _ = self.proxies.set(proxies);
         let _ = self.cluster.set(cluster);
+    }
+
+    /// The node id of the member a queue declared with `arguments` lives on (its primary):
+    /// the member named by `qpid.cluster.primary` (a node id or AMQP `host:port`; `""` means
+    /// this one), else this one. `None` on a single broker, which owns everything; a name
+    /// that is no member is 404 NOT_FOUND.
+    pub fn queue_home(
+        &self,
+        arguments: &crate::amqp::FieldTable,
+    ) -> Result<Option<String>, crate::core::AmqpError> {
+        use crate::amqp::AMQPValue;
+        let named = match arguments.inner().get(PRIMARY_ARGUMENT) {
+            None => None,
+            Some(AMQPValue::LongString(s)) => {
+                Some(String::from_utf8_lossy(s.as_bytes()).into_owned())
+            }
+            Some(AMQPValue::ShortString(s)) => Some(s.to_string()),
+            Some(other) => {
+                return Err(crate::core::AmqpError::precondition(format!(
+                    "{PRIMARY_ARGUMENT} must be a string (a member's node id or host:port), not {other:?}"
+                )));
+            }
+        };
+        let me = &self.config.node_id;
+        let Some(cluster) = self.cluster() else {
+            return match named.as_deref() {
+                None | Some("") => Ok(None),
+                Some(n) if n == me => Ok(None),
+                Some(n) => Err(crate::core::AmqpError::not_found(format!(
+                    "no cluster member '{n}' ({PRIMARY_ARGUMENT}): this broker is not in a cluster"
+                ))),
+            };
+        };
+        match named.as_deref() {
+            None | Some("") => Ok(Some(cluster.node_id().to_owned())),
+            Some(n) => cluster
+                .members()
+                .into_iter()
+                .filter_map(|m| m.info)
+                .find(|i| i.node_id == n || i.amqp == n)
+                .map(|i| Some(i.node_id))
+                .ok_or_else(|| {
+                    crate::core::AmqpError::not_found(format!(
+                        "no cluster member '{n}' ({PRIMARY_ARGUMENT}): name a member's node id or AMQP host:port"
+                    ))
+                }),
+        }
     }
 
     /// This member's proxies, once it joined a cluster.

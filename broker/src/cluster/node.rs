@@ -356,8 +356,10 @@ impl Cluster {
 /// plus the two things a member does to the broker outside the map. A trait the cluster
 /// owns, so that the cluster layer never reaches up into the broker or the server.
 pub trait ClusterHost: WiringStore + Send + 'static {
-    /// Tells the clients of every vhost the live members' AMQP addresses (`amq.qpid`).
-    fn publish_known_hosts(&mut self, hosts: &[String]);
+    /// The live members changed: `hosts` are their AMQP addresses, for the clients of every
+    /// vhost (`amq.qpid`); `nodes` their node ids, for the queues they own (a queue whose
+    /// primary is not among them refuses publishes).
+    fn members_changed(&mut self, hosts: &[String], nodes: &[String]);
     /// Saves what must survive before the process exits (the journal).
     fn shutdown(&mut self);
     /// The newest journal sequence number handed to the journal, and a watch of the newest
@@ -568,7 +570,13 @@ impl<H: ClusterHost> Applier<H> {
 
     fn publish_known_hosts(&mut self) {
         let hosts = self.cluster.known_hosts();
-        self.host.publish_known_hosts(&hosts);
+        let nodes: Vec<String> = self
+            .cluster
+            .members()
+            .into_iter()
+            .filter_map(|m| m.info.map(|i| i.node_id))
+            .collect();
+        self.host.members_changed(&hosts, &nodes);
     }
 }
 

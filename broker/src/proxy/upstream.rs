@@ -18,7 +18,7 @@ use bytes::Bytes;
 use futures::StreamExt;
 use lapin::options::{
     BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicGetOptions, BasicNackOptions,
-    BasicQosOptions, QueueDeclareOptions, QueuePurgeOptions,
+    BasicQosOptions, QueueDeclareOptions, QueueDeleteOptions, QueuePurgeOptions,
 };
 use std::sync::Arc;
 use tokio::sync::{mpsc, oneshot};
@@ -122,6 +122,18 @@ pub enum Command {
         /// Queue.
         queue: String,
         /// purge-ok's count.
+        reply: Reply<u32>,
+    },
+    /// queue.delete, decided by the primary (it alone knows whether the queue is unused or
+    /// empty) and carried out there as a cluster op: the messages deleted.
+    Delete {
+        /// Queue.
+        queue: String,
+        /// Refuse if the queue has consumers.
+        if_unused: bool,
+        /// Refuse if the queue holds messages.
+        if_empty: bool,
+        /// delete-ok's count.
         reply: Reply<u32>,
     },
     /// Passive queue.declare: (messages, consumers).
@@ -318,6 +330,24 @@ async fn execute(t: &Target, ch: &lapin::Channel, c: Command) -> Result<(), Amqp
                 .await
                 .map_err(err),
         ),
+        Command::Delete {
+            queue,
+            if_unused,
+            if_empty,
+            reply,
+        } => answer(
+            reply,
+            ch.queue_delete(
+                queue.as_str().into(),
+                QueueDeleteOptions {
+                    if_unused,
+                    if_empty,
+                    nowait: false,
+                },
+            )
+            .await
+            .map_err(err),
+        ),
         Command::Counts { queue, reply } => answer(
             reply,
             ch.queue_declare(
@@ -367,7 +397,7 @@ fn fail(c: Command, err: &AmqpError) {
         Command::Get { reply, .. } => {
             let _ = reply.send(Err(err.clone()));
         }
-        Command::Purge { reply, .. } => {
+        Command::Purge { reply, .. } | Command::Delete { reply, .. } => {
             let _ = reply.send(Err(err.clone()));
         }
         Command::Counts { reply, .. } => {

@@ -45,7 +45,7 @@ pub(super) fn get(c: &Ctx<'_>) -> Result<Reply> {
 }
 
 /// `PUT /api/queues/{vhost}/{name}`: durable unless the body says otherwise. On a cluster
-/// member the queue's home is this member.
+/// the queue's primary is this member, or the one its `qpid.cluster.primary` argument names.
 pub(super) fn declare<'a>(c: &Ctx<'a>) -> Result<Plan<'a>> {
     let [vh, name] = c.args();
     let body = c.call.json()?;
@@ -53,7 +53,10 @@ pub(super) fn declare<'a>(c: &Ctx<'a>) -> Result<Plan<'a>> {
     let args = arguments(&body)?;
     let durable = flag(&body, "durable", true)?;
     let auto_delete = flag(&body, "auto_delete", false)?;
-    let home = c.broker.cluster().map(|m| m.node_id().to_owned());
+    let home = c.broker.queue_home(&args).map_err(|e| match e.code {
+        crate::amqp::codes::NOT_FOUND => ApiError::not_found(e.text),
+        _ => ApiError::bad_request(e.text),
+    })?;
     Ok(Plan {
         vhost: vh,
         op: declare_op(name, durable, auto_delete, args, home)?,
@@ -123,6 +126,8 @@ fn refuse_exclusive(body: &Value) -> Result<()> {
 }
 
 fn queue_json(b: &Broker, vh: &str, q: &Queue) -> Value {
+    // The primary: where the queue's messages live.
+    let node = q.home.as_deref().unwrap_or(&b.config.node_id);
     let ready = q.ready_count();
     let unacked = q.unacked_count();
     json!({
@@ -136,8 +141,8 @@ fn queue_json(b: &Broker, vh: &str, q: &Queue) -> Value {
         "messages_unacknowledged": unacked,
         "messages": ready + unacked,
         "consumers": q.consumers.len(),
-        "owner": b.config.node_id,
-        "node": b.config.node_id,
+        "owner": node,
+        "node": node,
         "type": "classic",
         "state": "running",
     })

@@ -16,9 +16,17 @@ use tokio::io::AsyncWriteExt;
 /// Options of `ringmqctl bench`.
 #[derive(Debug, Clone, Args)]
 pub struct BenchArgs {
-    /// Broker to load.
+    /// Broker to load (producers connect here).
     #[arg(long, default_value = "amqp://guest:guest@127.0.0.1:5672/%2f")]
     uri: String,
+    /// Where the consumers connect (default: --uri). With another cluster member than the
+    /// queue's, they consume through a proxy.
+    #[arg(long, value_name = "URI")]
+    consumer_uri: Option<String>,
+    /// Where the queue is declared (default: --uri): on a cluster, the member that becomes
+    /// its primary.
+    #[arg(long, value_name = "URI")]
+    queue_uri: Option<String>,
     /// Publishing connections.
     #[arg(long, default_value_t = 1)]
     producers: u32,
@@ -75,9 +83,11 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
 
 async fn bench(args: BenchArgs) -> anyhow::Result<()> {
     let target = Target::parse(&args.uri)?;
-    let mut admin = RawClient::connect(&target)
+    let consumer_target = Target::parse(args.consumer_uri.as_deref().unwrap_or(&args.uri))?;
+    let queue_target = Target::parse(args.queue_uri.as_deref().unwrap_or(&args.uri))?;
+    let mut admin = RawClient::connect(&queue_target)
         .await
-        .with_context(|| format!("cannot connect to {}", target.addr))?;
+        .with_context(|| format!("cannot connect to {}", queue_target.addr))?;
     let own_queue = args.queue.is_none();
     let queue_name = args
         .queue
@@ -110,7 +120,9 @@ async fn bench(args: BenchArgs) -> anyhow::Result<()> {
     let deadline = load_start + Duration::from_secs(args.seconds);
     let mut consumers = Vec::new();
     for _ in 0..args.consumers {
-        let client = RawClient::connect(&target).await?;
+        let client = RawClient::connect(&consumer_target)
+            .await
+            .with_context(|| format!("cannot connect to {}", consumer_target.addr))?;
         consumers.push(tokio::spawn(consume(
             client,
             queue_name.clone(),

@@ -51,6 +51,8 @@ pub struct VHost {
     /// This member's node id on a cluster (see [`VHost::set_node`]); `None` on a single
     /// broker, where every queue is local.
     pub(super) node: Option<Arc<str>>,
+    /// Node ids of the live cluster members (see [`VHost::set_live_nodes`]).
+    pub(super) live_nodes: Vec<Arc<str>>,
 }
 
 /// Per-vhost resource limits; 0 means none.
@@ -84,6 +86,7 @@ impl VHost {
             cluster_through: None,
             limits: Limits::default(),
             node: None,
+            live_nodes: Vec::new(),
         };
         for (n, kind) in [
             ("", ExchangeKind::Direct),
@@ -123,6 +126,13 @@ impl VHost {
     /// [`Effects::forwards`] to its primary, and its consumers are proxied by the server.
     pub fn set_node(&mut self, node: &str) {
         self.node = Some(node.into());
+    }
+
+    /// The live members of the cluster: a queue whose primary is not among them cannot take
+    /// messages, so a publish routed to it is refused (a `basic.nack` under confirms) until
+    /// its primary is back (or, with replication, a backup took over).
+    pub fn set_live_nodes(&mut self, nodes: &[String]) {
+        self.live_nodes = nodes.iter().map(|n| n.as_str().into()).collect();
     }
 
     /// The primary of queue `name` when it is another member (the queue is proxied here);

@@ -57,11 +57,11 @@ impl VHost {
         if targets.is_empty() {
             return Ok(PublishOutcome::Unroutable);
         }
-        self.forward_remote(&mut targets, exchange, routing_key, &message, fx);
+        let unavailable = self.forward_remote(&mut targets, exchange, routing_key, &message, fx);
         let mut dead = Vec::new();
         let rejected = self.enqueue_all(&targets, &message, now_ms, fx, &mut dead);
         self.dead_letter_all(dead, now_ms, fx);
-        Ok(if rejected {
+        Ok(if rejected || unavailable {
             PublishOutcome::Rejected
         } else {
             PublishOutcome::Routed
@@ -101,7 +101,8 @@ impl VHost {
     }
 
     /// Takes the queues owned by other members out of `targets` and hands the message to
-    /// each of those members once ([`Effects::forwards`]).
+    /// each of those members once ([`Effects::forwards`]). Returns true when a queue's
+    /// primary is not a live member: that queue does not get the message.
     pub(super) fn forward_remote(
         &self,
         targets: &mut Vec<Arc<str>>,
@@ -109,9 +110,9 @@ impl VHost {
         routing_key: &str,
         message: &Arc<Message>,
         fx: &mut Effects,
-    ) {
+    ) -> bool {
         if self.node.is_none() {
-            return;
+            return false;
         }
         let mut primaries: Vec<Arc<str>> = Vec::new();
         targets.retain(|name| {
@@ -129,6 +130,9 @@ impl VHost {
                 None => true,
             }
         });
+        let live = primaries.len();
+        primaries.retain(|p| self.live_nodes.contains(p));
+        let unavailable = primaries.len() < live;
         for primary in primaries {
             fx.forwards.push(super::Forward {
                 primary,
@@ -137,6 +141,7 @@ impl VHost {
                 message: message.clone(),
             });
         }
+        unavailable
     }
 
     /// The queues a message published to `exchange` reaches, following exchange-to-exchange

@@ -55,6 +55,11 @@ pub(super) enum Answer {
         nowait: bool,
         result: Result<(u32, u32), AmqpError>,
     },
+    Deleted {
+        queue: String,
+        nowait: bool,
+        result: Result<u32, AmqpError>,
+    },
 }
 
 /// A proxied method in flight: the connection reads no further frames until it is answered.
@@ -249,6 +254,33 @@ impl Connection {
         Ok(())
     }
 
+    /// queue.delete of a proxied queue: decided and committed by its primary.
+    pub(super) fn delete_remote(
+        &mut self,
+        id: u16,
+        queue: String,
+        (if_unused, if_empty): (bool, bool),
+        nowait: bool,
+        primary: Arc<str>,
+    ) -> Result<(), AmqpError> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.upstream(id, &primary)?.send(Command::Delete {
+            queue: queue.clone(),
+            if_unused,
+            if_empty,
+            reply: tx,
+        });
+        self.wait_remote(id, (50, 40), async move {
+            let result = reply(rx, &primary).await;
+            Answer::Deleted {
+                queue,
+                nowait,
+                result,
+            }
+        });
+        Ok(())
+    }
+
     /// A passive queue.declare of a proxied queue: the counts are the primary's.
     pub(super) fn count_remote(
         &mut self,
@@ -393,6 +425,22 @@ impl Connection {
                     w.method(
                         id,
                         AMQPClass::Queue(queue::AMQPMethod::PurgeOk(queue::PurgeOk {
+                            message_count,
+                        })),
+                    );
+                }
+            }
+            Answer::Deleted {
+                queue,
+                nowait,
+                result,
+            } => {
+                let message_count = result?;
+                tracing::info!(conn = self.id, channel = id, vhost = %self.vhost_name, %queue, "queue deleted (by its primary)");
+                if !nowait {
+                    w.method(
+                        id,
+                        AMQPClass::Queue(queue::AMQPMethod::DeleteOk(queue::DeleteOk {
                             message_count,
                         })),
                     );

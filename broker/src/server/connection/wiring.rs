@@ -11,7 +11,7 @@ use crate::amqp::{AMQPClass, codes, exchange, queue};
 use crate::auth::permissions::{Access, Resource};
 use crate::clock::now_ms;
 use crate::cluster::OpOutcome;
-use crate::core::{AmqpError, ExchangeDeclare, OpReply, QueueDeclare};
+use crate::core::{AmqpError, ExchangeDeclare, OpReply, QueueDeclare, WiringOp};
 use crate::server::wiring::{self, Awaited, Waiting};
 
 /// A method whose wiring op is in flight through the cluster: the connection reads no
@@ -44,7 +44,12 @@ impl Connection {
         }
         let (class_id, method_id) = (method.get_amqp_class_id(), method.get_amqp_method_id());
         let cluster = self.broker.cluster().cloned();
-        let home = cluster.as_ref().map(|c| c.node_id().to_owned());
+        let home = match &method {
+            AMQPClass::Queue(queue::AMQPMethod::Declare(d)) if !d.exclusive => {
+                self.broker.queue_home(&d.arguments)?
+            }
+            _ => cluster.as_ref().map(|c| c.node_id().to_owned()),
+        };
         let ch = self.channels.get(&id).expect("checked by the caller");
         let Some((op, waiting)) = wiring::op_for(&method, ch, v.get(), home)? else {
             let what = if class_id == 40 { "exchange" } else { "queue" };
@@ -55,6 +60,18 @@ impl Connection {
         };
         for (access, resource) in wiring::required_access(&op) {
             permit(&self.perms, access, resource)?;
+        }
+        if let WiringOp::DeleteQueue {
+            name,
+            if_unused,
+            if_empty,
+        } = &op
+            && let Some(primary) = v.get().remote_primary(name)
+        {
+            // Only the primary knows whether the queue is unused or empty, and how many
+            // messages go with it: it decides, and commits the delete.
+            let (name, if_unused, if_empty) = (name.clone(), *if_unused, *if_empty);
+            return self.delete_remote(id, name, (if_unused, if_empty), waiting.nowait, primary);
         }
         match cluster {
             Some(cluster) if op.is_shared(v.get()) => {
@@ -121,7 +138,22 @@ impl Connection {
             .channels
             .get(&wait.channel)
             .is_some_and(|ch| !ch.closing);
+        let proxied_declare = match &wait.waiting.awaited {
+            Awaited::QueueDeclared(name) if !wait.waiting.nowait => v
+                .get()
+                .remote_primary(name)
+                .map(|primary| (name.clone(), primary)),
+            _ => None,
+        };
         match outcome {
+            Ok((_, journal_seq)) if open && proxied_declare.is_some() => {
+                // declare-ok counts the queue's messages and consumers: its primary's.
+                self.hold_output(journal_seq);
+                let (name, primary) = proxied_declare.expect("checked");
+                if let Err(e) = self.count_remote(wait.channel, name, false, primary) {
+                    self.channel_error(wait.channel, e, wait.class_id, wait.method_id, &mut v);
+                }
+            }
             Ok((reply, journal_seq)) if open => {
                 self.answer_wiring(wait.channel, &wait.waiting, &reply);
                 self.hold_output(journal_seq);
