@@ -85,18 +85,20 @@ impl Broker {
             fx.forwards.clear();
             return;
         };
+        let mut batches: Vec<(Arc<str>, Vec<crate::proxy::forward::Job>)> = Vec::new();
         for f in fx.forwards.drain(..) {
-            let message = self.resolve_message(f.message);
-            let ticket = tracker.map(|t| (t.clone(), t.issue()));
-            proxies.forwarders.send(
-                &f.primary,
-                vhost,
-                f.exchange,
-                f.routing_key,
-                message,
-                ticket,
-            );
+            let job = crate::proxy::forward::Job {
+                exchange: f.exchange,
+                routing_key: f.routing_key,
+                message: self.resolve_message(f.message),
+                ticket: tracker.map(|t| (t.clone(), t.issue())),
+            };
+            match batches.iter_mut().find(|(p, _)| *p == f.primary) {
+                Some((_, jobs)) => jobs.push(job),
+                None => batches.push((f.primary, vec![job])),
+            }
         }
+        proxies.forwarders.send(vhost, batches);
     }
 
     /// `message` with its body in memory, read back from the journal when it was paged out

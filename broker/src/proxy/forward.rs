@@ -13,6 +13,8 @@ use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::{Confirmation, PublisherConfirm};
 use parking_lot::Mutex;
 use std::collections::{BTreeSet, HashMap};
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use tokio::sync::{Notify, mpsc};
 
@@ -87,15 +89,19 @@ impl ForwardTracker {
 /// Who waits for a forward's confirm: a connection's tracker and the forward's number in it.
 type Ticket = (Arc<ForwardTracker>, u64);
 
-/// A forwarding task's queue, by (member, vhost).
-type Senders = HashMap<(Arc<str>, String), mpsc::UnboundedSender<Job>>;
+/// The forwarding tasks' queues, by vhost and member.
+type Senders = HashMap<String, HashMap<Arc<str>, mpsc::UnboundedSender<Vec<Job>>>>;
 
 /// One message for a member, and who waits for its confirm.
-struct Job {
-    exchange: Arc<str>,
-    routing_key: Arc<str>,
-    message: Arc<Message>,
-    ticket: Option<Ticket>,
+pub struct Job {
+    /// The exchange it was routed through.
+    pub exchange: Arc<str>,
+    /// The routing key it was routed with.
+    pub routing_key: Arc<str>,
+    /// The message, its body in memory.
+    pub message: Arc<Message>,
+    /// Who waits for its confirm, if anyone.
+    pub ticket: Option<Ticket>,
 }
 
 /// The forwarding channels of this member: one task per (member, vhost), publishing in
@@ -120,97 +126,124 @@ impl Forwarders {
         }
     }
 
-    /// Hands `message` (routed through `exchange` with `routing_key`) to `primary`; with a
-    /// tracker, its confirm settles the tracker's forward `id`. The body must be in memory.
-    pub fn send(
-        &self,
-        primary: &Arc<str>,
-        vhost: &str,
-        exchange: Arc<str>,
-        routing_key: Arc<str>,
-        message: Arc<Message>,
-        ticket: Option<Ticket>,
-    ) {
-        let mut job = Job {
-            exchange,
-            routing_key,
-            message,
-            ticket,
-        };
+    /// Hands each batch of jobs to its member (in order, one queue push per member).
+    pub fn send(&self, vhost: &str, batches: Vec<(Arc<str>, Vec<Job>)>) {
         let mut senders = self.senders.lock();
-        let key = (primary.clone(), vhost.to_owned());
-        if let Some(tx) = senders.get(&key) {
-            match tx.send(job) {
-                Ok(()) => return,
-                Err(mpsc::error::SendError(j)) => job = j,
+        let by_member = match senders.get_mut(vhost) {
+            Some(m) => m,
+            None => senders.entry(vhost.to_owned()).or_default(),
+        };
+        for (primary, mut jobs) in batches {
+            if let Some(tx) = by_member.get(&primary) {
+                match tx.send(jobs) {
+                    Ok(()) => continue,
+                    Err(mpsc::error::SendError(j)) => jobs = j,
+                }
             }
+            let (tx, rx) = mpsc::unbounded_channel();
+            if tx.send(jobs).is_err() {
+                unreachable!("the receiver is in this scope");
+            }
+            by_member.insert(primary.clone(), tx);
+            tokio::spawn(run(self.links.clone(), primary, vhost.to_owned(), rx));
         }
-        let (tx, rx) = mpsc::unbounded_channel();
-        if tx.send(job).is_err() {
-            unreachable!("the receiver is in this scope");
-        }
-        senders.insert(key, tx);
-        tokio::spawn(run(
-            self.links.clone(),
-            primary.clone(),
-            vhost.to_owned(),
-            rx,
-        ));
     }
 }
 
-/// The task of one (member, vhost): publishes each job in order; a confirm task answers
-/// them in order as the member confirms. A failed link fails the jobs waiting at that
-/// moment and is opened again for the next one.
+/// A publish handed to the link (its frames queued in order) whose write may still be to
+/// come.
+type Writing = Pin<Box<dyn Future<Output = Result<PublisherConfirm, lapin::Error>> + Send>>;
+
+/// A publish whose confirm is awaited: still being written, or written already.
+enum InFlight {
+    Writing(Writing),
+    Written(PublisherConfirm),
+}
+
+/// The task of one (member, vhost): queues each job's frames in order without waiting for
+/// the socket (pipelined); a confirm task answers them in order as the member confirms. A
+/// failed link fails the jobs waiting at that moment and is opened again for the next one.
 async fn run(
     links: Arc<Links>,
     primary: Arc<str>,
     vhost: String,
-    mut jobs: mpsc::UnboundedReceiver<Job>,
+    mut batches: mpsc::UnboundedReceiver<Vec<Job>>,
 ) {
     let mut channel: Option<lapin::Channel> = None;
     let (confirm_tx, confirm_rx) = mpsc::unbounded_channel();
     tokio::spawn(answer_confirms(confirm_rx));
-    while let Some(job) = jobs.recv().await {
-        let ch = match channel.as_ref().filter(|c| c.status().connected()) {
-            Some(c) => c.clone(),
-            None => match open(&links, &primary, &vhost).await {
-                Ok(c) => {
-                    channel = Some(c.clone());
-                    c
+    while let Some(batch) = batches.recv().await {
+        let mut jobs = batch.into_iter();
+        while let Some(job) = jobs.next() {
+            let sent = forward_one(job, &links, &primary, &vhost, &mut channel, &confirm_tx).await;
+            if let Err(reason) = sent {
+                // The member cannot be reached: what waits now fails at once rather than
+                // trying again message by message.
+                jobs.by_ref().for_each(|j| fail(j, &reason));
+                while let Ok(batch) = batches.try_recv() {
+                    batch.into_iter().for_each(|j| fail(j, &reason));
                 }
-                Err(e) => {
-                    fail(job, &e.to_string());
-                    while let Ok(job) = jobs.try_recv() {
-                        fail(job, &e.to_string());
-                    }
-                    continue;
-                }
-            },
-        };
-        let m = &job.message;
-        let published = ch
-            .basic_publish(
-                job.exchange.as_ref().into(),
-                job.routing_key.as_ref().into(),
-                BasicPublishOptions::default(),
-                m.body.bytes(),
-                m.properties.clone(),
-            )
-            .await;
-        match published {
-            Ok(confirm) => {
-                let _ = confirm_tx.send((confirm, job.ticket));
-            }
-            Err(e) => {
-                channel = None;
-                fail(
-                    job,
-                    &format!("forwarding to cluster member '{primary}': {e}"),
-                );
             }
         }
     }
+}
+
+/// Queues one job's frames on the member's channel (opened again if it failed).
+async fn forward_one(
+    job: Job,
+    links: &Links,
+    primary: &Arc<str>,
+    vhost: &str,
+    channel: &mut Option<lapin::Channel>,
+    confirm_tx: &mpsc::UnboundedSender<(InFlight, Option<Ticket>)>,
+) -> Result<(), String> {
+    let ch = match channel.as_ref().filter(|c| c.status().connected()) {
+        Some(c) => c.clone(),
+        None => match open(links, primary, vhost).await {
+            Ok(c) => {
+                *channel = Some(c.clone());
+                c
+            }
+            Err(e) => {
+                fail(job, &e.to_string());
+                return Err(e.to_string());
+            }
+        },
+    };
+    let Job {
+        exchange,
+        routing_key,
+        message,
+        ticket,
+    } = job;
+    let mut publish: Writing = Box::pin(async move {
+        ch.basic_publish(
+            exchange.as_ref().into(),
+            routing_key.as_ref().into(),
+            BasicPublishOptions::default(),
+            message.body.bytes(),
+            message.properties.clone(),
+        )
+        .await
+    });
+    // The first poll queues the frames (in job order); the write and the confirm are
+    // awaited by the confirm task, so publishes are pipelined, not one per round trip.
+    let in_flight = match futures::poll!(publish.as_mut()) {
+        std::task::Poll::Ready(Err(e)) => {
+            *channel = None;
+            if let Some((tracker, id)) = ticket {
+                tracker.settle(
+                    id,
+                    Err(format!("forwarding to cluster member '{primary}': {e}")),
+                );
+            }
+            return Ok(());
+        }
+        std::task::Poll::Ready(Ok(confirm)) => InFlight::Written(confirm),
+        std::task::Poll::Pending => InFlight::Writing(publish),
+    };
+    let _ = confirm_tx.send((in_flight, ticket));
+    Ok(())
 }
 
 /// A confirm-mode channel on the link to `primary`.
@@ -232,11 +265,17 @@ fn fail(job: Job, reason: &str) {
     }
 }
 
-async fn answer_confirms(
-    mut confirms: mpsc::UnboundedReceiver<(PublisherConfirm, Option<Ticket>)>,
-) {
-    while let Some((confirm, ticket)) = confirms.recv().await {
-        let result = match confirm.await {
+async fn answer_confirms(mut confirms: mpsc::UnboundedReceiver<(InFlight, Option<Ticket>)>) {
+    while let Some((in_flight, ticket)) = confirms.recv().await {
+        let written = match in_flight {
+            InFlight::Writing(publish) => publish.await,
+            InFlight::Written(confirm) => Ok(confirm),
+        };
+        let confirmed = match written {
+            Ok(confirm) => confirm.await,
+            Err(e) => Err(e),
+        };
+        let result = match confirmed {
             Ok(Confirmation::Ack(_)) | Ok(Confirmation::NotRequested) => Ok(()),
             Ok(Confirmation::Nack(_)) => Err("the queue's primary refused the message".to_owned()),
             Err(e) => Err(format!("the queue's primary did not confirm: {e}")),

@@ -15,11 +15,13 @@ use crate::broker::outbox::Outbox;
 use crate::core::vhost::Settlement;
 use crate::core::{AmqpError, Message};
 use bytes::Bytes;
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use lapin::options::{
     BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicGetOptions, BasicNackOptions,
     BasicQosOptions, QueueDeclareOptions, QueueDeleteOptions, QueuePurgeOptions,
 };
+use std::collections::BTreeSet;
+use std::future::Future;
 use std::sync::Arc;
 use tokio::sync::{mpsc, oneshot};
 
@@ -27,6 +29,9 @@ use tokio::sync::{mpsc, oneshot};
 /// no-ack): the proxy must never hold more than a bounded number of messages that its
 /// client has not taken (DESIGN §4: no "stuck messages"), so credit is always finite.
 pub const DEFAULT_CREDIT: u16 = 4096;
+
+/// Most deliveries a consumer's pump hands to the connection in one mailbox push.
+const PUMP_BATCH: usize = 256;
 
 /// A delivery from a primary for a proxied consumer of the client channel `channel`.
 #[derive(Debug)]
@@ -221,13 +226,38 @@ async fn run(t: Target, mut commands: mpsc::UnboundedReceiver<Command>) {
             return;
         }
     };
+    let unsettled = Unsettled::default();
     let mut failed: Option<AmqpError> = None;
-    while let Some(c) = commands.recv().await {
+    let mut next: Option<Command> = None;
+    loop {
+        let c = match next.take() {
+            Some(c) => c,
+            None => match commands.recv().await {
+                Some(c) => c,
+                None => break,
+            },
+        };
         if let Some(err) = &failed {
             fail(c, err);
             continue;
         }
-        if let Err(e) = execute(&t, &ch, c).await {
+        if let Command::Settle { tag, settlement } = c {
+            // Settlements queued together go out together: runs of acks as one
+            // `multiple` ack where that names exactly them.
+            let mut batch = vec![(tag, settlement)];
+            while let Ok(c) = commands.try_recv() {
+                match c {
+                    Command::Settle { tag, settlement } => batch.push((tag, settlement)),
+                    other => {
+                        next = Some(other);
+                        break;
+                    }
+                }
+            }
+            settle(&ch, &unsettled, batch).await;
+            continue;
+        }
+        if let Err(e) = execute(&t, &ch, &unsettled, c).await {
             failed = Some(e);
         }
     }
@@ -237,9 +267,63 @@ async fn run(t: Target, mut commands: mpsc::UnboundedReceiver<Command>) {
         .await;
 }
 
+/// Upstream delivery tags not yet settled, shared by the channel's task and its consumers'
+/// pumps: an ack may be sent as `multiple` only when no unsettled tag below it remains.
+type Unsettled = Arc<parking_lot::Mutex<BTreeSet<u64>>>;
+
+/// Sends a batch of settlements in order, without waiting for the socket: their frames are
+/// queued on the first poll (in order), and the link writes them with what follows.
+async fn settle(ch: &lapin::Channel, unsettled: &Unsettled, batch: Vec<(u64, Settlement)>) {
+    let mut acks: Vec<u64> = Vec::new();
+    for (tag, settlement) in batch {
+        unsettled.lock().remove(&tag);
+        if settlement == Settlement::Ack {
+            acks.push(tag);
+            continue;
+        }
+        send_acks(ch, unsettled, &mut acks).await;
+        let nack = ch.basic_nack(
+            tag,
+            BasicNackOptions {
+                multiple: false,
+                requeue: settlement == Settlement::Requeue,
+            },
+        );
+        queue_frames(nack).await;
+    }
+    send_acks(ch, unsettled, &mut acks).await;
+}
+
+async fn send_acks(ch: &lapin::Channel, unsettled: &Unsettled, acks: &mut Vec<u64>) {
+    let Some(&last) = acks.iter().max() else {
+        return;
+    };
+    let covers_all = unsettled.lock().range(..last).next().is_none();
+    if covers_all && acks.len() > 1 {
+        queue_frames(ch.basic_ack(last, BasicAckOptions { multiple: true })).await;
+    } else {
+        for &tag in acks.iter() {
+            queue_frames(ch.basic_ack(tag, BasicAckOptions::default())).await;
+        }
+    }
+    acks.clear();
+}
+
+/// Polls a lapin send once — which queues its frames — and lets it go: a failure shows as
+/// the channel's state on the next command.
+async fn queue_frames(send: impl Future<Output = lapin::Result<()>>) {
+    let mut send = std::pin::pin!(send);
+    let _ = futures::poll!(send.as_mut());
+}
+
 /// Runs one command; an error that broke the upstream channel is returned (after it was
 /// given to the command's reply).
-async fn execute(t: &Target, ch: &lapin::Channel, c: Command) -> Result<(), AmqpError> {
+async fn execute(
+    t: &Target,
+    ch: &lapin::Channel,
+    unsettled: &Unsettled,
+    c: Command,
+) -> Result<(), AmqpError> {
     let err = |e: lapin::Error| amqp_error(&t.primary, &e);
     match c {
         Command::Consume {
@@ -275,6 +359,7 @@ async fn execute(t: &Target, ch: &lapin::Channel, c: Command) -> Result<(), Amqp
                     tokio::spawn(pump(
                         consumer,
                         ch.clone(),
+                        unsettled.clone(),
                         t.outbox.clone(),
                         Pumped {
                             channel: t.channel,
@@ -308,6 +393,9 @@ async fn execute(t: &Target, ch: &lapin::Channel, c: Command) -> Result<(), Amqp
                 .and_then(|got| {
                     got.map(|g| {
                         let d = g.delivery;
+                        if !no_ack {
+                            unsettled.lock().insert(d.delivery_tag);
+                        }
                         Ok(ProxiedGet {
                             upstream_tag: d.delivery_tag,
                             redelivered: d.redelivered,
@@ -363,20 +451,8 @@ async fn execute(t: &Target, ch: &lapin::Channel, c: Command) -> Result<(), Amqp
             .map_err(err),
         ),
         Command::Settle { tag, settlement } => {
-            let done = match settlement {
-                Settlement::Ack => ch.basic_ack(tag, BasicAckOptions::default()).await,
-                Settlement::Requeue | Settlement::Reject => {
-                    ch.basic_nack(
-                        tag,
-                        BasicNackOptions {
-                            multiple: false,
-                            requeue: settlement == Settlement::Requeue,
-                        },
-                    )
-                    .await
-                }
-            };
-            done.map_err(err)
+            settle(ch, unsettled, vec![(tag, settlement)]).await;
+            Ok(())
         }
     }
 }
@@ -432,7 +508,13 @@ struct Pumped {
 
 /// Hands one proxied consumer's deliveries to the client connection, until the consumer
 /// ends (cancelled by either side, or the channel closed).
-async fn pump(mut consumer: lapin::Consumer, ch: lapin::Channel, outbox: Arc<Outbox>, c: Pumped) {
+async fn pump(
+    mut consumer: lapin::Consumer,
+    ch: lapin::Channel,
+    unsettled: Unsettled,
+    outbox: Arc<Outbox>,
+    c: Pumped,
+) {
     let Pumped {
         channel,
         tag,
@@ -441,28 +523,38 @@ async fn pump(mut consumer: lapin::Consumer, ch: lapin::Channel, outbox: Arc<Out
         primary,
         no_ack,
     } = c;
-    while let Some(Ok(d)) = consumer.next().await {
-        let upstream_tag = d.delivery_tag;
-        let redelivered = d.redelivered;
-        match message(d.exchange, d.routing_key, d.properties, d.data) {
-            Ok(m) => outbox.push(|p| {
-                p.proxied.push(ProxiedDelivery {
+    while let Some(Ok(first)) = consumer.next().await {
+        // What else already arrived goes to the connection in the same mailbox push.
+        let mut arrived = vec![first];
+        while arrived.len() < PUMP_BATCH {
+            match consumer.next().now_or_never() {
+                Some(Some(Ok(d))) => arrived.push(d),
+                _ => break,
+            }
+        }
+        let mut batch = Vec::with_capacity(arrived.len());
+        for d in arrived {
+            let upstream_tag = d.delivery_tag;
+            unsettled.lock().insert(upstream_tag);
+            match message(d.exchange, d.routing_key, d.properties, d.data) {
+                Ok(m) => batch.push(ProxiedDelivery {
                     channel,
                     consumer_tag: tag.clone(),
                     serial,
                     queue: queue.clone(),
                     primary: primary.clone(),
                     upstream_tag,
-                    redelivered,
+                    redelivered: d.redelivered,
                     message: Arc::new(m),
                     no_ack,
-                })
-            }),
-            Err(e) => {
-                tracing::warn!(%primary, %queue, error = %e.text, "dropping a proxied delivery the broker cannot take");
-                let _ = ch.basic_ack(upstream_tag, BasicAckOptions::default()).await;
+                }),
+                Err(e) => {
+                    tracing::warn!(%primary, %queue, error = %e.text, "dropping a proxied delivery the broker cannot take");
+                    settle(&ch, &unsettled, vec![(upstream_tag, Settlement::Ack)]).await;
+                }
             }
         }
+        outbox.push(|p| p.proxied.append(&mut batch));
     }
     outbox.push(|p| {
         p.proxied_ended.push(ProxiedEnd {

@@ -24,14 +24,16 @@ pub(super) struct RemoteConsumer {
     primary: Arc<str>,
     /// Distinguishes it from an earlier consumer with the same tag on a reopened channel.
     serial: u64,
+    /// Deliveries that came before the client was sent consume-ok (the primary may deliver
+    /// before its consume-ok reaches this member's connection): written right after it.
+    /// `None` once consume-ok went out.
+    early: Option<Vec<ProxiedDelivery>>,
 }
 
 /// What a proxied method waits for.
 pub(super) enum Answer {
     Consumed {
         tag: String,
-        primary: Arc<str>,
-        serial: u64,
         nowait: bool,
         result: Result<(), AmqpError>,
     },
@@ -159,6 +161,14 @@ impl Connection {
         };
         self.next_serial += 1;
         let serial = self.next_serial;
+        self.remote_consumers.insert(
+            (id, tag.as_str().into()),
+            RemoteConsumer {
+                primary: primary.clone(),
+                serial,
+                early: Some(Vec::new()),
+            },
+        );
         let (tx, rx) = tokio::sync::oneshot::channel();
         self.upstream(id, &primary)?.send(Command::Consume {
             queue,
@@ -175,8 +185,6 @@ impl Connection {
             let result = reply(rx, &primary).await;
             Answer::Consumed {
                 tag,
-                primary,
-                serial,
                 nowait,
                 result,
             }
@@ -342,16 +350,14 @@ impl Connection {
         match answer {
             Answer::Consumed {
                 tag,
-                primary,
-                serial,
                 nowait,
                 result,
             } => {
-                result?;
-                self.remote_consumers.insert(
-                    (id, tag.as_str().into()),
-                    RemoteConsumer { primary, serial },
-                );
+                let key = (id, Arc::<str>::from(tag.as_str()));
+                if let Err(e) = result {
+                    self.remote_consumers.remove(&key);
+                    return Err(e);
+                }
                 if !nowait {
                     w.method(
                         id,
@@ -360,6 +366,12 @@ impl Connection {
                         })),
                     );
                 }
+                let mut early = self
+                    .remote_consumers
+                    .get_mut(&key)
+                    .and_then(|rc| rc.early.take())
+                    .unwrap_or_default();
+                self.write_proxied(&mut early, v);
             }
             Answer::Cancelled {
                 tag,
@@ -474,11 +486,22 @@ impl Connection {
     /// a consumer that is gone (cancelled, or its channel closed) goes back to its queue.
     pub(super) fn write_proxied(&mut self, deliveries: &mut Vec<ProxiedDelivery>, v: &mut Lazy) {
         for d in deliveries.drain(..) {
-            let registered = self
+            let open = self.channels.get(&d.channel).is_some_and(|ch| !ch.closing);
+            let consumer = self
                 .remote_consumers
-                .get(&(d.channel, d.consumer_tag.clone()))
-                .is_some_and(|rc| rc.serial == d.serial)
-                && self.channels.get(&d.channel).is_some_and(|ch| !ch.closing);
+                .get_mut(&(d.channel, d.consumer_tag.clone()))
+                .filter(|rc| rc.serial == d.serial && open);
+            let registered = match consumer {
+                Some(rc) => match &mut rc.early {
+                    Some(early) => {
+                        // consume-ok has not gone out yet: this delivery waits for it.
+                        early.push(d);
+                        continue;
+                    }
+                    None => true,
+                },
+                None => false,
+            };
             if !registered {
                 self.settle_upstream(d.channel, &d.primary, d.upstream_tag, Settlement::Requeue);
                 continue;
