@@ -461,3 +461,97 @@ async fn the_primary_is_the_member_the_declare_names() {
         .expect_err("an unknown member");
     assert_eq!(reply_code(&refused), Some(404));
 }
+
+#[tokio::test]
+async fn auto_delete_counts_consumers_on_every_member_and_deletes_everywhere() {
+    let (members, _secret) = start_cluster("proxy-auto", 3);
+    let (_c0, on_0) = members[0].channel().await;
+    on_0.queue_declare(
+        "transient".into(),
+        QueueDeclareOptions {
+            auto_delete: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let consume = |ch: lapin::Channel, tag: &'static str| async move {
+        // The consumer stream is kept: lapin cancels a consumer whose stream is dropped.
+        let consumer = ch
+            .basic_consume(
+                "transient".into(),
+                tag.into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        (ch, consumer)
+    };
+    let (_c1, on_1) = members[1].channel().await;
+    let (_c2, on_2) = members[2].channel().await;
+    let (on_1, _one) = consume(on_1, "one").await;
+    let (on_2, _two) = consume(on_2, "two").await;
+    assert_eq!(count(&members[0], "transient").await, (0, 2));
+    // One consumer left: the queue stays.
+    on_1.basic_cancel("one".into(), Default::default())
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(count(&members[1], "transient").await, (0, 1));
+    // The last one goes: the queue goes from every member.
+    on_2.basic_cancel("two".into(), Default::default())
+        .await
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    for m in &members {
+        loop {
+            let (_c, ch) = m.channel().await;
+            let passive = ch
+                .queue_declare(
+                    "transient".into(),
+                    QueueDeclareOptions {
+                        passive: true,
+                        ..Default::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await;
+            if passive.as_ref().is_err_and(|e| reply_code(e) == Some(404)) {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the queue is gone everywhere: {passive:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+#[tokio::test]
+async fn x_expires_is_decided_by_the_primary_and_deletes_everywhere() {
+    let (members, _secret) = start_cluster("proxy-expire", 2);
+    let (_c0, on_0) = members[0].channel().await;
+    let mut args = FieldTable::default();
+    args.insert("x-expires".into(), lapin::types::AMQPValue::LongUInt(1500));
+    on_0.queue_declare("fleeting".into(), QueueDeclareOptions::default(), args)
+        .await
+        .unwrap();
+    // Watched through the admin API of the proxy: a passive declare is a use of the queue
+    // and would keep it alive.
+    let admin = members[1].admin_client();
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let status = admin.get("/api/queues/%2f/fleeting").unwrap().status;
+        if status == 404 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the expired queue leaves the proxy too (still {status})"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

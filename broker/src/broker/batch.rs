@@ -18,6 +18,7 @@ impl Broker {
     pub fn finish_batch(&self, own: u64, vhost: &mut VHost, fx: &mut Effects) -> Option<u64> {
         self.resolve_paged(vhost, fx);
         self.forward(vhost.name(), fx, None);
+        self.retire(vhost.name(), fx);
         self.route_effects(own, fx);
         self.persist(vhost, fx)
     }
@@ -99,6 +100,39 @@ impl Broker {
             }
         }
         proxies.forwarders.send(vhost, batches);
+    }
+
+    /// Commits the deletion of the shared queues this batch retired (auto-delete, `x-expires`)
+    /// through the cluster, once per queue at a time: the tick names them again if the op
+    /// could not be committed.
+    fn retire(&self, vhost: &str, fx: &mut Effects) {
+        if fx.retire.is_empty() {
+            return;
+        }
+        let Some(cluster) = self.cluster().cloned() else {
+            fx.retire.clear();
+            return;
+        };
+        for name in fx.retire.drain(..) {
+            let key = (vhost.to_owned(), name.to_string());
+            if !self.retiring.lock().insert(key.clone()) {
+                continue;
+            }
+            tracing::info!(vhost, queue = %name, "retiring the queue (auto-delete or x-expires) through the cluster");
+            let committed = cluster.submit(
+                vhost,
+                crate::core::WiringOp::DeleteQueue {
+                    name: name.to_string(),
+                    if_unused: false,
+                    if_empty: false,
+                },
+            );
+            let retiring = self.retiring.clone();
+            tokio::spawn(async move {
+                let _ = committed.await;
+                retiring.lock().remove(&key);
+            });
+        }
     }
 
     /// `message` with its body in memory, read back from the journal when it was paged out

@@ -53,6 +53,8 @@ pub struct Broker {
     pub journal: Journal,
     /// This broker's cluster membership, once it joined (never set when standalone).
     pub cluster: std::sync::OnceLock<Arc<crate::cluster::Cluster>>,
+    /// Shared queues (vhost, name) whose retirement is being committed through the cluster.
+    retiring: Arc<Mutex<std::collections::HashSet<(String, String)>>>,
     /// Links to the other members, for proxied queues (set with `cluster`).
     pub proxies: std::sync::OnceLock<crate::proxy::Proxies>,
     /// Whether the listeners accept clients: a cluster member only starts once it holds
@@ -94,6 +96,7 @@ impl Broker {
             journal,
             cluster: std::sync::OnceLock::new(),
             proxies: std::sync::OnceLock::new(),
+            retiring: Arc::default(),
             serving: tokio::sync::watch::channel(false).0,
             data_dir,
         }))

@@ -192,7 +192,7 @@ impl VHost {
         };
         q.consumers.retain(|r| !(r.channel == key && &r.tag == tag));
         if q.auto_delete && q.consumers.is_empty() && q.had_consumer {
-            self.remove_queue(queue, fx);
+            self.retire_queue(queue, fx);
         }
     }
 

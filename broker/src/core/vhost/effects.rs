@@ -62,6 +62,10 @@ pub struct Effects {
     pub forwards: Vec<Forward>,
     /// Acknowledgements of proxied deliveries, for the server to pass to their primaries.
     pub remote_settles: Vec<RemoteSettle>,
+    /// Shared queues this member owns that auto-delete or `x-expires` says must go: on a
+    /// cluster the deletion is a cluster op (see [`VHost::retire_queue`](super::VHost)),
+    /// so the queue leaves every member at once.
+    pub retire: Vec<Arc<str>>,
 
     /// A publish landed on a queue whose consumers cannot keep up (see
     /// [`FLOW_READY_THRESHOLD`](super::FLOW_READY_THRESHOLD)): the publisher should pause

@@ -9,7 +9,9 @@ use crate::core::queue::Queue;
 
 impl VHost {
     /// Advances time: expires messages at queue heads and deletes queues unused past their
-    /// `x-expires`. The server calls it periodically.
+    /// `x-expires`. The server calls it periodically. On a cluster member it also names
+    /// again the auto-delete queues still waiting for their deletion to be committed (a
+    /// cluster op that could not be committed is asked for again).
     pub fn tick(&mut self, now_ms: u64, fx: &mut Effects) {
         let record = self.record_ops;
         let mut dead = Vec::new();
@@ -26,9 +28,17 @@ impl VHost {
             {
                 expired_queues.push(q.name.clone());
             }
+            if node.is_some()
+                && !proxied
+                && q.auto_delete
+                && q.had_consumer
+                && q.consumers.is_empty()
+            {
+                expired_queues.push(q.name.clone());
+            }
         }
         for name in expired_queues {
-            self.remove_queue(&name, fx);
+            self.retire_queue(&name, fx);
         }
         self.dead_letter_all(dead, now_ms, fx);
     }

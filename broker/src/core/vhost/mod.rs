@@ -135,6 +135,25 @@ impl VHost {
         self.live_nodes = nodes.iter().map(|n| n.as_str().into()).collect();
     }
 
+    /// Deletes a queue that auto-delete or `x-expires` retired: at once on a single broker
+    /// (or for an exclusive queue); on a cluster member, a shared queue is only named in
+    /// [`Effects::retire`] — the server commits its deletion through the cluster, so every
+    /// member drops it at the same point of the agreed order.
+    pub(super) fn retire_queue(&mut self, name: &str, fx: &mut Effects) {
+        let shared = self.node.is_some()
+            && self
+                .queues
+                .get(name)
+                .is_some_and(|q| q.exclusive_owner.is_none() && q.home.is_some());
+        if shared {
+            if !fx.retire.iter().any(|n| n.as_ref() == name) {
+                fx.retire.push(name.into());
+            }
+        } else {
+            self.remove_queue(name, fx);
+        }
+    }
+
     /// The primary of queue `name` when it is another member (the queue is proxied here);
     /// `None` for a local queue, an unknown one, or on a single broker.
     pub fn remote_primary(&self, name: &str) -> Option<Arc<str>> {
