@@ -420,6 +420,42 @@ async fn the_primary_is_the_member_the_declare_names() {
     // A publish through member 0 lands there; a delete through member 1 is decided there.
     publish_confirmed(&on_0, "placed", "p", 2).await;
     assert_eq!(count(&members[2], "placed").await, (2, 0));
+    // The admin API of any member answers with the primary's numbers.
+    let (_cg, on_g) = members[2].channel().await;
+    let held = on_g
+        .basic_get("placed".into(), BasicGetOptions::default())
+        .await
+        .unwrap()
+        .expect("a message");
+    let q = admin.get("/api/queues/%2f/placed").unwrap();
+    assert_eq!(
+        (
+            &q.body["messages_ready"],
+            &q.body["messages_unacknowledged"],
+            &q.body["messages"]
+        ),
+        (&1.into(), &1.into(), &2.into()),
+        "{}",
+        q.body
+    );
+    let listed = admin.get("/api/queues/%2f").unwrap().body;
+    let listed: Vec<&serde_json::Value> = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|q| q["name"] == "placed")
+        .collect();
+    assert_eq!(listed.len(), 1, "each queue once");
+    assert_eq!(listed[0]["messages"], 2);
+    on_g.basic_nack(
+        held.delivery.delivery_tag,
+        BasicNackOptions {
+            requeue: true,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
     let (_c1, on_1) = members[1].channel().await;
     let refused = on_1
         .queue_delete(
@@ -554,4 +590,115 @@ async fn x_expires_is_decided_by_the_primary_and_deletes_everywhere() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+#[tokio::test]
+async fn a_transaction_through_a_proxy_commits_at_the_primary_before_commit_ok() {
+    let (members, _secret) = start_cluster("proxy-tx", 2);
+    declare(&members[0], "ledger").await;
+    let (_c1, on_1) = members[1].channel().await;
+    on_1.tx_select().await.unwrap();
+    for i in 0..5 {
+        on_1.basic_publish(
+            "".into(),
+            "ledger".into(),
+            BasicPublishOptions::default(),
+            format!("t-{i}").as_bytes(),
+            BasicProperties::default().with_delivery_mode(2),
+        )
+        .await
+        .unwrap();
+    }
+    assert_eq!(count(&members[0], "ledger").await.0, 0, "held until commit");
+    on_1.tx_commit().await.unwrap();
+    // commit-ok came only after the primary confirmed every publish of the transaction.
+    assert_eq!(count(&members[0], "ledger").await.0, 5);
+    on_1.basic_publish(
+        "".into(),
+        "ledger".into(),
+        BasicPublishOptions::default(),
+        b"rolled-back",
+        BasicProperties::default(),
+    )
+    .await
+    .unwrap();
+    on_1.tx_rollback().await.unwrap();
+    assert_eq!(count(&members[0], "ledger").await.0, 5);
+}
+
+#[tokio::test]
+async fn dead_letters_and_ttl_cross_members() {
+    let (members, _secret) = start_cluster("proxy-dlx", 3);
+    // The dead-letter queue lives on member 2, the work queue on member 0.
+    declare(&members[2], "dead").await;
+    let (_c0, on_0) = members[0].channel().await;
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-dead-letter-exchange".into(),
+        lapin::types::AMQPValue::LongString("".into()),
+    );
+    args.insert(
+        "x-dead-letter-routing-key".into(),
+        lapin::types::AMQPValue::LongString("dead".into()),
+    );
+    args.insert(
+        "x-message-ttl".into(),
+        lapin::types::AMQPValue::LongUInt(60_000),
+    );
+    on_0.queue_declare("work-dlx".into(), QueueDeclareOptions::default(), args)
+        .await
+        .unwrap();
+    let (_c1, on_1) = members[1].channel().await;
+    publish_confirmed(&on_1, "work-dlx", "d", 2).await;
+    // A reject through a proxy: the primary dead-letters to the queue on member 2.
+    let got = on_1
+        .basic_get("work-dlx".into(), BasicGetOptions::default())
+        .await
+        .unwrap()
+        .expect("a message");
+    on_1.basic_reject(
+        got.delivery.delivery_tag,
+        lapin::options::BasicRejectOptions { requeue: false },
+    )
+    .await
+    .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while count(&members[2], "dead").await.0 != 1 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the dead letter reaches the queue on another member"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let dead = on_1
+        .basic_get("dead".into(), BasicGetOptions { no_ack: true })
+        .await
+        .unwrap()
+        .expect("the dead letter");
+    assert_eq!(dead.delivery.data, b"d-0");
+    let deaths = dead
+        .delivery
+        .properties
+        .headers()
+        .as_ref()
+        .and_then(|h| h.inner().get("x-death").cloned());
+    assert!(deaths.is_some(), "x-death is set by the primary");
+
+    // Per-message TTL, applied where the queue lives.
+    let (_c0, on_0) = members[0].channel().await;
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-message-ttl".into(),
+        lapin::types::AMQPValue::LongUInt(200),
+    );
+    on_0.queue_declare("short-lived".into(), QueueDeclareOptions::default(), args)
+        .await
+        .unwrap();
+    publish_confirmed(&on_1, "short-lived", "ttl", 3).await;
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let gone = on_1
+        .basic_get("short-lived".into(), BasicGetOptions::default())
+        .await
+        .unwrap();
+    assert!(gone.is_none(), "expired on the primary");
 }

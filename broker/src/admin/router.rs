@@ -17,6 +17,9 @@ pub(super) type Result<T> = std::result::Result<T, ApiError>;
 /// changes.
 pub(super) type Handler = fn(&Ctx<'_>) -> Result<Reply>;
 
+/// A read that must ask other cluster members (a queue's numbers are its primary's).
+pub(super) type Reader = for<'a> fn(&'a Ctx<'a>) -> futures::future::BoxFuture<'a, Result<Reply>>;
+
 /// The prefix every pattern in the table is written with, so that the table reads like the
 /// URLs in `docs/admin-api.md`; calls arrive with it already stripped.
 const API_PREFIX: &str = "/api/";
@@ -61,6 +64,8 @@ pub(super) struct Route {
 enum Action {
     /// A handler.
     Handle(Handler),
+    /// A read that awaits other members.
+    Read(Reader),
     /// A wiring change: the planner builds its op, [`wiring::run`] applies it here or
     /// commits it through the cluster.
     Wiring(Planner),
@@ -70,6 +75,14 @@ impl Route {
     /// `GET` (and `HEAD`) on `pattern`.
     pub(super) const fn get(pattern: &'static str, handler: Handler) -> Self {
         Self::new(Verb::Get, pattern, handler)
+    }
+    /// `GET` (and `HEAD`) on `pattern`, answered by asking other members too.
+    pub(super) const fn get_async(pattern: &'static str, reader: Reader) -> Self {
+        Self {
+            verb: Verb::Get,
+            pattern,
+            action: Action::Read(reader),
+        }
     }
     /// `PUT` on `pattern`.
     pub(super) const fn put(pattern: &'static str, handler: Handler) -> Self {
@@ -198,6 +211,7 @@ pub(super) async fn dispatch(broker: &Arc<Broker>, call: &Call) -> Result<Reply>
     let c = Ctx { broker, call, args };
     match route.action {
         Action::Handle(handler) => handler(&c),
+        Action::Read(reader) => reader(&c).await,
         Action::Wiring(plan) => wiring::run(&c, plan).await,
     }
 }

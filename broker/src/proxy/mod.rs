@@ -13,6 +13,7 @@
 
 pub mod forward;
 pub mod link;
+pub mod stats;
 pub mod upstream;
 
 use forward::Forwarders;

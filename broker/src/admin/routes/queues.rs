@@ -12,36 +12,108 @@ use crate::admin::{ApiError, Reply, empty_reply};
 use crate::broker::Broker;
 use crate::core::queue::Queue;
 use crate::core::{Effects, VHost, WiringOp};
+use crate::proxy::stats::queue_stats;
+use futures::future::BoxFuture;
 use hyper::StatusCode;
 use parking_lot::Mutex;
 use serde_json::{Value, json};
+use std::collections::HashMap;
 
-/// `GET /api/queues`: every vhost's queues.
-pub(super) fn list_all(c: &Ctx<'_>) -> Result<Reply> {
-    let b = c.broker;
-    ok(Value::Array(
-        b.vhosts()
+/// `GET /api/queues`: every vhost's queues, each once, with its primary's numbers.
+pub(super) fn list_all<'a>(c: &'a Ctx<'a>) -> BoxFuture<'a, Result<Reply>> {
+    Box::pin(async move {
+        let b = c.broker;
+        let mut all: Vec<Value> = b
+            .vhosts()
             .iter()
             .flat_map(|(n, v)| queues_json(b, n, v))
-            .collect(),
-    ))
+            .collect();
+        primary_numbers(b, &mut all).await;
+        ok(Value::Array(all))
+    })
 }
 
 /// `GET /api/queues/{vhost}`.
-pub(super) fn list(c: &Ctx<'_>) -> Result<Reply> {
-    let [vh] = c.args();
-    let b = c.broker;
-    ok(Value::Array(queues_json(b, vh, &*vhost(b, vh)?)))
+pub(super) fn list<'a>(c: &'a Ctx<'a>) -> BoxFuture<'a, Result<Reply>> {
+    Box::pin(async move {
+        let [vh] = c.args();
+        let b = c.broker;
+        let mut all = queues_json(b, vh, &*vhost(b, vh)?);
+        primary_numbers(b, &mut all).await;
+        ok(Value::Array(all))
+    })
 }
 
 /// `GET /api/queues/{vhost}/{name}`.
-pub(super) fn get(c: &Ctx<'_>) -> Result<Reply> {
-    let [vh, name] = c.args();
-    let b = c.broker;
-    let v = vhost(b, vh)?;
-    let v = v.lock();
-    let q = v.queue(name).ok_or_else(|| no_queue(vh, name))?;
-    ok(queue_json(b, vh, q))
+pub(super) fn get<'a>(c: &'a Ctx<'a>) -> BoxFuture<'a, Result<Reply>> {
+    Box::pin(async move {
+        let [vh, name] = c.args();
+        let b = c.broker;
+        let one = {
+            let v = vhost(b, vh)?;
+            let v = v.lock();
+            let q = v.queue(name).ok_or_else(|| no_queue(vh, name))?;
+            queue_json(b, vh, q)
+        };
+        let mut one = vec![one];
+        primary_numbers(b, &mut one).await;
+        ok(one.pop().expect("one queue"))
+    })
+}
+
+/// Replaces the numbers of queues whose primary is another member (this member holds
+/// none of their messages) with the primary's, asked over the links; a queue whose
+/// primary cannot be asked keeps `null` numbers and `"state": "unreachable"`.
+async fn primary_numbers(b: &Broker, queues: &mut [Value]) {
+    let Some(proxies) = b.proxies() else {
+        return;
+    };
+    let me = b.config.node_id.as_str();
+    let mut asks: HashMap<(String, String), Vec<String>> = HashMap::new();
+    for q in queues.iter() {
+        let node = q["node"].as_str().unwrap_or(me);
+        if node != me && q["exclusive"] != true {
+            asks.entry((
+                node.to_owned(),
+                q["vhost"].as_str().unwrap_or("").to_owned(),
+            ))
+            .or_default()
+            .push(q["name"].as_str().unwrap_or("").to_owned());
+        }
+    }
+    for ((node, vh), names) in asks {
+        let stats = queue_stats(&proxies.links, &node, &vh, &names).await;
+        for q in queues.iter_mut() {
+            if q["node"] != node.as_str() || q["vhost"] != vh.as_str() {
+                continue;
+            }
+            let Some(name) = q["name"].as_str().map(str::to_owned) else {
+                continue;
+            };
+            if !names.contains(&name) {
+                continue;
+            }
+            match stats.get(&name) {
+                Some(s) => {
+                    q["messages_ready"] = s.ready.into();
+                    q["messages_unacknowledged"] = s.unacked.into();
+                    q["messages"] = (u64::from(s.ready) + u64::from(s.unacked)).into();
+                    q["consumers"] = s.consumers.into();
+                }
+                None => {
+                    for k in [
+                        "messages_ready",
+                        "messages_unacknowledged",
+                        "messages",
+                        "consumers",
+                    ] {
+                        q[k] = Value::Null;
+                    }
+                    q["state"] = "unreachable".into();
+                }
+            }
+        }
+    }
 }
 
 /// `PUT /api/queues/{vhost}/{name}`: durable unless the body says otherwise. On a cluster

@@ -7,11 +7,13 @@
 
 use super::frames::{ConnError, permit, short};
 use super::{Connection, Lazy};
+use crate::amqp::AMQPValue;
 use crate::amqp::{AMQPClass, codes, exchange, queue};
 use crate::auth::permissions::{Access, Resource};
 use crate::clock::now_ms;
 use crate::cluster::OpOutcome;
 use crate::core::{AmqpError, ExchangeDeclare, OpReply, QueueDeclare, WiringOp};
+use crate::proxy::stats::STATS_ARGUMENT;
 use crate::server::wiring::{self, Awaited, Waiting};
 
 /// A method whose wiring op is in flight through the cluster: the connection reads no
@@ -204,6 +206,11 @@ impl Connection {
         v: &mut Lazy,
     ) -> Result<(), AmqpError> {
         let name = d.queue.to_string();
+        if self.link
+            && let Some(which) = d.arguments.inner().get(STATS_ARGUMENT)
+        {
+            return self.queue_stats(id, &name, which, d.nowait, v);
+        }
         if let Some(primary) = v.get().remote_primary(&name)
             && !d.exclusive
         {
@@ -221,6 +228,7 @@ impl Connection {
             },
             now_ms(),
         )?;
+        let message_count = declared.message_count;
         let ch = self.channels.get_mut(&id).expect("checked by the caller");
         ch.last_queue = Some(declared.name.to_string());
         if !d.nowait {
@@ -228,8 +236,43 @@ impl Connection {
                 id,
                 AMQPClass::Queue(queue::AMQPMethod::DeclareOk(queue::DeclareOk {
                     queue: short(&declared.name),
-                    message_count: declared.message_count,
+                    message_count,
                     consumer_count: declared.consumer_count,
+                })),
+            );
+        }
+        Ok(())
+    }
+
+    /// Another member's admin API asking, over its link, for a queue's numbers
+    /// ([`STATS_ARGUMENT`]): a passive declare that is not a use of the queue.
+    fn queue_stats(
+        &mut self,
+        id: u16,
+        name: &str,
+        which: &AMQPValue,
+        nowait: bool,
+        v: &mut Lazy,
+    ) -> Result<(), AmqpError> {
+        let vhost = self.vhost_name.clone();
+        let q = v
+            .get()
+            .queue(name)
+            .ok_or_else(|| AmqpError::not_found(format!("no queue '{name}' in vhost '{vhost}'")))?;
+        let unacked = matches!(which, AMQPValue::LongString(s) if s.as_bytes() == b"unacked");
+        let message_count = if unacked {
+            q.unacked_count()
+        } else {
+            q.ready_count()
+        } as u32;
+        let consumer_count = q.consumers.len() as u32;
+        if !nowait {
+            self.writer.method(
+                id,
+                AMQPClass::Queue(queue::AMQPMethod::DeclareOk(queue::DeclareOk {
+                    queue: short(name),
+                    message_count,
+                    consumer_count,
                 })),
             );
         }
