@@ -148,6 +148,12 @@ pub enum Command {
         /// declare-ok's counts.
         reply: Reply<(u32, u32)>,
     },
+    /// A round trip after the settlements sent before it: answered once the primary has
+    /// processed them (a `basic.qos` repeating the channel's last one).
+    Barrier {
+        /// Answered after the round trip.
+        reply: Reply<()>,
+    },
     /// The client settled a delivery that came through this channel.
     Settle {
         /// Upstream delivery tag.
@@ -227,6 +233,8 @@ async fn run(t: Target, mut commands: mpsc::UnboundedReceiver<Command>) {
         }
     };
     let unsettled = Unsettled::default();
+    // The prefetch of the channel's latest consumer, which a barrier repeats.
+    let mut last_credit: u16 = 0;
     let mut failed: Option<AmqpError> = None;
     let mut next: Option<Command> = None;
     loop {
@@ -257,7 +265,7 @@ async fn run(t: Target, mut commands: mpsc::UnboundedReceiver<Command>) {
             settle(&ch, &unsettled, batch).await;
             continue;
         }
-        if let Err(e) = execute(&t, &ch, &unsettled, c).await {
+        if let Err(e) = execute(&t, &ch, &unsettled, &mut last_credit, c).await {
             failed = Some(e);
         }
     }
@@ -322,6 +330,7 @@ async fn execute(
     t: &Target,
     ch: &lapin::Channel,
     unsettled: &Unsettled,
+    last_credit: &mut u16,
     c: Command,
 ) -> Result<(), AmqpError> {
     let err = |e: lapin::Error| amqp_error(&t.primary, &e);
@@ -336,6 +345,7 @@ async fn execute(
             serial,
             reply,
         } => {
+            *last_credit = credit;
             let started = async {
                 ch.basic_qos(credit, BasicQosOptions { global: false })
                     .await
@@ -454,6 +464,12 @@ async fn execute(
             settle(ch, unsettled, vec![(tag, settlement)]).await;
             Ok(())
         }
+        Command::Barrier { reply } => answer(
+            reply,
+            ch.basic_qos(*last_credit, BasicQosOptions { global: false })
+                .await
+                .map_err(err),
+        ),
     }
 }
 
@@ -477,6 +493,9 @@ fn fail(c: Command, err: &AmqpError) {
             let _ = reply.send(Err(err.clone()));
         }
         Command::Counts { reply, .. } => {
+            let _ = reply.send(Err(err.clone()));
+        }
+        Command::Barrier { reply } => {
             let _ = reply.send(Err(err.clone()));
         }
         Command::Settle { .. } => {}

@@ -148,6 +148,7 @@ impl Connection {
                     return Err(AmqpError::new(codes::NOT_IMPLEMENTED, "requeue=false"));
                 }
                 v.get().basic_recover(key, now, &mut self.fx);
+                self.send_remote_settles();
                 self.writer.method(
                     id,
                     AMQPClass::Basic(basic::AMQPMethod::RecoverOk(basic::RecoverOk {})),
@@ -244,9 +245,13 @@ impl Connection {
                 tag,
                 multiple,
                 requeue,
-            } => v
-                .get()
-                .basic_nack(key, tag, multiple, requeue, now, &mut self.fx)?,
+            } => {
+                v.get()
+                    .basic_nack(key, tag, multiple, requeue, now, &mut self.fx)?;
+                // Proxied deliveries go back to their primaries now, and nothing more is
+                // read until they are processed there (see `send_remote_settles`).
+                self.send_remote_settles();
+            }
         }
         Ok(())
     }

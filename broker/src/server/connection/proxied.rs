@@ -62,6 +62,9 @@ pub(super) enum Answer {
         nowait: bool,
         result: Result<u32, AmqpError>,
     },
+    Settled {
+        result: Result<(), AmqpError>,
+    },
 }
 
 /// A proxied method in flight: the connection reads no further frames until it is answered.
@@ -431,6 +434,7 @@ impl Connection {
                     w.body(id, got.message.body.bytes(), self.frame_max);
                 }
             },
+            Answer::Settled { result } => result?,
             Answer::Purged { nowait, result } => {
                 let message_count = result?;
                 if !nowait {
@@ -561,13 +565,48 @@ impl Connection {
     }
 
     /// Passes the client's settlements of proxied deliveries to their upstream channels.
+    ///
+    /// A message a nack or reject put back (or dropped) must be seen so by every member once
+    /// the client's channel has its next reply: after a batch with such settlements the
+    /// connection reads nothing more until each primary involved has processed them (a
+    /// barrier round trip on its upstream channel).
     pub(super) fn send_remote_settles(&mut self) {
         let settles = std::mem::take(&mut self.fx.remote_settles);
+        let mut barriers: Vec<(u16, Arc<str>)> = Vec::new();
         for s in &settles {
-            self.settle_upstream(s.channel.channel, &s.primary, s.upstream_tag, s.settlement);
+            let channel = s.channel.channel;
+            self.settle_upstream(channel, &s.primary, s.upstream_tag, s.settlement);
+            if s.settlement != Settlement::Ack
+                && !barriers
+                    .iter()
+                    .any(|(c, p)| *c == channel && *p == s.primary)
+            {
+                barriers.push((channel, s.primary.clone()));
+            }
         }
         self.fx.remote_settles = settles;
         self.fx.remote_settles.clear();
+        if barriers.is_empty() || self.remote_wait.is_some() {
+            return;
+        }
+        let mut waits = Vec::new();
+        for (channel, primary) in &barriers {
+            if let Some(u) = self.upstreams.get(&(*channel, primary.clone())) {
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                u.send(Command::Barrier { reply: tx });
+                waits.push((rx, primary.clone()));
+            }
+        }
+        let channel = barriers[0].0;
+        self.wait_remote(channel, (60, 120), async move {
+            let mut result = Ok(());
+            for (rx, primary) in waits {
+                if let Err(e) = reply(rx, &primary).await {
+                    result = Err(e);
+                }
+            }
+            Answer::Settled { result }
+        });
     }
 
     fn settle_upstream(&self, channel: u16, primary: &Arc<str>, tag: u64, settlement: Settlement) {
