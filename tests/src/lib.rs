@@ -14,6 +14,7 @@ pub use lapin;
 pub mod cluster;
 pub mod netns;
 pub mod prereq;
+pub mod rabbitmq;
 pub mod tls;
 
 /// Path of a binary built from this workspace (`ringmq-broker`, `ringmqctl`), next to the

@@ -82,10 +82,7 @@ impl Broker {
         if fx.forwards.is_empty() {
             return;
         }
-        let Some(proxies) = self.proxies() else {
-            fx.forwards.clear();
-            return;
-        };
+        let proxies = self.proxies();
         let mut batches: Vec<(Arc<str>, Vec<crate::proxy::forward::Job>)> = Vec::new();
         for f in fx.forwards.drain(..) {
             let job = crate::proxy::forward::Job {

@@ -33,6 +33,10 @@ use std::time::Duration;
 /// The queue.declare argument that names the member a queue lives on.
 pub const PRIMARY_ARGUMENT: &str = "qpid.cluster.primary";
 
+/// The queue.declare argument that makes the queue a proxy for a queue of the same name on
+/// another AMQP broker (`amqp://user:pass@host:port/vhost`).
+pub const PROXY_ARGUMENT: &str = "qpid.cluster.proxy";
+
 /// State shared by every connection of the broker.
 #[derive(Debug)]
 pub struct Broker {
@@ -55,8 +59,8 @@ pub struct Broker {
     pub cluster: std::sync::OnceLock<Arc<crate::cluster::Cluster>>,
     /// Shared queues (vhost, name) whose retirement is being committed through the cluster.
     retiring: Arc<Mutex<std::collections::HashSet<(String, String)>>>,
-    /// Links to the other members, for proxied queues (set with `cluster`).
-    pub proxies: std::sync::OnceLock<crate::proxy::Proxies>,
+    /// Links to the other members and foreign brokers, for proxied queues.
+    proxies: crate::proxy::Proxies,
     /// Whether the listeners accept clients: a cluster member only starts once it holds
     /// the cluster map, so no client sees a wiring the cluster does not have.
     serving: tokio::sync::watch::Sender<bool>,
@@ -95,7 +99,7 @@ impl Broker {
             blocked_reason: Mutex::new(""),
             journal,
             cluster: std::sync::OnceLock::new(),
-            proxies: std::sync::OnceLock::new(),
+            proxies: crate::proxy::Proxies::default(),
             retiring: Arc::default(),
             serving: tokio::sync::watch::channel(false).0,
             data_dir,
@@ -122,16 +126,17 @@ impl Broker {
     /// members, found by node id in the cluster's membership.
     pub fn joined(&self, cluster: Arc<crate::cluster::Cluster>) {
         let members = Arc::downgrade(&cluster);
-        let proxies = crate::proxy::Proxies::new(cluster.link_password().to_owned(), move |node| {
-            let cluster = members.upgrade()?;
-            cluster
-                .members()
-                .into_iter()
-                .filter_map(|m| m.info)
-                .find(|i| i.node_id == node)
-                .map(|i| i.amqp)
-        });
-        let _ = self.proxies.set(proxies);
+        self.proxies
+            .links
+            .join(cluster.link_password().to_owned(), move |node| {
+                let cluster = members.upgrade()?;
+                cluster
+                    .members()
+                    .into_iter()
+                    .filter_map(|m| m.info)
+                    .find(|i| i.node_id == node)
+                    .map(|i| i.amqp)
+            });
         let _ = self.cluster.set(cluster);
     }
 
@@ -144,18 +149,20 @@ impl Broker {
         arguments: &crate::amqp::FieldTable,
     ) -> Result<Option<String>, crate::core::AmqpError> {
         use crate::amqp::AMQPValue;
-        let named = match arguments.inner().get(PRIMARY_ARGUMENT) {
-            None => None,
+        let string = |key: &str| match arguments.inner().get(key) {
+            None => Ok(None),
             Some(AMQPValue::LongString(s)) => {
-                Some(String::from_utf8_lossy(s.as_bytes()).into_owned())
+                Ok(Some(String::from_utf8_lossy(s.as_bytes()).into_owned()))
             }
-            Some(AMQPValue::ShortString(s)) => Some(s.to_string()),
-            Some(other) => {
-                return Err(crate::core::AmqpError::precondition(format!(
-                    "{PRIMARY_ARGUMENT} must be a string (a member's node id or host:port), not {other:?}"
-                )));
-            }
+            Some(AMQPValue::ShortString(s)) => Ok(Some(s.to_string())),
+            Some(other) => Err(crate::core::AmqpError::precondition(format!(
+                "{key} must be a string, not {other:?}"
+            ))),
         };
+        if let Some(uri) = string(PROXY_ARGUMENT)? {
+            return self.foreign_home(uri, arguments).map(Some);
+        }
+        let named = string(PRIMARY_ARGUMENT)?;
         let me = &self.config.node_id;
         let Some(cluster) = self.cluster() else {
             return match named.as_deref() {
@@ -182,9 +189,42 @@ impl Broker {
         }
     }
 
-    /// This member's proxies, once it joined a cluster.
-    pub fn proxies(&self) -> Option<&crate::proxy::Proxies> {
-        self.proxies.get()
+    /// The home of a foreign proxy: the other broker's URI, checked for form here (whether
+    /// it has the queue is asked before the declare is carried out).
+    fn foreign_home(
+        &self,
+        uri: String,
+        arguments: &crate::amqp::FieldTable,
+    ) -> Result<String, crate::core::AmqpError> {
+        use crate::core::AmqpError;
+        if arguments.inner().contains_key(PRIMARY_ARGUMENT) {
+            return Err(AmqpError::precondition(format!(
+                "{PRIMARY_ARGUMENT} and {PROXY_ARGUMENT} exclude each other: a proxy's queue \
+                 lives on the other broker"
+            )));
+        }
+        if !crate::core::is_foreign(&uri) {
+            return Err(AmqpError::new(
+                crate::amqp::codes::NOT_IMPLEMENTED,
+                format!(
+                    "{PROXY_ARGUMENT} names '{uri}': only another AMQP broker's \
+                     amqp://user:pass@host:port/vhost URI is supported (a queue on a cluster \
+                     member is proxied by every other member already)"
+                ),
+            ));
+        }
+        uri.parse::<amq_protocol::uri::AMQPUri>().map_err(|e| {
+            AmqpError::precondition(format!(
+                "{PROXY_ARGUMENT} is not a valid AMQP URI ({}): {e}",
+                crate::proxy::link::redacted(&uri)
+            ))
+        })?;
+        Ok(uri)
+    }
+
+    /// This broker's links and forwarders.
+    pub fn proxies(&self) -> &crate::proxy::Proxies {
+        &self.proxies
     }
 
     /// Registers a new connection; returns its id and mailbox.

@@ -25,3 +25,9 @@ pub use vhost::{
     QueueDeclare, QueueDeclared, VHost,
 };
 pub use wiring_op::{NO_CONNECTION, OpReply, WiringOp};
+
+/// Whether a queue's home (its primary) names another AMQP broker — a foreign proxy, whose
+/// home is that broker's `amqp://` or `amqps://` URI — rather than a cluster member.
+pub fn is_foreign(home: &str) -> bool {
+    home.starts_with("amqp://") || home.starts_with("amqps://")
+}

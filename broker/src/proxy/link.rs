@@ -60,13 +60,18 @@ type Resolve = Box<dyn Fn(&str) -> Option<String> + Send + Sync>;
 /// One (member, vhost) link: connected at most once at a time by whoever needs it first.
 type Slot = Arc<tokio::sync::Mutex<Option<Arc<Connection>>>>;
 
-/// The open links of this member, by (node id, vhost).
+/// The open links of this broker, by (node id or foreign URI, vhost).
+#[derive(Default)]
 pub struct Links {
-    password: String,
-    /// Finds a member's AMQP address by node id (the cluster map's membership).
-    resolve: Resolve,
+    /// The cluster this broker joined: the links' password and how to find a member's AMQP
+    /// address by node id (the cluster map's membership).
+    cluster: std::sync::OnceLock<(String, Resolve)>,
     open: Mutex<HashMap<(String, String), Slot>>,
 }
+
+/// Whether a queue's home names another AMQP broker (a foreign proxy) rather than a
+/// cluster member.
+pub use crate::core::is_foreign;
 
 impl std::fmt::Debug for Links {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -75,20 +80,43 @@ impl std::fmt::Debug for Links {
 }
 
 impl Links {
-    /// Links that log in with `password` and find members with `resolve`.
-    pub fn new(
+    /// Links to the members of the cluster this broker joined: they log in with `password`
+    /// and find members with `resolve`.
+    pub fn join(
+        &self,
         password: String,
         resolve: impl Fn(&str) -> Option<String> + Send + Sync + 'static,
-    ) -> Self {
-        Self {
-            password,
-            resolve: Box::new(resolve),
-            open: Mutex::new(HashMap::new()),
-        }
+    ) {
+        let _ = self.cluster.set((password, Box::new(resolve)));
     }
 
-    /// The link to `node` for `vhost`: the open one, or a new one when there is none or it
-    /// failed. Concurrent callers for the same pair wait for one connection attempt.
+    /// Where a link to `node` for `vhost` connects: a foreign broker's URI as given, or the
+    /// cluster member's address with the link credentials.
+    fn uri(&self, node: &str, vhost: &str) -> Result<(String, String), LinkError> {
+        if is_foreign(node) {
+            let addr = node
+                .split('@')
+                .next_back()
+                .and_then(|rest| rest.split('/').next())
+                .unwrap_or(node)
+                .to_owned();
+            return Ok((node.to_owned(), addr));
+        }
+        let (password, resolve) = self
+            .cluster
+            .get()
+            .ok_or_else(|| LinkError::UnknownMember(node.into()))?;
+        let addr = resolve(node).ok_or_else(|| LinkError::UnknownMember(node.into()))?;
+        let uri = format!(
+            "amqp://{LINK_USER}:{password}@{addr}/{}?heartbeat=10",
+            utf8_percent_encode(vhost, NON_ALPHANUMERIC)
+        );
+        Ok((uri, addr))
+    }
+
+    /// The link to `node` (a member's node id, or a foreign broker's URI) for `vhost`: the
+    /// open one, or a new one when there is none or it failed. Concurrent callers for the
+    /// same pair wait for one connection attempt.
     pub async fn connection(&self, node: &str, vhost: &str) -> Result<Arc<Connection>, LinkError> {
         let slot = self
             .open
@@ -102,12 +130,7 @@ impl Links {
         {
             return Ok(c.clone());
         }
-        let addr = (self.resolve)(node).ok_or_else(|| LinkError::UnknownMember(node.into()))?;
-        let uri = format!(
-            "amqp://{LINK_USER}:{}@{addr}/{}?heartbeat=10",
-            self.password,
-            utf8_percent_encode(vhost, NON_ALPHANUMERIC)
-        );
+        let (uri, addr) = self.uri(node, vhost)?;
         let props = ConnectionProperties::default()
             .with_connection_name(format!("ringmq link to {node}").into())
             .with_client_property(LINK_PROPERTY.into(), "true".into());
@@ -118,7 +141,7 @@ impl Links {
                 addr: addr.clone(),
                 reason: e.to_string(),
             })?;
-        tracing::info!(node, %addr, vhost, "link opened");
+        tracing::info!(node = %redacted(node), %addr, vhost, "link opened");
         let connection = Arc::new(connection);
         *slot = Some(connection.clone());
         Ok(connection)
@@ -132,9 +155,24 @@ impl Links {
             .await
             .map_err(|e| LinkError::Failed {
                 node: node.into(),
-                addr: (self.resolve)(node).unwrap_or_default(),
+                addr: self.uri(node, vhost).map(|(_, a)| a).unwrap_or_default(),
                 reason: e.to_string(),
             })
+    }
+}
+
+/// `node` for logs and errors: a foreign URI without its password.
+pub fn redacted(node: &str) -> String {
+    match (
+        is_foreign(node),
+        node.split_once("://"),
+        node.rsplit_once('@'),
+    ) {
+        (true, Some((scheme, rest)), Some((_, host))) => {
+            let user = rest.split([':', '@']).next().unwrap_or("");
+            format!("{scheme}://{user}:***@{host}")
+        }
+        _ => node.to_owned(),
     }
 }
 
@@ -147,5 +185,14 @@ mod tests {
         assert_eq!(link_password(b"s"), link_password(b"s"));
         assert_ne!(link_password(b"s"), link_password(b"t"));
         assert_eq!(link_password(b"s").len(), 64);
+    }
+
+    #[test]
+    fn foreign_uris_lose_their_password_in_logs() {
+        assert_eq!(
+            redacted("amqp://app:s3cret@rabbit:5672/%2f"),
+            "amqp://app:***@rabbit:5672/%2f"
+        );
+        assert_eq!(redacted("node-1"), "node-1");
     }
 }

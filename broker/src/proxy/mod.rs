@@ -15,6 +15,7 @@ pub mod forward;
 pub mod link;
 pub mod stats;
 pub mod upstream;
+pub mod watch;
 
 use forward::Forwarders;
 use link::Links;
@@ -29,13 +30,11 @@ pub struct Proxies {
     pub forwarders: Forwarders,
 }
 
-impl Proxies {
-    /// Proxies that log in with `password` and find members with `resolve`.
-    pub fn new(
-        password: String,
-        resolve: impl Fn(&str) -> Option<String> + Send + Sync + 'static,
-    ) -> Self {
-        let links = Arc::new(Links::new(password, resolve));
+impl Default for Proxies {
+    /// Proxies with no cluster yet: links to foreign brokers only, until
+    /// [`Links::join`].
+    fn default() -> Self {
+        let links = Arc::new(Links::default());
         Self {
             forwarders: Forwarders::new(links.clone()),
             links,

@@ -80,6 +80,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
         tokio::spawn(tls_accept_loop(listener, broker.clone(), tls));
     }
     tokio::spawn(tick_loop(broker.clone()));
+    tokio::spawn(crate::proxy::watch::watch_foreign(Arc::downgrade(&broker)));
     tokio::spawn(resources::monitor(broker.clone()));
     Ok(Running {
         amqp_addr,

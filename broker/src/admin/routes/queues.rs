@@ -11,7 +11,7 @@ use crate::admin::wiring::{Answer, Plan};
 use crate::admin::{ApiError, Reply, empty_reply};
 use crate::broker::Broker;
 use crate::core::queue::Queue;
-use crate::core::{Effects, VHost, WiringOp};
+use crate::core::{Effects, VHost, WiringOp, is_foreign};
 use crate::proxy::stats::queue_stats;
 use futures::future::BoxFuture;
 use hyper::StatusCode;
@@ -65,14 +65,15 @@ pub(super) fn get<'a>(c: &'a Ctx<'a>) -> BoxFuture<'a, Result<Reply>> {
 /// none of their messages) with the primary's, asked over the links; a queue whose
 /// primary cannot be asked keeps `null` numbers and `"state": "unreachable"`.
 async fn primary_numbers(b: &Broker, queues: &mut [Value]) {
-    let Some(proxies) = b.proxies() else {
-        return;
-    };
+    let proxies = b.proxies();
     let me = b.config.node_id.as_str();
     let mut asks: HashMap<(String, String), Vec<String>> = HashMap::new();
     for q in queues.iter() {
         let node = q["node"].as_str().unwrap_or(me);
-        if node != me && q["exclusive"] != true {
+        if is_foreign(node) {
+            // Another broker's queue: its numbers are that broker's to tell.
+            asks.entry((node.to_owned(), String::new())).or_default();
+        } else if node != me && q["exclusive"] != true {
             asks.entry((
                 node.to_owned(),
                 q["vhost"].as_str().unwrap_or("").to_owned(),
@@ -82,6 +83,26 @@ async fn primary_numbers(b: &Broker, queues: &mut [Value]) {
         }
     }
     for ((node, vh), names) in asks {
+        if is_foreign(&node) {
+            for q in queues.iter_mut().filter(|q| q["node"] == node.as_str()) {
+                for k in [
+                    "messages_ready",
+                    "messages_unacknowledged",
+                    "messages",
+                    "consumers",
+                ] {
+                    q[k] = Value::Null;
+                }
+                let shown: Value = crate::proxy::link::redacted(&node).into();
+                if let Some(args) = q["arguments"].as_object_mut() {
+                    args.insert(crate::broker::PROXY_ARGUMENT.into(), shown.clone());
+                }
+                q["node"] = shown.clone();
+                q["owner"] = shown;
+                q["state"] = "foreign".into();
+            }
+            continue;
+        }
         let stats = queue_stats(&proxies.links, &node, &vh, &names).await;
         for q in queues.iter_mut() {
             if q["node"] != node.as_str() || q["vhost"] != vh.as_str() {

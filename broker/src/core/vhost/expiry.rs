@@ -20,7 +20,11 @@ impl VHost {
         for q in self.queues.values_mut() {
             expire_head(q, now_ms, true, record, fx, &mut dead);
             // A proxied queue's use is seen by its primary, which decides its expiry.
-            let proxied = matches!((&node, &q.home), (Some(n), Some(h)) if n != h);
+            let proxied = match (&node, &q.home) {
+                (_, Some(h)) if crate::core::is_foreign(h) => true,
+                (Some(n), Some(h)) => n != h,
+                _ => false,
+            };
             if let Some(expires) = q.args.expires_ms
                 && !proxied
                 && q.consumers.is_empty()

@@ -29,6 +29,7 @@ pub use routing::{FLOW_READY_THRESHOLD, PublishOutcome};
 use super::channel::{ChannelKey, ChannelState, Consumer};
 use super::error::{AmqpError, CoreResult};
 use super::exchange::{Exchange, ExchangeKind};
+use super::is_foreign;
 use super::queue::Queue;
 use crate::amqp::FieldTable;
 use std::collections::HashMap;
@@ -53,6 +54,9 @@ pub struct VHost {
     pub(super) node: Option<Arc<str>>,
     /// Node ids of the live cluster members (see [`VHost::set_live_nodes`]).
     pub(super) live_nodes: Vec<Arc<str>>,
+    /// Some queue is (or was) a proxy for a queue on another AMQP broker: routing looks for
+    /// remote targets even on a single broker.
+    pub(super) has_foreign: bool,
 }
 
 /// Per-vhost resource limits; 0 means none.
@@ -87,6 +91,7 @@ impl VHost {
             limits: Limits::default(),
             node: None,
             live_nodes: Vec::new(),
+            has_foreign: false,
         };
         for (n, kind) in [
             ("", ExchangeKind::Direct),
@@ -154,8 +159,8 @@ impl VHost {
         }
     }
 
-    /// The primary of queue `name` when it is another member (the queue is proxied here);
-    /// `None` for a local queue, an unknown one, or on a single broker.
+    /// The primary of queue `name` when it is another member or a foreign broker's URI (the
+    /// queue is proxied here); `None` for a local queue or an unknown one.
     pub fn remote_primary(&self, name: &str) -> Option<Arc<str>> {
         self.queues
             .get(name)
@@ -164,19 +169,19 @@ impl VHost {
 
     /// See [`VHost::remote_primary`].
     pub(super) fn primary_elsewhere(&self, q: &Queue) -> Option<Arc<str>> {
-        let node = self.node.as_deref()?;
-        match &q.home {
-            Some(home) if q.exclusive_owner.is_none() && home.as_ref() != node => {
-                Some(home.clone())
-            }
-            _ => None,
-        }
+        let home = q.home.as_ref().filter(|_| q.exclusive_owner.is_none())?;
+        let elsewhere = match self.node.as_deref() {
+            Some(node) => home.as_ref() != node,
+            None => is_foreign(home),
+        };
+        elsewhere.then(|| home.clone())
     }
 
     /// Records which cluster member owns queue `name` (a no-op if there is no such queue).
     pub fn set_queue_home(&mut self, name: &str, node: &str) {
         if let Some(q) = self.queues.get_mut(name) {
             q.home = Some(node.into());
+            self.has_foreign |= is_foreign(node);
         }
     }
 

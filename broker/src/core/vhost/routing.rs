@@ -8,6 +8,7 @@ use super::{DeadLetter, Effects, PageOut, VHost};
 use crate::core::args::Overflow;
 use crate::core::error::{AmqpError, CoreResult};
 use crate::core::exchange::Destination;
+use crate::core::is_foreign;
 use crate::core::message::Message;
 use crate::core::ops::{DropReason, OpKind};
 use std::sync::Arc;
@@ -111,7 +112,7 @@ impl VHost {
         message: &Arc<Message>,
         fx: &mut Effects,
     ) -> bool {
-        if self.node.is_none() {
+        if self.node.is_none() && !self.has_foreign {
             return false;
         }
         let mut primaries: Vec<Arc<str>> = Vec::new();
@@ -121,6 +122,17 @@ impl VHost {
                 .get(name)
                 .and_then(|q| self.primary_elsewhere(q))
             {
+                // A foreign broker knows nothing of this broker's bindings: the message goes
+                // to its queue of the same name through its default exchange.
+                Some(primary) if is_foreign(&primary) => {
+                    fx.forwards.push(super::Forward {
+                        primary,
+                        exchange: "".into(),
+                        routing_key: name.clone(),
+                        message: message.clone(),
+                    });
+                    false
+                }
                 Some(primary) => {
                     if !primaries.contains(&primary) {
                         primaries.push(primary);

@@ -7,13 +7,17 @@
 //! them go back upstream ([`crate::core::vhost::RemoteSettle`]).
 
 use super::frames::short;
+use super::wiring::Pending;
 use super::{Connection, Lazy};
-use crate::amqp::{AMQPClass, basic, codes, queue};
+use crate::amqp::{AMQPClass, FieldTable, basic, codes, queue};
+use crate::broker::PROXY_ARGUMENT;
 use crate::core::vhost::Settlement;
 use crate::core::{AmqpError, ChannelKey};
+use crate::proxy::link::redacted;
 use crate::proxy::upstream::{
     self, Command, DEFAULT_CREDIT, ProxiedDelivery, ProxiedEnd, ProxiedGet, Target, Upstream,
 };
+use lapin::options::QueueDeclareOptions;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -65,6 +69,10 @@ pub(super) enum Answer {
     Settled {
         result: Result<(), AmqpError>,
     },
+    ForeignChecked {
+        pending: Pending,
+        result: Result<(), AmqpError>,
+    },
 }
 
 /// A proxied method in flight: the connection reads no further frames until it is answered.
@@ -98,9 +106,7 @@ async fn reply<T>(
 impl Connection {
     /// The upstream channel of client channel `id` to `primary`, started on first use.
     fn upstream(&mut self, id: u16, primary: &Arc<str>) -> Result<&Upstream, AmqpError> {
-        let proxies = self.broker.proxies().ok_or_else(|| {
-            AmqpError::new(codes::INTERNAL_ERROR, "this member has no links to others")
-        })?;
+        let proxies = self.broker.proxies();
         let target = Target {
             links: proxies.links.clone(),
             primary: primary.clone(),
@@ -263,6 +269,43 @@ impl Connection {
             Answer::Purged { nowait, result }
         });
         Ok(())
+    }
+
+    /// A new foreign proxy (`qpid.cluster.proxy` naming another AMQP broker): the other
+    /// broker must have the queue (a passive declare there), else the declare is 404.
+    pub(super) fn check_foreign(&mut self, id: u16, queue: String, uri: String, pending: Pending) {
+        let links = self.broker.proxies().links.clone();
+        let vhost = self.vhost_name.clone();
+        let ids = (pending.class_id, pending.method_id);
+        self.wait_remote(id, ids, async move {
+            let result = async {
+                let ch = links
+                    .channel(&uri, &vhost)
+                    .await
+                    .map_err(|e| AmqpError::not_found(format!("{PROXY_ARGUMENT}: {e}")))?;
+                let passive = QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                };
+                let found = ch
+                    .queue_declare(queue.as_str().into(), passive, FieldTable::default())
+                    .await;
+                let _ = ch.close(200, "checked".into()).await;
+                found.map(|_| ()).map_err(|e| {
+                    let e = upstream::amqp_error(&uri, &e);
+                    if e.code == codes::NOT_FOUND {
+                        AmqpError::not_found(format!(
+                            "{PROXY_ARGUMENT}: no queue '{queue}' on {}",
+                            redacted(&uri)
+                        ))
+                    } else {
+                        e
+                    }
+                })
+            }
+            .await;
+            Answer::ForeignChecked { pending, result }
+        });
     }
 
     /// queue.delete of a proxied queue: decided and committed by its primary.
@@ -435,6 +478,10 @@ impl Connection {
                 }
             },
             Answer::Settled { result } => result?,
+            Answer::ForeignChecked { pending, result } => {
+                result?;
+                self.carry_out(id, pending, v)?;
+            }
             Answer::Purged { nowait, result } => {
                 let message_count = result?;
                 if !nowait {

@@ -12,9 +12,17 @@ use crate::amqp::{AMQPClass, codes, exchange, queue};
 use crate::auth::permissions::{Access, Resource};
 use crate::clock::now_ms;
 use crate::cluster::OpOutcome;
-use crate::core::{AmqpError, ExchangeDeclare, OpReply, QueueDeclare, WiringOp};
+use crate::core::{AmqpError, ExchangeDeclare, OpReply, QueueDeclare, WiringOp, is_foreign};
 use crate::proxy::stats::STATS_ARGUMENT;
 use crate::server::wiring::{self, Awaited, Waiting};
+
+/// A wiring op waiting for a check before it is carried out.
+pub(super) struct Pending {
+    pub(super) op: WiringOp,
+    pub(super) waiting: Waiting,
+    pub(super) class_id: u16,
+    pub(super) method_id: u16,
+}
 
 /// A method whose wiring op is in flight through the cluster: the connection reads no
 /// further frames until it is committed, so later methods see its effect (as on one broker).
@@ -69,13 +77,65 @@ impl Connection {
             if_empty,
         } = &op
             && let Some(primary) = v.get().remote_primary(name)
+            && !is_foreign(&primary)
         {
             // Only the primary knows whether the queue is unused or empty, and how many
-            // messages go with it: it decides, and commits the delete.
+            // messages go with it: it decides, and commits the delete. (Deleting a foreign
+            // proxy deletes the proxy, never the other broker's queue.)
             let (name, if_unused, if_empty) = (name.clone(), *if_unused, *if_empty);
             return self.delete_remote(id, name, (if_unused, if_empty), waiting.nowait, primary);
         }
-        match cluster {
+        if let WiringOp::DeclareQueue {
+            name,
+            home: Some(home),
+            exclusive: false,
+            ..
+        } = &op
+            && is_foreign(home)
+            && v.get().queue(name).is_none()
+        {
+            // A new foreign proxy: only for a queue the other broker has.
+            let (name, uri) = (name.clone(), home.clone());
+            self.check_foreign(
+                id,
+                name,
+                uri,
+                Pending {
+                    op,
+                    waiting,
+                    class_id,
+                    method_id,
+                },
+            );
+            return Ok(());
+        }
+        self.carry_out(
+            id,
+            Pending {
+                op,
+                waiting,
+                class_id,
+                method_id,
+            },
+            v,
+        )
+    }
+
+    /// Applies a wiring op here (a single broker, or a member's own exclusive queue), or
+    /// sends it through the cluster and answers once it is committed.
+    pub(super) fn carry_out(
+        &mut self,
+        id: u16,
+        pending: Pending,
+        v: &mut Lazy,
+    ) -> Result<(), AmqpError> {
+        let Pending {
+            op,
+            waiting,
+            class_id,
+            method_id,
+        } = pending;
+        match self.broker.cluster().cloned() {
             Some(cluster) if op.is_shared(v.get()) => {
                 let op = op.for_cluster(v.get())?;
                 self.cluster_wait = Some(ClusterWait {
