@@ -13,11 +13,13 @@ cd "$(dirname "$0")/.."
 size=${1:-1000}; seconds=${2:-5}; rounds=${ROUNDS:-3}; base=${BASE_PORT:-7672}
 target=$(cargo metadata --format-version 1 --no-deps | python3 -c 'import json,sys; print(json.load(sys.stdin)["target_directory"])')
 ctl=$target/release/ringmqctl
+[ -x "$ctl" ] || { echo "no $ctl: run cargo build --release --bins first" >&2; exit 1; }
 data=$(mktemp -d)
 "$ctl" local-cluster --members 3 --base-port "$base" --data-dir "$data" >"$data/out.log" 2>&1 &
 pid=$!
 trap 'kill -INT $pid 2>/dev/null; wait $pid 2>/dev/null; rm -rf "$data"' EXIT
 for _ in $(seq 100); do grep -q "Ctrl-C" "$data/out.log" 2>/dev/null && break; sleep 0.2; done
+grep -q "Ctrl-C" "$data/out.log" || { echo "the local cluster did not start:" >&2; cat "$data/out.log" >&2; exit 1; }
 m0="amqp://guest:guest@127.0.0.1:$base/%2f"
 m1="amqp://guest:guest@127.0.0.1:$((base + 1))/%2f"
 run() { # name, extra args
