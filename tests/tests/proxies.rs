@@ -704,3 +704,86 @@ async fn dead_letters_and_ttl_cross_members() {
         .unwrap();
     assert!(gone.is_none(), "expired on the primary");
 }
+
+#[tokio::test]
+async fn single_active_consumer_holds_across_members() {
+    let (members, _secret) = start_cluster("proxy-sac", 3);
+    let (_c0, on_0) = members[0].channel().await;
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-single-active-consumer".into(),
+        lapin::types::AMQPValue::Boolean(true),
+    );
+    on_0.queue_declare("single".into(), QueueDeclareOptions::default(), args)
+        .await
+        .unwrap();
+    let (_c1, on_1) = members[1].channel().await;
+    let (_c2, on_2) = members[2].channel().await;
+    let mut first = on_1
+        .basic_consume(
+            "single".into(),
+            "first".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let mut second = on_2
+        .basic_consume(
+            "single".into(),
+            "second".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    publish_confirmed(&on_0, "single", "s", 4).await;
+    for i in 0..4 {
+        let d = tokio::time::timeout(Duration::from_secs(10), first.next())
+            .await
+            .expect("the active consumer gets everything")
+            .unwrap()
+            .unwrap();
+        assert_eq!(d.data, format!("s-{i}").as_bytes());
+        d.acker.ack(BasicAckOptions::default()).await.unwrap();
+    }
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), second.next())
+            .await
+            .is_err(),
+        "the other member's consumer is not active"
+    );
+    // The active one goes: the one on the other member takes over.
+    on_1.basic_cancel("first".into(), Default::default())
+        .await
+        .unwrap();
+    publish_confirmed(&on_0, "single", "t", 1).await;
+    let d = tokio::time::timeout(Duration::from_secs(10), second.next())
+        .await
+        .expect("the next consumer becomes active")
+        .unwrap()
+        .unwrap();
+    assert_eq!(d.data, b"t-0");
+}
+
+#[tokio::test]
+async fn a_proxy_argument_that_is_no_amqp_uri_is_refused_with_a_reason() {
+    let (members, _secret) = start_cluster("proxy-args", 2);
+    let declare_with = |value: &'static str| {
+        let b = &members[0];
+        async move {
+            let (_c, ch) = b.channel().await;
+            let mut args = FieldTable::default();
+            args.insert(
+                "qpid.cluster.proxy".into(),
+                lapin::types::AMQPValue::LongString(value.into()),
+            );
+            ch.queue_declare("p".into(), QueueDeclareOptions::default(), args)
+                .await
+                .map(|_| ())
+                .map_err(|e| reply_code(&e))
+        }
+    };
+    assert_eq!(declare_with("proxy-args-1").await, Err(Some(540)));
+    assert_eq!(declare_with("amqp://[bad").await, Err(Some(406)));
+}
