@@ -534,14 +534,39 @@ pub fn publish_frames(
 
 /// Ready messages in `queue` (a passive declare).
 pub async fn depth(ch: &lapin::Channel, queue: &str) -> u32 {
+    queue_counts(ch, queue).await.expect("the queue exists").0
+}
+
+/// (ready messages, consumers) of `queue` from a passive declare on `ch`, or the reply code
+/// it was refused with (404 for no such queue; the channel is closed then).
+pub async fn queue_counts(ch: &lapin::Channel, queue: &str) -> Result<(u32, u32), Option<u16>> {
     let passive = lapin::options::QueueDeclareOptions {
         passive: true,
         ..Default::default()
     };
     ch.queue_declare(queue.into(), passive, Default::default())
         .await
-        .expect("the queue exists")
-        .message_count()
+        .map(|q| (q.message_count(), q.consumer_count()))
+        .map_err(|e| reply_code(&e))
+}
+
+/// Waits until `queue` is gone from `broker` (a passive declare on a fresh channel answers
+/// 404), for at most `limit`; panics with the last answer.
+pub async fn wait_queue_gone(broker: &Broker, queue: &str, limit: Duration) {
+    let deadline = std::time::Instant::now() + limit;
+    loop {
+        let (_c, ch) = broker.channel().await;
+        let answer = queue_counts(&ch, queue).await;
+        if answer == Err(Some(404)) {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "queue '{queue}' still on {} after {limit:?}: {answer:?}",
+            broker.addr
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// Takes every ready message of `queue` with basic.get (no-ack), bodies as UTF-8 text.

@@ -9,22 +9,12 @@ use lapin::options::{
 };
 use lapin::types::{AMQPValue, FieldTable};
 use ringmq_tests::cluster::{member_yaml, secret, start_cluster};
-use ringmq_tests::{Broker, reply_code};
+use ringmq_tests::{Broker, queue_counts, reply_code};
 use std::time::{Duration, Instant};
 
 async fn passive_queue(b: &Broker, name: &str) -> Result<u32, Option<u16>> {
     let (_c, ch) = b.channel().await;
-    ch.queue_declare(
-        name.into(),
-        QueueDeclareOptions {
-            passive: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await
-    .map(|q| q.message_count())
-    .map_err(|e| reply_code(&e))
+    queue_counts(&ch, name).await.map(|(ready, _)| ready)
 }
 
 async fn passive_exchange(b: &Broker, name: &str) -> Result<(), Option<u16>> {

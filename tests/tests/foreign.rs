@@ -9,8 +9,8 @@ use lapin::options::{
 };
 use lapin::types::{AMQPValue, FieldTable};
 use ringmq_tests::rabbitmq::RabbitMq;
-use ringmq_tests::{Broker, reply_code};
-use std::time::{Duration, Instant};
+use ringmq_tests::{Broker, queue_counts, reply_code, wait_queue_gone};
+use std::time::Duration;
 
 fn proxy_to(uri: &str) -> FieldTable {
     let mut args = FieldTable::default();
@@ -19,21 +19,6 @@ fn proxy_to(uri: &str) -> FieldTable {
         AMQPValue::LongString(uri.into()),
     );
     args
-}
-
-async fn rabbit_count(rabbit: &lapin::Channel, queue: &str) -> Result<u32, Option<u16>> {
-    rabbit
-        .queue_declare(
-            queue.into(),
-            QueueDeclareOptions {
-                passive: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .map(|q| q.message_count())
-        .map_err(|e| reply_code(&e))
 }
 
 #[tokio::test]
@@ -89,7 +74,10 @@ async fn a_proxy_for_a_rabbitmq_queue_publishes_consumes_and_follows_its_deletio
             .unwrap();
         assert!(confirm.await.unwrap().is_ack());
     }
-    assert_eq!(rabbit_count(&rch, "upstream").await, Ok(5));
+    assert_eq!(
+        queue_counts(&rch, "upstream").await.map(|(ready, _)| ready),
+        Ok(5)
+    );
 
     // A get and a consumer through the proxy take them from RabbitMQ, in order.
     let first = ch
@@ -117,7 +105,10 @@ async fn a_proxy_for_a_rabbitmq_queue_publishes_consumes_and_follows_its_deletio
         d.acker.ack(BasicAckOptions::default()).await.unwrap();
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
-    assert_eq!(rabbit_count(&rch, "upstream").await, Ok(0));
+    assert_eq!(
+        queue_counts(&rch, "upstream").await.map(|(ready, _)| ready),
+        Ok(0)
+    );
 
     // The queue goes on RabbitMQ: the proxy's consumer is cancelled and the proxy goes.
     rch.queue_delete("upstream".into(), Default::default())
@@ -127,26 +118,5 @@ async fn a_proxy_for_a_rabbitmq_queue_publishes_consumes_and_follows_its_deletio
         .await
         .expect("the consumer ends");
     assert!(!matches!(end, Some(Ok(_))), "no more deliveries: {end:?}");
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let (_c, ch) = broker.channel().await;
-        let passive = ch
-            .queue_declare(
-                "upstream".into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await;
-        if passive.as_ref().is_err_and(|e| reply_code(e) == Some(404)) {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the proxy of a deleted queue is removed: {passive:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+    wait_queue_gone(&broker, "upstream", Duration::from_secs(30)).await;
 }

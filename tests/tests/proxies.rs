@@ -10,7 +10,7 @@ use lapin::options::{
 };
 use lapin::types::FieldTable;
 use ringmq_tests::cluster::start_cluster;
-use ringmq_tests::{Broker, reply_code};
+use ringmq_tests::{Broker, queue_counts, reply_code, wait_queue_gone};
 use std::time::Duration;
 
 async fn declare(b: &Broker, name: &str) {
@@ -29,18 +29,7 @@ async fn declare(b: &Broker, name: &str) {
 
 async fn count(b: &Broker, name: &str) -> (u32, u32) {
     let (_c, ch) = b.channel().await;
-    let q = ch
-        .queue_declare(
-            name.into(),
-            QueueDeclareOptions {
-                passive: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .expect("passive declare");
-    (q.message_count(), q.consumer_count())
+    queue_counts(&ch, name).await.expect("passive declare")
 }
 
 /// Publishes `n` persistent messages `prefix-0` … with confirms and waits for them all.
@@ -542,29 +531,8 @@ async fn auto_delete_counts_consumers_on_every_member_and_deletes_everywhere() {
     on_2.basic_cancel("two".into(), Default::default())
         .await
         .unwrap();
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
     for m in &members {
-        loop {
-            let (_c, ch) = m.channel().await;
-            let passive = ch
-                .queue_declare(
-                    "transient".into(),
-                    QueueDeclareOptions {
-                        passive: true,
-                        ..Default::default()
-                    },
-                    FieldTable::default(),
-                )
-                .await;
-            if passive.as_ref().is_err_and(|e| reply_code(e) == Some(404)) {
-                break;
-            }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "the queue is gone everywhere: {passive:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        wait_queue_gone(m, "transient", Duration::from_secs(10)).await;
     }
 }
 

@@ -62,28 +62,33 @@ impl ForwardTracker {
         self.state.lock().issued
     }
 
-    /// Every forward up to this number is confirmed (or failed: see [`Self::failure`]).
-    pub fn confirmed_through(&self) -> u64 {
+    /// Where the forwards stand, read at once (the connection asks once per wake-up).
+    pub fn status(&self) -> ForwardStatus {
         let s = self.state.lock();
-        s.outstanding.first().map_or(s.issued, |first| first - 1)
-    }
-
-    /// Forwards not yet answered: a publisher with many is paused (back-pressure from a slow
-    /// link, instead of memory growing without bound).
-    pub fn in_flight(&self) -> usize {
-        self.state.lock().outstanding.len()
-    }
-
-    /// The first forward that failed (its number and why), if any: neither its publish nor
-    /// any later one may be confirmed.
-    pub fn failure(&self) -> Option<(u64, String)> {
-        self.state.lock().failure.clone()
+        ForwardStatus {
+            confirmed_through: s.outstanding.first().map_or(s.issued, |first| first - 1),
+            in_flight: s.outstanding.len(),
+            failure: s.failure.clone(),
+        }
     }
 
     /// Resolves after the next [`Self::settle`].
     pub async fn changed(&self) {
         self.changed.notified().await
     }
+}
+
+/// A connection's forwards as of one moment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ForwardStatus {
+    /// Every forward up to this number is confirmed (or failed: see `failure`).
+    pub confirmed_through: u64,
+    /// Forwards not yet answered: a publisher with many is paused (back-pressure from a slow
+    /// link, instead of memory growing without bound).
+    pub in_flight: usize,
+    /// The first forward that failed (its number and why), if any: neither its publish nor
+    /// any later one may be confirmed.
+    pub failure: Option<(u64, String)>,
 }
 
 /// Who waits for a forward's confirm: a connection's tracker and the forward's number in it.
@@ -294,14 +299,14 @@ mod tests {
     fn confirmed_through_is_the_contiguous_prefix() {
         let t = ForwardTracker::default();
         let (a, b, c) = (t.issue(), t.issue(), t.issue());
-        assert_eq!(t.confirmed_through(), 0);
+        assert_eq!(t.status().confirmed_through, 0);
         t.settle(b, Ok(()));
-        assert_eq!(t.confirmed_through(), 0, "the first is still out");
+        assert_eq!(t.status().confirmed_through, 0, "the first is still out");
         t.settle(a, Ok(()));
-        assert_eq!(t.confirmed_through(), 2);
-        assert_eq!(t.in_flight(), 1);
+        assert_eq!(t.status().confirmed_through, 2);
+        assert_eq!(t.status().in_flight, 1);
         t.settle(c, Err("gone".into()));
-        assert_eq!(t.confirmed_through(), 3);
-        assert_eq!(t.failure(), Some((3, "gone".to_owned())));
+        assert_eq!(t.status().confirmed_through, 3);
+        assert_eq!(t.status().failure, Some((3, "gone".to_owned())));
     }
 }

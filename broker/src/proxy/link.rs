@@ -161,6 +161,42 @@ impl Links {
     }
 }
 
+impl Links {
+    /// Whether `node` has `queue` in `vhost` (a passive declare on a channel of its own):
+    /// `Ok(false)` only for its 404; a link that fails is an error, never "gone".
+    pub async fn queue_exists(
+        &self,
+        node: &str,
+        vhost: &str,
+        queue: &str,
+    ) -> Result<bool, LinkError> {
+        let ch = self.channel(node, vhost).await?;
+        let passive = lapin::options::QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        let found = ch
+            .queue_declare(queue.into(), passive, Default::default())
+            .await;
+        let _ = ch.close(200, "checked".into()).await;
+        match found {
+            Ok(_) => Ok(true),
+            Err(e) => match e.kind() {
+                lapin::ErrorKind::ProtocolError(amqp)
+                    if amqp.get_id() == crate::amqp::codes::NOT_FOUND =>
+                {
+                    Ok(false)
+                }
+                _ => Err(LinkError::Failed {
+                    node: redacted(node),
+                    addr: self.uri(node, vhost).map(|(_, a)| a).unwrap_or_default(),
+                    reason: e.to_string(),
+                }),
+            },
+        }
+    }
+}
+
 /// `node` for logs and errors: a foreign URI without its password.
 pub fn redacted(node: &str) -> String {
     match (

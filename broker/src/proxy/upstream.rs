@@ -208,7 +208,7 @@ pub fn gone(primary: &str) -> AmqpError {
 
 /// A lapin error as the AMQP error the client gets: the other broker's own reply code and
 /// text, or 404 naming the primary when it could not be reached.
-pub fn amqp_error(primary: &str, e: &lapin::Error) -> AmqpError {
+fn amqp_error(primary: &str, e: &lapin::Error) -> AmqpError {
     match e.kind() {
         lapin::ErrorKind::ProtocolError(amqp) => {
             AmqpError::new(amqp.get_id(), amqp.get_message().to_string())

@@ -2,12 +2,9 @@
 //! (a passive declare); a proxy whose queue is gone (404) is deleted — through the cluster on
 //! a cluster member, so it leaves every member — and its consumers are cancelled.
 
-use crate::amqp::codes;
 use crate::broker::Broker;
 use crate::clock::now_ms;
 use crate::core::{Effects, WiringOp, is_foreign};
-use lapin::options::QueueDeclareOptions;
-use lapin::types::FieldTable;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -32,28 +29,17 @@ pub async fn watch_foreign(broker: Weak<Broker>) {
                 })
                 .collect();
             for (queue, uri) in foreign {
-                if gone(&broker, &vhost, &queue, &uri).await {
+                let exists = broker
+                    .proxies()
+                    .links
+                    .queue_exists(&uri, &vhost, &queue)
+                    .await;
+                if matches!(exists, Ok(false)) {
                     remove(&broker, &vhost, &queue, &uri).await;
                 }
             }
         }
     }
-}
-
-/// Whether the other broker answers 404 for the queue (unreachable is not gone).
-async fn gone(broker: &Broker, vhost: &str, queue: &str, uri: &str) -> bool {
-    let Ok(ch) = broker.proxies().links.channel(uri, vhost).await else {
-        return false;
-    };
-    let passive = QueueDeclareOptions {
-        passive: true,
-        ..QueueDeclareOptions::default()
-    };
-    let found = ch
-        .queue_declare(queue.into(), passive, FieldTable::default())
-        .await;
-    let _ = ch.close(200, "checked".into()).await;
-    matches!(&found, Err(e) if crate::proxy::upstream::amqp_error(uri, e).code == codes::NOT_FOUND)
 }
 
 /// Deletes the proxy of a queue the other broker no longer has.

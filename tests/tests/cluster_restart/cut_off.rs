@@ -2,11 +2,7 @@
 //! namespaces, `ringmq_tests::netns`, as `partition.rs` uses).
 
 use crate::harness::*;
-use lapin::Connection;
-use lapin::options::QueueDeclareOptions;
-use lapin::types::FieldTable;
 use ringmq_tests::netns::{Net, member_addr};
-use ringmq_tests::reply_code;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -189,30 +185,7 @@ fn wait_settled(members: &mut [Member], which: &[usize], what: &str) {
 }
 
 async fn declare(uri: &str, name: &str, passive: bool) -> Result<(), String> {
-    let attempt = async {
-        let conn = Connection::connect(uri, Default::default())
-            .await
-            .map_err(|e| format!("connect: {e}"))?;
-        let ch = conn
-            .create_channel()
-            .await
-            .map_err(|e| format!("channel: {e}"))?;
-        ch.queue_declare(
-            name.into(),
-            QueueDeclareOptions {
-                passive,
-                durable: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .map(|_| ())
-        .map_err(|e| format!("queue.declare: {e} (code {:?})", reply_code(&e)))
-    };
-    tokio::time::timeout(Duration::from_secs(15), attempt)
-        .await
-        .unwrap_or_else(|_| Err("no answer in 15 s".into()))
+    declare_once(uri, name, passive, true).await.map(|_| ())
 }
 
 /// The cut-off member stays unready, without quorum or leader, for `window`.

@@ -289,34 +289,11 @@ pub(crate) async fn declare_until_committed(
     limit: Duration,
 ) -> Result<(), String> {
     let deadline = Instant::now() + limit;
-    let mut last;
     loop {
-        let attempt = async {
-            let conn = Connection::connect(&b.uri(), Default::default())
-                .await
-                .map_err(|e| format!("connect: {e}"))?;
-            let ch = conn
-                .create_channel()
-                .await
-                .map_err(|e| format!("channel: {e}"))?;
-            ch.queue_declare(
-                queue.into(),
-                QueueDeclareOptions {
-                    durable,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .map_err(|e| format!("queue.declare: {e} (code {:?})", reply_code(&e)))?;
-            let _ = conn.close(200, "done".into()).await;
-            Ok::<(), String>(())
+        let last = match declare_once(&b.uri(), queue, false, durable).await {
+            Ok(_) => return Ok(()),
+            Err(e) => e,
         };
-        match tokio::time::timeout(Duration::from_secs(15), attempt).await {
-            Ok(Ok(())) => return Ok(()),
-            Ok(Err(e)) => last = e,
-            Err(_) => last = "no answer in 15 s".into(),
-        }
         if Instant::now() > deadline {
             return Err(format!("not committed within {limit:?}; last: {last}"));
         }
@@ -326,8 +303,19 @@ pub(crate) async fn declare_until_committed(
 
 /// A passive declare of `queue` on `b`: its message count, or the error.
 pub(crate) async fn passive(b: &Broker, queue: &str) -> Result<u32, String> {
-    let check = async {
-        let conn = Connection::connect(&b.uri(), Default::default())
+    declare_once(&b.uri(), queue, true, false).await
+}
+
+/// One `queue.declare` (passive or not) on a new connection to `uri`: the queue's message
+/// count, or what went wrong (connecting, the reply code, or no answer in 15 s).
+pub(crate) async fn declare_once(
+    uri: &str,
+    queue: &str,
+    passive: bool,
+    durable: bool,
+) -> Result<u32, String> {
+    let attempt = async {
+        let conn = Connection::connect(uri, Default::default())
             .await
             .map_err(|e| format!("connect: {e}"))?;
         let ch = conn
@@ -338,18 +326,19 @@ pub(crate) async fn passive(b: &Broker, queue: &str) -> Result<u32, String> {
             .queue_declare(
                 queue.into(),
                 QueueDeclareOptions {
-                    passive: true,
+                    passive,
+                    durable,
                     ..Default::default()
                 },
                 FieldTable::default(),
             )
             .await
-            .map_err(|e| format!("passive declare: {e} (code {:?})", reply_code(&e)))?
+            .map_err(|e| format!("queue.declare: {e} (code {:?})", reply_code(&e)))?
             .message_count();
         let _ = conn.close(200, "done".into()).await;
         Ok(n)
     };
-    tokio::time::timeout(Duration::from_secs(15), check)
+    tokio::time::timeout(Duration::from_secs(15), attempt)
         .await
         .unwrap_or_else(|_| Err("no answer in 15 s".into()))
 }

@@ -20,11 +20,7 @@ impl VHost {
         for q in self.queues.values_mut() {
             expire_head(q, now_ms, true, record, fx, &mut dead);
             // A proxied queue's use is seen by its primary, which decides its expiry.
-            let proxied = match (&node, &q.home) {
-                (_, Some(h)) if crate::core::is_foreign(h) => true,
-                (Some(n), Some(h)) => n != h,
-                _ => false,
-            };
+            let proxied = q.primary_elsewhere(node.as_deref()).is_some();
             if let Some(expires) = q.args.expires_ms
                 && !proxied
                 && q.consumers.is_empty()

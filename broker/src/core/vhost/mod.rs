@@ -169,12 +169,7 @@ impl VHost {
 
     /// See [`VHost::remote_primary`].
     pub(super) fn primary_elsewhere(&self, q: &Queue) -> Option<Arc<str>> {
-        let home = q.home.as_ref().filter(|_| q.exclusive_owner.is_none())?;
-        let elsewhere = match self.node.as_deref() {
-            Some(node) => home.as_ref() != node,
-            None => is_foreign(home),
-        };
-        elsewhere.then(|| home.clone())
+        q.primary_elsewhere(self.node.as_deref()).cloned()
     }
 
     /// Records which cluster member owns queue `name` (a no-op if there is no such queue).

@@ -279,14 +279,15 @@ impl Connection {
         let mut more_input = false;
         loop {
             self.stats.flush(&self.broker.stats); // metrics: once per wake-up
-            if let Some((failed, reason)) = self.forwards.failure()
+            let forwards = self.forwards.status();
+            if let Some((failed, reason)) = &forwards.failure
                 && self.phase == Phase::Running
             {
-                self.abandon_unconfirmed(failed, &reason);
+                self.abandon_unconfirmed(*failed, reason);
             }
             let progress = Progress {
                 journal_synced: *synced.borrow(),
-                forwards_confirmed: self.forwards.confirmed_through(),
+                forwards_confirmed: forwards.confirmed_through,
             };
             let buffered = self.writer.len();
             let writable = self.gate.release(buffered, progress);
@@ -335,11 +336,11 @@ impl Connection {
                 tokio::time::sleep(FLOW_PAUSE).await;
                 continue;
             }
-            let forwarding = self.forwards.in_flight() > 0;
+            let forwarding = forwards.in_flight > 0;
             let reading = !self.publish_waits_for_unblock
                 && self.cluster_wait.is_none()
                 && self.remote_wait.is_none()
-                && self.forwards.in_flight() < MAX_FORWARDS_IN_FLIGHT;
+                && forwards.in_flight < MAX_FORWARDS_IN_FLIGHT;
             if rbuf.capacity() - rbuf.len() < read_chunk / 2 {
                 rbuf.reserve(read_chunk);
             }

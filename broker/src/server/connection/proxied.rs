@@ -9,7 +9,7 @@
 use super::frames::short;
 use super::wiring::Pending;
 use super::{Connection, Lazy};
-use crate::amqp::{AMQPClass, FieldTable, basic, codes, queue};
+use crate::amqp::{AMQPClass, basic, codes, queue};
 use crate::broker::PROXY_ARGUMENT;
 use crate::core::vhost::Settlement;
 use crate::core::{AmqpError, ChannelKey};
@@ -17,7 +17,6 @@ use crate::proxy::link::redacted;
 use crate::proxy::upstream::{
     self, Command, DEFAULT_CREDIT, ProxiedDelivery, ProxiedEnd, ProxiedGet, Target, Upstream,
 };
-use lapin::options::QueueDeclareOptions;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -120,6 +119,23 @@ impl Connection {
             .or_insert_with(|| Upstream::spawn(target)))
     }
 
+    /// Sends the command `command` builds around its reply to the upstream channel of client
+    /// channel `id` to `primary`, and waits — reading nothing more — for the reply, which
+    /// `answer` turns into what the client is answered.
+    fn ask<T: Send + 'static>(
+        &mut self,
+        id: u16,
+        method: (u16, u16),
+        primary: Arc<str>,
+        command: impl FnOnce(upstream::Reply<T>) -> Command,
+        answer: impl FnOnce(Result<T, AmqpError>) -> Answer + Send + 'static,
+    ) -> Result<(), AmqpError> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.upstream(id, &primary)?.send(command(tx));
+        self.wait_remote(id, method, async move { answer(reply(rx, &primary).await) });
+        Ok(())
+    }
+
     fn wait_remote(
         &mut self,
         channel: u16,
@@ -178,27 +194,28 @@ impl Connection {
                 early: Some(Vec::new()),
             },
         );
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        self.upstream(id, &primary)?.send(Command::Consume {
-            queue,
-            tag: tag.clone(),
-            no_ack: c.no_ack,
-            exclusive: c.exclusive,
-            arguments: c.arguments,
-            credit,
-            serial,
-            reply: tx,
-        });
-        let nowait = c.nowait;
-        self.wait_remote(id, (60, 20), async move {
-            let result = reply(rx, &primary).await;
-            Answer::Consumed {
+        let (no_ack, exclusive, nowait) = (c.no_ack, c.exclusive, c.nowait);
+        let upstream_tag = tag.clone();
+        self.ask(
+            id,
+            (60, 20),
+            primary,
+            |reply| Command::Consume {
+                queue,
+                tag: upstream_tag,
+                no_ack,
+                exclusive,
+                arguments: c.arguments,
+                credit,
+                serial,
+                reply,
+            },
+            move |result| Answer::Consumed {
                 tag,
                 nowait,
                 result,
-            }
-        });
-        Ok(())
+            },
+        )
     }
 
     /// basic.cancel of a proxied consumer; false when `tag` is not one.
@@ -209,21 +226,22 @@ impl Connection {
         else {
             return Ok(false);
         };
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        let primary = rc.primary;
-        self.upstream(id, &primary)?.send(Command::Cancel {
-            tag: c.consumer_tag.to_string(),
-            reply: tx,
-        });
         let (tag, nowait) = (c.consumer_tag.to_string(), c.nowait);
-        self.wait_remote(id, (60, 30), async move {
-            let result = reply(rx, &primary).await;
-            Answer::Cancelled {
+        let upstream_tag = tag.clone();
+        self.ask(
+            id,
+            (60, 30),
+            rc.primary,
+            |reply| Command::Cancel {
+                tag: upstream_tag,
+                reply,
+            },
+            move |result| Answer::Cancelled {
                 tag,
                 nowait,
                 result,
-            }
-        });
+            },
+        )?;
         Ok(true)
     }
 
@@ -235,22 +253,23 @@ impl Connection {
         no_ack: bool,
         primary: Arc<str>,
     ) -> Result<(), AmqpError> {
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        self.upstream(id, &primary)?.send(Command::Get {
-            queue: queue.clone(),
-            no_ack,
-            reply: tx,
-        });
-        self.wait_remote(id, (60, 70), async move {
-            let result = reply(rx, &primary).await;
-            Answer::Got {
+        let (upstream_queue, from) = (queue.clone(), primary.clone());
+        self.ask(
+            id,
+            (60, 70),
+            primary,
+            |reply| Command::Get {
+                queue: upstream_queue,
+                no_ack,
+                reply,
+            },
+            move |result| Answer::Got {
                 queue,
-                primary,
+                primary: from,
                 no_ack,
                 result,
-            }
-        });
-        Ok(())
+            },
+        )
     }
 
     /// queue.purge of a proxied queue.
@@ -261,14 +280,13 @@ impl Connection {
         nowait: bool,
         primary: Arc<str>,
     ) -> Result<(), AmqpError> {
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        self.upstream(id, &primary)?
-            .send(Command::Purge { queue, reply: tx });
-        self.wait_remote(id, (50, 30), async move {
-            let result = reply(rx, &primary).await;
-            Answer::Purged { nowait, result }
-        });
-        Ok(())
+        self.ask(
+            id,
+            (50, 30),
+            primary,
+            |reply| Command::Purge { queue, reply },
+            move |result| Answer::Purged { nowait, result },
+        )
     }
 
     /// A new foreign proxy (`qpid.cluster.proxy` naming another AMQP broker): the other
@@ -278,32 +296,14 @@ impl Connection {
         let vhost = self.vhost_name.clone();
         let ids = (pending.class_id, pending.method_id);
         self.wait_remote(id, ids, async move {
-            let result = async {
-                let ch = links
-                    .channel(&uri, &vhost)
-                    .await
-                    .map_err(|e| AmqpError::not_found(format!("{PROXY_ARGUMENT}: {e}")))?;
-                let passive = QueueDeclareOptions {
-                    passive: true,
-                    ..QueueDeclareOptions::default()
-                };
-                let found = ch
-                    .queue_declare(queue.as_str().into(), passive, FieldTable::default())
-                    .await;
-                let _ = ch.close(200, "checked".into()).await;
-                found.map(|_| ()).map_err(|e| {
-                    let e = upstream::amqp_error(&uri, &e);
-                    if e.code == codes::NOT_FOUND {
-                        AmqpError::not_found(format!(
-                            "{PROXY_ARGUMENT}: no queue '{queue}' on {}",
-                            redacted(&uri)
-                        ))
-                    } else {
-                        e
-                    }
-                })
-            }
-            .await;
+            let result = match links.queue_exists(&uri, &vhost, &queue).await {
+                Ok(true) => Ok(()),
+                Ok(false) => Err(AmqpError::not_found(format!(
+                    "{PROXY_ARGUMENT}: no queue '{queue}' on {}",
+                    redacted(&uri)
+                ))),
+                Err(e) => Err(AmqpError::not_found(format!("{PROXY_ARGUMENT}: {e}"))),
+            };
             Answer::ForeignChecked { pending, result }
         });
     }
@@ -317,22 +317,23 @@ impl Connection {
         nowait: bool,
         primary: Arc<str>,
     ) -> Result<(), AmqpError> {
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        self.upstream(id, &primary)?.send(Command::Delete {
-            queue: queue.clone(),
-            if_unused,
-            if_empty,
-            reply: tx,
-        });
-        self.wait_remote(id, (50, 40), async move {
-            let result = reply(rx, &primary).await;
-            Answer::Deleted {
+        let upstream_queue = queue.clone();
+        self.ask(
+            id,
+            (50, 40),
+            primary,
+            |reply| Command::Delete {
+                queue: upstream_queue,
+                if_unused,
+                if_empty,
+                reply,
+            },
+            move |result| Answer::Deleted {
                 queue,
                 nowait,
                 result,
-            }
-        });
-        Ok(())
+            },
+        )
     }
 
     /// A passive queue.declare of a proxied queue: the counts are the primary's.
@@ -343,20 +344,21 @@ impl Connection {
         nowait: bool,
         primary: Arc<str>,
     ) -> Result<(), AmqpError> {
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        self.upstream(id, &primary)?.send(Command::Counts {
-            queue: queue.clone(),
-            reply: tx,
-        });
-        self.wait_remote(id, (50, 10), async move {
-            let result = reply(rx, &primary).await;
-            Answer::Counted {
+        let upstream_queue = queue.clone();
+        self.ask(
+            id,
+            (50, 10),
+            primary,
+            |reply| Command::Counts {
+                queue: upstream_queue,
+                reply,
+            },
+            move |result| Answer::Counted {
                 queue,
                 nowait,
                 result,
-            }
-        });
-        Ok(())
+            },
+        )
     }
 
     /// Answers the proxied method that was in flight, then goes on with the input.
