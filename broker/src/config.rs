@@ -174,6 +174,11 @@ pub struct Config {
     /// How long a starting member tries to be admitted and receive the cluster map before
     /// it gives up and exits.
     pub cluster_join_timeout_ms: u64,
+    /// Where a queue declared without `qpid.cluster.primary` gets its primary:
+    /// `client-local` (the member the declare arrived at, the default) or `balanced` (the
+    /// member with the fewest primaries), RabbitMQ's `queue_leader_locator` values. A declare
+    /// argument `x-queue-leader-locator` overrides it for one queue.
+    pub queue_primary_locator: crate::cluster::placement::PrimaryLocator,
     /// Bytes of message bodies one queue keeps in memory (flow-to-disk): bodies beyond it
     /// live only in the journal and are read back on delivery. 0 keeps every body in memory.
     pub queue_memory_budget_bytes: u64,
@@ -234,6 +239,7 @@ impl Default for Config {
             cluster_failure_timeout_ms: 1_200,
             cluster_join_timeout_ms: 30_000,
             cluster_founder: None,
+            queue_primary_locator: Default::default(),
             queue_memory_budget_bytes: 64 * 1024 * 1024,
             journal: crate::store::journal::JournalConfig::default(),
             vhosts: vec!["/".to_owned()],

@@ -40,3 +40,77 @@ pub fn start_cluster(name: &str, n: usize) -> (Vec<Broker>, PathBuf) {
     }
     (members, secret)
 }
+
+/// A three-member cluster that stands in for one [`Broker`] in the single-broker suites
+/// (`tests/suites/`), so that they run unchanged against one virtual broker: each new
+/// connection goes to the next member in turn, and the members place new queues' primaries
+/// with `queue_primary_locator: balanced`, so a queue declared on one member mostly lives on
+/// another and the suites' publishes, consumes and acks cross the proxies.
+pub struct VirtualBroker {
+    members: Vec<Broker>,
+    next: std::sync::atomic::AtomicUsize,
+    _secret: SecretFile,
+}
+
+/// The cluster secret of a [`VirtualBroker`], removed with it.
+struct SecretFile(PathBuf);
+
+impl Drop for SecretFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// Distinguishes the secret files of the virtual brokers of one test process.
+static NEXT_VIRTUAL: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+impl VirtualBroker {
+    /// Starts three members with balanced queue placement and waits until all are ready.
+    pub fn start() -> Self {
+        let n = NEXT_VIRTUAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let secret = secret(&format!("virtual-{n}"));
+        let mut members: Vec<Broker> = Vec::new();
+        for i in 0..3 {
+            let seeds: Vec<String> = members.iter().filter_map(|m| m.cluster.clone()).collect();
+            let seeds: Vec<&str> = seeds.iter().map(String::as_str).collect();
+            let yaml = member_yaml(&format!("virtual-{n}-{i}"), &seeds, &secret)
+                + "queue_primary_locator: balanced\n";
+            members.push(Broker::start_with_config(&yaml));
+        }
+        for m in &members {
+            m.wait_ready(std::time::Duration::from_secs(30));
+        }
+        VirtualBroker {
+            members,
+            // The first connection goes to the second member: placement breaks ties towards
+            // the first, so a test's first queue lives elsewhere than its first client.
+            next: std::sync::atomic::AtomicUsize::new(1),
+            _secret: SecretFile(secret),
+        }
+    }
+
+    fn next_member(&self) -> &Broker {
+        let i = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        &self.members[i % self.members.len()]
+    }
+
+    /// A lapin connection to the next member.
+    pub async fn connect(&self) -> lapin::Connection {
+        self.next_member().connect().await
+    }
+
+    /// A lapin connection to the next member, and one channel.
+    pub async fn channel(&self) -> (lapin::Connection, lapin::Channel) {
+        self.next_member().channel().await
+    }
+}
+
+/// Everything else (raw-socket helpers, the admin API) talks to the third member, which a
+/// suite's first connection does not use.
+impl std::ops::Deref for VirtualBroker {
+    type Target = Broker;
+
+    fn deref(&self) -> &Broker {
+        &self.members[2]
+    }
+}

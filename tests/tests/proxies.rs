@@ -490,6 +490,62 @@ async fn the_primary_is_the_member_the_declare_names() {
 }
 
 #[tokio::test]
+async fn a_balanced_locator_spreads_primaries_over_the_members() {
+    let (members, _secret) = start_cluster("proxy-balanced", 3);
+    let (_c0, on_0) = members[0].channel().await;
+    let locator = |name: &str| {
+        let mut args = FieldTable::default();
+        args.insert(
+            "x-queue-leader-locator".into(),
+            lapin::types::AMQPValue::LongString(name.into()),
+        );
+        args
+    };
+    for q in ["b-1", "b-2", "b-3"] {
+        on_0.queue_declare(
+            q.into(),
+            QueueDeclareOptions::default(),
+            locator("balanced"),
+        )
+        .await
+        .unwrap();
+    }
+    let admin = members[1].admin_client();
+    let mut nodes: Vec<String> = ["b-1", "b-2", "b-3"]
+        .iter()
+        .map(|q| {
+            let q = admin.get(&format!("/api/queues/%2f/{q}")).unwrap();
+            q.body["node"].as_str().expect("a node").to_owned()
+        })
+        .collect();
+    nodes.sort();
+    assert_eq!(
+        nodes,
+        ["proxy-balanced-0", "proxy-balanced-1", "proxy-balanced-2"],
+        "one primary on each member"
+    );
+    // client-local (the default) stays on the member the declare arrived at.
+    on_0.queue_declare(
+        "local".into(),
+        QueueDeclareOptions::default(),
+        locator("client-local"),
+    )
+    .await
+    .unwrap();
+    let q = admin.get("/api/queues/%2f/local").unwrap();
+    assert_eq!(q.body["node"], "proxy-balanced-0", "{}", q.body);
+    let e = on_0
+        .queue_declare(
+            "odd".into(),
+            QueueDeclareOptions::default(),
+            locator("random"),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(reply_code(&e), Some(406), "{e}");
+}
+
+#[tokio::test]
 async fn auto_delete_counts_consumers_on_every_member_and_deletes_everywhere() {
     let (members, _secret) = start_cluster("proxy-auto", 3);
     let (_c0, on_0) = members[0].channel().await;
@@ -594,6 +650,44 @@ async fn a_transaction_through_a_proxy_commits_at_the_primary_before_commit_ok()
     .unwrap();
     on_1.tx_rollback().await.unwrap();
     assert_eq!(count(&members[0], "ledger").await.0, 5);
+
+    // Acks of proxied deliveries in a transaction: applied at the primary before commit-ok.
+    let unacked = |b: &Broker| {
+        let q = b
+            .admin_client()
+            .get("/api/queues/%2f/ledger")
+            .expect("admin API");
+        assert_eq!(q.status, 200, "{}", q.reason());
+        (
+            q.body["messages_ready"].as_u64(),
+            q.body["messages_unacknowledged"].as_u64(),
+        )
+    };
+    let mut tags = Vec::new();
+    for _ in 0..5 {
+        let got = on_1
+            .basic_get("ledger".into(), BasicGetOptions::default())
+            .await
+            .unwrap()
+            .expect("a message");
+        tags.push(got.delivery.delivery_tag);
+    }
+    for tag in tags {
+        on_1.basic_ack(tag, BasicAckOptions::default())
+            .await
+            .unwrap();
+    }
+    assert_eq!(
+        unacked(&members[0]),
+        (Some(0), Some(5)),
+        "acks held until commit"
+    );
+    on_1.tx_commit().await.unwrap();
+    assert_eq!(
+        unacked(&members[0]),
+        (Some(0), Some(0)),
+        "commit-ok came after the primary applied the acks"
+    );
 }
 
 #[tokio::test]

@@ -90,6 +90,7 @@ impl Broker {
                 routing_key: f.routing_key,
                 message: self.resolve_message(f.message),
                 ticket: tracker.map(|t| (t.clone(), t.issue())),
+                after_index: proxies.applied.index(),
             };
             match batches.iter_mut().find(|(p, _)| *p == f.primary) {
                 Some((_, jobs)) => jobs.push(job),

@@ -25,21 +25,17 @@ impl BrokerHost {
 
 impl WiringStore for BrokerHost {
     fn apply(&mut self, index: u64, vhost: &str, op: &WiringOp) -> OpOutcome {
-        let Some(vhost_ref) = self.broker.vhost(vhost) else {
-            return Err(AmqpError::not_found(format!("no vhost '{vhost}'")));
-        };
-        let mut v = vhost_ref.lock();
-        let mut fx = Effects::default();
-        let result = op.apply(&mut v, NO_CONNECTION, now_ms(), &mut fx);
-        // Saved with the wiring, in the same journal job: a restart then never applies this
-        // op twice, whatever it did (a purge replayed would drop later messages).
-        v.cluster_applied(index);
-        let gate = self.broker.finish_batch(0, &mut v, &mut fx);
-        result.map(|reply| (reply, gate))
+        let outcome = self.apply_to_vhost(index, vhost, op);
+        // Links wait for it (`proxy::catch_up`), whatever the op's outcome.
+        self.broker.proxies().applied.advance(index);
+        outcome
     }
 
     fn applied_through(&mut self, vhost: &str) -> Option<u64> {
-        self.broker.vhost(vhost)?.lock().cluster_through()
+        let through = self.broker.vhost(vhost)?.lock().cluster_through()?;
+        // A restart's replay skips what the previous process applied: it counts as applied.
+        self.broker.proxies().applied.advance(through);
+        Some(through)
     }
 
     fn export(&mut self) -> BTreeMap<String, Wiring> {
@@ -65,7 +61,24 @@ impl WiringStore for BrokerHost {
             }
             self.broker.finish_batch(0, &mut v, &mut fx);
         }
+        self.broker.proxies().applied.advance(through);
         tracing::info!("cluster map installed");
+    }
+}
+
+impl BrokerHost {
+    fn apply_to_vhost(&mut self, index: u64, vhost: &str, op: &WiringOp) -> OpOutcome {
+        let Some(vhost_ref) = self.broker.vhost(vhost) else {
+            return Err(AmqpError::not_found(format!("no vhost '{vhost}'")));
+        };
+        let mut v = vhost_ref.lock();
+        let mut fx = Effects::default();
+        let result = op.apply(&mut v, NO_CONNECTION, now_ms(), &mut fx);
+        // Saved with the wiring, in the same journal job: a restart then never applies this
+        // op twice, whatever it did (a purge replayed would drop later messages).
+        v.cluster_applied(index);
+        let gate = self.broker.finish_batch(0, &mut v, &mut fx);
+        result.map(|reply| (reply, gate))
     }
 }
 

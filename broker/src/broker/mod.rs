@@ -142,13 +142,16 @@ impl Broker {
 
     /// The node id of the member a queue declared with `arguments` lives on (its primary):
     /// the member named by `qpid.cluster.primary` (a node id or AMQP `host:port`; `""` means
-    /// this one), else this one. `None` on a single broker, which owns everything; a name
-    /// that is no member is 404 NOT_FOUND.
-    pub fn queue_home(
+    /// this one), else the one the queue's locator picks (`x-queue-leader-locator`, else the
+    /// config's `queue_primary_locator`) given the `primaries` of the vhost's queues. `None`
+    /// on a single broker, which owns everything; a name that is no member is 404 NOT_FOUND.
+    pub fn queue_home<'p>(
         &self,
         arguments: &crate::amqp::FieldTable,
+        primaries: impl IntoIterator<Item = &'p str>,
     ) -> Result<Option<String>, crate::core::AmqpError> {
         use crate::amqp::AMQPValue;
+        use crate::cluster::placement;
         let string = |key: &str| match arguments.inner().get(key) {
             None => Ok(None),
             Some(AMQPValue::LongString(s)) => {
@@ -164,6 +167,15 @@ impl Broker {
         }
         let named = string(PRIMARY_ARGUMENT)?;
         let me = &self.config.node_id;
+        let locator = match string(placement::LOCATOR_ARGUMENT)? {
+            None => self.config.queue_primary_locator,
+            Some(name) => placement::PrimaryLocator::parse(&name).ok_or_else(|| {
+                crate::core::AmqpError::precondition(format!(
+                    "{}: unknown locator '{name}': use client-local or balanced",
+                    placement::LOCATOR_ARGUMENT
+                ))
+            })?,
+        };
         let Some(cluster) = self.cluster() else {
             return match named.as_deref() {
                 None | Some("") => Ok(None),
@@ -174,7 +186,15 @@ impl Broker {
             };
         };
         match named.as_deref() {
-            None | Some("") => Ok(Some(cluster.node_id().to_owned())),
+            Some("") => Ok(Some(cluster.node_id().to_owned())),
+            None => {
+                let live: Vec<String> = cluster
+                    .members()
+                    .into_iter()
+                    .filter_map(|m| m.info.map(|i| i.node_id))
+                    .collect();
+                Ok(Some(locator.choose(cluster.node_id(), &live, primaries)))
+            }
             Some(n) => cluster
                 .members()
                 .into_iter()

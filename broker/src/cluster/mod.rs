@@ -12,6 +12,7 @@ pub mod membership;
 pub mod message;
 pub mod node;
 pub mod notice;
+pub mod placement;
 
 pub use membership::{MemberInfo, MemberState, Membership};
 pub use node::{Cluster, ClusterError, ClusterHost, ClusterSettings, OpOutcome};

@@ -7,7 +7,7 @@
 //! confirms it; the publisher's confirm waits, behind the connection's confirm gate, until
 //! every forward of its batch is confirmed ([`ForwardTracker`]).
 
-use super::link::{LinkError, Links};
+use super::link::{LinkError, Links, is_foreign};
 use crate::core::Message;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::{Confirmation, PublisherConfirm};
@@ -16,6 +16,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use tokio::sync::{Notify, mpsc};
 
 /// The forwards one client connection issued, for its confirm gate: forward `n` of the
@@ -24,13 +25,31 @@ use tokio::sync::{Notify, mpsc};
 pub struct ForwardTracker {
     state: Mutex<TrackerState>,
     changed: Notify,
+    /// Proxied methods waiting in [`Self::answered_through`] (besides the connection, which
+    /// waits in [`Self::changed`]).
+    watchers: AtomicUsize,
 }
 
 #[derive(Debug, Default)]
 struct TrackerState {
     issued: u64,
     outstanding: BTreeSet<u64>,
+    /// Forwards their primary refused (a `basic.nack`: the message is not in the queue, e.g.
+    /// `reject-publish` overflow), until their publishes' confirms are decided.
+    refused: BTreeSet<u64>,
     failure: Option<(u64, String)>,
+}
+
+/// How a forward ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ForwardOutcome {
+    /// The primary confirmed it: the message is in its queues.
+    Confirmed,
+    /// The primary refused it (nacked): the message is in none of its queues, and the
+    /// publisher's confirm is a nack, as on one broker.
+    Refused,
+    /// Nobody knows (the link failed before the answer): the reason.
+    Failed(String),
 }
 
 impl ForwardTracker {
@@ -43,18 +62,34 @@ impl ForwardTracker {
         id
     }
 
-    /// Forward `id` was confirmed (`Ok`) or not (`Err` with the reason).
-    pub fn settle(&self, id: u64, result: Result<(), String>) {
+    /// Forward `id` ended so.
+    pub fn settle(&self, id: u64, outcome: ForwardOutcome) {
         let mut s = self.state.lock();
         s.outstanding.remove(&id);
-        if let Err(reason) = result {
-            match &s.failure {
+        match outcome {
+            ForwardOutcome::Confirmed => {}
+            ForwardOutcome::Refused => {
+                s.refused.insert(id);
+            }
+            ForwardOutcome::Failed(reason) => match &s.failure {
                 Some((first, _)) if *first < id => {}
                 _ => s.failure = Some((id, reason)),
-            }
+            },
         }
         drop(s);
+        if self.watchers.load(Ordering::Acquire) > 0 {
+            self.changed.notify_waiters();
+        }
         self.changed.notify_one();
+    }
+
+    /// Whether a primary refused any of the forwards `first..=last` (all answered); forgets
+    /// the refusals up to `last`, whose publishes' confirms are decided now.
+    pub fn refused(&self, first: u64, last: u64) -> bool {
+        let mut s = self.state.lock();
+        let any = s.refused.range(first..=last).next().is_some();
+        s.refused = s.refused.split_off(&(last + 1));
+        any
     }
 
     /// How many forwards were issued.
@@ -66,7 +101,7 @@ impl ForwardTracker {
     pub fn status(&self) -> ForwardStatus {
         let s = self.state.lock();
         ForwardStatus {
-            confirmed_through: s.outstanding.first().map_or(s.issued, |first| first - 1),
+            answered_through: s.outstanding.first().map_or(s.issued, |first| first - 1),
             in_flight: s.outstanding.len(),
             failure: s.failure.clone(),
         }
@@ -76,13 +111,38 @@ impl ForwardTracker {
     pub async fn changed(&self) {
         self.changed.notified().await
     }
+
+    /// Resolves once every forward up to `upto` was answered (confirmed or failed). A
+    /// proxied method (a get, a count, a purge) sent after publishes of the same connection
+    /// waits for it, so that it cannot overtake them on the way to the primary: on one broker
+    /// a channel's publish is in its queue before the channel's next method runs.
+    pub async fn answered_through(&self, upto: u64) {
+        self.watchers.fetch_add(1, Ordering::AcqRel);
+        loop {
+            let notified = self.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let done = self
+                .state
+                .lock()
+                .outstanding
+                .first()
+                .is_none_or(|first| *first > upto);
+            if done {
+                break;
+            }
+            notified.await;
+        }
+        self.watchers.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// A connection's forwards as of one moment.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ForwardStatus {
-    /// Every forward up to this number is confirmed (or failed: see `failure`).
-    pub confirmed_through: u64,
+    /// Every forward up to this number is answered: confirmed, refused (its publish's
+    /// confirm is a nack) or failed (see `failure`).
+    pub answered_through: u64,
     /// Forwards not yet answered: a publisher with many is paused (back-pressure from a slow
     /// link, instead of memory growing without bound).
     pub in_flight: usize,
@@ -107,6 +167,9 @@ pub struct Job {
     pub message: Arc<Message>,
     /// Who waits for its confirm, if anyone.
     pub ticket: Option<Ticket>,
+    /// The newest cluster change this member had applied when it routed the message: the
+    /// primary applies it before the message ([`super::catch_up`]).
+    pub after_index: u64,
 }
 
 /// The forwarding channels of this member: one task per (member, vhost), publishing in
@@ -174,7 +237,7 @@ async fn run(
     vhost: String,
     mut batches: mpsc::UnboundedReceiver<Vec<Job>>,
 ) {
-    let mut channel: Option<lapin::Channel> = None;
+    let mut channel = LinkChannel::default();
     let (confirm_tx, confirm_rx) = mpsc::unbounded_channel();
     tokio::spawn(answer_confirms(confirm_rx));
     while let Some(batch) = batches.recv().await {
@@ -193,20 +256,32 @@ async fn run(
     }
 }
 
-/// Queues one job's frames on the member's channel (opened again if it failed).
+/// The forwarding channel to one member, and the newest cluster change it told the member
+/// about.
+#[derive(Default)]
+struct LinkChannel {
+    channel: Option<lapin::Channel>,
+    told: u64,
+}
+
+/// Queues one job's frames on the member's channel (opened again if it failed), after
+/// the member caught up with the cluster change the job needs.
 async fn forward_one(
     job: Job,
     links: &Links,
     primary: &Arc<str>,
     vhost: &str,
-    channel: &mut Option<lapin::Channel>,
+    link: &mut LinkChannel,
     confirm_tx: &mpsc::UnboundedSender<(InFlight, Option<Ticket>)>,
 ) -> Result<(), String> {
-    let ch = match channel.as_ref().filter(|c| c.status().connected()) {
+    let ch = match link.channel.as_ref().filter(|c| c.status().connected()) {
         Some(c) => c.clone(),
         None => match open(links, primary, vhost).await {
             Ok(c) => {
-                *channel = Some(c.clone());
+                *link = LinkChannel {
+                    channel: Some(c.clone()),
+                    told: 0,
+                };
                 c
             }
             Err(e) => {
@@ -215,11 +290,21 @@ async fn forward_one(
             }
         },
     };
+    if job.after_index > link.told && !is_foreign(primary) {
+        if let Err(e) = super::catch_up::catch_up(&ch, job.after_index).await {
+            link.channel = None;
+            let reason = format!("forwarding to cluster member '{primary}': {e}");
+            fail(job, &reason);
+            return Err(reason);
+        }
+        link.told = job.after_index;
+    }
     let Job {
         exchange,
         routing_key,
         message,
         ticket,
+        after_index: _,
     } = job;
     let mut publish: Writing = Box::pin(async move {
         ch.basic_publish(
@@ -235,11 +320,13 @@ async fn forward_one(
     // awaited by the confirm task, so publishes are pipelined, not one per round trip.
     let in_flight = match futures::poll!(publish.as_mut()) {
         std::task::Poll::Ready(Err(e)) => {
-            *channel = None;
+            link.channel = None;
             if let Some((tracker, id)) = ticket {
                 tracker.settle(
                     id,
-                    Err(format!("forwarding to cluster member '{primary}': {e}")),
+                    ForwardOutcome::Failed(format!(
+                        "forwarding to cluster member '{primary}': {e}"
+                    )),
                 );
             }
             return Ok(());
@@ -266,7 +353,7 @@ async fn open(links: &Links, primary: &str, vhost: &str) -> Result<lapin::Channe
 
 fn fail(job: Job, reason: &str) {
     if let Some((tracker, id)) = job.ticket {
-        tracker.settle(id, Err(reason.to_owned()));
+        tracker.settle(id, ForwardOutcome::Failed(reason.to_owned()));
     }
 }
 
@@ -281,9 +368,9 @@ async fn answer_confirms(mut confirms: mpsc::UnboundedReceiver<(InFlight, Option
             Err(e) => Err(e),
         };
         let result = match confirmed {
-            Ok(Confirmation::Ack(_)) | Ok(Confirmation::NotRequested) => Ok(()),
-            Ok(Confirmation::Nack(_)) => Err("the queue's primary refused the message".to_owned()),
-            Err(e) => Err(format!("the queue's primary did not confirm: {e}")),
+            Ok(Confirmation::Ack(_)) | Ok(Confirmation::NotRequested) => ForwardOutcome::Confirmed,
+            Ok(Confirmation::Nack(_)) => ForwardOutcome::Refused,
+            Err(e) => ForwardOutcome::Failed(format!("the queue's primary did not confirm: {e}")),
         };
         if let Some((tracker, id)) = ticket {
             tracker.settle(id, result);
@@ -296,17 +383,26 @@ mod tests {
     use super::*;
 
     #[test]
-    fn confirmed_through_is_the_contiguous_prefix() {
+    fn answered_through_is_the_contiguous_prefix() {
         let t = ForwardTracker::default();
-        let (a, b, c) = (t.issue(), t.issue(), t.issue());
-        assert_eq!(t.status().confirmed_through, 0);
-        t.settle(b, Ok(()));
-        assert_eq!(t.status().confirmed_through, 0, "the first is still out");
-        t.settle(a, Ok(()));
-        assert_eq!(t.status().confirmed_through, 2);
-        assert_eq!(t.status().in_flight, 1);
-        t.settle(c, Err("gone".into()));
-        assert_eq!(t.status().confirmed_through, 3);
+        let (a, b, c, d) = (t.issue(), t.issue(), t.issue(), t.issue());
+        assert_eq!(t.status().answered_through, 0);
+        t.settle(b, ForwardOutcome::Refused);
+        assert_eq!(t.status().answered_through, 0, "the first is still out");
+        t.settle(a, ForwardOutcome::Confirmed);
+        assert_eq!(t.status().answered_through, 2);
+        assert_eq!(t.status().in_flight, 2);
+        assert_eq!(
+            t.status().failure,
+            None,
+            "a refusal is an answer, not a failure"
+        );
+        assert!(!t.refused(a, a));
+        assert!(t.refused(b, b));
+        assert!(!t.refused(b, b), "forgotten once decided");
+        t.settle(d, ForwardOutcome::Confirmed);
+        t.settle(c, ForwardOutcome::Failed("gone".into()));
+        assert_eq!(t.status().answered_through, 4);
         assert_eq!(t.status().failure, Some((3, "gone".to_owned())));
     }
 }

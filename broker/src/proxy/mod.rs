@@ -11,6 +11,7 @@
 //!   queue gets one upstream channel per primary, in its name: consumers there with the
 //!   client's prefetch, acks passed on only after the client's.
 
+pub mod catch_up;
 pub mod forward;
 pub mod link;
 pub mod stats;
@@ -28,6 +29,8 @@ pub struct Proxies {
     pub links: Arc<Links>,
     /// The forwarding channels over them.
     pub forwarders: Forwarders,
+    /// The newest cluster change applied here, which link channels tell the other end.
+    pub applied: Arc<catch_up::Applied>,
 }
 
 impl Default for Proxies {
@@ -38,6 +41,7 @@ impl Default for Proxies {
         Self {
             forwarders: Forwarders::new(links.clone()),
             links,
+            applied: Arc::default(),
         }
     }
 }

@@ -164,7 +164,7 @@ pub enum Command {
 }
 
 /// The handle of one upstream channel; dropping it closes the channel on the primary.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Upstream {
     commands: mpsc::UnboundedSender<Command>,
 }
@@ -181,6 +181,9 @@ pub struct Target {
     pub channel: u16,
     /// The client connection's mailbox.
     pub outbox: Arc<Outbox>,
+    /// The newest cluster change applied on this member, which the primary applies before
+    /// the channel's next command ([`super::catch_up`]).
+    pub applied: Arc<super::catch_up::Applied>,
 }
 
 impl Upstream {
@@ -242,6 +245,8 @@ async fn run(t: Target, mut commands: mpsc::UnboundedReceiver<Command>) {
     let mut last_credit: u16 = 0;
     let mut failed: Option<AmqpError> = None;
     let mut next: Option<Command> = None;
+    // The newest cluster change this channel told the primary about.
+    let mut told = 0;
     loop {
         let c = match next.take() {
             Some(c) => c,
@@ -269,6 +274,16 @@ async fn run(t: Target, mut commands: mpsc::UnboundedReceiver<Command>) {
             }
             settle(&ch, &unsettled, batch).await;
             continue;
+        }
+        let needed = t.applied.index();
+        if needed > told && !super::link::is_foreign(&t.primary) {
+            if let Err(e) = super::catch_up::catch_up(&ch, needed).await {
+                let err = amqp_error(&t.primary, &e);
+                fail(c, &err);
+                failed = Some(err);
+                continue;
+            }
+            told = needed;
         }
         if let Err(e) = execute(&t, &ch, &unsettled, &mut last_credit, c).await {
             failed = Some(e);

@@ -136,6 +136,10 @@ pub struct ChannelCtx {
     pub publish_seq: u64,
     /// Confirms decided since the last flush: (sequence number, ack?).
     pub confirms: Vec<(u64, bool)>,
+    /// Publishes whose confirm waits for the primaries they were forwarded to, and every
+    /// later publish of the channel (confirms go out in publish order, so that a `multiple`
+    /// ack never covers a publish still undecided).
+    pub awaiting: std::collections::VecDeque<AwaitingConfirm>,
     /// tx.select was sent.
     pub tx: Option<Transaction>,
     /// Name of the queue declared last on this channel (the spec's empty-name shortcut).
@@ -153,6 +157,7 @@ impl ChannelCtx {
             confirm: false,
             publish_seq: 0,
             confirms: Vec::new(),
+            awaiting: std::collections::VecDeque::new(),
             tx: None,
             last_queue: None,
         }
@@ -165,6 +170,43 @@ impl ChannelCtx {
         } else {
             Some(name.to_owned())
         }
+    }
+
+    /// Records the confirm of publish `seq`: decided now (`accepted`) unless it was
+    /// forwarded (`forwards`, the first and last of its forwards' numbers) or an earlier one
+    /// still waits.
+    pub fn confirm_publish(&mut self, seq: u64, accepted: bool, forwards: Option<(u64, u64)>) {
+        if forwards.is_none() && self.awaiting.is_empty() {
+            self.confirms.push((seq, accepted));
+        } else {
+            self.awaiting.push_back(AwaitingConfirm {
+                seq,
+                accepted,
+                forwards,
+            });
+        }
+    }
+
+    /// Decides the waiting confirms, in order, whose forwards were all answered by
+    /// `answered_through`: an ack unless the publish or one of its forwards was refused
+    /// (`refused(first, last)`). Returns how many it decided.
+    pub fn decide_awaiting(
+        &mut self,
+        answered_through: u64,
+        mut refused: impl FnMut(u64, u64) -> bool,
+    ) -> usize {
+        let mut decided = 0;
+        while let Some(front) = self.awaiting.front() {
+            let ack = match front.forwards {
+                Some((_, last)) if last > answered_through => break,
+                Some((first, last)) => front.accepted && !refused(first, last),
+                None => front.accepted,
+            };
+            self.confirms.push((front.seq, ack));
+            self.awaiting.pop_front();
+            decided += 1;
+        }
+        decided
     }
 
     /// Takes the confirms decided so far as (delivery-tag, multiple, ack?) frames: runs of
@@ -191,9 +233,48 @@ impl ChannelCtx {
     }
 }
 
+/// A publisher confirm that waits for the primaries its publish was forwarded to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AwaitingConfirm {
+    /// The publish's sequence number (its confirm's delivery tag).
+    pub seq: u64,
+    /// Whether this member accepted it (false: refused here, a nack whatever the primaries say).
+    pub accepted: bool,
+    /// The first and last number of its forwards in the connection's forward tracker.
+    pub forwards: Option<(u64, u64)>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn forwarded_confirms_wait_in_publish_order_and_a_refused_forward_is_a_nack() {
+        let mut ch = ChannelCtx::new(ChannelKey {
+            conn: 1,
+            channel: 1,
+        });
+        ch.confirm_publish(1, true, None);
+        ch.confirm_publish(2, true, Some((1, 2)));
+        ch.confirm_publish(3, true, None);
+        ch.confirm_publish(4, true, Some((3, 3)));
+        assert_eq!(
+            ch.confirms,
+            vec![(1, true)],
+            "only what precedes the first forward"
+        );
+        assert_eq!(ch.decide_awaiting(1, |_, _| false), 0, "forward 2 is out");
+        assert_eq!(ch.decide_awaiting(2, |first, _| first == 1), 2);
+        assert_eq!(ch.confirms, vec![(1, true), (2, false), (3, true)]);
+        assert_eq!(ch.decide_awaiting(3, |_, _| false), 1);
+        assert_eq!(ch.confirms.last(), Some(&(4, true)));
+        ch.confirm_publish(5, false, None);
+        assert_eq!(
+            ch.confirms.last(),
+            Some(&(5, false)),
+            "nothing waits: decided at once"
+        );
+    }
 
     #[test]
     fn runs_of_acks_collapse_and_nacks_stay_single() {

@@ -146,10 +146,17 @@ pub(super) fn declare<'a>(c: &Ctx<'a>) -> Result<Plan<'a>> {
     let args = arguments(&body)?;
     let durable = flag(&body, "durable", true)?;
     let auto_delete = flag(&body, "auto_delete", false)?;
-    let home = c.broker.queue_home(&args).map_err(|e| match e.code {
-        crate::amqp::codes::NOT_FOUND => ApiError::not_found(e.text),
-        _ => ApiError::bad_request(e.text),
-    })?;
+    let v = vhost(c.broker, vh)?;
+    let v = v.lock();
+    let primaries = v.queues().filter_map(|q| q.home.as_deref());
+    let home = c
+        .broker
+        .queue_home(&args, primaries)
+        .map_err(|e| match e.code {
+            crate::amqp::codes::NOT_FOUND => ApiError::not_found(e.text),
+            _ => ApiError::bad_request(e.text),
+        })?;
+    drop(v);
     Ok(Plan {
         vhost: vh,
         op: declare_op(name, durable, auto_delete, args, home)?,

@@ -154,6 +154,8 @@ struct Connection {
     forwards: Arc<ForwardTracker>,
     /// The forwards the output held so far already waits for.
     forwards_held: u64,
+    /// Some channel has publisher confirms waiting for forwards ([`ChannelCtx::awaiting`]).
+    awaiting_confirms: bool,
     /// Upstream channels by (client channel, primary's node id).
     upstreams: HashMap<(u16, Arc<str>), Upstream>,
     /// Consumers on proxied queues by (client channel, consumer tag).
@@ -214,6 +216,7 @@ where
         link: false,
         forwards: Arc::default(),
         forwards_held: 0,
+        awaiting_confirms: false,
         upstreams: HashMap::new(),
         remote_consumers: HashMap::new(),
         next_serial: 0,
@@ -285,9 +288,12 @@ impl Connection {
             {
                 self.abandon_unconfirmed(*failed, reason);
             }
+            if self.awaiting_confirms && self.phase == Phase::Running {
+                self.decide_forwarded_confirms(forwards.answered_through);
+            }
             let progress = Progress {
                 journal_synced: *synced.borrow(),
-                forwards_confirmed: forwards.confirmed_through,
+                forwards_confirmed: forwards.answered_through,
             };
             let buffered = self.writer.len();
             let writable = self.gate.release(buffered, progress);

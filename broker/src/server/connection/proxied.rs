@@ -9,10 +9,11 @@
 use super::frames::short;
 use super::wiring::Pending;
 use super::{Connection, Lazy};
-use crate::amqp::{AMQPClass, basic, codes, queue};
+use crate::amqp::{AMQPClass, basic, codes, exchange, queue, tx};
 use crate::broker::PROXY_ARGUMENT;
 use crate::core::vhost::Settlement;
 use crate::core::{AmqpError, ChannelKey};
+use crate::proxy::forward::ForwardTracker;
 use crate::proxy::link::redacted;
 use crate::proxy::upstream::{
     self, Command, DEFAULT_CREDIT, ProxiedDelivery, ProxiedEnd, ProxiedGet, Target, Upstream,
@@ -68,6 +69,15 @@ pub(super) enum Answer {
     Settled {
         result: Result<(), AmqpError>,
     },
+    /// On a link: this member applied the cluster change the other member named
+    /// (`proxy::catch_up`), or gave up waiting: exchange.declare-ok.
+    CaughtUp {
+        nowait: bool,
+    },
+    /// A transaction's proxied acks were processed by their primaries: commit-ok.
+    Committed {
+        result: Result<(), AmqpError>,
+    },
     ForeignChecked {
         pending: Pending,
         result: Result<(), AmqpError>,
@@ -112,6 +122,7 @@ impl Connection {
             vhost: self.vhost_name.clone(),
             channel: id,
             outbox: self.outbox.clone(),
+            applied: proxies.applied.clone(),
         };
         Ok(self
             .upstreams
@@ -127,16 +138,32 @@ impl Connection {
         id: u16,
         method: (u16, u16),
         primary: Arc<str>,
-        command: impl FnOnce(upstream::Reply<T>) -> Command,
+        command: impl FnOnce(upstream::Reply<T>) -> Command + Send + 'static,
         answer: impl FnOnce(Result<T, AmqpError>) -> Answer + Send + 'static,
     ) -> Result<(), AmqpError> {
         let (tx, rx) = tokio::sync::oneshot::channel();
-        self.upstream(id, &primary)?.send(command(tx));
-        self.wait_remote(id, method, async move { answer(reply(rx, &primary).await) });
+        let upstream = self.upstream(id, &primary)?.clone();
+        let forwarded = self.forwarded_so_far();
+        self.wait_remote(id, method, async move {
+            if let Some((tracker, upto)) = forwarded {
+                tracker.answered_through(upto).await;
+            }
+            upstream.send(command(tx));
+            answer(reply(rx, &primary).await)
+        });
         Ok(())
     }
 
-    fn wait_remote(
+    /// The forwards of this connection so far (this batch's included, handed to their links
+    /// now), if any is still unanswered: what a proxied method must not overtake.
+    fn forwarded_so_far(&mut self) -> Option<(Arc<ForwardTracker>, u64)> {
+        self.broker
+            .forward(&self.vhost_name, &mut self.fx, Some(&self.forwards));
+        let upto = self.forwards.issued();
+        (self.forwards.status().answered_through < upto).then(|| (self.forwards.clone(), upto))
+    }
+
+    pub(super) fn wait_remote(
         &mut self,
         channel: u16,
         (class_id, method_id): (u16, u16),
@@ -200,7 +227,7 @@ impl Connection {
             id,
             (60, 20),
             primary,
-            |reply| Command::Consume {
+            move |reply| Command::Consume {
                 queue,
                 tag: upstream_tag,
                 no_ack,
@@ -232,7 +259,7 @@ impl Connection {
             id,
             (60, 30),
             rc.primary,
-            |reply| Command::Cancel {
+            move |reply| Command::Cancel {
                 tag: upstream_tag,
                 reply,
             },
@@ -258,7 +285,7 @@ impl Connection {
             id,
             (60, 70),
             primary,
-            |reply| Command::Get {
+            move |reply| Command::Get {
                 queue: upstream_queue,
                 no_ack,
                 reply,
@@ -284,7 +311,7 @@ impl Connection {
             id,
             (50, 30),
             primary,
-            |reply| Command::Purge { queue, reply },
+            move |reply| Command::Purge { queue, reply },
             move |result| Answer::Purged { nowait, result },
         )
     }
@@ -322,7 +349,7 @@ impl Connection {
             id,
             (50, 40),
             primary,
-            |reply| Command::Delete {
+            move |reply| Command::Delete {
                 queue: upstream_queue,
                 if_unused,
                 if_empty,
@@ -349,7 +376,7 @@ impl Connection {
             id,
             (50, 10),
             primary,
-            |reply| Command::Counts {
+            move |reply| Command::Counts {
                 queue: upstream_queue,
                 reply,
             },
@@ -480,6 +507,20 @@ impl Connection {
                 }
             },
             Answer::Settled { result } => result?,
+            Answer::CaughtUp { nowait } => {
+                if !nowait {
+                    w.method(
+                        id,
+                        AMQPClass::Exchange(exchange::AMQPMethod::DeclareOk(
+                            exchange::DeclareOk {},
+                        )),
+                    );
+                }
+            }
+            Answer::Committed { result } => {
+                result?;
+                w.method(id, AMQPClass::Tx(tx::AMQPMethod::CommitOk(tx::CommitOk {})));
+            }
             Answer::ForeignChecked { pending, result } => {
                 result?;
                 self.carry_out(id, pending, v)?;
@@ -638,24 +679,66 @@ impl Connection {
         if barriers.is_empty() || self.remote_wait.is_some() {
             return;
         }
+        let channel = barriers[0].0;
+        let processed = self.barriers(&barriers);
+        self.wait_remote(channel, (60, 120), async move {
+            Answer::Settled {
+                result: processed.await,
+            }
+        });
+    }
+
+    /// tx.commit of a transaction that settled proxied deliveries: the settlements go to
+    /// their upstream channels now, and commit-ok waits — reading nothing more — until every
+    /// primary involved has processed them, so a committed ack is an applied ack. Returns
+    /// whether commit-ok is left to that wait.
+    pub(super) fn commit_remote_settles(&mut self, id: u16) -> bool {
+        let settles = std::mem::take(&mut self.fx.remote_settles);
+        let (mine, others): (Vec<_>, Vec<_>) =
+            settles.into_iter().partition(|s| s.channel.channel == id);
+        self.fx.remote_settles = others;
+        if mine.is_empty() {
+            return false;
+        }
+        let mut barriers: Vec<(u16, Arc<str>)> = Vec::new();
+        for s in &mine {
+            self.settle_upstream(id, &s.primary, s.upstream_tag, s.settlement);
+            if !barriers.iter().any(|(_, p)| *p == s.primary) {
+                barriers.push((id, s.primary.clone()));
+            }
+        }
+        let processed = self.barriers(&barriers);
+        self.wait_remote(id, (90, 20), async move {
+            Answer::Committed {
+                result: processed.await,
+            }
+        });
+        true
+    }
+
+    /// A barrier round trip on each of these upstream channels: resolves once every one has
+    /// processed what was sent before it (the first failure, if any).
+    fn barriers(
+        &self,
+        barriers: &[(u16, Arc<str>)],
+    ) -> impl Future<Output = Result<(), AmqpError>> + Send + 'static {
         let mut waits = Vec::new();
-        for (channel, primary) in &barriers {
+        for (channel, primary) in barriers {
             if let Some(u) = self.upstreams.get(&(*channel, primary.clone())) {
                 let (tx, rx) = tokio::sync::oneshot::channel();
                 u.send(Command::Barrier { reply: tx });
                 waits.push((rx, primary.clone()));
             }
         }
-        let channel = barriers[0].0;
-        self.wait_remote(channel, (60, 120), async move {
+        async move {
             let mut result = Ok(());
             for (rx, primary) in waits {
                 if let Err(e) = reply(rx, &primary).await {
                     result = Err(e);
                 }
             }
-            Answer::Settled { result }
-        });
+            result
+        }
     }
 
     fn settle_upstream(&self, channel: u16, primary: &Arc<str>, tag: u64, settlement: Settlement) {

@@ -167,6 +167,7 @@ impl Connection {
             });
             return;
         }
+        let forwards_before = self.fx.forwards.len();
         let outcome = if self.link {
             Ok(v.get().publish_forwarded(
                 &p.exchange,
@@ -201,8 +202,20 @@ impl Connection {
                     .expect("publishing channel is open");
                 if ch.confirm {
                     ch.publish_seq += 1;
-                    ch.confirms
-                        .push((ch.publish_seq, outcome != PublishOutcome::Rejected));
+                    // Forwards are numbered in the tracker in the order the batch hands
+                    // them over: this publish's are the ones it added to the effects.
+                    let issued = self.forwards.issued();
+                    let added = self.fx.forwards.len() - forwards_before;
+                    let forwards = (added > 0).then(|| {
+                        let first = issued + forwards_before as u64 + 1;
+                        (first, first + added as u64 - 1)
+                    });
+                    ch.confirm_publish(
+                        ch.publish_seq,
+                        outcome != PublishOutcome::Rejected,
+                        forwards,
+                    );
+                    self.awaiting_confirms |= forwards.is_some();
                 }
             }
         }

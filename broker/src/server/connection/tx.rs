@@ -55,6 +55,9 @@ impl Connection {
                     return Err(AmqpError::precondition("channel is not transactional"));
                 };
                 self.commit(id, held, v)?;
+                if self.commit_remote_settles(id) {
+                    return Ok(());
+                }
                 tx::AMQPMethod::CommitOk(tx::CommitOk {})
             }
             tx::AMQPMethod::Rollback(_) => {
@@ -110,10 +113,38 @@ impl Connection {
         Ok(())
     }
 
+    /// Decides the confirms of forwarded publishes whose primaries all answered (through
+    /// forward `answered`), on every channel, in publish order.
+    fn decide_awaiting(&mut self, answered: u64) {
+        let tracker = &self.forwards;
+        let mut waiting = false;
+        for ch in self.channels.values_mut() {
+            ch.decide_awaiting(answered, |first, last| tracker.refused(first, last));
+            waiting |= !ch.awaiting.is_empty();
+        }
+        self.awaiting_confirms = waiting;
+    }
+
+    /// Between batches, when the primaries answered forwards: writes the confirms that were
+    /// waiting for them (behind whatever the gate still holds).
+    pub(super) fn decide_forwarded_confirms(&mut self, answered: u64) {
+        let before: usize = self.channels.values().map(|c| c.confirms.len()).sum();
+        self.decide_awaiting(answered);
+        let after: usize = self.channels.values().map(|c| c.confirms.len()).sum();
+        if after > before {
+            self.flush_confirms();
+            self.hold_output(None);
+        }
+    }
+
     /// Writes the confirms the batch's publishes decided, per channel, runs of acks as one
     /// `multiple` ack. Called by [`Connection::end_batch`] before the batch's hold, so that
     /// they wait for the batch's durability.
     pub(super) fn flush_confirms(&mut self) {
+        if self.awaiting_confirms {
+            let answered = self.forwards.status().answered_through;
+            self.decide_awaiting(answered);
+        }
         for (id, ch) in &mut self.channels {
             if ch.confirms.is_empty() {
                 continue;

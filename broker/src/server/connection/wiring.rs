@@ -6,6 +6,7 @@
 //! (questions) and purge (content) are not wiring changes and are answered here.
 
 use super::frames::{ConnError, permit, short};
+use super::proxied::Answer;
 use super::{Connection, Lazy};
 use crate::amqp::AMQPValue;
 use crate::amqp::{AMQPClass, codes, exchange, queue};
@@ -56,7 +57,8 @@ impl Connection {
         let cluster = self.broker.cluster().cloned();
         let home = match &method {
             AMQPClass::Queue(queue::AMQPMethod::Declare(d)) if !d.exclusive => {
-                self.broker.queue_home(&d.arguments)?
+                let primaries = v.get().queues().filter_map(|q| q.home.as_deref());
+                self.broker.queue_home(&d.arguments, primaries)?
             }
             _ => cluster.as_ref().map(|c| c.node_id().to_owned()),
         };
@@ -208,8 +210,10 @@ impl Connection {
             _ => None,
         };
         match outcome {
-            Ok((_, journal_seq)) if open && proxied_declare.is_some() => {
-                // declare-ok counts the queue's messages and consumers: its primary's.
+            Ok((reply, journal_seq)) if open && proxied_declare.is_some() && !reply.created => {
+                // declare-ok counts the queue's messages and consumers: its primary's. (A
+                // queue this declare created has none: answered here, without asking a
+                // primary that may not have applied the declare yet.)
                 self.hold_output(journal_seq);
                 let (name, primary) = proxied_declare.expect("checked");
                 if let Err(e) = self.count_remote(wait.channel, name, false, primary) {
@@ -239,6 +243,25 @@ impl Connection {
         d: &exchange::Declare,
         v: &mut Lazy,
     ) -> Result<(), AmqpError> {
+        if self.link
+            && let Some(index) = crate::proxy::catch_up::after_index(&d.arguments)
+            && self.broker.proxies().applied.index() < index
+        {
+            // Another member's link: what follows on this channel needs the cluster change
+            // `index`, which that member applied and this one is about to.
+            let reached = self.broker.proxies().applied.reached(index);
+            let nowait = d.nowait;
+            self.wait_remote(id, (40, 10), async move {
+                if !reached.await {
+                    tracing::warn!(
+                        index,
+                        "a cluster change another member applied is still not applied here"
+                    );
+                }
+                Answer::CaughtUp { nowait }
+            });
+            return Ok(());
+        }
         v.get().exchange_declare(ExchangeDeclare {
             name: d.exchange.to_string(),
             kind: d.kind.to_string(),

@@ -1,0 +1,92 @@
+//! Read-your-writes across members. A client that declared a queue through one member and
+//! was answered declare-ok may at once publish to it, consume from it or get from it
+//! through that member; its primary applies the same committed declare a moment later. So a
+//! link channel that carries a client's work first tells the primary which cluster change
+//! the sending member had applied (a passive `exchange.declare` of the default exchange
+//! with [`AFTER_INDEX_ARGUMENT`]), and the primary answers it only once it has applied that
+//! change too. Sent only when the index moved since the channel last said it: wiring
+//! changes are rare next to messages.
+
+use lapin::options::ExchangeDeclareOptions;
+use lapin::types::{AMQPValue, FieldTable};
+use std::time::Duration;
+use tokio::sync::watch;
+
+/// The argument of the passive default-exchange declare that names the cluster change the
+/// sender had applied; honoured on links only.
+pub const AFTER_INDEX_ARGUMENT: &str = "x-ringmq-after-index";
+
+/// How long a member waits to apply a change another member already applied before it
+/// answers anyway (and logs it): the cluster layer delivers committed changes to every
+/// live member within a failure timeout.
+pub const CATCH_UP_LIMIT: Duration = Duration::from_secs(10);
+
+/// The newest cluster change (its agreed index) applied on this member.
+#[derive(Debug)]
+pub struct Applied {
+    index: watch::Sender<u64>,
+}
+
+impl Default for Applied {
+    fn default() -> Self {
+        Self {
+            index: watch::Sender::new(0),
+        }
+    }
+}
+
+impl Applied {
+    /// The cluster layer applied the change at `index` (indexes only grow).
+    pub fn advance(&self, index: u64) {
+        self.index.send_if_modified(|i| {
+            let newer = index > *i;
+            if newer {
+                *i = index;
+            }
+            newer
+        });
+    }
+
+    /// The newest index applied.
+    pub fn index(&self) -> u64 {
+        *self.index.borrow()
+    }
+
+    /// Resolves once `index` is applied here, or after [`CATCH_UP_LIMIT`] (false).
+    pub fn reached(&self, index: u64) -> impl Future<Output = bool> + Send + 'static {
+        let mut rx = self.index.subscribe();
+        async move {
+            tokio::time::timeout(CATCH_UP_LIMIT, rx.wait_for(|i| *i >= index))
+                .await
+                .is_ok_and(|r| r.is_ok())
+        }
+    }
+}
+
+/// Tells the member at the other end of `ch` that what follows on the channel needs the
+/// cluster change `index` applied, and waits until it is.
+pub async fn catch_up(ch: &lapin::Channel, index: u64) -> lapin::Result<()> {
+    let mut args = FieldTable::default();
+    args.insert(
+        AFTER_INDEX_ARGUMENT.into(),
+        AMQPValue::LongLongInt(index as i64),
+    );
+    ch.exchange_declare(
+        "".into(),
+        lapin::ExchangeKind::Direct,
+        ExchangeDeclareOptions {
+            passive: true,
+            ..Default::default()
+        },
+        args,
+    )
+    .await
+}
+
+/// The index an [`AFTER_INDEX_ARGUMENT`] names, if the arguments carry one.
+pub fn after_index(arguments: &crate::amqp::FieldTable) -> Option<u64> {
+    match arguments.inner().get(AFTER_INDEX_ARGUMENT)? {
+        crate::amqp::AMQPValue::LongLongInt(i) => u64::try_from(*i).ok(),
+        _ => None,
+    }
+}
