@@ -239,7 +239,10 @@ async fn forward_one(
             if let Some((tracker, id)) = ticket {
                 tracker.settle(
                     id,
-                    Err(format!("forwarding to cluster member '{primary}': {e}")),
+                    Err(format!(
+                        "forwarding to '{}': {e}",
+                        super::link::redacted(primary)
+                    )),
                 );
             }
             return Ok(());
@@ -257,7 +260,7 @@ async fn open(links: &Links, primary: &str, vhost: &str) -> Result<lapin::Channe
     ch.confirm_select(ConfirmSelectOptions::default())
         .await
         .map_err(|e| LinkError::Failed {
-            node: primary.into(),
+            node: super::link::redacted(primary),
             addr: String::new(),
             reason: e.to_string(),
         })?;
