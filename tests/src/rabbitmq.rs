@@ -91,6 +91,61 @@ impl RabbitMq {
         format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.port)
     }
 
+    /// `amqp://guest:guest@127.0.0.1:PORT/VHOST` with `vhost` percent-encoded (`/` as `%2f`).
+    pub fn uri_for(&self, vhost: &str) -> String {
+        let encoded: String = vhost
+            .bytes()
+            .map(|b| match b {
+                b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'-' | b'_' | b'.' => {
+                    (b as char).to_string()
+                }
+                _ => format!("%{b:02x}"),
+            })
+            .collect();
+        format!("amqp://guest:guest@127.0.0.1:{}/{encoded}", self.port)
+    }
+
+    /// Creates `vhost` on the node and gives guest every permission in it.
+    pub fn add_vhost(&self, vhost: &str) {
+        self.ctl(&["add_vhost", vhost]);
+        self.ctl(&["set_permissions", "-p", vhost, "guest", ".*", ".*", ".*"]);
+    }
+
+    /// The queues of `vhost` on the node, each with its messages, ready and unacked.
+    pub fn queues(&self, vhost: &str) -> Vec<(String, u64)> {
+        self.ctl(&[
+            "list_queues",
+            "-p",
+            vhost,
+            "--silent",
+            "--no-table-headers",
+            "name",
+            "messages",
+        ])
+        .lines()
+        .filter_map(|l| {
+            let (name, messages) = l.trim().rsplit_once(char::is_whitespace)?;
+            Some((name.trim().to_owned(), messages.parse().ok()?))
+        })
+        .collect()
+    }
+
+    /// Runs `rabbitmqctl` on the node and returns its output; panics when it fails.
+    fn ctl(&self, args: &[&str]) -> String {
+        let out = Command::new("rabbitmqctl")
+            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .args(["-n", &self.node])
+            .args(args)
+            .output()
+            .expect("rabbitmqctl runs");
+        assert!(
+            out.status.success(),
+            "rabbitmqctl {args:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
     /// The environment of a node: its name, ports on loopback and directories.
     fn env(node: &str, port: u16, dir: &std::path::Path) -> Vec<(String, String)> {
         let d = |p: &str| dir.join(p).display().to_string();

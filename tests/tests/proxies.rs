@@ -6,7 +6,8 @@ use futures_lite::StreamExt;
 use lapin::BasicProperties;
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicGetOptions, BasicNackOptions, BasicPublishOptions,
-    BasicQosOptions, ConfirmSelectOptions, QueueDeclareOptions, QueuePurgeOptions,
+    BasicQosOptions, ConfirmSelectOptions, ExchangeDeclareOptions, QueueDeclareOptions,
+    QueuePurgeOptions,
 };
 use lapin::types::FieldTable;
 use ringmq_tests::cluster::start_cluster;
@@ -829,23 +830,132 @@ async fn single_active_consumer_holds_across_members() {
 }
 
 #[tokio::test]
-async fn a_proxy_argument_that_is_no_amqp_uri_is_refused_with_a_reason() {
+async fn a_malformed_proxy_uri_is_refused_with_a_reason() {
     let (members, _secret) = start_cluster("proxy-args", 2);
-    let declare_with = |value: &'static str| {
-        let b = &members[0];
-        async move {
-            let (_c, ch) = b.channel().await;
-            let mut args = FieldTable::default();
-            args.insert(
-                "qpid.cluster.proxy".into(),
-                lapin::types::AMQPValue::LongString(value.into()),
-            );
-            ch.queue_declare("p".into(), QueueDeclareOptions::default(), args)
-                .await
-                .map(|_| ())
-                .map_err(|e| reply_code(&e))
-        }
-    };
-    assert_eq!(declare_with("proxy-args-1").await, Err(Some(540)));
-    assert_eq!(declare_with("amqp://[bad").await, Err(Some(406)));
+    let (_c, ch) = members[0].channel().await;
+    let refused = ch
+        .queue_declare(
+            "p".into(),
+            QueueDeclareOptions::default(),
+            proxy_to("amqp://[bad"),
+        )
+        .await
+        .expect_err("not a URI");
+    assert_eq!(reply_code(&refused), Some(406));
+}
+
+fn proxy_to(target: &str) -> FieldTable {
+    let mut args = FieldTable::default();
+    args.insert(
+        "qpid.cluster.proxy".into(),
+        lapin::types::AMQPValue::LongString(target.into()),
+    );
+    args
+}
+
+/// A declare with `qpid.cluster.proxy` naming a member: `Ok` with its counts, or the code.
+async fn declare_naming(
+    b: &Broker,
+    queue: &str,
+    exchange: Option<&str>,
+    member: &str,
+) -> Result<(u32, u32), Option<u16>> {
+    let (_c, ch) = b.channel().await;
+    match exchange {
+        Some(x) => ch
+            .exchange_declare(
+                x.into(),
+                lapin::ExchangeKind::Topic,
+                ExchangeDeclareOptions::default(),
+                proxy_to(member),
+            )
+            .await
+            .map(|()| (0, 0)),
+        None => ch
+            .queue_declare(
+                queue.into(),
+                QueueDeclareOptions::default(),
+                proxy_to(member),
+            )
+            .await
+            .map(|q| (q.message_count(), q.consumer_count())),
+    }
+    .map_err(|e| reply_code(&e))
+}
+
+#[tokio::test]
+async fn a_proxy_naming_a_member_answers_whether_that_member_has_the_queue() {
+    let (members, _secret) = start_cluster("proxy-member", 2);
+    // "on-1" lives on member 1; declared through member 0.
+    let (_c0, on_0) = members[0].channel().await;
+    let mut placed = FieldTable::default();
+    placed.insert(
+        "qpid.cluster.primary".into(),
+        lapin::types::AMQPValue::LongString("proxy-member-1".into()),
+    );
+    on_0.queue_declare("on-1".into(), QueueDeclareOptions::default(), placed)
+        .await
+        .unwrap();
+    publish_confirmed(&on_0, "on-1", "m", 2).await;
+
+    // Member 1 is its primary, by node id or AMQP address, from either member: declare-ok
+    // with the primary's counts, and nothing new.
+    let addr = members[1].uri();
+    let addr = addr.split('@').nth(1).unwrap().split('/').next().unwrap();
+    for b in &members {
+        assert_eq!(
+            declare_naming(b, "on-1", None, "proxy-member-1").await,
+            Ok((2, 0))
+        );
+        assert_eq!(declare_naming(b, "on-1", None, addr).await, Ok((2, 0)));
+    }
+    // Not its primary, no such queue, no such member: 404.
+    assert_eq!(
+        declare_naming(&members[1], "on-1", None, "proxy-member-0").await,
+        Err(Some(404))
+    );
+    assert_eq!(
+        declare_naming(&members[0], "nowhere", None, "proxy-member-1").await,
+        Err(Some(404))
+    );
+    let (_c, ch) = members[0].channel().await;
+    assert!(
+        ch.queue_declare(
+            "nowhere".into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .is_err(),
+        "the refused declare created nothing"
+    );
+    assert_eq!(
+        declare_naming(&members[0], "on-1", None, "proxy-member-9").await,
+        Err(Some(404))
+    );
+
+    // An exchange: declare-ok when the cluster's shared wiring has it, else 404.
+    on_0.exchange_declare(
+        "shared-x".into(),
+        lapin::ExchangeKind::Topic,
+        ExchangeDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        declare_naming(&members[1], "", Some("shared-x"), "proxy-member-0").await,
+        Ok((0, 0))
+    );
+    assert_eq!(
+        declare_naming(&members[1], "", Some("no-such-x"), "proxy-member-0").await,
+        Err(Some(404))
+    );
+    assert_eq!(
+        declare_naming(&members[1], "", Some("shared-x"), "proxy-member-9").await,
+        Err(Some(404))
+    );
 }

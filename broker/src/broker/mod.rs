@@ -33,9 +33,19 @@ use std::time::Duration;
 /// The queue.declare argument that names the member a queue lives on.
 pub const PRIMARY_ARGUMENT: &str = "qpid.cluster.primary";
 
-/// The queue.declare argument that makes the queue a proxy for a queue of the same name on
-/// another AMQP broker (`amqp://user:pass@host:port/vhost`).
-pub const PROXY_ARGUMENT: &str = "qpid.cluster.proxy";
+/// The declare argument that makes a queue or an exchange a proxy for the one of the same
+/// name on another AMQP broker (`amqp://user:pass@host:port/vhost`) or on a cluster member.
+pub use crate::core::PROXY_ARGUMENT;
+
+/// What a `qpid.cluster.proxy` argument names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ProxyTarget {
+    /// Another AMQP broker, by its URI (checked for form): a foreign proxy.
+    Foreign(String),
+    /// A member of this broker's cluster, by node id: its queues and the shared exchanges
+    /// are proxied by every member already, so the declare only checks they exist.
+    Member(String),
+}
 
 /// State shared by every connection of the broker.
 #[derive(Debug)]
@@ -65,6 +75,24 @@ pub struct Broker {
     /// the cluster map, so no client sees a wiring the cluster does not have.
     serving: tokio::sync::watch::Sender<bool>,
     data_dir: DataDir,
+}
+
+/// A declare argument that must be a string, if present (406 when it is something else).
+fn string_argument(
+    arguments: &crate::amqp::FieldTable,
+    key: &str,
+) -> Result<Option<String>, crate::core::AmqpError> {
+    use crate::amqp::AMQPValue;
+    match arguments.inner().get(key) {
+        None => Ok(None),
+        Some(AMQPValue::LongString(s)) => {
+            Ok(Some(String::from_utf8_lossy(s.as_bytes()).into_owned()))
+        }
+        Some(AMQPValue::ShortString(s)) => Ok(Some(s.to_string())),
+        Some(other) => Err(crate::core::AmqpError::precondition(format!(
+            "{key} must be a string, not {other:?}"
+        ))),
+    }
 }
 
 impl Broker {
@@ -150,67 +178,100 @@ impl Broker {
         arguments: &crate::amqp::FieldTable,
         primaries: impl IntoIterator<Item = &'p str>,
     ) -> Result<Option<String>, crate::core::AmqpError> {
-        use crate::amqp::AMQPValue;
-        use crate::cluster::placement;
-        let string = |key: &str| match arguments.inner().get(key) {
-            None => Ok(None),
-            Some(AMQPValue::LongString(s)) => {
-                Ok(Some(String::from_utf8_lossy(s.as_bytes()).into_owned()))
+        use crate::cluster::placement::{LOCATOR_ARGUMENT, PrimaryLocator};
+        match self.proxy_target(arguments)? {
+            Some(ProxyTarget::Foreign(uri)) => return Ok(Some(uri)),
+            Some(ProxyTarget::Member(node)) => {
+                return Err(crate::core::AmqpError::precondition(format!(
+                    "{PROXY_ARGUMENT} names cluster member '{node}': its queues are proxied by \
+                     every member already; declare the queue over AMQP to check it is there"
+                )));
             }
-            Some(AMQPValue::ShortString(s)) => Ok(Some(s.to_string())),
-            Some(other) => Err(crate::core::AmqpError::precondition(format!(
-                "{key} must be a string, not {other:?}"
-            ))),
-        };
-        if let Some(uri) = string(PROXY_ARGUMENT)? {
-            return self.foreign_home(uri, arguments).map(Some);
+            None => {}
         }
-        let named = string(PRIMARY_ARGUMENT)?;
-        let me = &self.config.node_id;
-        let locator = match string(placement::LOCATOR_ARGUMENT)? {
+        let locator = match string_argument(arguments, LOCATOR_ARGUMENT)? {
             None => self.config.queue_primary_locator,
-            Some(name) => placement::PrimaryLocator::parse(&name).ok_or_else(|| {
+            Some(name) => PrimaryLocator::parse(&name).ok_or_else(|| {
                 crate::core::AmqpError::precondition(format!(
-                    "{}: unknown locator '{name}': use client-local or balanced",
-                    placement::LOCATOR_ARGUMENT
+                    "{LOCATOR_ARGUMENT}: unknown locator '{name}': use client-local or balanced"
                 ))
             })?,
         };
-        let Some(cluster) = self.cluster() else {
-            return match named.as_deref() {
-                None | Some("") => Ok(None),
-                Some(n) if n == me => Ok(None),
-                Some(n) => Err(crate::core::AmqpError::not_found(format!(
-                    "no cluster member '{n}' ({PRIMARY_ARGUMENT}): this broker is not in a cluster"
-                ))),
-            };
-        };
-        match named.as_deref() {
-            Some("") => Ok(Some(cluster.node_id().to_owned())),
-            None => {
-                let live: Vec<String> = cluster
+        match string_argument(arguments, PRIMARY_ARGUMENT)?.as_deref() {
+            Some("") => Ok(self.cluster().map(|c| c.node_id().to_owned())),
+            None => Ok(self.cluster().map(|c| {
+                let live: Vec<String> = c
                     .members()
                     .into_iter()
                     .filter_map(|m| m.info.map(|i| i.node_id))
                     .collect();
-                Ok(Some(locator.choose(cluster.node_id(), &live, primaries)))
-            }
-            Some(n) => cluster
-                .members()
-                .into_iter()
-                .filter_map(|m| m.info)
-                .find(|i| i.node_id == n || i.amqp == n)
-                .map(|i| Some(i.node_id))
-                .ok_or_else(|| {
-                    crate::core::AmqpError::not_found(format!(
-                        "no cluster member '{n}' ({PRIMARY_ARGUMENT}): name a member's node id or AMQP host:port"
-                    ))
-                }),
+                locator.choose(c.node_id(), &live, primaries)
+            })),
+            Some(n) => self
+                .member(n, PRIMARY_ARGUMENT)
+                .map(|node| self.cluster().is_some().then_some(node)),
+        }
+    }
+
+    /// What the `qpid.cluster.proxy` argument of a queue or exchange declare names, if it is
+    /// there: another broker's URI (406 when malformed or beside `qpid.cluster.primary`) or
+    /// a cluster member (404 when no member has that node id or AMQP `host:port`).
+    pub fn proxy_target(
+        &self,
+        arguments: &crate::amqp::FieldTable,
+    ) -> Result<Option<ProxyTarget>, crate::core::AmqpError> {
+        let Some(named) = string_argument(arguments, PROXY_ARGUMENT)? else {
+            return Ok(None);
+        };
+        if crate::core::is_foreign(&named) {
+            return self
+                .foreign_home(named, arguments)
+                .map(|u| Some(ProxyTarget::Foreign(u)));
+        }
+        self.member(&named, PROXY_ARGUMENT)
+            .map(|node| Some(ProxyTarget::Member(node)))
+    }
+
+    /// The node id of the member `name` names (its node id or AMQP `host:port`); this
+    /// broker's own node id names it even when it is in no cluster. 404 NOT_FOUND naming
+    /// `name` and the argument it came from otherwise.
+    fn member(&self, name: &str, argument: &str) -> Result<String, crate::core::AmqpError> {
+        let me = &self.config.node_id;
+        let Some(cluster) = self.cluster() else {
+            return if name == me {
+                Ok(me.clone())
+            } else {
+                Err(crate::core::AmqpError::not_found(format!(
+                    "no cluster member '{name}' ({argument}): this broker is not in a cluster"
+                )))
+            };
+        };
+        cluster
+            .members()
+            .into_iter()
+            .filter_map(|m| m.info)
+            .find(|i| i.node_id == name || i.amqp == name)
+            .map(|i| i.node_id)
+            .ok_or_else(|| {
+                crate::core::AmqpError::not_found(format!(
+                    "no cluster member '{name}' ({argument}): name a member's node id or AMQP host:port"
+                ))
+            })
+    }
+
+    /// What makes this broker's private queues on other brokers (the feeds of foreign
+    /// exchanges, `proxy/feed.rs`) its own: on a cluster, a value derived from the cluster
+    /// secret, the same on every member (whichever member is a queue's primary consumes
+    /// the same private queue); on a single broker, its node id and data directory.
+    pub fn feed_identity(&self) -> String {
+        match self.cluster() {
+            Some(cluster) => cluster.link_password().to_owned(),
+            None => format!("{}|{}", self.config.node_id, self.data_dir.path.display()),
         }
     }
 
     /// The home of a foreign proxy: the other broker's URI, checked for form here (whether
-    /// it has the queue is asked before the declare is carried out).
+    /// it has the queue or exchange is asked before the declare is carried out).
     fn foreign_home(
         &self,
         uri: String,
@@ -222,16 +283,6 @@ impl Broker {
                 "{PRIMARY_ARGUMENT} and {PROXY_ARGUMENT} exclude each other: a proxy's queue \
                  lives on the other broker"
             )));
-        }
-        if !crate::core::is_foreign(&uri) {
-            return Err(AmqpError::new(
-                crate::amqp::codes::NOT_IMPLEMENTED,
-                format!(
-                    "{PROXY_ARGUMENT} names '{uri}': only another AMQP broker's \
-                     amqp://user:pass@host:port/vhost URI is supported (a queue on a cluster \
-                     member is proxied by every other member already)"
-                ),
-            ));
         }
         uri.parse::<amq_protocol::uri::AMQPUri>().map_err(|e| {
             AmqpError::precondition(format!(

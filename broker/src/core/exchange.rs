@@ -78,6 +78,11 @@ pub struct Exchange {
     pub arguments: FieldTable,
     /// `alternate-exchange` argument: where unroutable messages go.
     pub alternate_exchange: Option<String>,
+    /// The other AMQP broker (its `qpid.cluster.proxy` URI) whose exchange of the same name
+    /// this one stands for, or `None` for an exchange of this broker. A foreign exchange
+    /// routes nothing here: publishes to it go to the other broker, and its bindings say
+    /// what that broker's exchange feeds into local queues ([`super::vhost::Feed`]).
+    pub home: Option<Arc<str>>,
     bindings: Vec<Binding>,
     direct_index: HashMap<String, Vec<Destination>>,
 }
@@ -96,6 +101,12 @@ impl Exchange {
             .inner()
             .get("alternate-exchange")
             .and_then(str_value);
+        let home = arguments
+            .inner()
+            .get(super::PROXY_ARGUMENT)
+            .and_then(str_value)
+            .filter(|h| super::is_foreign(h))
+            .map(Arc::from);
         Self {
             name,
             kind,
@@ -104,6 +115,7 @@ impl Exchange {
             internal,
             arguments,
             alternate_exchange,
+            home,
             bindings: Vec::new(),
             direct_index: HashMap::new(),
         }

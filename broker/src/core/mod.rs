@@ -21,10 +21,17 @@ pub use error::{AmqpError, CoreResult};
 pub use message::{Body, DiskBody, Message};
 pub use ops::{OpKind, QueueOp};
 pub use vhost::{
-    Consume, DeadLetter, Delivery, Effects, ExchangeDeclare, GetOk, PageOut, PublishOutcome,
-    QueueDeclare, QueueDeclared, VHost,
+    Consume, DeadLetter, Delivery, Effects, ExchangeDeclare, Feed, Feeds, GetOk, PageOut,
+    PublishOutcome, QueueDeclare, QueueDeclared, VHost,
 };
 pub use wiring_op::{NO_CONNECTION, OpReply, WiringOp};
+
+/// The declare argument that makes a queue or an exchange a proxy for the one of the same
+/// name elsewhere: another AMQP broker (`amqp://user:pass@host:port/vhost`, a foreign proxy)
+/// or a cluster member (its node id or AMQP `host:port`). The core reads it from an
+/// exchange's arguments because a foreign exchange routes nothing itself (see
+/// [`exchange::Exchange::home`]).
+pub const PROXY_ARGUMENT: &str = "qpid.cluster.proxy";
 
 /// Whether a queue's home (its primary) names another AMQP broker — a foreign proxy, whose
 /// home is that broker's `amqp://` or `amqps://` URI — rather than a cluster member.

@@ -311,3 +311,99 @@ fn deleting_a_queue_holding_page_records_releases_them_all() {
     v.queue_delete(1, "q", false, false, &mut fx).unwrap();
     assert_eq!(fx.queues_released, vec![uid]);
 }
+
+fn proxy_arguments(uri: &str) -> FieldTable {
+    let mut args = FieldTable::default();
+    args.insert(
+        PROXY_ARGUMENT.into(),
+        crate::amqp::AMQPValue::LongString(uri.into()),
+    );
+    args
+}
+
+/// A vhost with queue `q` bound to `fx`, a foreign direct exchange on `amqp://r/%2f`.
+fn vhost_with_foreign_exchange() -> VHost {
+    let mut v = vhost_with_queue();
+    v.exchange_declare(ExchangeDeclare {
+        name: "fx".into(),
+        kind: "direct".into(),
+        arguments: proxy_arguments("amqp://u:p@r/%2f"),
+        ..Default::default()
+    })
+    .unwrap();
+    v.queue_bind(1, "q", "fx", "k", FieldTable::default())
+        .unwrap();
+    v
+}
+
+#[test]
+fn a_publish_to_a_foreign_exchange_is_forwarded_and_never_routed_here() {
+    let mut v = vhost_with_foreign_exchange();
+    let mut fx = Effects::default();
+    assert_eq!(
+        v.publish("fx", "k", msg("hi"), 0, &mut fx).unwrap(),
+        PublishOutcome::Routed
+    );
+    assert_eq!(fx.forwards.len(), 1);
+    let f = &fx.forwards[0];
+    assert_eq!(
+        (&*f.primary, &*f.exchange, &*f.routing_key),
+        ("amqp://u:p@r/%2f", "fx", "k")
+    );
+    assert_eq!(
+        v.queue("q").unwrap().ready_count(),
+        0,
+        "the local binding is fed by the other broker, not by this routing"
+    );
+}
+
+#[test]
+fn a_queue_bound_to_a_foreign_exchange_is_a_feed_and_takes_what_the_feed_brings() {
+    let mut v = vhost_with_foreign_exchange();
+    let feeds = v.feeds();
+    assert_eq!(feeds.here.len(), 1);
+    assert_eq!(
+        (
+            &*feeds.here[0].queue,
+            &*feeds.here[0].exchange,
+            &*feeds.here[0].home
+        ),
+        ("q", "fx", "amqp://u:p@r/%2f")
+    );
+    let mut fx = Effects::default();
+    assert_eq!(
+        v.publish_feed("q", msg("fed"), 0, &mut fx),
+        PublishOutcome::Routed
+    );
+    assert_eq!(v.queue("q").unwrap().ready_count(), 1);
+    assert_eq!(
+        v.publish_feed("gone", msg("fed"), 0, &mut fx),
+        PublishOutcome::Unroutable
+    );
+    v.queue_unbind(1, "q", "fx", "k", FieldTable::default())
+        .unwrap();
+    assert_eq!(v.feeds(), Feeds::default());
+}
+
+#[test]
+fn foreign_exchanges_refuse_exchange_bindings_and_foreign_queues() {
+    let mut v = vhost_with_foreign_exchange();
+    let e = v
+        .exchange_bind("fx", "amq.direct", "k", FieldTable::default())
+        .unwrap_err();
+    assert_eq!(e.code, crate::amqp::codes::NOT_IMPLEMENTED);
+    v.queue_declare(
+        1,
+        QueueDeclare {
+            name: "fq".into(),
+            ..Default::default()
+        },
+        0,
+    )
+    .unwrap();
+    v.set_queue_home("fq", "amqp://u:p@r/%2f");
+    let e = v
+        .queue_bind(1, "fq", "fx", "k", FieldTable::default())
+        .unwrap_err();
+    assert_eq!(e.code, crate::amqp::codes::NOT_IMPLEMENTED);
+}

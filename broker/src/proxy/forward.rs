@@ -325,7 +325,8 @@ async fn forward_one(
                 tracker.settle(
                     id,
                     ForwardOutcome::Failed(format!(
-                        "forwarding to cluster member '{primary}': {e}"
+                        "forwarding to '{}': {e}",
+                        super::link::redacted(primary)
                     )),
                 );
             }
@@ -344,7 +345,7 @@ async fn open(links: &Links, primary: &str, vhost: &str) -> Result<lapin::Channe
     ch.confirm_select(ConfirmSelectOptions::default())
         .await
         .map_err(|e| LinkError::Failed {
-            node: primary.into(),
+            node: super::link::redacted(primary),
             addr: String::new(),
             reason: e.to_string(),
         })?;

@@ -137,7 +137,7 @@ impl Links {
         let connection = Connection::connect(&uri, props)
             .await
             .map_err(|e| LinkError::Failed {
-                node: node.into(),
+                node: redacted(node),
                 addr: addr.clone(),
                 reason: e.to_string(),
             })?;
@@ -154,7 +154,7 @@ impl Links {
             .create_channel()
             .await
             .map_err(|e| LinkError::Failed {
-                node: node.into(),
+                node: redacted(node),
                 addr: self.uri(node, vhost).map(|(_, a)| a).unwrap_or_default(),
                 reason: e.to_string(),
             })
@@ -177,24 +177,55 @@ impl Links {
         };
         let found = ch
             .queue_declare(queue.into(), passive, Default::default())
+            .await
+            .map(drop);
+        let _ = ch.close(200, "checked".into()).await;
+        self.found(node, vhost, found)
+    }
+
+    /// Whether `node` has `exchange` in `vhost` (a passive declare on a channel of its
+    /// own), with the same answers as [`Links::queue_exists`].
+    pub async fn exchange_exists(
+        &self,
+        node: &str,
+        vhost: &str,
+        exchange: &str,
+    ) -> Result<bool, LinkError> {
+        let ch = self.channel(node, vhost).await?;
+        let passive = lapin::options::ExchangeDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        let found = ch
+            .exchange_declare(
+                exchange.into(),
+                lapin::ExchangeKind::Direct,
+                passive,
+                Default::default(),
+            )
             .await;
         let _ = ch.close(200, "checked".into()).await;
-        match found {
-            Ok(_) => Ok(true),
-            Err(e) => match e.kind() {
-                lapin::ErrorKind::ProtocolError(amqp)
-                    if amqp.get_id() == crate::amqp::codes::NOT_FOUND =>
-                {
-                    Ok(false)
-                }
-                _ => Err(LinkError::Failed {
-                    node: redacted(node),
-                    addr: self.uri(node, vhost).map(|(_, a)| a).unwrap_or_default(),
-                    reason: e.to_string(),
-                }),
-            },
+        self.found(node, vhost, found)
+    }
+
+    /// A passive declare's outcome: found, 404 (not found), or a failure of the link.
+    fn found(&self, node: &str, vhost: &str, asked: lapin::Result<()>) -> Result<bool, LinkError> {
+        match asked {
+            Ok(()) => Ok(true),
+            Err(e) if not_found(&e) => Ok(false),
+            Err(e) => Err(LinkError::Failed {
+                node: redacted(node),
+                addr: self.uri(node, vhost).map(|(_, a)| a).unwrap_or_default(),
+                reason: e.to_string(),
+            }),
         }
     }
+}
+
+/// Whether the other broker answered 404 NOT_FOUND.
+pub fn not_found(e: &lapin::Error) -> bool {
+    matches!(e.kind(), lapin::ErrorKind::ProtocolError(amqp)
+        if amqp.get_id() == crate::amqp::codes::NOT_FOUND)
 }
 
 /// `node` for logs and errors: a foreign URI without its password.

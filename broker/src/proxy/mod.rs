@@ -10,8 +10,15 @@
 //! * [`upstream`]: a client channel that consumes, gets, purges or asks about a proxied
 //!   queue gets one upstream channel per primary, in its name: consumers there with the
 //!   client's prefetch, acks passed on only after the client's.
+//!
+//! Foreign proxies use the same links to another AMQP broker: a queue's publishes and
+//! consumers as above, an exchange's publishes as forwards, and what the other broker's
+//! exchange routes to a local queue's binding comes in through a [`feed`] ([`feeds`] keeps
+//! them in step with the wiring; [`watch`] removes proxies whose target is gone).
 
 pub mod catch_up;
+pub mod feed;
+pub mod feeds;
 pub mod forward;
 pub mod link;
 pub mod stats;
@@ -31,6 +38,9 @@ pub struct Proxies {
     pub forwarders: Forwarders,
     /// The newest cluster change applied here, which link channels tell the other end.
     pub applied: Arc<catch_up::Applied>,
+    /// Poked when a connection changed wiring, so that feeds of foreign exchanges start or
+    /// stop at once rather than at the next [`feeds::RECONCILE_EVERY`].
+    pub feeds_changed: Arc<tokio::sync::Notify>,
 }
 
 impl Default for Proxies {
@@ -42,6 +52,7 @@ impl Default for Proxies {
             forwarders: Forwarders::new(links.clone()),
             links,
             applied: Arc::default(),
+            feeds_changed: Arc::default(),
         }
     }
 }

@@ -205,7 +205,10 @@ impl Upstream {
 pub fn gone(primary: &str) -> AmqpError {
     AmqpError::new(
         codes::CONNECTION_FORCED,
-        format!("the link to cluster member '{primary}' failed"),
+        format!(
+            "the link to cluster member '{}' failed",
+            super::link::redacted(primary)
+        ),
     )
 }
 
@@ -522,9 +525,9 @@ fn fail(c: Command, err: &AmqpError) {
     }
 }
 
-/// A message as a primary delivered it, with its content header encoded once for the
-/// client's delivery.
-fn message(
+/// A message as a primary (or a foreign exchange's feed) delivered it, with its content
+/// header encoded once for the client's delivery.
+pub(crate) fn message(
     exchange: lapin::types::ShortString,
     routing_key: lapin::types::ShortString,
     properties: crate::amqp::Properties,

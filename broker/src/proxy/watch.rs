@@ -1,6 +1,8 @@
-//! Foreign proxies check now and then that their queue still exists on the other broker
-//! (a passive declare); a proxy whose queue is gone (404) is deleted — through the cluster on
-//! a cluster member, so it leaves every member — and its consumers are cancelled.
+//! Foreign proxies check now and then that what they stand for still exists on the other
+//! broker (a passive declare): a proxy queue whose queue is gone, or a proxy exchange whose
+//! exchange is gone (404), is deleted — through the cluster on a cluster member, so it
+//! leaves every member. A deleted queue's consumers are cancelled; a deleted exchange's
+//! feeds stop and their private queues go ([`super::feed`]).
 
 use crate::broker::Broker;
 use crate::clock::now_ms;
@@ -11,6 +13,15 @@ use std::time::Duration;
 /// How often each foreign proxy is checked.
 pub const CHECK_EVERY: Duration = Duration::from_secs(10);
 
+/// What a foreign proxy stands for on the other broker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// A queue of the same name.
+    Queue,
+    /// An exchange of the same name.
+    Exchange,
+}
+
 /// Checks every foreign proxy of every vhost each [`CHECK_EVERY`], for as long as the broker
 /// lives.
 pub async fn watch_foreign(broker: Weak<Broker>) {
@@ -20,35 +31,52 @@ pub async fn watch_foreign(broker: Weak<Broker>) {
             return;
         };
         for (vhost, v) in broker.vhosts() {
-            let foreign: Vec<(String, String)> = v
-                .lock()
-                .queues()
-                .filter_map(|q| {
+            let foreign: Vec<(Kind, String, String)> = {
+                let v = v.lock();
+                let queues = v.queues().filter_map(|q| {
                     let home = q.home.as_deref().filter(|h| is_foreign(h))?;
-                    Some((q.name.to_string(), home.to_owned()))
-                })
-                .collect();
-            for (queue, uri) in foreign {
-                let exists = broker
-                    .proxies()
-                    .links
-                    .queue_exists(&uri, &vhost, &queue)
-                    .await;
+                    Some((Kind::Queue, q.name.to_string(), home.to_owned()))
+                });
+                let exchanges = v.exchanges().filter_map(|e| {
+                    let home = e.home.as_deref()?;
+                    Some((Kind::Exchange, e.name.to_string(), home.to_owned()))
+                });
+                queues.chain(exchanges).collect()
+            };
+            for (kind, name, uri) in foreign {
+                let links = &broker.proxies().links;
+                let exists = match kind {
+                    Kind::Queue => links.queue_exists(&uri, &vhost, &name).await,
+                    Kind::Exchange => links.exchange_exists(&uri, &vhost, &name).await,
+                };
                 if matches!(exists, Ok(false)) {
-                    remove(&broker, &vhost, &queue, &uri).await;
+                    remove(&broker, &vhost, kind, &name, &uri).await;
                 }
             }
         }
     }
 }
 
-/// Deletes the proxy of a queue the other broker no longer has.
-async fn remove(broker: &Arc<Broker>, vhost: &str, queue: &str, uri: &str) {
-    tracing::warn!(vhost, queue, broker = %super::link::redacted(uri), "the proxied queue is gone from the other broker: deleting the proxy");
-    let op = WiringOp::DeleteQueue {
-        name: queue.to_owned(),
-        if_unused: false,
-        if_empty: false,
+/// Deletes the proxy of a queue or exchange the other broker no longer has (the watcher
+/// found it gone, or a feed's binding there was refused with 404).
+pub async fn remove(broker: &Arc<Broker>, vhost: &str, kind: Kind, name: &str, uri: &str) {
+    let uri = super::link::redacted(uri);
+    let op = match kind {
+        Kind::Queue => {
+            tracing::warn!(vhost, queue = name, broker = %uri, "the proxied queue is gone from the other broker: deleting the proxy");
+            WiringOp::DeleteQueue {
+                name: name.to_owned(),
+                if_unused: false,
+                if_empty: false,
+            }
+        }
+        Kind::Exchange => {
+            tracing::warn!(vhost, exchange = name, broker = %uri, "the proxied exchange is gone from the other broker: deleting the proxy");
+            WiringOp::DeleteExchange {
+                name: name.to_owned(),
+                if_unused: false,
+            }
+        }
     };
     if let Some(cluster) = broker.cluster() {
         let _ = cluster.submit(vhost, op).await;

@@ -81,6 +81,7 @@ pub async fn start(config: Config) -> Result<Running, StartError> {
     }
     tokio::spawn(tick_loop(broker.clone()));
     tokio::spawn(crate::proxy::watch::watch_foreign(Arc::downgrade(&broker)));
+    tokio::spawn(crate::proxy::feeds::run_feeds(Arc::downgrade(&broker)));
     tokio::spawn(resources::monitor(broker.clone()));
     Ok(Running {
         amqp_addr,

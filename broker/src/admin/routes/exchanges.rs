@@ -102,8 +102,10 @@ fn type_field(body: &Value) -> Result<String> {
         .to_owned())
 }
 
+/// An exchange as the API shows it; a foreign proxy's URI without its password, and
+/// `"state": "foreign"`.
 fn exchange_json(vh: &str, e: &Exchange) -> Value {
-    json!({
+    let mut shown = json!({
         "name": e.name.as_ref(),
         "vhost": vh,
         "type": e.kind.as_str(),
@@ -111,7 +113,13 @@ fn exchange_json(vh: &str, e: &Exchange) -> Value {
         "auto_delete": e.auto_delete,
         "internal": e.internal,
         "arguments": table_to_json(&e.arguments),
-    })
+    });
+    if let Some(home) = &e.home {
+        shown["arguments"][crate::broker::PROXY_ARGUMENT] =
+            crate::proxy::link::redacted(home).into();
+        shown["state"] = "foreign".into();
+    }
+    shown
 }
 
 fn exchanges_json(vh: &str, v: &Mutex<VHost>) -> Vec<Value> {

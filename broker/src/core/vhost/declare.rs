@@ -8,6 +8,7 @@ use crate::amqp::{FieldTable, codes};
 use crate::core::args::QueueArgs;
 use crate::core::error::{AmqpError, CoreResult};
 use crate::core::exchange::{Binding, Destination, Exchange, ExchangeKind};
+use crate::core::is_foreign;
 use crate::core::ops::OpKind;
 use crate::core::queue::Queue;
 use std::sync::Arc;
@@ -204,6 +205,25 @@ impl VHost {
             .ok_or_else(|| self.not_found_exchange(source))
     }
 
+    /// Refuses exchange-to-exchange bindings that involve a foreign exchange: its routing
+    /// happens on the other broker, where this broker's exchanges do not exist.
+    fn not_foreign_exchanges(&self, names: &[&str]) -> CoreResult<()> {
+        match names
+            .iter()
+            .find(|n| self.exchanges.get(**n).is_some_and(|e| e.home.is_some()))
+        {
+            Some(name) => Err(AmqpError::new(
+                codes::NOT_IMPLEMENTED,
+                format!(
+                    "exchange '{name}' in vhost '{}' is a foreign proxy: exchange-to-exchange \
+                     bindings with it are not supported (bind queues to it instead)",
+                    self.name
+                ),
+            )),
+            None => Ok(()),
+        }
+    }
+
     /// exchange.bind (`destination` receives what `source` routes with this key).
     pub fn exchange_bind(
         &mut self,
@@ -213,6 +233,7 @@ impl VHost {
         arguments: FieldTable,
     ) -> CoreResult<()> {
         self.bindable_source(source)?;
+        self.not_foreign_exchanges(&[source, destination])?;
         if destination.is_empty() {
             return Err(AmqpError::access_refused(
                 "operation not permitted on the default exchange",
@@ -399,8 +420,24 @@ impl VHost {
         routing_key: &str,
         arguments: FieldTable,
     ) -> CoreResult<()> {
-        let qname = self.usable_queue(queue, conn)?.name.clone();
+        let q = self.usable_queue(queue, conn)?;
+        let (qname, foreign_queue) = (q.name.clone(), q.home.as_deref().is_some_and(is_foreign));
         self.bindable_source(exchange)?;
+        if foreign_queue
+            && self
+                .exchanges
+                .get(exchange)
+                .is_some_and(|e| e.home.is_some())
+        {
+            return Err(AmqpError::new(
+                codes::NOT_IMPLEMENTED,
+                format!(
+                    "cannot bind queue '{queue}' to exchange '{exchange}' in vhost '{}': both \
+                     are foreign proxies (bind the queue to the exchange on the other broker)",
+                    self.name
+                ),
+            ));
+        }
         let binding = Binding {
             destination: Destination::Queue(qname),
             routing_key: routing_key.to_owned(),

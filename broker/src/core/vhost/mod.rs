@@ -16,6 +16,7 @@ mod dead_letter;
 mod declare;
 mod effects;
 mod expiry;
+mod feeds;
 mod routing;
 mod settle;
 
@@ -24,6 +25,7 @@ pub use declare::{ExchangeDeclare, QueueDeclare, QueueDeclared};
 pub use effects::{
     Cancelled, DeadLetter, Delivery, Effects, Forward, PageOut, RemoteSettle, Settlement,
 };
+pub use feeds::{Feed, Feeds};
 pub use routing::{FLOW_READY_THRESHOLD, PublishOutcome};
 
 use super::channel::{ChannelKey, ChannelState, Consumer};

@@ -54,6 +54,17 @@ impl VHost {
                 self.name
             )));
         }
+        if let Some(home) = ex.home.clone() {
+            // A foreign exchange: the other broker routes it, with the client's exchange
+            // and routing key; the publisher's confirm waits for that broker's.
+            fx.forwards.push(super::Forward {
+                primary: home,
+                exchange: ex.name.clone(),
+                routing_key: routing_key.into(),
+                message,
+            });
+            return Ok(PublishOutcome::Routed);
+        }
         let mut targets = self.route(exchange, routing_key, &message, None);
         if targets.is_empty() {
             return Ok(PublishOutcome::Unroutable);
@@ -93,6 +104,33 @@ impl VHost {
         }
         let mut dead = Vec::new();
         let rejected = self.enqueue_all(&targets, &message, now_ms, fx, &mut dead);
+        self.dead_letter_all(dead, now_ms, fx);
+        if rejected {
+            PublishOutcome::Rejected
+        } else {
+            PublishOutcome::Routed
+        }
+    }
+
+    /// A message a foreign exchange's feed brought for `queue` (see [`super::Feed`]): enqueued
+    /// on that queue only, if it is still here and this broker is its primary. `Unroutable`
+    /// when it is not (the binding went with it); `Rejected` when the queue refused it.
+    pub fn publish_feed(
+        &mut self,
+        queue: &str,
+        message: Arc<Message>,
+        now_ms: u64,
+        fx: &mut Effects,
+    ) -> PublishOutcome {
+        let Some(q) = self.queues.get(queue) else {
+            return PublishOutcome::Unroutable;
+        };
+        if self.primary_elsewhere(q).is_some() {
+            return PublishOutcome::Unroutable;
+        }
+        let target = [q.name.clone()];
+        let mut dead = Vec::new();
+        let rejected = self.enqueue_all(&target, &message, now_ms, fx, &mut dead);
         self.dead_letter_all(dead, now_ms, fx);
         if rejected {
             PublishOutcome::Rejected
@@ -177,7 +215,9 @@ impl VHost {
             let mut frontier: Vec<&str> = vec![exchange];
             let mut dests = Vec::new();
             while let Some(name) = frontier.pop() {
-                let Some(ex) = self.exchanges.get(name) else {
+                // A foreign exchange's bindings are fed by the other broker, never by
+                // this broker's routing (see `docs/proxies.md`).
+                let Some(ex) = self.exchanges.get(name).filter(|e| e.home.is_none()) else {
                     continue;
                 };
                 dests.clear();

@@ -14,6 +14,7 @@
 //!   every batch — where output is held behind the [`ConfirmGate`].
 
 mod basic;
+mod foreign;
 mod frames;
 mod handshake;
 mod output;

@@ -10,11 +10,9 @@ use super::frames::short;
 use super::wiring::Pending;
 use super::{Connection, Lazy};
 use crate::amqp::{AMQPClass, basic, codes, exchange, queue, tx};
-use crate::broker::PROXY_ARGUMENT;
 use crate::core::vhost::Settlement;
 use crate::core::{AmqpError, ChannelKey};
 use crate::proxy::forward::ForwardTracker;
-use crate::proxy::link::redacted;
 use crate::proxy::upstream::{
     self, Command, DEFAULT_CREDIT, ProxiedDelivery, ProxiedEnd, ProxiedGet, Target, Upstream,
 };
@@ -316,21 +314,17 @@ impl Connection {
         )
     }
 
-    /// A new foreign proxy (`qpid.cluster.proxy` naming another AMQP broker): the other
-    /// broker must have the queue (a passive declare there), else the declare is 404.
-    pub(super) fn check_foreign(&mut self, id: u16, queue: String, uri: String, pending: Pending) {
-        let links = self.broker.proxies().links.clone();
-        let vhost = self.vhost_name.clone();
+    /// Carries out `pending` once `check` (on another broker, see `foreign.rs`) passed; the
+    /// connection reads nothing more meanwhile, as for any proxied method.
+    pub(super) fn check_then_carry_out(
+        &mut self,
+        id: u16,
+        pending: Pending,
+        check: impl Future<Output = Result<(), AmqpError>> + Send + 'static,
+    ) {
         let ids = (pending.class_id, pending.method_id);
         self.wait_remote(id, ids, async move {
-            let result = match links.queue_exists(&uri, &vhost, &queue).await {
-                Ok(true) => Ok(()),
-                Ok(false) => Err(AmqpError::not_found(format!(
-                    "{PROXY_ARGUMENT}: no queue '{queue}' on {}",
-                    redacted(&uri)
-                ))),
-                Err(e) => Err(AmqpError::not_found(format!("{PROXY_ARGUMENT}: {e}"))),
-            };
+            let result = check.await;
             Answer::ForeignChecked { pending, result }
         });
     }

@@ -53,6 +53,9 @@ impl Connection {
             AMQPClass::Queue(queue::AMQPMethod::Purge(p)) => return self.queue_purge(id, p, v),
             _ => {}
         }
+        if self.declare_naming_member(id, &method, v)? {
+            return Ok(());
+        }
         let (class_id, method_id) = (method.get_amqp_class_id(), method.get_amqp_method_id());
         let cluster = self.broker.cluster().cloned();
         let home = match &method {
@@ -87,31 +90,7 @@ impl Connection {
             let (name, if_unused, if_empty) = (name.clone(), *if_unused, *if_empty);
             return self.delete_remote(id, name, (if_unused, if_empty), waiting.nowait, primary);
         }
-        if let WiringOp::DeclareQueue {
-            name,
-            home: Some(home),
-            exclusive: false,
-            ..
-        } = &op
-            && is_foreign(home)
-            && v.get().queue(name).is_none()
-        {
-            // A new foreign proxy: only for a queue the other broker has.
-            let (name, uri) = (name.clone(), home.clone());
-            self.check_foreign(
-                id,
-                name,
-                uri,
-                Pending {
-                    op,
-                    waiting,
-                    class_id,
-                    method_id,
-                },
-            );
-            return Ok(());
-        }
-        self.carry_out(
+        self.carry_out_foreign(
             id,
             Pending {
                 op,
@@ -159,6 +138,8 @@ impl Connection {
     /// Answers an applied wiring change: the channel's last queue, the -ok unless nowait,
     /// and a log line for queues created or deleted.
     pub(super) fn answer_wiring(&mut self, id: u16, waiting: &Waiting, reply: &OpReply) {
+        // A binding to (or a queue or exchange of) a foreign exchange may have come or gone.
+        self.broker.proxies().feeds_changed.notify_one();
         let Some(ch) = self.channels.get_mut(&id) else {
             return;
         };
