@@ -140,7 +140,7 @@ fn start(b: &Broker, vh: &str, op: &WiringOp) -> Result<Flight> {
     let mut v = v.lock();
     let checked = check(op, &v, vh)?;
     match b.cluster() {
-        Some(cluster) if op.is_shared(&v) => submit(cluster, vh, op, &v, checked),
+        Some(cluster) if op.is_shared(&v, checked.conn) => submit(cluster, vh, op, &v, checked),
         _ => Ok(Flight::Applied {
             was_new: apply(b, &mut v, op, &checked)?,
         }),
@@ -289,12 +289,13 @@ mod tests {
     }
 
     #[test]
-    fn an_op_on_an_exclusive_queue_stays_here_and_acts_as_its_connection() {
+    fn an_op_on_an_exclusive_queue_acts_as_its_connection() {
         let mut v = vhost();
         for op in [bind("ex", "amq.direct"), delete_queue("ex")] {
-            assert!(!op.is_shared(&v), "{op:?}");
             let checked = check(&op, &v, "/").unwrap();
             assert_eq!(checked.conn, 7, "{op:?}");
+            // On a cluster it goes to every member (all of them know the queue).
+            assert!(op.is_shared(&v, checked.conn), "{op:?}");
             op.apply(&mut v, checked.conn, 1, &mut Effects::default())
                 .unwrap();
         }

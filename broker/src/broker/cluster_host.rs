@@ -74,6 +74,18 @@ impl BrokerHost {
         let mut v = vhost_ref.lock();
         let mut fx = Effects::default();
         let result = op.apply(&mut v, NO_CONNECTION, now_ms(), &mut fx);
+        if let WiringOp::DeclareQueue {
+            name,
+            exclusive: true,
+            ..
+        } = op
+            && let Some(owner) = v.queue(name).and_then(|q| q.exclusive_owner)
+            && owner != NO_CONNECTION
+            && !self.broker.has_connection(owner)
+        {
+            // Its connection closed while the declare was on its way: nobody owns it.
+            v.retire_exclusive(name, &mut fx);
+        }
         // Saved with the wiring, in the same journal job: a restart then never applies this
         // op twice, whatever it did (a purge replayed would drop later messages).
         v.cluster_applied(index);
@@ -89,6 +101,7 @@ impl ClusterHost for BrokerHost {
         for (_, vhost) in self.broker.vhosts() {
             let mut v = vhost.lock();
             v.set_live_nodes(nodes);
+            v.drop_exclusive_queues_of_departed(&mut fx);
             notice::publish(&mut v, hosts, now, &mut fx);
             self.broker.finish_batch(0, &mut v, &mut fx);
         }

@@ -306,6 +306,11 @@ impl Broker {
         (id, outbox)
     }
 
+    /// Whether connection `id` is open (registered and not yet forgotten).
+    pub fn has_connection(&self, id: u64) -> bool {
+        self.outboxes.read().contains_key(&id)
+    }
+
     /// Forgets a closed connection.
     pub fn unregister(&self, id: u64) {
         self.outboxes.write().remove(&id);

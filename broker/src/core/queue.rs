@@ -81,10 +81,7 @@ impl Queue {
     /// `node` (this member's node id; `None` on a single broker), or another AMQP broker
     /// (a foreign proxy) — so that this broker only proxies it; `None` for a local queue.
     pub fn primary_elsewhere(&self, node: Option<&str>) -> Option<&Arc<str>> {
-        let home = self
-            .home
-            .as_ref()
-            .filter(|_| self.exclusive_owner.is_none())?;
+        let home = self.home.as_ref()?;
         let elsewhere = match node {
             Some(node) => home.as_ref() != node,
             None => super::is_foreign(home),

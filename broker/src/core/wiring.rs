@@ -15,6 +15,7 @@
 //! and restored twice. The fields one view does not use are defaulted, so that a wiring file
 //! written before the types were merged (no `durable`, no `home`) still reads.
 
+use super::NO_CONNECTION;
 use super::args::QueueArgs;
 use super::exchange::{Binding, Destination, Exchange, ExchangeKind};
 use super::message::Message;
@@ -62,6 +63,10 @@ pub struct WiringQueue {
     /// restart the cluster, not the disk, says where a queue lives.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub home: Option<String>,
+    /// Exclusive to a connection on its home member. Only the shared view holds such queues
+    /// (a joiner routes to them and refuses them to its own connections); no disk does.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub exclusive: bool,
 }
 
 /// A binding between two ends that the same view holds.
@@ -117,10 +122,19 @@ enum View {
 }
 
 impl View {
-    /// Whether an object with this durability belongs to the view. Exclusive queues belong to
-    /// neither (they live and die with one connection on one member); callers check that.
+    /// Whether an object with this durability belongs to the view.
     fn holds(self, durable: bool) -> bool {
         self == View::Shared || durable
+    }
+
+    /// Whether queue `q` belongs to the view: exclusive queues live and die with one
+    /// connection, so no disk holds them, but every cluster member knows them (those of a
+    /// single broker, which has no home for them, stay out of both).
+    fn holds_queue(self, q: &Queue) -> bool {
+        match q.exclusive_owner {
+            Some(_) => self == View::Shared && q.home.is_some(),
+            None => self.holds(q.durable),
+        }
     }
 }
 
@@ -157,9 +171,7 @@ impl VHost {
                     Destination::Queue(q) => (
                         q,
                         true,
-                        self.queues
-                            .get(q)
-                            .is_some_and(|q| q.exclusive_owner.is_none() && view.holds(q.durable)),
+                        self.queues.get(q).is_some_and(|q| view.holds_queue(q)),
                     ),
                     Destination::Exchange(e) => (
                         e,
@@ -179,7 +191,7 @@ impl VHost {
             }
         }
         for q in self.queues.values() {
-            if q.exclusive_owner.is_none() && view.holds(q.durable) {
+            if view.holds_queue(q) {
                 w.queues.push(WiringQueue {
                     name: q.name.to_string(),
                     uid: if view == View::Durable { q.uid } else { 0 },
@@ -190,6 +202,7 @@ impl VHost {
                         View::Durable => None,
                         View::Shared => q.home.as_deref().map(str::to_owned),
                     },
+                    exclusive: q.exclusive_owner.is_some(),
                 });
             }
         }
@@ -249,7 +262,7 @@ impl VHost {
         let gone: Vec<Arc<str>> = self
             .queues
             .values()
-            .filter(|q| q.exclusive_owner.is_none() && !wanted_queues.contains(&&*q.name))
+            .filter(|q| !wanted_queues.contains(&&*q.name))
             .map(|q| q.name.clone())
             .collect();
         for name in gone {
@@ -268,30 +281,17 @@ impl VHost {
         for e in w.exchanges {
             self.install_exchange(e, &mut skipped);
         }
-        // Exchanges were rebuilt without bindings; the predeclared ones lose their shared
-        // bindings here, keeping only those to exclusive (member-local) queues.
-        let exclusive: Vec<Arc<str>> = self
-            .queues
-            .values()
-            .filter(|q| q.exclusive_owner.is_some())
-            .map(|q| q.name.clone())
-            .collect();
+        // Exchanges were rebuilt without bindings; the predeclared ones lose theirs here (the
+        // snapshot holds every binding of the cluster).
         for ex in self.exchanges.values_mut() {
-            let keep: Vec<Binding> = ex
-                .bindings()
-                .iter()
-                .filter(
-                    |b| matches!(&b.destination, Destination::Queue(q) if exclusive.contains(q)),
-                )
-                .cloned()
-                .collect();
             let all: Vec<Binding> = ex.bindings().to_vec();
-            for b in all.iter().filter(|b| !keep.contains(b)) {
+            for b in &all {
                 ex.unbind(b);
             }
         }
         for q in w.queues {
             let home: Option<Arc<str>> = q.home.as_deref().map(Arc::from);
+            let exclusive = q.exclusive;
             let same = |cur: &&mut Queue| {
                 cur.durable == q.durable
                     && cur.auto_delete == q.auto_delete
@@ -311,9 +311,24 @@ impl VHost {
             self.remove_queue(&queue.name, fx);
             queue.uid = self.fresh_uid();
             queue.home = home;
+            // Another member's connection owns it (or, homed here, a connection of this
+            // member's earlier run: retired below).
+            queue.exclusive_owner = exclusive.then_some(NO_CONNECTION);
             self.queues.insert(queue.name.clone(), queue);
         }
         self.restore_bindings(w.bindings, &mut skipped);
+        let orphans: Vec<Arc<str>> = self
+            .queues
+            .values()
+            .filter(|q| {
+                q.exclusive_owner == Some(NO_CONNECTION)
+                    && q.home.as_deref().is_some_and(|h| self.is_here(h))
+            })
+            .map(|q| q.name.clone())
+            .collect();
+        for name in orphans {
+            self.retire_exclusive(&name, fx);
+        }
         self.mark_wiring_changed();
         skipped
     }
@@ -513,22 +528,23 @@ mod tests {
 
     #[test]
     fn installing_a_snapshot_reproduces_the_wiring() {
-        let source = populated(1);
-        let mut joiner = VHost::new("/", 2);
-        joiner
+        let mut source = populated(1);
+        source
             .queue_declare(
-                7,
+                9,
                 QueueDeclare {
-                    name: "mine".into(),
+                    name: "theirs".into(),
                     exclusive: true,
                     ..Default::default()
                 },
                 0,
             )
             .unwrap();
-        joiner
-            .queue_bind(7, "mine", "amq.fanout", "", FieldTable::default())
+        source.set_queue_home("theirs", "node-1");
+        source
+            .queue_bind(9, "theirs", "amq.fanout", "", FieldTable::default())
             .unwrap();
+        let mut joiner = VHost::new("/", 2);
         joiner
             .queue_declare(
                 0,
@@ -544,11 +560,23 @@ mod tests {
         assert!(skipped.is_empty(), "{skipped:?}");
         assert_eq!(joiner.shared_wiring(), source.shared_wiring());
         assert!(joiner.queue("stale").is_none());
-        assert!(joiner.queue("mine").is_some(), "exclusive queues stay");
+        assert_eq!(
+            joiner.queue("theirs").unwrap().exclusive_owner,
+            Some(NO_CONNECTION),
+            "another member's exclusive queue: known, owned by none of the joiner's connections"
+        );
         assert_eq!(
             joiner.exchange("amq.fanout").unwrap().bindings().len(),
             1,
-            "bindings of exclusive queues stay"
+            "bindings of exclusive queues are shared too"
+        );
+        assert!(
+            !joiner
+                .durable_wiring()
+                .queues
+                .iter()
+                .any(|q| q.name == "theirs"),
+            "no disk holds exclusive queues"
         );
         assert_eq!(joiner.queue("a").unwrap().home.as_deref(), Some("node-1"));
         assert!(joiner.take_wiring_changed(), "the new wiring must be saved");

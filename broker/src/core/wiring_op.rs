@@ -12,9 +12,13 @@ use crate::core::{AmqpError, Effects, ExchangeDeclare, QueueDeclare, VHost};
 use serde::{Deserialize, Serialize};
 
 /// The connection an op applied on behalf of no connection acts for: a cluster member
-/// applying another member's op. Connection ids start at 1, and shared ops never touch
-/// exclusive queues, so no ownership check can match it.
+/// applying a committed op. Connection ids start at 1. Ownership checks let it through: the
+/// member that sent the op checked its own connection (see [`WiringOp::is_shared`]).
 pub const NO_CONNECTION: u64 = 0;
+
+/// The argument a cluster op declaring an exclusive queue carries, naming its owner on the
+/// queue's member ([`VHost::exclusive_owner_token`]); taken out before the queue is made.
+pub const OWNER_ARGUMENT: &str = "x-ringmq-exclusive-owner";
 
 /// A change to a vhost's wiring. Passive declares (questions, not changes), purges and
 /// everything about messages are not ops.
@@ -136,18 +140,59 @@ pub struct OpReply {
 }
 
 impl WiringOp {
-    /// Whether a cluster member sends the op to every member: everything but exclusive
-    /// queues and what is done to them, which stay with their connection's member.
-    pub fn is_shared(&self, v: &VHost) -> bool {
-        let exclusive = |name: &str| v.queue(name).is_some_and(|q| q.exclusive_owner.is_some());
+    /// Whether a cluster member sends the op, asked for by its connection `conn`, to every
+    /// member. Everything is shared — exclusive queues too, so that every member routes to
+    /// them and refuses them to other connections — except what only this member can answer:
+    /// a declare naming an exclusive queue that exists (its owner's redeclare, or 405), and
+    /// what another connection tries on an exclusive queue (405, answered here).
+    pub fn is_shared(&self, v: &VHost, conn: u64) -> bool {
+        let owner = |name: &str| v.queue(name).and_then(|q| q.exclusive_owner);
         match self {
             WiringOp::DeclareQueue {
-                name, exclusive: e, ..
-            } => !e && !exclusive(name),
+                name, exclusive, ..
+            } => match v.queue(name) {
+                None => true,
+                Some(q) => q.exclusive_owner.is_none() && !exclusive,
+            },
             WiringOp::DeleteQueue { name, .. }
             | WiringOp::BindQueue { queue: name, .. }
-            | WiringOp::UnbindQueue { queue: name, .. } => !exclusive(name),
+            | WiringOp::UnbindQueue { queue: name, .. } => match owner(name) {
+                Some(owner) => owner == conn || conn == NO_CONNECTION,
+                None => true,
+            },
             _ => true,
+        }
+    }
+
+    /// An exclusive queue's declare, marked for the cluster with its owner's token
+    /// ([`VHost::exclusive_owner_token`]) so that its member gives it to that connection;
+    /// any other op unchanged.
+    pub fn with_exclusive_owner(self, token: String) -> WiringOp {
+        match self {
+            WiringOp::DeclareQueue {
+                name,
+                durable,
+                exclusive: true,
+                auto_delete,
+                mut arguments,
+                home,
+                server_named,
+            } => {
+                arguments.insert(
+                    OWNER_ARGUMENT.into(),
+                    crate::amqp::AMQPValue::LongString(token.into()),
+                );
+                WiringOp::DeclareQueue {
+                    name,
+                    durable,
+                    exclusive: true,
+                    auto_delete,
+                    arguments,
+                    home,
+                    server_named,
+                }
+            }
+            other => other,
         }
     }
 
@@ -243,6 +288,27 @@ impl WiringOp {
                 home,
                 server_named,
             } => {
+                let mut table = arguments.inner().clone();
+                let token = table.remove(OWNER_ARGUMENT).and_then(|t| match t {
+                    crate::amqp::AMQPValue::LongString(s) => {
+                        Some(String::from_utf8_lossy(s.as_bytes()).into_owned())
+                    }
+                    _ => None,
+                });
+                let arguments = FieldTable::from(table);
+                let here = home.as_deref().is_some_and(|h| v.is_here(h));
+                let conn = match &token {
+                    Some(t) if exclusive && here => v.token_owner(t),
+                    _ => conn,
+                };
+                if exclusive && conn == NO_CONNECTION && v.queue(&name).is_some() {
+                    // Two members' clients declared the same exclusive queue: the first
+                    // committed owns it, everywhere.
+                    return Err(AmqpError::resource_locked(format!(
+                        "cannot obtain exclusive access to locked queue '{name}' in vhost '{}'",
+                        v.name()
+                    )));
+                }
                 let d = QueueDeclare {
                     name: name.clone(),
                     passive: false,
@@ -259,6 +325,11 @@ impl WiringOp {
                 };
                 if let Some(home) = home {
                     v.set_queue_home(&name, &home);
+                }
+                if exclusive && here && conn == NO_CONNECTION {
+                    // Declared for a connection of an earlier run of this member (a replay):
+                    // nobody owns it, it goes.
+                    v.retire_exclusive(&name, fx);
                 }
                 Ok(OpReply {
                     message_count: declared.message_count,

@@ -63,6 +63,7 @@ fn wiring(uids: &[u64]) -> Wiring {
                 auto_delete: false,
                 arguments: Default::default(),
                 home: None,
+                exclusive: false,
             })
             .collect(),
         ..Default::default()

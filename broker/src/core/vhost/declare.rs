@@ -333,6 +333,7 @@ impl VHost {
         if let Some(q) = self.queues.get_mut(d.name.as_str()) {
             if let Some(owner) = q.exclusive_owner
                 && owner != conn
+                && conn != crate::core::NO_CONNECTION
             {
                 return Err(self.locked(&d.name));
             }

@@ -28,6 +28,14 @@ impl VHost {
             {
                 expired_queues.push(q.name.clone());
             }
+            // An exclusive queue whose owner went: its cluster delete was not taken yet.
+            if node.is_some()
+                && !proxied
+                && q.home.is_some()
+                && q.exclusive_owner == Some(crate::core::NO_CONNECTION)
+            {
+                expired_queues.push(q.name.clone());
+            }
             if node.is_some()
                 && !proxied
                 && q.auto_delete

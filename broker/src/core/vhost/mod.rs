@@ -31,8 +31,8 @@ pub use routing::{FLOW_READY_THRESHOLD, PublishOutcome};
 use super::channel::{ChannelKey, ChannelState, Consumer};
 use super::error::{AmqpError, CoreResult};
 use super::exchange::{Exchange, ExchangeKind};
-use super::is_foreign;
 use super::queue::Queue;
+use super::{NO_CONNECTION, is_foreign};
 use crate::amqp::FieldTable;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -142,16 +142,12 @@ impl VHost {
         self.live_nodes = nodes.iter().map(|n| n.as_str().into()).collect();
     }
 
-    /// Deletes a queue that auto-delete or `x-expires` retired: at once on a single broker
-    /// (or for an exclusive queue); on a cluster member, a shared queue is only named in
+    /// Deletes a queue that auto-delete, `x-expires` or its exclusive owner's end retired: at
+    /// once on a single broker; on a cluster member, a shared queue is only named in
     /// [`Effects::retire`] — the server commits its deletion through the cluster, so every
     /// member drops it at the same point of the agreed order.
     pub(super) fn retire_queue(&mut self, name: &str, fx: &mut Effects) {
-        let shared = self.node.is_some()
-            && self
-                .queues
-                .get(name)
-                .is_some_and(|q| q.exclusive_owner.is_none() && q.home.is_some());
+        let shared = self.node.is_some() && self.queues.get(name).is_some_and(|q| q.home.is_some());
         if shared {
             if !fx.retire.iter().any(|n| n.as_ref() == name) {
                 fx.retire.push(name.into());
@@ -283,7 +279,8 @@ impl VHost {
             .get(name)
             .ok_or_else(|| self.not_found_queue(name))?;
         match q.exclusive_owner {
-            Some(owner) if owner != conn => Err(self.locked(name)),
+            // A cluster op (NO_CONNECTION) was checked by the member that sent it.
+            Some(owner) if owner != conn && conn != NO_CONNECTION => Err(self.locked(name)),
             _ => Ok(q),
         }
     }
@@ -358,15 +355,70 @@ impl VHost {
     }
 
     /// The connection `conn` closed: its exclusive queues go (its channels are closed by the
-    /// caller first).
+    /// caller first). On a cluster they go by a cluster op, every member at once; until then
+    /// they belong to no connection, and the tick names them again if the op was not taken.
     pub fn connection_closed(&mut self, conn: u64, fx: &mut Effects) {
         let exclusive: Vec<Arc<str>> = self
             .queues
-            .values()
-            .filter(|q| q.exclusive_owner == Some(conn))
-            .map(|q| q.name.clone())
+            .values_mut()
+            .filter(|q| q.exclusive_owner == Some(conn) && conn != NO_CONNECTION)
+            .map(|q| {
+                q.exclusive_owner = Some(NO_CONNECTION);
+                q.name.clone()
+            })
             .collect();
         for name in exclusive {
+            self.retire_queue(&name, fx);
+        }
+    }
+
+    /// Exclusive queue `name` belongs to no connection (its owner went, or it was declared
+    /// for a connection of an earlier run): it goes, by a cluster op on a cluster.
+    pub fn retire_exclusive(&mut self, name: &str, fx: &mut Effects) {
+        if let Some(q) = self.queues.get_mut(name) {
+            q.exclusive_owner = Some(NO_CONNECTION);
+        }
+        self.retire_queue(name, fx);
+    }
+
+    /// Whether `home` names this cluster member.
+    pub fn is_here(&self, home: &str) -> bool {
+        self.node.as_deref() == Some(home)
+    }
+
+    /// What a cluster op declaring an exclusive queue for connection `conn` carries to name
+    /// its owner ([`crate::core::OWNER_ARGUMENT`]): this broker run and the connection, so
+    /// that the op replayed by a later run owns nothing.
+    pub fn exclusive_owner_token(&self, conn: u64) -> String {
+        format!("{:x}:{conn}", self.name_seed)
+    }
+
+    /// The connection of this broker run an owner token names; [`NO_CONNECTION`] for
+    /// another run's (or a malformed) token.
+    pub fn token_owner(&self, token: &str) -> u64 {
+        match token.split_once(':') {
+            Some((run, conn)) if u64::from_str_radix(run, 16) == Ok(self.name_seed) => {
+                conn.parse().unwrap_or(NO_CONNECTION)
+            }
+            _ => NO_CONNECTION,
+        }
+    }
+
+    /// The survivors' view changed: exclusive queues of members that left go (their
+    /// connections went with them). Every member applies the same views in the same order.
+    pub fn drop_exclusive_queues_of_departed(&mut self, fx: &mut Effects) {
+        let departed: Vec<Arc<str>> = self
+            .queues
+            .values()
+            .filter(|q| {
+                q.exclusive_owner.is_some()
+                    && q.home
+                        .as_ref()
+                        .is_some_and(|h| !is_foreign(h) && !self.live_nodes.iter().any(|n| n == h))
+            })
+            .map(|q| q.name.clone())
+            .collect();
+        for name in departed {
             self.remove_queue(&name, fx);
         }
     }

@@ -82,8 +82,9 @@ impl VHost {
 
     /// A message another member routed here because queues this member owns matched it:
     /// routed again over the same (replicated) bindings, and enqueued only on the shared
-    /// queues whose primary this member is. Exclusive queues and queues owned elsewhere are
-    /// the receiving member's business, so a publish reaches every queue exactly once. An
+    /// queues whose primary this member is (its connections' exclusive queues included).
+    /// Queues owned elsewhere are the receiving member's business, so a publish reaches
+    /// every queue exactly once. An
     /// exchange deleted meanwhile routes nowhere (as a publish arriving after the delete).
     pub fn publish_forwarded(
         &mut self,
@@ -97,7 +98,7 @@ impl VHost {
         targets.retain(|name| {
             self.queues
                 .get(name)
-                .is_some_and(|q| q.exclusive_owner.is_none() && self.primary_elsewhere(q).is_none())
+                .is_some_and(|q| self.primary_elsewhere(q).is_none())
         });
         if targets.is_empty() {
             return PublishOutcome::Unroutable;

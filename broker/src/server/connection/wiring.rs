@@ -76,6 +76,10 @@ impl Connection {
         for (access, resource) in wiring::required_access(&op) {
             permit(&self.perms, access, resource)?;
         }
+        let op = match &cluster {
+            Some(_) => op.with_exclusive_owner(v.get().exclusive_owner_token(self.id)),
+            None => op,
+        };
         if let WiringOp::DeleteQueue {
             name,
             if_unused,
@@ -117,7 +121,7 @@ impl Connection {
             method_id,
         } = pending;
         match self.broker.cluster().cloned() {
-            Some(cluster) if op.is_shared(v.get()) => {
+            Some(cluster) if op.is_shared(v.get(), self.id) => {
                 let op = op.for_cluster(v.get())?;
                 self.cluster_wait = Some(ClusterWait {
                     channel: id,
