@@ -104,6 +104,20 @@ impl Broker {
     /// through the cluster, once per queue at a time: the tick names them again if the op
     /// could not be committed.
     fn retire(&self, vhost: &str, fx: &mut Effects) {
+        self.retire_awaited(vhost, fx, None);
+    }
+
+    /// [`Self::retire`] for a connection whose batch retired the queues (its consumer's
+    /// cancel ended an auto-delete queue): each deletion counts as one of the connection's
+    /// forwards in `tracker`, answered once the delete is committed and applied here (or
+    /// could not be), so the batch's replies — the cancel-ok — leave after the queue is gone,
+    /// as on one broker.
+    pub fn retire_awaited(
+        &self,
+        vhost: &str,
+        fx: &mut Effects,
+        tracker: Option<&Arc<crate::proxy::forward::ForwardTracker>>,
+    ) {
         if fx.retire.is_empty() {
             return;
         }
@@ -116,6 +130,7 @@ impl Broker {
             if !self.retiring.lock().insert(key.clone()) {
                 continue;
             }
+            let ticket = tracker.map(|t| (t.clone(), t.issue()));
             tracing::info!(vhost, queue = %name, "retiring the queue (auto-delete or x-expires) through the cluster");
             let committed = cluster.submit(
                 vhost,
@@ -129,6 +144,11 @@ impl Broker {
             tokio::spawn(async move {
                 let _ = committed.await;
                 retiring.lock().remove(&key);
+                if let Some((tracker, id)) = ticket {
+                    // Not taken (no majority): the tick retires it again; the connection
+                    // goes on either way.
+                    tracker.settle(id, crate::proxy::forward::ForwardOutcome::Confirmed);
+                }
             });
         }
     }

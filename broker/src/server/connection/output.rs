@@ -192,6 +192,10 @@ impl Connection {
         self.broker
             .forward(&self.vhost_name, &mut self.fx, Some(&self.forwards));
         self.send_remote_settles();
+        // A closing connection's exclusive queues go without holding its close-ok.
+        let awaited = (self.phase == Phase::Running).then_some(&self.forwards);
+        self.broker
+            .retire_awaited(&self.vhost_name, &mut self.fx, awaited);
         let journal_seq = self.broker.finish_batch(self.id, guard, &mut self.fx);
         drop(v.guard.take());
         self.hold_output(journal_seq);
