@@ -211,6 +211,85 @@ async fn a_slow_consumer_on_a_proxy_holds_only_its_prefetch() {
     assert_eq!(count(&members[0], "slow").await, (44, 1));
 }
 
+/// Deliveries that reach the consumers within `quiet_ms` of each other, in arrival order.
+async fn drain(
+    consumers: &mut [&mut lapin::Consumer],
+    quiet_ms: u64,
+) -> Vec<lapin::message::Delivery> {
+    let mut got = Vec::new();
+    loop {
+        let mut any = false;
+        for c in consumers.iter_mut() {
+            if let Ok(Some(d)) =
+                tokio::time::timeout(Duration::from_millis(quiet_ms), c.next()).await
+            {
+                got.push(d.unwrap());
+                any = true;
+            }
+        }
+        if !any {
+            return got;
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_channel_wide_prefetch_holds_across_members() {
+    let (members, _secret) = start_cluster("proxy-global-qos", 3);
+    declare(&members[0], "wide-a").await;
+    declare(&members[1], "wide-b").await;
+    let (_c0, on_0) = members[0].channel().await;
+    publish_confirmed(&on_0, "wide-a", "a", 5).await;
+    publish_confirmed(&on_0, "wide-b", "b", 5).await;
+
+    // A client of the third member consumes from both primaries under one window of 4.
+    let (_c2, on_2) = members[2].channel().await;
+    on_2.basic_qos(4, BasicQosOptions { global: true })
+        .await
+        .unwrap();
+    let mut a = on_2
+        .basic_consume(
+            "wide-a".into(),
+            "ca".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let mut b = on_2
+        .basic_consume(
+            "wide-b".into(),
+            "cb".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let mut got = drain(&mut [&mut a, &mut b], 400).await;
+    assert_eq!(got.len(), 4, "the channel's window, not one per member");
+
+    // Two acks let exactly two more through.
+    for d in got.drain(..2) {
+        d.acker.ack(BasicAckOptions::default()).await.unwrap();
+    }
+    let more = drain(&mut [&mut a, &mut b], 400).await;
+    assert_eq!(more.len(), 2, "as many as were acked");
+    got.extend(more);
+
+    // Cancelled, the consumers' held deliveries go back to their queues: ready there are the
+    // ten, less the two acked, less the four the client still holds.
+    on_2.basic_cancel("ca".into(), Default::default())
+        .await
+        .unwrap();
+    on_2.basic_cancel("cb".into(), Default::default())
+        .await
+        .unwrap();
+    let (ready_a, consumers_a) = count(&members[1], "wide-a").await;
+    let (ready_b, consumers_b) = count(&members[1], "wide-b").await;
+    assert_eq!((consumers_a, consumers_b), (0, 0));
+    assert_eq!(ready_a + ready_b, 4, "none held back at the proxy");
+}
+
 #[tokio::test]
 async fn a_proxied_consumer_that_dies_leaves_its_unacked_to_another_redelivered() {
     let (members, _secret) = start_cluster("proxy-kill", 3);

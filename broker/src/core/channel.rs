@@ -89,6 +89,12 @@ pub struct ChannelState {
     pub max_unacked: u32,
 }
 
+/// Whether a byte window (`limit`, 0 = none) with `used` bytes in `unacked` deliveries
+/// takes one more of `bytes`: the first delivery always fits, however large.
+fn bytes_window_ok(limit: u64, used: u64, unacked: u64, bytes: u64) -> bool {
+    limit == 0 || unacked == 0 || used + bytes <= limit
+}
+
 impl ChannelState {
     /// Whether the consumer `tag` may take a message of `bytes` body bytes now.
     pub fn can_deliver(&self, tag: &str, bytes: u64) -> bool {
@@ -104,14 +110,29 @@ impl ChannelState {
         if self.unacked_limit_reached() {
             return false;
         }
-        let count = self.unacked.len() as u64;
-        let window_ok = |limit: u64, used: u64, unacked: u64| {
-            limit == 0 || unacked == 0 || used + bytes <= limit
-        };
         (c.prefetch_count == 0 || c.unacked < c.prefetch_count)
-            && (self.channel_prefetch_count == 0 || count < u64::from(self.channel_prefetch_count))
-            && window_ok(c.prefetch_bytes, c.unacked_bytes, u64::from(c.unacked))
-            && window_ok(self.channel_prefetch_bytes, self.unacked_bytes, count)
+            && bytes_window_ok(
+                c.prefetch_bytes,
+                c.unacked_bytes,
+                u64::from(c.unacked),
+                bytes,
+            )
+            && self.channel_window_open(bytes)
+    }
+
+    /// Whether the channel-wide prefetch (basic.qos global=true) lets one more delivery of
+    /// `bytes` body bytes out now. Local consumers ask it through [`Self::can_deliver`];
+    /// a proxy asks it for deliveries its primaries sent, which it holds back while it says
+    /// no, because no primary can see the channel's whole window.
+    pub fn channel_window_open(&self, bytes: u64) -> bool {
+        let count = self.unacked.len() as u64;
+        (self.channel_prefetch_count == 0 || count < u64::from(self.channel_prefetch_count))
+            && bytes_window_ok(
+                self.channel_prefetch_bytes,
+                self.unacked_bytes,
+                count,
+                bytes,
+            )
     }
 
     /// Whether the connection holds as many unwritten deliveries of this channel as it may.

@@ -106,10 +106,15 @@ pub enum Command {
         /// consume-ok or the primary's error.
         reply: Reply<()>,
     },
-    /// basic.cancel.
+    /// basic.cancel, then the requeue of `requeue` (deliveries the proxy held for the
+    /// consumer, see `Connection::release_held`) processed before the reply: once the
+    /// client has cancel-ok they are ready in their queue again, and the cancelled consumer
+    /// cannot be handed them back meanwhile.
     Cancel {
         /// Consumer tag.
         tag: String,
+        /// Upstream delivery tags to requeue.
+        requeue: Vec<u64>,
         /// cancel-ok.
         reply: Reply<()>,
     },
@@ -408,12 +413,26 @@ async fn execute(
                 Err(e) => answer(reply, Err(e)),
             }
         }
-        Command::Cancel { tag, reply } => answer(
+        Command::Cancel {
+            tag,
+            requeue,
             reply,
-            ch.basic_cancel(tag.as_str().into(), BasicCancelOptions::default())
-                .await
-                .map_err(err),
-        ),
+        } => {
+            let cancelled = ch
+                .basic_cancel(tag.as_str().into(), BasicCancelOptions::default())
+                .await;
+            let processed = match cancelled {
+                Ok(()) if !requeue.is_empty() => {
+                    let batch = requeue.into_iter().map(|t| (t, Settlement::Requeue));
+                    settle(ch, unsettled, batch.collect()).await;
+                    // A round trip after the nacks: the primary has processed them.
+                    ch.basic_qos(*last_credit, BasicQosOptions { global: false })
+                        .await
+                }
+                other => other,
+            };
+            answer(reply, processed.map_err(err))
+        }
         Command::Get {
             queue,
             no_ack,

@@ -197,6 +197,22 @@ impl VHost {
             .map_or(0, |ch| ch.consumer_prefetch_count)
     }
 
+    /// The channel-wide prefetch count (basic.qos global=true); 0 = unlimited.
+    pub fn channel_prefetch(&self, key: ChannelKey) -> u32 {
+        self.channels
+            .get(&key)
+            .map_or(0, |ch| ch.channel_prefetch_count)
+    }
+
+    /// Whether channel `key`'s channel-wide prefetch lets one more delivery of `bytes` body
+    /// bytes out now (see [`crate::core::channel::ChannelState::channel_window_open`]);
+    /// false when the channel is gone.
+    pub fn channel_window_open(&self, key: ChannelKey, bytes: u64) -> bool {
+        self.channels
+            .get(&key)
+            .is_some_and(|ch| ch.channel_window_open(bytes))
+    }
+
     /// Makes sure a broker-owned exchange exists (such as `amq.qpid` in a cluster); the
     /// `amq.` prefix keeps clients from declaring or deleting it.
     pub fn ensure_system_exchange(&mut self, name: &str, kind: ExchangeKind) {

@@ -36,11 +36,11 @@ use crate::broker::stats::ConnStats;
 use crate::clock::now_ms;
 use crate::core::{Effects, VHost};
 use crate::proxy::forward::ForwardTracker;
-use crate::proxy::upstream::Upstream;
+use crate::proxy::upstream::{ProxiedDelivery, Upstream};
 use bytes::BytesMut;
 use frames::ConnError;
 use parking_lot::{Mutex, MutexGuard};
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -59,6 +59,9 @@ const FRAMES_PER_BATCH: usize = 1024;
 /// How long the broker waits for close-ok after it sent connection.close, and for the client
 /// to close its side after the broker's last word.
 const CLOSE_OK_TIMEOUT: Duration = Duration::from_secs(1);
+/// Longest wait for what a client's close-ok is held behind (the journal's fsync, a
+/// cluster op retiring its exclusive queues) before the socket closes without it.
+const CLOSE_HOLD_TIMEOUT: Duration = Duration::from_secs(10);
 /// Most bytes read and dropped while waiting for a finished client to close its side.
 const MAX_DRAIN_BYTES: usize = 64 * 1024;
 /// Most publishes of one connection forwarded to other members and not yet confirmed by
@@ -161,6 +164,9 @@ struct Connection {
     upstreams: HashMap<(u16, Arc<str>), Upstream>,
     /// Consumers on proxied queues by (client channel, consumer tag).
     remote_consumers: HashMap<(u16, Arc<str>), proxied::RemoteConsumer>,
+    /// Deliveries from primaries that a channel's channel-wide prefetch holds back, by
+    /// client channel, in arrival order ([`Connection::release_held`]).
+    held: HashMap<u16, VecDeque<ProxiedDelivery>>,
     /// Serial number of the last proxied consumer.
     next_serial: u64,
     /// A proxied method in flight: no further frames are read until it is answered.
@@ -220,6 +226,7 @@ where
         awaiting_confirms: false,
         upstreams: HashMap::new(),
         remote_consumers: HashMap::new(),
+        held: HashMap::new(),
         next_serial: 0,
         remote_wait: None,
     };
@@ -314,11 +321,17 @@ impl Connection {
                 self.report_written();
                 continue;
             }
-            if self.phase == Phase::Done {
+            if self.phase == Phase::Done && !held {
                 return Ok(Finish::Gracefully);
             }
-            if self.phase == Phase::Closing && close_deadline.is_none() {
-                close_deadline = Some(Instant::now() + CLOSE_OK_TIMEOUT);
+            if close_deadline.is_none() {
+                close_deadline = match self.phase {
+                    Phase::Closing => Some(Instant::now() + CLOSE_OK_TIMEOUT),
+                    // close-ok is held: the journal, or on a cluster the retirement of the
+                    // connection's exclusive queues, has not caught up with it yet.
+                    Phase::Done => Some(Instant::now() + CLOSE_HOLD_TIMEOUT),
+                    _ => None,
+                };
             }
             if self.phase == Phase::Running && !heartbeat_armed && self.heartbeat_s > 0 {
                 let period = Duration::from_millis(u64::from(self.heartbeat_s) * 500);
@@ -344,7 +357,8 @@ impl Connection {
                 continue;
             }
             let forwarding = forwards.in_flight > 0;
-            let reading = !self.publish_waits_for_unblock
+            let reading = self.phase != Phase::Done
+                && !self.publish_waits_for_unblock
                 && self.cluster_wait.is_none()
                 && self.remote_wait.is_none()
                 && forwards.in_flight < MAX_FORWARDS_IN_FLIGHT;
@@ -392,6 +406,7 @@ impl Connection {
                 _ = tokio::time::sleep_until(deadline.into()) => {
                     self.close_reason = match self.phase {
                         Phase::Closing => "no close-ok after connection.close".into(),
+                        Phase::Done => "close-ok held too long".into(),
                         Phase::Running => continue,
                         _ => "handshake timeout".into(),
                     };
@@ -500,6 +515,7 @@ impl Connection {
         // Proxied consumers end with their upstream channels: the primaries requeue.
         self.upstreams.clear();
         self.remote_consumers.clear();
+        self.held.clear();
     }
 }
 

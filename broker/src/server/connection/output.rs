@@ -185,17 +185,22 @@ impl Connection {
     /// [`Conditions`] — so no confirm leaves before what it confirms is durable. Then this
     /// connection's own deliveries are written, after the hold: they promise nothing.
     pub(super) fn end_batch(&mut self, mut v: Lazy) {
-        let Some(guard) = v.guard.as_mut() else {
+        if v.guard.is_none() {
             return;
-        };
+        }
         self.flush_confirms();
         self.broker
             .forward(&self.vhost_name, &mut self.fx, Some(&self.forwards));
         self.send_remote_settles();
-        // A closing connection's exclusive queues go without holding its close-ok.
-        let awaited = (self.phase == Phase::Running).then_some(&self.forwards);
+        self.release_held(&mut v);
+        // The client's close-ok waits for its exclusive queues to go, as on one broker (a
+        // broker-initiated close, waiting for the client's close-ok, does not wait).
+        let awaited = matches!(self.phase, Phase::Running | Phase::Done).then_some(&self.forwards);
         self.broker
             .retire_awaited(&self.vhost_name, &mut self.fx, awaited);
+        let Some(guard) = v.guard.as_mut() else {
+            return;
+        };
         let journal_seq = self.broker.finish_batch(self.id, guard, &mut self.fx);
         drop(v.guard.take());
         self.hold_output(journal_seq);

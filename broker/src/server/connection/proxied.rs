@@ -16,6 +16,7 @@ use crate::proxy::forward::ForwardTracker;
 use crate::proxy::upstream::{
     self, Command, DEFAULT_CREDIT, ProxiedDelivery, ProxiedEnd, ProxiedGet, Target, Upstream,
 };
+use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -203,12 +204,11 @@ impl Connection {
                 format!("consumer tag '{tag}' is already in use on this channel"),
             ));
         }
-        let prefetch = v.get().consumer_prefetch(key);
-        let credit = match prefetch {
-            0 => DEFAULT_CREDIT,
-            _ if c.no_ack => DEFAULT_CREDIT,
-            n => u16::try_from(n).unwrap_or(u16::MAX),
-        };
+        let credit = upstream_credit(
+            v.get().consumer_prefetch(key),
+            v.get().channel_prefetch(key),
+            c.no_ack,
+        );
         self.next_serial += 1;
         let serial = self.next_serial;
         self.remote_consumers.insert(
@@ -252,6 +252,11 @@ impl Connection {
             return Ok(false);
         };
         let (tag, nowait) = (c.consumer_tag.to_string(), c.nowait);
+        let requeue = self
+            .take_held(id, &tag, rc.serial)
+            .into_iter()
+            .map(|d| d.upstream_tag)
+            .collect();
         let upstream_tag = tag.clone();
         self.ask(
             id,
@@ -259,6 +264,7 @@ impl Connection {
             rc.primary,
             move |reply| Command::Cancel {
                 tag: upstream_tag,
+                requeue,
                 reply,
             },
             move |result| Answer::Cancelled {
@@ -600,6 +606,14 @@ impl Connection {
             };
             let m = &d.message;
             let bytes = m.body_len() as u64;
+            if !d.no_ack
+                && (self.held.contains_key(&d.channel) || !v.get().channel_window_open(key, bytes))
+            {
+                // The channel-wide prefetch is full: the delivery waits here for the
+                // client's acks, behind any that already wait.
+                self.held.entry(d.channel).or_default().push_back(d);
+                continue;
+            }
             let Some(tag) =
                 v.get()
                     .track_remote(key, &d.queue, &d.primary, d.upstream_tag, bytes, d.no_ack)
@@ -625,6 +639,61 @@ impl Connection {
         }
     }
 
+    /// Writes the deliveries channel-wide prefetch held back, in the order they came, as far
+    /// as the channels' windows (opened by the client's acks, or by a larger basic.qos)
+    /// now allow.
+    ///
+    /// A primary sees only its own part of a channel's consumers, so it cannot keep a window
+    /// shared with consumers on other members (or on this one): each proxied consumer gets
+    /// the whole window as upstream credit, and the proxy holds what arrives past the
+    /// window. What it holds is bounded by that credit, stays unacked on the primary, and
+    /// goes back to its queue there if the consumer is cancelled or the channel closes.
+    pub(super) fn release_held(&mut self, v: &mut Lazy) {
+        let channels: Vec<u16> = self.held.keys().copied().collect();
+        for channel in channels {
+            let stuck = self
+                .held
+                .get(&channel)
+                .and_then(|waiting| waiting.front())
+                .is_some_and(|d| {
+                    let key = ChannelKey {
+                        conn: self.id,
+                        channel,
+                    };
+                    self.remote_consumers
+                        .get(&(channel, d.consumer_tag.clone()))
+                        .is_some_and(|rc| rc.serial == d.serial)
+                        && !v
+                            .get()
+                            .channel_window_open(key, d.message.body_len() as u64)
+                });
+            if stuck {
+                continue;
+            }
+            // Handed over again in order: those that fit are written, the first that does
+            // not is held again and every later one with it; a cancelled consumer's go back.
+            let mut waiting: Vec<ProxiedDelivery> =
+                self.held.remove(&channel).unwrap_or_default().into();
+            self.write_proxied(&mut waiting, v);
+        }
+    }
+
+    /// Takes the held deliveries of the proxied consumer `tag` (serial `serial`) of
+    /// `channel` out of the channel's wait: it ended, so nobody here will take them.
+    fn take_held(&mut self, channel: u16, tag: &str, serial: u64) -> VecDeque<ProxiedDelivery> {
+        let Some(waiting) = self.held.get_mut(&channel) else {
+            return VecDeque::new();
+        };
+        let (theirs, others): (VecDeque<_>, VecDeque<_>) = waiting
+            .drain(..)
+            .partition(|d| d.serial == serial && &*d.consumer_tag == tag);
+        *waiting = others;
+        if waiting.is_empty() {
+            self.held.remove(&channel);
+        }
+        theirs
+    }
+
     /// Proxied consumers the primary ended (their queue was deleted, or the link failed):
     /// the client hears of it as of a local consumer the broker cancelled.
     pub(super) fn end_proxied(&mut self, ended: &mut Vec<ProxiedEnd>) {
@@ -638,6 +707,9 @@ impl Connection {
                 continue;
             }
             self.remote_consumers.remove(&k);
+            for d in self.take_held(e.channel, &e.consumer_tag, e.serial) {
+                self.settle_upstream(e.channel, &d.primary, d.upstream_tag, Settlement::Requeue);
+            }
             self.write_cancel(&crate::core::vhost::Cancelled {
                 channel: ChannelKey {
                     conn: self.id,
@@ -746,5 +818,43 @@ impl Connection {
     pub(super) fn drop_upstreams(&mut self, id: u16) {
         self.upstreams.retain(|(ch, _), _| *ch != id);
         self.remote_consumers.retain(|(ch, _), _| *ch != id);
+        self.held.remove(&id);
+    }
+}
+
+/// The credit of a proxied consumer on its primary: the client's per-consumer prefetch,
+/// capped by the channel-wide one (the proxy holds back what a full channel window cannot
+/// take, so it asks for no more than one window), and [`DEFAULT_CREDIT`] where neither
+/// limits it or the client takes deliveries without acking.
+fn upstream_credit(consumer_prefetch: u32, channel_prefetch: u32, no_ack: bool) -> u16 {
+    let limit = match (consumer_prefetch, channel_prefetch) {
+        _ if no_ack => 0,
+        (0, g) => g,
+        (p, 0) => p,
+        (p, g) => p.min(g),
+    };
+    match limit {
+        0 => DEFAULT_CREDIT,
+        n => u16::try_from(n).unwrap_or(u16::MAX),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn upstream_credit_is_the_tighter_prefetch_and_always_finite() {
+        assert_eq!(upstream_credit(0, 0, false), DEFAULT_CREDIT);
+        assert_eq!(upstream_credit(10, 0, false), 10);
+        assert_eq!(upstream_credit(0, 4, false), 4);
+        assert_eq!(upstream_credit(10, 4, false), 4);
+        assert_eq!(upstream_credit(3, 4, false), 3);
+        assert_eq!(
+            upstream_credit(3, 4, true),
+            DEFAULT_CREDIT,
+            "no-ack ignores prefetch"
+        );
+        assert_eq!(upstream_credit(100_000, 0, false), u16::MAX);
     }
 }
