@@ -49,6 +49,17 @@ pub struct RawClient<S = TcpStream> {
     pub frame_max: u32,
     /// `known-hosts` from connection.open-ok: a cluster's member addresses, comma-separated.
     pub known_hosts: String,
+    /// Negotiated heartbeat in seconds (0: none).
+    pub heartbeat_s: u16,
+}
+
+/// How the client presents itself in the handshake beyond its login.
+#[derive(Debug, Clone, Default)]
+pub struct Presentation {
+    /// Client properties besides `product` and `capabilities` (a cluster link marks itself).
+    pub properties: FieldTable,
+    /// Heartbeat to ask for, in seconds; 0 asks for none. The server's is taken if lower.
+    pub heartbeat_s: u16,
 }
 
 /// The parts of an AMQP URI the client uses.
@@ -99,12 +110,37 @@ impl<S: AsyncRead + AsyncWrite + Unpin> RawClient<S> {
         mechanism: &str,
         response: &[u8],
     ) -> Result<Self, ClientError> {
-        let mut c = RawClient {
+        Self::open_presenting(
+            stream,
+            target,
+            mechanism,
+            response,
+            &Presentation::default(),
+        )
+        .await
+    }
+
+    /// A client on `stream` that has sent nothing yet: for tests that drive the handshake
+    /// themselves.
+    pub fn unopened(stream: S) -> Self {
+        RawClient {
             stream,
             rbuf: BytesMut::with_capacity(256 * 1024),
             frame_max: 131_072,
             known_hosts: String::new(),
-        };
+            heartbeat_s: 0,
+        }
+    }
+
+    /// [`RawClient::open`], presenting itself as `presentation` says.
+    pub async fn open_presenting(
+        stream: S,
+        target: &Target,
+        mechanism: &str,
+        response: &[u8],
+        presentation: &Presentation,
+    ) -> Result<Self, ClientError> {
+        let mut c = RawClient::unopened(stream);
         c.stream.write_all(PROTOCOL_HEADER).await?;
         c.stream.flush().await?;
         match c.read_method().await? {
@@ -121,7 +157,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> RawClient<S> {
             "authentication_failure_close".into(),
             AMQPValue::Boolean(true),
         );
-        let mut props = FieldTable::default();
+        let mut props = presentation.properties.clone();
         props.insert(
             "product".into(),
             AMQPValue::LongString("ringmq raw client".into()),
@@ -150,12 +186,17 @@ impl<S: AsyncRead + AsyncWrite + Unpin> RawClient<S> {
         } else {
             tune.frame_max.min(131_072)
         };
+        c.heartbeat_s = match (presentation.heartbeat_s, tune.heartbeat) {
+            (0, _) => 0,
+            (mine, 0) => mine,
+            (mine, theirs) => mine.min(theirs),
+        };
         c.send(
             0,
             AMQPClass::Connection(connection::AMQPMethod::TuneOk(connection::TuneOk {
                 channel_max: tune.channel_max,
                 frame_max: c.frame_max,
-                heartbeat: 0,
+                heartbeat: c.heartbeat_s,
             })),
         )
         .await?;

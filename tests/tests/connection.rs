@@ -12,12 +12,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 /// Opens a socket, sends the header and returns the raw client and connection.start.
 async fn start(b: &Broker) -> (RawClient, connection::Start) {
     let stream = tokio::net::TcpStream::connect(b.addr).await.unwrap();
-    let mut c = RawClient {
-        stream,
-        rbuf: Default::default(),
-        frame_max: 131_072,
-        known_hosts: String::new(),
-    };
+    let mut c = RawClient::unopened(stream);
     c.stream.write_all(PROTOCOL_HEADER).await.unwrap();
     match c.read_method().await.unwrap() {
         AMQPClass::Connection(connection::AMQPMethod::Start(s)) => (c, s),

@@ -28,12 +28,7 @@ async fn mechanisms<S>(stream: S) -> String
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {
-    let mut c = RawClient {
-        stream,
-        rbuf: Default::default(),
-        frame_max: 131_072,
-        known_hosts: String::new(),
-    };
+    let mut c = RawClient::unopened(stream);
     c.stream.write_all(PROTOCOL_HEADER).await.unwrap();
     c.stream.flush().await.unwrap();
     match c.read_method().await.unwrap() {
@@ -128,12 +123,7 @@ async fn a_plaintext_client_on_the_tls_port_gets_no_amqp() {
     let tcp = tokio::net::TcpStream::connect(b.amqps.unwrap())
         .await
         .unwrap();
-    let mut c = RawClient {
-        stream: tcp,
-        rbuf: Default::default(),
-        frame_max: 131_072,
-        known_hosts: String::new(),
-    };
+    let mut c = RawClient::unopened(tcp);
     c.stream.write_all(PROTOCOL_HEADER).await.unwrap();
     let r = tokio::time::timeout(Duration::from_secs(5), c.read_method())
         .await

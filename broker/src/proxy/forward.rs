@@ -7,6 +7,7 @@
 //! confirms it; the publisher's confirm waits, behind the connection's confirm gate, until
 //! every forward of its batch is confirmed ([`ForwardTracker`]).
 
+use super::forward_link::ForwardLink;
 use super::link::{LinkError, Links, is_foreign};
 use crate::core::Message;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
@@ -17,6 +18,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 use tokio::sync::{Notify, mpsc};
 
 /// The forwards one client connection issued, for its confirm gate: forward `n` of the
@@ -152,7 +154,7 @@ pub struct ForwardStatus {
 }
 
 /// Who waits for a forward's confirm: a connection's tracker and the forward's number in it.
-type Ticket = (Arc<ForwardTracker>, u64);
+pub type Ticket = (Arc<ForwardTracker>, u64);
 
 /// The forwarding tasks' queues, by vhost and member.
 type Senders = HashMap<String, HashMap<Arc<str>, mpsc::UnboundedSender<Vec<Job>>>>;
@@ -228,10 +230,75 @@ enum InFlight {
     Written(PublisherConfirm),
 }
 
-/// The task of one (member, vhost): queues each job's frames in order without waiting for
-/// the socket (pipelined); a confirm task answers them in order as the member confirms. A
-/// failed link fails the jobs waiting at that moment and is opened again for the next one.
+/// The task of one (member, vhost), in order: on the broker's own codec to a cluster
+/// member ([`run_member`]), through lapin to a foreign broker ([`run_foreign`]).
 async fn run(
+    links: Arc<Links>,
+    primary: Arc<str>,
+    vhost: String,
+    batches: mpsc::UnboundedReceiver<Vec<Job>>,
+) {
+    if is_foreign(&primary) {
+        run_foreign(links, primary, vhost, batches).await;
+    } else {
+        run_member(links, primary, vhost, batches).await;
+    }
+}
+
+/// Forwards to a cluster member: whatever is queued goes out together on the forwarding
+/// link ([`ForwardLink`]), whose reader settles the tickets as the member confirms. A
+/// failed link fails the jobs waiting at that moment and is opened again for the next one;
+/// an idle one sends heartbeats.
+async fn run_member(
+    links: Arc<Links>,
+    primary: Arc<str>,
+    vhost: String,
+    mut batches: mpsc::UnboundedReceiver<Vec<Job>>,
+) {
+    let mut link: Option<ForwardLink> = None;
+    loop {
+        let idle = link
+            .as_ref()
+            .map_or(Duration::from_secs(5), ForwardLink::heartbeat_period);
+        let mut jobs = match tokio::time::timeout(idle, batches.recv()).await {
+            Ok(Some(jobs)) => jobs,
+            Ok(None) => return,
+            Err(_) => {
+                if let Some(l) = link.as_mut().filter(|l| l.is_open()) {
+                    // A failure marks the link failed; the next job opens another.
+                    let _ = l.heartbeat().await;
+                }
+                continue;
+            }
+        };
+        while let Ok(more) = batches.try_recv() {
+            jobs.extend(more);
+        }
+        if !link.as_ref().is_some_and(ForwardLink::is_open) {
+            link = None;
+            match links.forward_link(&primary, &vhost).await {
+                Ok(l) => link = Some(l),
+                Err(e) => {
+                    // The member cannot be reached: what waits now fails at once rather
+                    // than trying again message by message.
+                    let reason = e.to_string();
+                    jobs.into_iter().for_each(|j| fail(j, &reason));
+                    continue;
+                }
+            }
+        }
+        if let Some(l) = link.as_mut() {
+            // A failure settles the jobs' tickets; the next batch opens the link again.
+            let _ = l.send(jobs).await;
+        }
+    }
+}
+
+/// Forwards to a foreign broker through lapin: queues each job's frames in order without
+/// waiting for the socket (pipelined); a confirm task answers them in order as the broker
+/// confirms. A failed link fails the jobs waiting at that moment and is opened again for
+/// the next one.
+async fn run_foreign(
     links: Arc<Links>,
     primary: Arc<str>,
     vhost: String,
@@ -290,7 +357,7 @@ async fn forward_one(
             }
         },
     };
-    if job.after_index > link.told && !is_foreign(primary) {
+    if job.after_index > link.told {
         if let Err(e) = super::catch_up::catch_up(&ch, job.after_index).await {
             link.channel = None;
             let reason = format!("forwarding to cluster member '{primary}': {e}");

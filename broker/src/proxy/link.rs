@@ -147,6 +147,21 @@ impl Links {
         Ok(connection)
     }
 
+    /// A new forwarding connection to cluster member `node` for `vhost`
+    /// ([`super::forward_link`]).
+    pub async fn forward_link(
+        &self,
+        node: &str,
+        vhost: &str,
+    ) -> Result<super::forward_link::ForwardLink, LinkError> {
+        let (password, resolve) = self
+            .cluster
+            .get()
+            .ok_or_else(|| LinkError::UnknownMember(node.into()))?;
+        let addr = resolve(node).ok_or_else(|| LinkError::UnknownMember(node.into()))?;
+        super::forward_link::ForwardLink::open(node, &addr, vhost, password).await
+    }
+
     /// Opens a channel on the link to `node` for `vhost`.
     pub async fn channel(&self, node: &str, vhost: &str) -> Result<lapin::Channel, LinkError> {
         let connection = self.connection(node, vhost).await?;

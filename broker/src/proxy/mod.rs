@@ -20,6 +20,7 @@ pub mod catch_up;
 pub mod feed;
 pub mod feeds;
 pub mod forward;
+pub mod forward_link;
 pub mod link;
 pub mod stats;
 pub mod upstream;
