@@ -49,7 +49,8 @@ pub struct CpgConfig {
     /// stopped (and so removed by the others) rather than allowed to hold memory or the group.
     pub event_queue_len: usize,
     /// A follower whose log lags the leader by more than this many entries for longer than
-    /// `failure_timeout_ms` is removed: a slow member never holds the group back.
+    /// `failure_timeout_ms` is granted no more lease, and declared failed a `failure_timeout_ms`
+    /// later: a slow member never holds the group back.
     pub max_lag_entries: u64,
     /// Committed entries kept in memory after a snapshot, so a briefly slow follower catches up
     /// from the log.

@@ -11,7 +11,8 @@
 //!   so with `failure_timeout_ms > 2 * lease_ms + heartbeat_ms` it has expired first.
 //! * A follower whose log lags by more than `max_lag_entries` for `failure_timeout_ms` is also
 //!   declared failed: a slow member never holds the group back. Since it still pings, it is
-//!   first granted no more lease, and declared failed only once its last grant has run out.
+//!   first granted no more lease, and declared failed a `failure_timeout_ms` later, as if it
+//!   had gone silent then, so its last grant has run out first.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
@@ -190,9 +191,11 @@ impl Lease {
                 let since = *self.lagging_since.entry(id).or_insert(now);
                 if now.duration_since(since) > self.failure_timeout {
                     // It still pings, so it may hold a lease: grant it no more, and declare
-                    // it failed only once the last grant has run out.
+                    // it failed only once the last grant has run out. That grant ends a lease
+                    // after its ping *on its own clock*: waiting a failure timeout, as for a
+                    // silent member, leaves the same margin against a clock slower than ours.
                     let withheld = *self.withheld.entry(id).or_insert(now);
-                    if now.duration_since(withheld) > self.lease + self.fresh {
+                    if now.duration_since(withheld) > self.failure_timeout {
                         out.insert(id);
                     }
                 }
@@ -331,7 +334,13 @@ mod tests {
         // Lagging for the failure timeout: no more lease, but it may still hold one.
         assert!(l.suspects(Instant::now(), 1, &voters, &lag, 10).is_empty());
         assert_eq!(l.grant_ms(2, Instant::now()), 0);
-        tokio::time::advance(Duration::from_millis(651)).await;
+        // Declared failed a failure timeout after its grants stopped, not before.
+        for _ in 0..12 {
+            tokio::time::advance(Duration::from_millis(100)).await;
+            l.heard(2, Instant::now());
+            assert!(l.suspects(Instant::now(), 1, &voters, &lag, 10).is_empty());
+        }
+        tokio::time::advance(Duration::from_millis(1)).await;
         l.heard(2, Instant::now());
         assert_eq!(
             l.suspects(Instant::now(), 1, &voters, &lag, 10),

@@ -401,6 +401,16 @@ impl Cpg {
         self.inner.lease.lock().deadline_at(applied)
     }
 
+    /// The newest index this member has applied.
+    fn applied_index(&self) -> u64 {
+        self.inner
+            .raft
+            .metrics()
+            .borrow()
+            .last_applied
+            .map_or(0, |l| l.index)
+    }
+
     /// The index at which this process's incarnation started, once it has (see
     /// [`CpgEvent::Started`]). Until then the member serves nothing that needs agreement.
     pub fn started(&self) -> Option<u64> {
@@ -751,11 +761,13 @@ impl Cpg {
 
     /// Starts this process's incarnation in the background: a restarted member first makes
     /// sure the leader knows it (at its current address, as a voter), then commits its
-    /// [`Command::Start`], retrying until it is applied or the member stops.
+    /// [`Command::Start`], retrying until this member has applied it or stops.
     fn spawn_start(&self) {
         let weak = Arc::downgrade(&self.inner);
         let task = tokio::spawn(async move {
             let mut admitted = false;
+            // The index of the start committed for this process, until this member applies it.
+            let mut committed: Option<u64> = None;
             loop {
                 let Some(inner) = weak.upgrade() else { return };
                 let cpg = Cpg { inner };
@@ -763,6 +775,23 @@ impl Cpg {
                     return;
                 }
                 let retry = Duration::from_millis(cpg.inner.config.join_retry_ms);
+                if let Some(index) = committed {
+                    // The process starts when this member applies that entry, unless the
+                    // leader sends it a snapshot past it instead (seed 1590 of the skew sweep:
+                    // a new member at 598 installed a snapshot at 600, its start being 599),
+                    // which would leave the process unstarted for good: then it proposes its
+                    // start again. The applied index is read before `started`, so that an
+                    // apply in between is not taken for a skip.
+                    let applied = cpg.applied_index();
+                    if cpg.started().is_some() {
+                        return;
+                    }
+                    if applied < index {
+                        drop(cpg);
+                        tokio::time::sleep(retry).await;
+                        continue;
+                    }
+                }
                 if cpg.inner.restarted && !admitted {
                     admitted = cpg.rejoin_once().await;
                     if !admitted {
@@ -776,10 +805,11 @@ impl Cpg {
                     incarnation: cpg.inner.incarnation,
                     reset: cpg.inner.reset,
                 };
-                if matches!(cpg.propose(cmd).await, Ok(Outcome::Applied { .. })) {
-                    // Committed (this member applies it in its turn): once only, so that the
+                if let Ok(Outcome::Applied { index }) = cpg.propose(cmd).await {
+                    // Committed: not proposed again unless this member skips it, so that the
                     // incarnation starts at one index.
-                    return;
+                    committed = Some(index);
+                    continue;
                 }
                 drop(cpg);
                 tokio::time::sleep(retry).await;

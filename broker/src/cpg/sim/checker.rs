@@ -3,11 +3,12 @@
 //! return is that of the event delivered for them, no delivery on a cut-off minority, quorum
 //! lost within a lease and before the majority declares the member failed and never regained
 //! by that incarnation, a member reporting quorum is not far behind, and progress once a
-//! majority is connected.
+//! majority is connected. Timing bounds follow each member's clock rate ([`Timing`]).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 
+use super::skewed;
 use crate::cpg::{CpgConfig, CpgEvent, MemberId};
 
 /// Something that happened in a simulated run.
@@ -15,6 +16,9 @@ use crate::cpg::{CpgConfig, CpgEvent, MemberId};
 pub(crate) enum Record {
     Started {
         member: MemberId,
+        /// Its clock's rate, per mille of virtual time (1000: not skewed); the checker judges
+        /// its timing by it.
+        clock_per_mille: u64,
     },
     Crashed {
         member: MemberId,
@@ -127,23 +131,70 @@ impl Trace {
     }
 }
 
-/// Checks every property; `Err` says which one broke and where.
+/// Checks every property, `config` being the members' configuration on an unskewed clock;
+/// `Err` says which one broke and where.
 pub(crate) fn check(trace: &Trace, config: &CpgConfig, max_delay_ms: u64) -> Result<(), String> {
+    let timing = Timing::new(trace, config);
     let delivered = Delivered::collect(trace)?;
     delivered.check_no_gaps(trace)?;
     check_returned_indices(trace, &delivered)?;
-    check_minorities(trace, config, max_delay_ms)?;
-    check_failures_after_lease(trace, config)?;
+    check_minorities(trace, &timing, max_delay_ms)?;
+    check_failures_after_lease(trace, &timing)?;
     check_no_quorum_after_failure(trace)?;
-    check_no_quorum_on_resume(trace, config)?;
+    check_no_quorum_on_resume(trace, &timing)?;
     check_quiescence(trace, &delivered.per_member)?;
     // Last: it fails on a design gap (see its comment) that would otherwise hide the rest.
-    check_quorum_freshness(trace, config, &delivered)
+    check_quorum_freshness(trace, &timing, &delivered)
 }
 
-/// A member paused for longer than a lease answers "no quorum" to the first question after
-/// it resumes (`Cpg::has_quorum_now` reads the clock; nothing cached survives the pause).
-fn check_no_quorum_on_resume(trace: &Trace, config: &CpgConfig) -> Result<(), String> {
+/// The durations timing bounds are judged by, under clock-rate skew. Every member times with
+/// its own clock, whose rate the trace records when it starts: a bound on a member's own timer
+/// (its heartbeat, which updates its quorum watch) uses its configuration scaled by that rate.
+/// A bound that involves another member's timer uses the longest of the run, that of the
+/// slowest clock: a follower's lease runs a lease on its own clock from its ping, but a leader
+/// on its side of a cut may grant it one after the cut, which then ends with that leader's
+/// lease; and a commit reaches a follower with its leader's heartbeat.
+struct Timing {
+    /// Each member's own configuration.
+    own: BTreeMap<MemberId, CpgConfig>,
+    /// The configuration on the slowest clock of the run.
+    longest: CpgConfig,
+}
+
+impl Timing {
+    fn new(trace: &Trace, config: &CpgConfig) -> Self {
+        let clocks: BTreeMap<MemberId, u64> = trace
+            .records
+            .iter()
+            .filter_map(|(_, r)| match r {
+                Record::Started {
+                    member,
+                    clock_per_mille,
+                } => Some((*member, *clock_per_mille)),
+                _ => None,
+            })
+            .collect();
+        let slowest = clocks.values().copied().min().unwrap_or(1000);
+        Self {
+            own: clocks
+                .into_iter()
+                .map(|(m, clock)| (m, skewed(config, clock)))
+                .collect(),
+            longest: skewed(config, slowest),
+        }
+    }
+
+    /// `member`'s own configuration (the slowest clock's for a member that never started).
+    fn of(&self, member: MemberId) -> &CpgConfig {
+        self.own.get(&member).unwrap_or(&self.longest)
+    }
+}
+
+/// A member paused for longer than its lease answers "no quorum" to the first question after
+/// it resumes (`Cpg::has_quorum_now` reads the clock; nothing cached survives the pause). Its
+/// own lease: whoever granted it, a lease ends at most `lease_ms` on the member's clock after
+/// the ping it answered, and every ping answered before the resume was sent before the pause.
+fn check_no_quorum_on_resume(trace: &Trace, timing: &Timing) -> Result<(), String> {
     let mut paused_at: BTreeMap<MemberId, u64> = BTreeMap::new();
     for (t, r) in &trace.records {
         match r {
@@ -155,10 +206,10 @@ fn check_no_quorum_on_resume(trace: &Trace, config: &CpgConfig) -> Result<(), St
                 has_quorum_now: true,
             } if paused_at
                 .get(member)
-                .is_some_and(|p| t.saturating_sub(*p) > config.lease_ms) =>
+                .is_some_and(|p| t.saturating_sub(*p) > timing.of(*member).lease_ms) =>
             {
                 return Err(format!(
-                    "member {member} claimed quorum at {t} ms, the instant it resumed from a pause longer than the lease"
+                    "member {member} claimed quorum at {t} ms, the instant it resumed from a pause longer than its lease"
                 ));
             }
             _ => {}
@@ -190,7 +241,7 @@ impl<'a> Delivered<'a> {
         let mut started: BTreeSet<MemberId> = BTreeSet::new();
         let mut payloads: BTreeSet<(MemberId, &[u8])> = BTreeSet::new();
         for (t, r) in &trace.records {
-            if let Record::Started { member } = r {
+            if let Record::Started { member, .. } = r {
                 started.insert(*member);
             }
             let Record::Event { member, event } = r else {
@@ -384,11 +435,12 @@ fn check_returned_indices(trace: &Trace, delivered: &Delivered<'_>) -> Result<()
     Ok(())
 }
 
-/// Allowance after a paused member resumes before its quorum watch must be right again: the
-/// watch is updated by the member's monitor once a heartbeat, and a paused member's monitor
-/// does not run, so a lease that ran out during the pause is seen on the first tick after it
-/// (one heartbeat, plus the 10 ms of scheduling slack the other deadlines use). While paused,
-/// a member can act on nothing, so what its watch says then is not judged.
+/// Allowance after a paused member resumes before its quorum watch must be right again, for a
+/// member with configuration `config` (its own): the watch is updated by the member's monitor
+/// once a heartbeat, and a paused member's monitor does not run, so a lease that ran out
+/// during the pause is seen on the first tick after it (one heartbeat, plus the 10 ms of
+/// scheduling slack the other deadlines use). While paused, a member can act on nothing, so
+/// what its watch says then is not judged.
 fn resume_allowance_ms(config: &CpgConfig) -> u64 {
     config.heartbeat_ms + 10
 }
@@ -438,7 +490,7 @@ fn quorum_at(trace: &Trace, member: MemberId, upto: usize) -> bool {
         .unwrap_or(false)
 }
 
-fn check_minorities(trace: &Trace, config: &CpgConfig, max_delay_ms: u64) -> Result<(), String> {
+fn check_minorities(trace: &Trace, timing: &Timing, max_delay_ms: u64) -> Result<(), String> {
     let recs = &trace.records;
     let mut first_delivery: BTreeMap<u64, u64> = BTreeMap::new();
     for (t, r) in recs {
@@ -469,10 +521,9 @@ fn check_minorities(trace: &Trace, config: &CpgConfig, max_delay_ms: u64) -> Res
             })
             .map_or(recs.len(), |p| pos + 1 + p);
         let t_h = recs.get(end).map_or(u64::MAX, |(t, _)| *t);
-        // A commit made before the cut reaches a follower with the next heartbeat, so it may
-        // still deliver for one heartbeat plus a round trip.
-        let quiet_from = t_p + config.heartbeat_ms + 2 * max_delay_ms + 10;
-        let lease_deadline = t_p + config.lease_ms + config.heartbeat_ms + 10;
+        // A commit made before the cut reaches a follower with its leader's next heartbeat, so
+        // it may still deliver for one heartbeat plus a round trip.
+        let quiet_from = t_p + timing.longest.heartbeat_ms + 2 * max_delay_ms + 10;
         for &m in minority {
             for (t, r) in &recs[pos..end] {
                 // Old entries may still reach it from a leader on its side: committed before
@@ -494,8 +545,12 @@ fn check_minorities(trace: &Trace, config: &CpgConfig, max_delay_ms: u64) -> Res
             }
         }
         for &m in leaseless {
-            let Some(judged) = judged_at(trace, m, lease_deadline, resume_allowance_ms(config))
-            else {
+            // Its lease ends a lease on its own clock after its last ping to the other side,
+            // or with the lease of a leader on its side (see `Timing`); its watch follows
+            // within its own heartbeat.
+            let own = timing.of(m);
+            let lease_deadline = t_p + timing.longest.lease_ms + own.heartbeat_ms + 10;
+            let Some(judged) = judged_at(trace, m, lease_deadline, resume_allowance_ms(own)) else {
                 continue;
             };
             if t_h > judged && quorum_at(trace, m, position_after(trace, judged).min(end)) {
@@ -509,8 +564,8 @@ fn check_minorities(trace: &Trace, config: &CpgConfig, max_delay_ms: u64) -> Res
 }
 
 /// When a configuration change lists member X in `failed`, X's quorum watch is already false
-/// (or it crashed). A paused X is judged once it has had a heartbeat after resuming.
-fn check_failures_after_lease(trace: &Trace, config: &CpgConfig) -> Result<(), String> {
+/// (or it crashed). A paused X is judged once it has had a heartbeat (its own) after resuming.
+fn check_failures_after_lease(trace: &Trace, timing: &Timing) -> Result<(), String> {
     let mut declared: BTreeSet<MemberId> = BTreeSet::new();
     for (pos, (t, r)) in trace.records.iter().enumerate() {
         let Record::Event {
@@ -524,7 +579,8 @@ fn check_failures_after_lease(trace: &Trace, config: &CpgConfig) -> Result<(), S
             if !declared.insert(f.id) {
                 continue;
             }
-            let Some(judged) = judged_at(trace, f.id, *t, resume_allowance_ms(config)) else {
+            let Some(judged) = judged_at(trace, f.id, *t, resume_allowance_ms(timing.of(f.id)))
+            else {
                 continue;
             };
             let upto = if judged == *t {
@@ -653,7 +709,8 @@ fn subtract(span: (u64, u64), holes: &[(u64, u64)]) -> Vec<(u64, u64)> {
 
 /// A member reporting quorum is not far behind: while member X's watch says it has quorum at
 /// time t, X has delivered every event it receives that some member delivered before
-/// t − `lease_ms` − `heartbeat_ms`.
+/// t − `lease_ms` − `heartbeat_ms`: the longest lease of the run (X's lease may end with that of
+/// the leader that granted it, see [`Timing`]) and X's own heartbeat.
 ///
 /// That bound is what was asked for, and the design does *not* guarantee it. X's quorum is a
 /// lease granted in the answer to a ping; neither ping nor answer carries a log position, and
@@ -675,10 +732,9 @@ fn subtract(span: (u64, u64), holes: &[(u64, u64)]) -> Vec<(u64, u64)> {
 /// A paused member is not judged while paused nor for the allowance after it resumes.
 fn check_quorum_freshness(
     trace: &Trace,
-    config: &CpgConfig,
+    timing: &Timing,
     delivered: &Delivered<'_>,
 ) -> Result<(), String> {
-    let bound = config.lease_ms + config.heartbeat_ms;
     let members: BTreeSet<MemberId> = trace
         .records
         .iter()
@@ -690,7 +746,9 @@ fn check_quorum_freshness(
     let resets = resets(trace);
     for x in members {
         let cuts = resets.get(&x).map(Vec::as_slice).unwrap_or_default();
-        for (from, to) in quorum_intervals(trace, x, resume_allowance_ms(config)) {
+        let own = timing.of(x);
+        let bound = timing.longest.lease_ms + own.heartbeat_ms;
+        for (from, to) in quorum_intervals(trace, x, resume_allowance_ms(own)) {
             for (&idx, &first) in &delivered.first_at {
                 let must_by = from.max(first + bound);
                 // A membership that ended unseen (a reset start before the claim) owes nothing.

@@ -1,6 +1,7 @@
 //! Deterministic simulation of the CPG layer: 3–5 members on a [`net::SimNet`] in paused
 //! virtual time, with seeded crashes, restarts, partitions (symmetric, one-way, bridged),
-//! paused members, loss and delay, checked by [`checker`]. A failing seed replays exactly:
+//! paused members, loss, delay and clock-rate skew, checked by [`checker`]. A failing seed
+//! replays exactly:
 //!
 //! ```text
 //! CPG_SIM_SEED=1234 cargo test -p ringmq --lib cpg::sim -- --nocapture
@@ -17,6 +18,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use parking_lot::Mutex;
+use rand08::rngs::StdRng;
+use rand08::{Rng, SeedableRng};
 use tokio::time::Instant;
 
 use super::disk::{Disk, MemDisk};
@@ -40,6 +43,52 @@ fn sim_config(seeds: Vec<String>) -> CpgConfig {
     }
 }
 
+/// `config` as a member whose clock runs at `clock_per_mille` ms per 1000 ms of virtual time
+/// lives it. The CPG layer times everything (heartbeats, elections, leases, failure
+/// detection, exchanges, admission) with durations on the member's own monotonic clock and
+/// sends no clock reading to another member, so such a member is one with every duration
+/// divided by its rate (rounded, never 0). The one duration that crosses members, a lease
+/// grant, is restated in transit by the network ([`SimNet`]).
+fn skewed(config: &CpgConfig, clock_per_mille: u64) -> CpgConfig {
+    let scale = |ms: u64| {
+        (ms.saturating_mul(1000).saturating_add(clock_per_mille / 2) / clock_per_mille).max(1)
+    };
+    CpgConfig {
+        heartbeat_ms: scale(config.heartbeat_ms),
+        election_timeout_ms: scale(config.election_timeout_ms),
+        lease_ms: scale(config.lease_ms),
+        failure_timeout_ms: scale(config.failure_timeout_ms),
+        rpc_timeout_ms: scale(config.rpc_timeout_ms),
+        join_retry_ms: scale(config.join_retry_ms),
+        join_timeout_ms: scale(config.join_timeout_ms),
+        ..config.clone()
+    }
+}
+
+/// How far (per mille) clocks may run from the virtual rate in a skewed run:
+/// `CPG_SIM_SKEW`, else 250, i.e. rates 0.75–1.25. The fastest clock is then at most 1.67×
+/// the slowest, inside the factor of about 2 the lease margins tolerate (`docs/cpg.md`).
+fn max_skew_per_mille() -> u64 {
+    env_u64("CPG_SIM_SKEW").unwrap_or(250).min(999)
+}
+
+/// Each slot's clock rate, per mille of virtual time. Half the runs skew: each slot draws a
+/// rate within [`max_skew_per_mille`] of 1000; the other half run every clock at 1000. The
+/// draws come from a generator of their own, seeded from the run's seed, so that they shift
+/// none of the harness's other draws: an unskewed run draws the faults its seed drew before
+/// skew existed.
+fn clock_rates(seed: u64, n: usize) -> Vec<u64> {
+    let mut rng = StdRng::seed_from_u64(seed ^ 0xc10c_c10c_c10c_c10c);
+    let skew = if rng.gen_bool(0.5) {
+        max_skew_per_mille()
+    } else {
+        0
+    };
+    (0..n)
+        .map(|_| rng.gen_range(1000 - skew..=1000 + skew))
+        .collect()
+}
+
 /// One slot of the cluster: an address and the process living there, if any. Without a disk
 /// every process is a new member, and earlier ones that stopped (evicted, overrun) but still
 /// vote until the cluster removes them linger, each at its own address: a replacement starts
@@ -48,6 +97,8 @@ fn sim_config(seeds: Vec<String>) -> CpgConfig {
 /// address, resuming after what its application recorded.
 struct Slot {
     addr: String,
+    /// The rate of this slot's clock, per mille of virtual time; its processes keep it.
+    clock: u64,
     member: Option<Cpg>,
     in_group: bool,
     lingering: Vec<Cpg>,
@@ -107,13 +158,14 @@ impl Sim {
             ),
             None => (fresh_id, None, None),
         };
+        let clock = self.slots[i].clock;
         let config = CpgConfig {
             resume_after: delivered.as_ref().map_or(0, |d| d.load(Ordering::Acquire)),
-            ..sim_config(seeds)
+            ..skewed(&sim_config(seeds), clock)
         };
         let addr = self.slots[i].addr.clone();
-        let Ok(l) = Cpg::launch(config, id, addr.clone(), self.net.transport(&addr), disk).await
-        else {
+        let transport = self.net.transport(&addr, clock);
+        let Ok(l) = Cpg::launch(config, id, addr.clone(), transport, disk).await else {
             return;
         };
         self.net.register(&addr, Arc::clone(&l.service));
@@ -122,7 +174,10 @@ impl Sim {
             l.cpg.shutdown().await;
             return;
         }
-        self.record(Record::Started { member: id });
+        self.record(Record::Started {
+            member: id,
+            clock_per_mille: clock,
+        });
         self.record(Record::Regrouped);
         let (trace, start) = (Arc::clone(&self.trace), self.start);
         let mut events = l.events;
@@ -574,7 +629,8 @@ impl Sim {
 }
 
 /// How long a pause lasts: past the failure timeout, so that the others declare the paused
-/// member failed while it cannot hear it, and up to three failure timeouts.
+/// member failed while it cannot hear it, and up to three failure timeouts. `config` is that
+/// of the slowest clock, whose failure timeout is the longest.
 fn pause_ms(net: &SimNet, config: &CpgConfig) -> u64 {
     let ft = config.failure_timeout_ms;
     net.gen_range(ft + config.heartbeat_ms, 3 * ft + 1)
@@ -591,6 +647,11 @@ fn run_seed(seed: u64) -> Trace {
     rt.block_on(async move {
         let net = SimNet::new(seed, 20);
         let n = usize::try_from(net.gen_range(3, 6)).unwrap_or(3);
+        let clocks = clock_rates(seed, n);
+        let slowest = skewed(
+            &sim_config(Vec::new()),
+            clocks.iter().copied().min().unwrap_or(1000),
+        );
         let mut sim = Sim {
             net,
             start: Instant::now(),
@@ -598,6 +659,7 @@ fn run_seed(seed: u64) -> Trace {
             slots: (0..n)
                 .map(|i| Slot {
                     addr: format!("m{i}"),
+                    clock: clocks[i],
                     member: None,
                     in_group: false,
                     lingering: Vec::new(),
@@ -652,7 +714,7 @@ fn run_seed(seed: u64) -> Trace {
                 }
                 6 => {
                     let i = usize::try_from(sim.net.gen_range(0, n as u64)).unwrap_or(0);
-                    let pause = pause_ms(&sim.net, &sim_config(Vec::new()));
+                    let pause = pause_ms(&sim.net, &slowest);
                     sim.pause(i, Duration::from_millis(pause), &format!("p{step}"))
                         .await;
                 }
@@ -826,6 +888,24 @@ fn virtual_synchrony_leases_and_progress_hold_under_crashes_partitions_and_loss_
 #[test]
 fn virtual_synchrony_leases_and_progress_hold_under_crashes_partitions_and_loss_3() {
     check_part(3);
+}
+
+/// Skew reaches about half the runs and no clock leaves the range; every skewed configuration
+/// is one `Cpg::launch` accepts (a refused one would silently leave its slot empty).
+#[test]
+fn clocks_are_skewed_in_half_the_runs_within_the_range() {
+    let runs: Vec<Vec<u64>> = (0..200).map(|seed| clock_rates(seed, 5)).collect();
+    let skewed_runs = runs.iter().filter(|r| r.iter().any(|c| *c != 1000)).count();
+    assert!((60..=140).contains(&skewed_runs), "{skewed_runs} of 200");
+    for clock in runs.into_iter().flatten() {
+        assert!(
+            clock.abs_diff(1000) <= max_skew_per_mille(),
+            "clock {clock}"
+        );
+        skewed(&sim_config(Vec::new()), clock)
+            .validate()
+            .expect("a skewed configuration validates");
+    }
 }
 
 #[test]

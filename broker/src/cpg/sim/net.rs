@@ -11,6 +11,9 @@
 //! between the two completes, yet B can still change A's state (a leader B still appends to
 //! a follower A, which applies what B has committed; A's pings to B are lost).
 //!
+//! Members' clocks may run at different rates (see `super::skewed`). The one number that
+//! crosses between clocks, a lease grant, is restated in transit ([`SimNet::across_clocks`]).
+//!
 //! An exchange runs on its own task, as on a real server that reads a request off a
 //! connection and handles it to the end whether or not the caller has given up waiting: a
 //! caller that times out only stops listening for the response.
@@ -43,6 +46,8 @@ struct State {
     paused: BTreeMap<String, VecDeque<oneshot::Sender<()>>>,
     loss_per_mille: u32,
     max_delay_ms: u64,
+    /// The clock rate of the member at each address, per mille of virtual time.
+    clocks: BTreeMap<String, u64>,
 }
 
 /// The shared network every simulated member talks through.
@@ -63,6 +68,7 @@ impl SimNet {
                 paused: BTreeMap::new(),
                 loss_per_mille: 0,
                 max_delay_ms,
+                clocks: BTreeMap::new(),
             })),
         }
     }
@@ -205,7 +211,7 @@ impl SimNet {
             return;
         };
         self.held_at(&to).await;
-        let resp = service.handle(env).await;
+        let resp = self.across_clocks(service.handle(env).await, &to, &from);
         if !self.travel(&to, &from).await {
             return;
         }
@@ -214,8 +220,27 @@ impl SimNet {
         let _ = reply.send(Ok(resp));
     }
 
-    /// A transport for the member at `from`.
-    pub fn transport(&self, from: &str) -> Arc<dyn Transport> {
+    /// A lease grant is a number of ms on the leader's clock that the pinger counts on its own
+    /// (`Lease::granted`). A simulated member times in virtual ms (its durations already
+    /// divided by its rate), so the grant a leader at `leader` computed becomes what a real one
+    /// would send (× its rate), as the pinger at `pinger` will count it (÷ its rate).
+    fn across_clocks(&self, mut resp: Response, leader: &str, pinger: &str) -> Response {
+        if let Response::Pong { granted_ms, .. } = &mut resp {
+            let st = self.state.lock();
+            let rate = |addr: &str| st.clocks.get(addr).copied().unwrap_or(1000);
+            let (l, p) = (rate(leader), rate(pinger));
+            *granted_ms = (granted_ms.saturating_mul(l) + p / 2) / p;
+        }
+        resp
+    }
+
+    /// A transport for the member at `from`, whose clock runs at `clock_per_mille` ms per
+    /// 1000 ms of virtual time.
+    pub fn transport(&self, from: &str, clock_per_mille: u64) -> Arc<dyn Transport> {
+        self.state
+            .lock()
+            .clocks
+            .insert(from.to_string(), clock_per_mille);
         Arc::new(SimTransport {
             net: self.clone(),
             from: from.to_string(),
