@@ -716,3 +716,52 @@ async fn round_robin_between_consumers_of_one_queue() {
     let got_b = [next(&mut bb).await.data[0], next(&mut bb).await.data[0]];
     assert_eq!((got_a, got_b), ([0, 2], [1, 3]));
 }
+
+#[tokio::test]
+async fn delivery_tags_rise_while_another_connection_publishes_and_multiple_acks_flow() {
+    // Deliveries reach a consumer two ways: dispatched by the publisher's connection (through
+    // the consumer's mailbox) and by the consumer's own acks. If the second overtook the
+    // first, the client would see a tag below one it had acked with `multiple`, which acks
+    // messages it was never sent.
+    const MESSAGES: u32 = 30_000;
+    let b = Broker::start();
+    let (_pc, publisher) = b.channel().await;
+    let (_cc, consumer_ch) = b.channel().await;
+    declare(&publisher, "tags").await;
+    consumer_ch
+        .basic_qos(500, BasicQosOptions::default())
+        .await
+        .unwrap();
+    let mut consumer = consumer_ch
+        .basic_consume(
+            "tags".into(),
+            "c".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let publishing = tokio::spawn(async move {
+        for i in 0..MESSAGES {
+            publish(&publisher, "tags", &i.to_be_bytes()).await;
+        }
+        publisher
+    });
+    let mut last = 0;
+    for n in 1..=MESSAGES {
+        let d = next(&mut consumer).await;
+        assert!(
+            d.delivery_tag > last,
+            "delivery tag {} after {last} (message {n})",
+            d.delivery_tag
+        );
+        last = d.delivery_tag;
+        if n % 50 == 0 {
+            d.acker
+                .ack(BasicAckOptions { multiple: true })
+                .await
+                .unwrap();
+        }
+    }
+    let _publisher = publishing.await.unwrap();
+}

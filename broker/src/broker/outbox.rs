@@ -46,6 +46,15 @@ impl Outbox {
         std::mem::swap(&mut *self.pending.lock(), spare);
     }
 
+    /// Takes only the deliveries waiting, appending them to `into`. A connection whose own
+    /// batch dispatched deliveries takes these before it lets go of the vhost lock: they were
+    /// dispatched earlier (other connections push under that lock), so they carry the
+    /// channel's lower delivery tags and must be written first — a client acking the higher
+    /// tag with `multiple` would otherwise ack messages it has not been sent.
+    pub fn take_deliveries(&self, into: &mut Vec<Delivery>) {
+        into.append(&mut self.pending.lock().deliveries);
+    }
+
     /// Drops deliveries and notices for `channel` (it closed; the vhost requeued its unacked).
     pub fn purge_channel(&self, channel: u16) {
         let mut p = self.pending.lock();

@@ -52,8 +52,13 @@ impl Connection {
         }
     }
 
-    /// Writes the deliveries and notices the last batch produced for this connection itself.
-    pub(super) fn write_own_effects(&mut self) {
+    /// Writes the deliveries and notices the last batch produced for this connection itself,
+    /// after `earlier`: what other connections had dispatched to it before (see
+    /// [`crate::broker::outbox::Outbox::take_deliveries`]), in delivery-tag order.
+    pub(super) fn write_own_effects(&mut self, earlier: &mut Vec<Delivery>) {
+        for d in earlier.drain(..) {
+            self.write_delivery(&d);
+        }
         let deliveries = std::mem::take(&mut self.fx.deliveries);
         for d in &deliveries {
             self.write_delivery(d);
@@ -72,6 +77,10 @@ impl Connection {
     pub(super) fn drain_outbox(&mut self) {
         self.outbox.take(&mut self.spare);
         let mut pending = std::mem::take(&mut self.spare);
+        // These were dispatched before anything the batch below may dispatch: written first.
+        for d in pending.deliveries.drain(..) {
+            self.write_delivery(&d);
+        }
         if (!pending.proxied.is_empty() || !pending.proxied_ended.is_empty())
             && let Some(vhost) = self.vhost.clone()
         {
@@ -82,9 +91,6 @@ impl Connection {
             self.write_proxied(&mut pending.proxied, &mut v);
             self.end_proxied(&mut pending.proxied_ended);
             self.end_batch(v);
-        }
-        for d in pending.deliveries.drain(..) {
-            self.write_delivery(&d);
         }
         for c in pending.cancelled.drain(..) {
             self.write_cancel(&c);
@@ -202,9 +208,14 @@ impl Connection {
             return;
         };
         let journal_seq = self.broker.finish_batch(self.id, guard, &mut self.fx);
+        let mut earlier = std::mem::take(&mut self.spare.deliveries);
+        if !self.fx.deliveries.is_empty() {
+            self.outbox.take_deliveries(&mut earlier);
+        }
         drop(v.guard.take());
         self.hold_output(journal_seq);
-        self.write_own_effects();
+        self.write_own_effects(&mut earlier);
+        self.spare.deliveries = earlier;
     }
 
     /// Holds everything written so far until the journal is durable up to `journal_seq`
