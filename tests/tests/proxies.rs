@@ -1096,3 +1096,37 @@ async fn a_proxy_naming_a_member_answers_whether_that_member_has_the_queue() {
         Err(Some(404))
     );
 }
+
+#[tokio::test]
+async fn a_redeclare_through_a_third_member_right_after_the_create_is_answered() {
+    // The create goes through member 0 and places the queue on member 2; the redeclare
+    // through member 1 comes right after. Member 1 asks member 2 for the counts only once
+    // member 2 applied the create (the upstream channel's catch-up), so never a 404.
+    let (members, _secret) = start_cluster("proxy-redeclare", 3);
+    let (_c0, on_0) = members[0].channel().await;
+    let (_c1, on_1) = members[1].channel().await;
+    let mut placed = FieldTable::default();
+    placed.insert(
+        "qpid.cluster.primary".into(),
+        lapin::types::AMQPValue::LongString("proxy-redeclare-2".into()),
+    );
+    for i in 0..50 {
+        let name = format!("again-{i}");
+        on_0.queue_declare(
+            name.as_str().into(),
+            QueueDeclareOptions::default(),
+            placed.clone(),
+        )
+        .await
+        .unwrap();
+        let again = on_1
+            .queue_declare(
+                name.as_str().into(),
+                QueueDeclareOptions::default(),
+                placed.clone(),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("redeclare {i}: {e}"));
+        assert_eq!((again.message_count(), again.consumer_count()), (0, 0));
+    }
+}
