@@ -6,7 +6,8 @@
 //! restart in any order loses no wiring and no confirmed message; a lone restarted member
 //! serves nobody; a leader frozen with SIGSTOP claims no quorum when it resumes after the
 //! others moved on; twenty one-at-a-time crashes never leave the cluster stuck; and (root,
-//! network namespaces) a founder restarted while cut off founds nothing.
+//! network namespaces) a founder restarted while cut off founds nothing; and every publish
+//! forwarded to a primary and confirmed before it crashed is there when it is back.
 //!
 //! Members run on ports chosen before they start (`Ports::allocate`), so a restarted member
 //! comes back at the addresses its peers know.
@@ -14,6 +15,7 @@
 mod crash_cycles;
 mod cut_off;
 mod force_boot;
+mod forwarded_crash;
 mod full_restart;
 mod harness;
 mod lone_member;
