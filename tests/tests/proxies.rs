@@ -1130,3 +1130,70 @@ async fn a_redeclare_through_a_third_member_right_after_the_create_is_answered()
         assert_eq!((again.message_count(), again.consumer_count()), (0, 0));
     }
 }
+
+#[tokio::test]
+async fn under_a_channel_wide_prefetch_local_and_proxied_deliveries_keep_tag_order() {
+    // Held proxied deliveries are let out by the same acks that let local ones out: both
+    // must reach the client in delivery-tag order (read off the wire: a client library
+    // hands each consumer its own stream).
+    use ringmq::amqp::frame::FRAME_METHOD;
+    use ringmq::amqp::{AMQPClass, basic};
+    use ringmq::client::{RawClient, Target, deliver_tag, encode_ack};
+    use tokio::io::AsyncWriteExt;
+    let (members, _secret) = start_cluster("proxy-mixed-qos", 2);
+    declare(&members[0], "far").await;
+    declare(&members[1], "near").await;
+    let (_c1, on_1) = members[1].channel().await;
+    publish_confirmed(&on_1, "far", "f", 200).await;
+    publish_confirmed(&on_1, "near", "n", 200).await;
+    let mut c = RawClient::connect(&Target::parse(&members[1].uri()).unwrap())
+        .await
+        .unwrap();
+    c.call(
+        AMQPClass::Basic(basic::AMQPMethod::Qos(basic::Qos {
+            prefetch_count: 4,
+            global: true,
+        })),
+        |m| matches!(m, AMQPClass::Basic(basic::AMQPMethod::QosOk(_))),
+        "basic.qos-ok",
+    )
+    .await
+    .unwrap();
+    for queue in ["far", "near"] {
+        // consume-ok may come after the first deliveries of the other consumer: the read
+        // loop below skips it.
+        c.send(
+            1,
+            AMQPClass::Basic(basic::AMQPMethod::Consume(basic::Consume {
+                queue: queue.into(),
+                consumer_tag: queue.into(),
+                no_local: false,
+                no_ack: false,
+                exclusive: false,
+                nowait: false,
+                arguments: FieldTable::default(),
+            })),
+        )
+        .await
+        .unwrap();
+    }
+    let (mut last, mut seen) = (0, 0);
+    while seen < 400 {
+        let f = tokio::time::timeout(Duration::from_secs(10), c.read_frame())
+            .await
+            .unwrap_or_else(|_| panic!("delivery {seen} within 10 s"))
+            .unwrap();
+        let Some(tag) = (f.kind == FRAME_METHOD)
+            .then(|| deliver_tag(&f.payload))
+            .flatten()
+        else {
+            continue;
+        };
+        assert!(tag > last, "tag {tag} after {last} (delivery {seen})");
+        last = tag;
+        seen += 1;
+        let mut ack = Vec::new();
+        encode_ack(&mut ack, 1, tag, false);
+        c.stream.write_all(&ack).await.unwrap();
+    }
+}

@@ -56,6 +56,8 @@ struct Waiting {
     tickets: BTreeMap<u64, Option<Ticket>>,
     /// Why the connection stopped working; no forward is registered after that.
     failed: Option<String>,
+    /// The member said `connection.blocked` (and not yet `unblocked`).
+    blocked: bool,
 }
 
 impl Waiting {
@@ -179,7 +181,11 @@ impl ForwardLink {
                     self.encode(job, &mut waiting);
                 }
             }
-            self.flush().await?;
+            if let Err(reason) = self.flush().await {
+                // What was written fails with the link; what was not yet encoded too.
+                jobs.for_each(|j| fail(j.ticket, &reason));
+                return Err(reason);
+            }
         }
         Ok(())
     }
@@ -214,18 +220,34 @@ impl ForwardLink {
         self.flush().await
     }
 
+    /// Writes the output. A member that takes nothing for [`IO_TIMEOUT`] fails the link —
+    /// unless it said it is blocked (`connection.blocked`: a memory or disk alarm), which is
+    /// back-pressure to wait out, not a failure; the reader's silence limit still ends the
+    /// wait if the member is gone.
     async fn flush(&mut self) -> Result<(), String> {
-        let written = tokio::time::timeout(IO_TIMEOUT, self.write.write_all(self.out.as_slice()));
-        let result = match written.await {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => Err(format!(
-                "forwarding to cluster member '{}': {e}",
-                self.member
-            )),
-            Err(_) => Err(format!(
-                "cluster member '{}' took nothing for {IO_TIMEOUT:?}",
-                self.member
-            )),
+        let mut write = std::pin::pin!(self.write.write_all(self.out.as_slice()));
+        let result = loop {
+            match tokio::time::timeout(IO_TIMEOUT, write.as_mut()).await {
+                Ok(Ok(())) => break Ok(()),
+                Ok(Err(e)) => {
+                    break Err(format!(
+                        "forwarding to cluster member '{}': {e}",
+                        self.member
+                    ));
+                }
+                Err(_) => {
+                    let waiting = self.waiting.lock();
+                    if let Some(reason) = &waiting.failed {
+                        break Err(reason.clone());
+                    }
+                    if !waiting.blocked {
+                        break Err(format!(
+                            "cluster member '{}' took nothing for {IO_TIMEOUT:?}",
+                            self.member
+                        ));
+                    }
+                }
+            }
         };
         self.out.clear();
         if let Err(reason) = &result {
@@ -390,8 +412,16 @@ fn on_method(method: AMQPClass, member: &str, waiting: &Mutex<Waiting>) -> Optio
             "cluster member '{member}' closed the forwarding channel: {} {}",
             c.reply_code, c.reply_text
         )),
-        // The catch-up's declare-ok, connection.blocked/unblocked (the member's back-pressure
-        // arrives as a socket that takes nothing): nothing to do.
+        AMQPClass::Connection(connection::AMQPMethod::Blocked(_)) => {
+            waiting.lock().blocked = true;
+            None
+        }
+        AMQPClass::Connection(connection::AMQPMethod::Unblocked(_)) => {
+            waiting.lock().blocked = false;
+            None
+        }
+        // The catch-up's declare-ok: nothing to do (the member answered it before it read
+        // what followed).
         _ => None,
     }
 }

@@ -394,9 +394,14 @@ impl Connection {
                     self.on_committed(outcome);
                     self.on_bytes(&mut rbuf);
                 }
-                _ = heartbeat.tick(), if heartbeat_armed => {
+                _ = heartbeat.tick(), if heartbeat_armed && self.phase == Phase::Running => {
                     let limit = Duration::from_secs(u64::from(self.heartbeat_s) * 2);
-                    if last_recv.elapsed() > limit {
+                    if !reading {
+                        // Not reading (blocked by an alarm, waiting for a cluster op, a
+                        // proxied answer or its forwards): the client's heartbeats wait in
+                        // the socket, so its silence says nothing.
+                        last_recv = Instant::now();
+                    } else if last_recv.elapsed() > limit {
                         tracing::warn!(conn = self.id, peer = %self.peer, timeout_s = self.heartbeat_s, "missed heartbeats from client");
                         self.close_reason = "missed heartbeats".into();
                         return Ok(Finish::Drop);

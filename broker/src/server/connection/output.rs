@@ -198,7 +198,6 @@ impl Connection {
         self.broker
             .forward(&self.vhost_name, &mut self.fx, Some(&self.forwards));
         self.send_remote_settles();
-        self.release_held(&mut v);
         // The client's close-ok waits for its exclusive queues to go, as on one broker (a
         // broker-initiated close, waiting for the client's close-ok, does not wait).
         let awaited = matches!(self.phase, Phase::Running | Phase::Done).then_some(&self.forwards);
@@ -209,12 +208,15 @@ impl Connection {
         };
         let journal_seq = self.broker.finish_batch(self.id, guard, &mut self.fx);
         let mut earlier = std::mem::take(&mut self.spare.deliveries);
-        if !self.fx.deliveries.is_empty() {
+        if !self.fx.deliveries.is_empty() || !self.held.is_empty() {
             self.outbox.take_deliveries(&mut earlier);
         }
+        // Held proxied deliveries take their tags last, so they are written last.
+        let released = self.release_held(&mut v);
         drop(v.guard.take());
         self.hold_output(journal_seq);
         self.write_own_effects(&mut earlier);
+        self.write_admitted(released);
         self.spare.deliveries = earlier;
     }
 

@@ -33,6 +33,12 @@ pub(super) struct RemoteConsumer {
     early: Option<Vec<ProxiedDelivery>>,
 }
 
+/// A proxied delivery that took its client channel's next delivery tag.
+pub(super) struct Admitted {
+    delivery: ProxiedDelivery,
+    tag: u64,
+}
+
 /// What a proxied method waits for.
 pub(super) enum Answer {
     Consumed {
@@ -578,7 +584,33 @@ impl Connection {
 
     /// Writes deliveries of proxied consumers that came through the mailbox. A delivery for
     /// a consumer that is gone (cancelled, or its channel closed) goes back to its queue.
+    ///
+    /// Local deliveries other connections dispatched to this one are written first: they
+    /// took their tags before, and from the moment this takes the vhost lock no more arrive
+    /// until the proxied ones have theirs.
     pub(super) fn write_proxied(&mut self, deliveries: &mut Vec<ProxiedDelivery>, v: &mut Lazy) {
+        if deliveries.is_empty() {
+            return;
+        }
+        v.get();
+        let mut earlier = Vec::new();
+        self.outbox.take_deliveries(&mut earlier);
+        for d in &earlier {
+            self.write_delivery(d);
+        }
+        let admitted = self.admit_proxied(deliveries, v);
+        self.write_admitted(admitted);
+    }
+
+    /// Gives each proxied delivery its client channel's next delivery tag (under the vhost
+    /// lock in `v`), unless it waits: for consume-ok, or for room in the channel-wide
+    /// prefetch. Those for consumers that are gone go back to their queues.
+    fn admit_proxied(
+        &mut self,
+        deliveries: &mut Vec<ProxiedDelivery>,
+        v: &mut Lazy,
+    ) -> Vec<Admitted> {
+        let mut admitted = Vec::new();
         for d in deliveries.drain(..) {
             let open = self.channels.get(&d.channel).is_some_and(|ch| !ch.closing);
             let consumer = self
@@ -604,8 +636,7 @@ impl Connection {
                 conn: self.id,
                 channel: d.channel,
             };
-            let m = &d.message;
-            let bytes = m.body_len() as u64;
+            let bytes = d.message.body_len() as u64;
             if !d.no_ack
                 && (self.held.contains_key(&d.channel) || !v.get().channel_window_open(key, bytes))
             {
@@ -614,12 +645,20 @@ impl Connection {
                 self.held.entry(d.channel).or_default().push_back(d);
                 continue;
             }
-            let Some(tag) =
+            if let Some(tag) =
                 v.get()
                     .track_remote(key, &d.queue, &d.primary, d.upstream_tag, bytes, d.no_ack)
-            else {
-                continue;
-            };
+            {
+                admitted.push(Admitted { delivery: d, tag });
+            }
+        }
+        admitted
+    }
+
+    /// Writes proxied deliveries that have their tags, in tag order.
+    pub(super) fn write_admitted(&mut self, admitted: Vec<Admitted>) {
+        for Admitted { delivery: d, tag } in admitted {
+            let m = &d.message;
             self.writer.deliver(
                 d.channel,
                 &d.consumer_tag,
@@ -639,16 +678,17 @@ impl Connection {
         }
     }
 
-    /// Writes the deliveries channel-wide prefetch held back, in the order they came, as far
-    /// as the channels' windows (opened by the client's acks, or by a larger basic.qos)
-    /// now allow.
+    /// Admits the deliveries channel-wide prefetch held back, in the order they came, as far
+    /// as the channels' windows (opened by the client's acks, or by a larger basic.qos) now
+    /// allow: they are written after the batch's other deliveries, whose tags are lower.
     ///
     /// A primary sees only its own part of a channel's consumers, so it cannot keep a window
     /// shared with consumers on other members (or on this one): each proxied consumer gets
     /// the whole window as upstream credit, and the proxy holds what arrives past the
     /// window. What it holds is bounded by that credit, stays unacked on the primary, and
     /// goes back to its queue there if the consumer is cancelled or the channel closes.
-    pub(super) fn release_held(&mut self, v: &mut Lazy) {
+    pub(super) fn release_held(&mut self, v: &mut Lazy) -> Vec<Admitted> {
+        let mut admitted = Vec::new();
         let channels: Vec<u16> = self.held.keys().copied().collect();
         for channel in channels {
             let stuck = self
@@ -670,12 +710,14 @@ impl Connection {
             if stuck {
                 continue;
             }
-            // Handed over again in order: those that fit are written, the first that does
-            // not is held again and every later one with it; a cancelled consumer's go back.
+            // Handed over again in order: those that fit get their tags, the first that
+            // does not is held again and every later one with it; a cancelled consumer's go
+            // back.
             let mut waiting: Vec<ProxiedDelivery> =
                 self.held.remove(&channel).unwrap_or_default().into();
-            self.write_proxied(&mut waiting, v);
+            admitted.extend(self.admit_proxied(&mut waiting, v));
         }
+        admitted
     }
 
     /// Takes the held deliveries of the proxied consumer `tag` (serial `serial`) of
