@@ -712,22 +712,13 @@ fn subtract(span: (u64, u64), holes: &[(u64, u64)]) -> Vec<(u64, u64)> {
 /// t − `lease_ms` − `heartbeat_ms`: the longest lease of the run (X's lease may end with that of
 /// the leader that granted it, see [`Timing`]) and X's own heartbeat.
 ///
-/// That bound is what was asked for, and the design does *not* guarantee it. X's quorum is a
-/// lease granted in the answer to a ping; neither ping nor answer carries a log position, and
-/// the leader grants to any member of the newest configuration not being declared failed or
-/// withheld for lagging (more than `max_lag_entries`, 50 000 by default, for
-/// `failure_timeout_ms`). So the lease says X recently exchanged a ping with a leader that had
-/// quorum, not that X has applied what that leader had committed. It fails whenever a member
-/// regains a link to the leader after missing entries (a partition or one-way cut that ends
-/// before it is declared failed, or an inbound-only cut, which never makes it silent): the
-/// first answer to a ping grants a lease before the appends that catch it up arrive (seed 11
-/// of the debug sweep: quorum again 97 ms after the heal, the missing entries 700 ms later).
-/// If the answer carried the leader's commit index and the follower reported quorum only once
-/// it had applied that far, X would at t have applied everything the leader had committed
-/// when it answered a ping sent after t − `lease_ms`; how much earlier than that answer an
-/// event delivered elsewhere may still be missing from that leader's committed prefix depends
-/// on whether a newer leader can commit while an older one's lease runs, which this checker
-/// cannot settle, so the bound is kept as asked rather than derived.
+/// Why it holds: the answer to a ping carries the leader's applied index
+/// (`Response::Pong`), and the lease counts for the pinger only once it has applied as far.
+/// So X, reporting quorum at t, has applied what the leader had applied when it answered a
+/// ping X sent after t − its lease. Before that rule, a member that regained a link to the
+/// leader after missing entries got a lease with the first answer, before the appends that
+/// caught it up (seed 11 of the debug sweep: quorum 97 ms after the heal, the entries 700 ms
+/// later); this check is what found it.
 ///
 /// A paused member is not judged while paused nor for the allowance after it resumes.
 fn check_quorum_freshness(
