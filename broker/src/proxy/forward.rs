@@ -304,7 +304,7 @@ async fn run_foreign(
     vhost: String,
     mut batches: mpsc::UnboundedReceiver<Vec<Job>>,
 ) {
-    let mut channel = LinkChannel::default();
+    let mut channel = None;
     let (confirm_tx, confirm_rx) = mpsc::unbounded_channel();
     tokio::spawn(answer_confirms(confirm_rx));
     while let Some(batch) = batches.recv().await {
@@ -323,32 +323,21 @@ async fn run_foreign(
     }
 }
 
-/// The forwarding channel to one member, and the newest cluster change it told the member
-/// about.
-#[derive(Default)]
-struct LinkChannel {
-    channel: Option<lapin::Channel>,
-    told: u64,
-}
-
-/// Queues one job's frames on the member's channel (opened again if it failed), after
-/// the member caught up with the cluster change the job needs.
+/// Queues one job's frames on the foreign broker's channel (opened again if it failed).
+/// No catch-up: a foreign broker is no cluster member and has no cluster changes to apply.
 async fn forward_one(
     job: Job,
     links: &Links,
     primary: &Arc<str>,
     vhost: &str,
-    link: &mut LinkChannel,
+    link: &mut Option<lapin::Channel>,
     confirm_tx: &mpsc::UnboundedSender<(InFlight, Option<Ticket>)>,
 ) -> Result<(), String> {
-    let ch = match link.channel.as_ref().filter(|c| c.status().connected()) {
+    let ch = match link.as_ref().filter(|c| c.status().connected()) {
         Some(c) => c.clone(),
         None => match open(links, primary, vhost).await {
             Ok(c) => {
-                *link = LinkChannel {
-                    channel: Some(c.clone()),
-                    told: 0,
-                };
+                *link = Some(c.clone());
                 c
             }
             Err(e) => {
@@ -357,15 +346,6 @@ async fn forward_one(
             }
         },
     };
-    if job.after_index > link.told {
-        if let Err(e) = super::catch_up::catch_up(&ch, job.after_index).await {
-            link.channel = None;
-            let reason = format!("forwarding to cluster member '{primary}': {e}");
-            fail(job, &reason);
-            return Err(reason);
-        }
-        link.told = job.after_index;
-    }
     let Job {
         exchange,
         routing_key,
@@ -387,7 +367,7 @@ async fn forward_one(
     // awaited by the confirm task, so publishes are pipelined, not one per round trip.
     let in_flight = match futures::poll!(publish.as_mut()) {
         std::task::Poll::Ready(Err(e)) => {
-            link.channel = None;
+            *link = None;
             if let Some((tracker, id)) = ticket {
                 tracker.settle(
                     id,
@@ -419,7 +399,8 @@ async fn open(links: &Links, primary: &str, vhost: &str) -> Result<lapin::Channe
     Ok(ch)
 }
 
-fn fail(job: Job, reason: &str) {
+/// Fails `job`'s ticket: its publish is never confirmed.
+pub(super) fn fail(job: Job, reason: &str) {
     if let Some((tracker, id)) = job.ticket {
         tracker.settle(id, ForwardOutcome::Failed(reason.to_owned()));
     }

@@ -14,7 +14,7 @@
 //! and the [`LINK_PROPERTY`] client property, so the member routes what it publishes into
 //! the queues it owns only. It speaks to cluster members only; foreign brokers get lapin.
 
-use super::forward::{ForwardOutcome, Job, Ticket};
+use super::forward::{ForwardOutcome, Job, Ticket, fail};
 use super::link::{LINK_PROPERTY, LINK_USER, LinkError};
 use crate::amqp::frame::{FRAME_METHOD, split_frame};
 use crate::amqp::writer::FrameWriter;
@@ -172,7 +172,7 @@ impl ForwardLink {
                 let mut waiting = shared.lock();
                 if let Some(reason) = waiting.failed.clone() {
                     drop(waiting);
-                    jobs.for_each(|j| fail(j.ticket, &reason));
+                    jobs.for_each(|j| fail(j, &reason));
                     return Err(reason);
                 }
                 while self.out.len() < WRITE_CHUNK
@@ -183,7 +183,7 @@ impl ForwardLink {
             }
             if let Err(reason) = self.flush().await {
                 // What was written fails with the link; what was not yet encoded too.
-                jobs.for_each(|j| fail(j.ticket, &reason));
+                jobs.for_each(|j| fail(j, &reason));
                 return Err(reason);
             }
         }
@@ -263,12 +263,6 @@ impl ForwardLink {
             0 => Duration::from_secs(u64::from(HEARTBEAT_S)),
             s => Duration::from_millis(u64::from(s) * 500),
         }
-    }
-}
-
-fn fail(ticket: Option<Ticket>, reason: &str) {
-    if let Some((tracker, id)) = ticket {
-        tracker.settle(id, ForwardOutcome::Failed(reason.to_owned()));
     }
 }
 

@@ -602,9 +602,8 @@ impl Connection {
         self.write_admitted(admitted);
     }
 
-    /// Gives each proxied delivery its client channel's next delivery tag (under the vhost
-    /// lock in `v`), unless it waits: for consume-ok, or for room in the channel-wide
-    /// prefetch. Those for consumers that are gone go back to their queues.
+    /// Gives each proxied delivery its client channel's next delivery tag (see
+    /// [`Connection::admit_one`]).
     fn admit_proxied(
         &mut self,
         deliveries: &mut Vec<ProxiedDelivery>,
@@ -612,47 +611,50 @@ impl Connection {
     ) -> Vec<Admitted> {
         let mut admitted = Vec::new();
         for d in deliveries.drain(..) {
-            let open = self.channels.get(&d.channel).is_some_and(|ch| !ch.closing);
-            let consumer = self
-                .remote_consumers
-                .get_mut(&(d.channel, d.consumer_tag.clone()))
-                .filter(|rc| rc.serial == d.serial && open);
-            let registered = match consumer {
-                Some(rc) => match &mut rc.early {
-                    Some(early) => {
-                        // consume-ok has not gone out yet: this delivery waits for it.
-                        early.push(d);
-                        continue;
-                    }
-                    None => true,
-                },
-                None => false,
-            };
-            if !registered {
-                self.settle_upstream(d.channel, &d.primary, d.upstream_tag, Settlement::Requeue);
-                continue;
-            }
-            let key = ChannelKey {
-                conn: self.id,
-                channel: d.channel,
-            };
-            let bytes = d.message.body_len() as u64;
-            if !d.no_ack
-                && (self.held.contains_key(&d.channel) || !v.get().channel_window_open(key, bytes))
-            {
-                // The channel-wide prefetch is full: the delivery waits here for the
-                // client's acks, behind any that already wait.
-                self.held.entry(d.channel).or_default().push_back(d);
-                continue;
-            }
-            if let Some(tag) =
-                v.get()
-                    .track_remote(key, &d.queue, &d.primary, d.upstream_tag, bytes, d.no_ack)
-            {
-                admitted.push(Admitted { delivery: d, tag });
-            }
+            admitted.extend(self.admit_one(d, v));
         }
         admitted
+    }
+
+    /// Gives a proxied delivery its client channel's next delivery tag (under the vhost lock
+    /// in `v`), unless it waits: for consume-ok, or for room in the channel-wide prefetch
+    /// (behind any of the channel's deliveries that already wait). One for a consumer that
+    /// is gone goes back to its queue.
+    fn admit_one(&mut self, d: ProxiedDelivery, v: &mut Lazy) -> Option<Admitted> {
+        let open = self.channels.get(&d.channel).is_some_and(|ch| !ch.closing);
+        let consumer = self
+            .remote_consumers
+            .get_mut(&(d.channel, d.consumer_tag.clone()))
+            .filter(|rc| rc.serial == d.serial && open);
+        match consumer {
+            Some(RemoteConsumer {
+                early: Some(early), ..
+            }) => {
+                // consume-ok has not gone out yet: this delivery waits for it.
+                early.push(d);
+                return None;
+            }
+            Some(_) => {}
+            None => {
+                self.settle_upstream(d.channel, &d.primary, d.upstream_tag, Settlement::Requeue);
+                return None;
+            }
+        }
+        let key = ChannelKey {
+            conn: self.id,
+            channel: d.channel,
+        };
+        let bytes = d.message.body_len() as u64;
+        if !d.no_ack
+            && (self.held.contains_key(&d.channel) || !v.get().channel_window_open(key, bytes))
+        {
+            self.held.entry(d.channel).or_default().push_back(d);
+            return None;
+        }
+        let tag =
+            v.get()
+                .track_remote(key, &d.queue, &d.primary, d.upstream_tag, bytes, d.no_ack)?;
+        Some(Admitted { delivery: d, tag })
     }
 
     /// Writes proxied deliveries that have their tags, in tag order.
@@ -691,31 +693,20 @@ impl Connection {
         let mut admitted = Vec::new();
         let channels: Vec<u16> = self.held.keys().copied().collect();
         for channel in channels {
-            let stuck = self
-                .held
-                .get(&channel)
-                .and_then(|waiting| waiting.front())
-                .is_some_and(|d| {
-                    let key = ChannelKey {
-                        conn: self.id,
-                        channel,
-                    };
-                    self.remote_consumers
-                        .get(&(channel, d.consumer_tag.clone()))
-                        .is_some_and(|rc| rc.serial == d.serial)
-                        && !v
-                            .get()
-                            .channel_window_open(key, d.message.body_len() as u64)
-                });
-            if stuck {
+            let Some(mut waiting) = self.held.remove(&channel) else {
                 continue;
+            };
+            // In order, until one has to wait again: it goes back in front of the rest.
+            while let Some(d) = waiting.pop_front() {
+                admitted.extend(self.admit_one(d, v));
+                if let Some(again) = self.held.remove(&channel) {
+                    for d in again.into_iter().rev() {
+                        waiting.push_front(d);
+                    }
+                    self.held.insert(channel, waiting);
+                    break;
+                }
             }
-            // Handed over again in order: those that fit get their tags, the first that
-            // does not is held again and every later one with it; a cancelled consumer's go
-            // back.
-            let mut waiting: Vec<ProxiedDelivery> =
-                self.held.remove(&channel).unwrap_or_default().into();
-            admitted.extend(self.admit_proxied(&mut waiting, v));
         }
         admitted
     }
