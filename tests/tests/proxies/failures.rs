@@ -1,0 +1,98 @@
+//! Errors and failures: the primary's errors reach the proxy's client as they are; a queue
+//! whose primary is gone refuses publishes and cancels its consumers.
+
+use crate::support::*;
+use futures_lite::StreamExt;
+use lapin::BasicProperties;
+use lapin::options::{BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions};
+use lapin::types::FieldTable;
+use ringmq_tests::cluster::start_cluster;
+use ringmq_tests::reply_code;
+use std::time::Duration;
+
+#[tokio::test]
+async fn errors_of_the_primary_reach_the_client_of_the_proxy() {
+    let (members, _secret) = start_cluster("proxy-err", 2);
+    declare(&members[0], "mine").await;
+    let (_c0, on_0) = members[0].channel().await;
+    // Kept: lapin cancels a consumer whose stream is dropped.
+    let _solo = on_0
+        .basic_consume(
+            "mine".into(),
+            "solo".into(),
+            BasicConsumeOptions {
+                exclusive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    // An exclusive consumer on the primary excludes consumers on every member.
+    let (_c1, on_1) = members[1].channel().await;
+    let refused = on_1
+        .basic_consume(
+            "mine".into(),
+            "other".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .expect_err("the queue has an exclusive consumer");
+    assert_eq!(reply_code(&refused), Some(403));
+}
+
+#[tokio::test]
+async fn a_queue_whose_primary_is_gone_refuses_publishes_and_cancels_its_consumers() {
+    let (mut members, _secret) = start_cluster("proxy-down", 3);
+    declare(&members[0], "orphan").await;
+    let (_c1, on_1) = members[1].channel().await;
+    let mut consumer = on_1
+        .basic_consume(
+            "orphan".into(),
+            "left-behind".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    members[0].kill();
+    let end = tokio::time::timeout(Duration::from_secs(10), consumer.next())
+        .await
+        .expect("the proxy cancels the consumer when its primary goes");
+    assert!(
+        !matches!(end, Some(Ok(_))),
+        "no delivery, the consumer ended: {end:?}"
+    );
+    // Once the survivors removed the primary, a publish to its queue is refused.
+    let admin = members[1].admin_client();
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    while admin.get("/api/overview").unwrap().body["members"]
+        .as_array()
+        .map(Vec::len)
+        != Some(2)
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the primary is removed"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (_c2, on_2) = members[2].channel().await;
+    on_2.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let confirm = on_2
+        .basic_publish(
+            "".into(),
+            "orphan".into(),
+            BasicPublishOptions::default(),
+            b"nowhere",
+            BasicProperties::default(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    assert!(confirm.is_nack(), "basic.nack: the queue cannot take it");
+}

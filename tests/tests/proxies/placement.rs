@@ -1,0 +1,168 @@
+//! Where a queue's primary is: the member the declare names, or the one the locator picks.
+
+use crate::support::*;
+use lapin::options::{BasicGetOptions, BasicNackOptions, QueueDeclareOptions};
+use lapin::types::FieldTable;
+use ringmq_tests::cluster::start_cluster;
+use ringmq_tests::reply_code;
+
+#[tokio::test]
+async fn the_primary_is_the_member_the_declare_names() {
+    let (members, _secret) = start_cluster("proxy-place", 3);
+    let (_c0, on_0) = members[0].channel().await;
+    let placed = |primary: &str| {
+        let mut args = FieldTable::default();
+        args.insert(
+            "qpid.cluster.primary".into(),
+            lapin::types::AMQPValue::LongString(primary.into()),
+        );
+        args
+    };
+    // Declared through member 0, placed on member 2 by its node id.
+    on_0.queue_declare(
+        "placed".into(),
+        QueueDeclareOptions::default(),
+        placed("proxy-place-2"),
+    )
+    .await
+    .unwrap();
+    let admin = members[1].admin_client();
+    let q = admin.get("/api/queues/%2f/placed").unwrap();
+    assert_eq!(q.status, 200);
+    assert_eq!(q.body["node"], "proxy-place-2", "{}", q.body);
+    // A publish through member 0 lands there; a delete through member 1 is decided there.
+    publish_confirmed(&on_0, "placed", "p", 2).await;
+    assert_eq!(count(&members[2], "placed").await, (2, 0));
+    // The admin API of any member answers with the primary's numbers.
+    let (_cg, on_g) = members[2].channel().await;
+    let held = on_g
+        .basic_get("placed".into(), BasicGetOptions::default())
+        .await
+        .unwrap()
+        .expect("a message");
+    let q = admin.get("/api/queues/%2f/placed").unwrap();
+    assert_eq!(
+        (
+            &q.body["messages_ready"],
+            &q.body["messages_unacknowledged"],
+            &q.body["messages"]
+        ),
+        (&1.into(), &1.into(), &2.into()),
+        "{}",
+        q.body
+    );
+    let listed = admin.get("/api/queues/%2f").unwrap().body;
+    let listed: Vec<&serde_json::Value> = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|q| q["name"] == "placed")
+        .collect();
+    assert_eq!(listed.len(), 1, "each queue once");
+    assert_eq!(listed[0]["messages"], 2);
+    on_g.basic_nack(
+        held.delivery.delivery_tag,
+        BasicNackOptions {
+            requeue: true,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let (_c1, on_1) = members[1].channel().await;
+    let refused = on_1
+        .queue_delete(
+            "placed".into(),
+            lapin::options::QueueDeleteOptions {
+                if_empty: true,
+                ..Default::default()
+            },
+        )
+        .await
+        .expect_err("the primary knows the queue is not empty");
+    assert_eq!(reply_code(&refused), Some(406));
+    let (_c1, on_1) = members[1].channel().await;
+    let deleted = on_1
+        .queue_delete("placed".into(), Default::default())
+        .await
+        .unwrap();
+    assert_eq!(deleted, 2, "delete-ok counts the primary's messages");
+
+    // By AMQP address too; an unknown member is 404 naming it.
+    let addr = members[1].uri();
+    let addr = addr.split('@').nth(1).unwrap().split('/').next().unwrap();
+    on_0.queue_declare(
+        "by-address".into(),
+        QueueDeclareOptions::default(),
+        placed(addr),
+    )
+    .await
+    .unwrap();
+    let q = admin.get("/api/queues/%2f/by-address").unwrap();
+    assert_eq!(q.body["node"], "proxy-place-1", "{}", q.body);
+    let refused = on_0
+        .queue_declare(
+            "nowhere".into(),
+            QueueDeclareOptions::default(),
+            placed("no-such-node"),
+        )
+        .await
+        .expect_err("an unknown member");
+    assert_eq!(reply_code(&refused), Some(404));
+}
+
+#[tokio::test]
+async fn a_balanced_locator_spreads_primaries_over_the_members() {
+    let (members, _secret) = start_cluster("proxy-balanced", 3);
+    let (_c0, on_0) = members[0].channel().await;
+    let locator = |name: &str| {
+        let mut args = FieldTable::default();
+        args.insert(
+            "x-queue-leader-locator".into(),
+            lapin::types::AMQPValue::LongString(name.into()),
+        );
+        args
+    };
+    for q in ["b-1", "b-2", "b-3"] {
+        on_0.queue_declare(
+            q.into(),
+            QueueDeclareOptions::default(),
+            locator("balanced"),
+        )
+        .await
+        .unwrap();
+    }
+    let admin = members[1].admin_client();
+    let mut nodes: Vec<String> = ["b-1", "b-2", "b-3"]
+        .iter()
+        .map(|q| {
+            let q = admin.get(&format!("/api/queues/%2f/{q}")).unwrap();
+            q.body["node"].as_str().expect("a node").to_owned()
+        })
+        .collect();
+    nodes.sort();
+    assert_eq!(
+        nodes,
+        ["proxy-balanced-0", "proxy-balanced-1", "proxy-balanced-2"],
+        "one primary on each member"
+    );
+    // client-local (the default) stays on the member the declare arrived at.
+    on_0.queue_declare(
+        "local".into(),
+        QueueDeclareOptions::default(),
+        locator("client-local"),
+    )
+    .await
+    .unwrap();
+    let q = admin.get("/api/queues/%2f/local").unwrap();
+    assert_eq!(q.body["node"], "proxy-balanced-0", "{}", q.body);
+    let e = on_0
+        .queue_declare(
+            "odd".into(),
+            QueueDeclareOptions::default(),
+            locator("random"),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(reply_code(&e), Some(406), "{e}");
+}
