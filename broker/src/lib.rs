@@ -20,5 +20,6 @@ pub mod config;
 pub mod core;
 pub mod cpg;
 pub mod proxy;
+pub mod replication;
 pub mod server;
 pub mod store;

@@ -9,6 +9,10 @@ use crate::amqp::FieldTable;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
+mod image;
+
+pub use image::{ImageEntry, QueueImage, ReplicaError};
+
 /// A message held by a queue.
 #[derive(Debug, Clone)]
 pub struct Entry {

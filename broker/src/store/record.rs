@@ -106,12 +106,14 @@ pub fn records_from_ops(ops: &[QueueOp], out: &mut Vec<Record>) {
     }
 }
 
-fn put_str(out: &mut Vec<u8>, s: &str) {
+/// Appends a short string (u8 length, bytes): exchange and routing key names fit in 255 bytes.
+pub(crate) fn put_str(out: &mut Vec<u8>, s: &str) {
     out.push(s.len() as u8);
     out.extend_from_slice(s.as_bytes());
 }
 
-fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
+/// Appends a byte string (u32 length, bytes).
+pub(crate) fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
     out.extend_from_slice(&(b.len() as u32).to_be_bytes());
     out.extend_from_slice(b);
 }
@@ -128,6 +130,13 @@ fn put_message(
     out.extend_from_slice(&uid.to_be_bytes());
     out.extend_from_slice(&id.to_be_bytes());
     out.extend_from_slice(&expires_at_ms.unwrap_or(0).to_be_bytes());
+    put_message_content(out, message);
+}
+
+/// Appends what a message is made of — exchange, routing key, the content header as the
+/// publisher sent it, the body — in the layout [`Reader::message`] reads: the journal and
+/// the replication stream carry a message the same way.
+pub(crate) fn put_message_content(out: &mut Vec<u8>, message: &Message) {
     put_str(out, message.exchange.as_str());
     put_str(out, message.routing_key.as_str());
     put_bytes(out, &message.header_payload);
@@ -249,11 +258,7 @@ impl Record {
                 let uid = r.u64()?;
                 let id = r.u64()?;
                 let expires = r.u64()?;
-                let exchange = r.short_str()?;
-                let routing_key = r.short_str()?;
-                let header_payload = r.bytes()?;
-                let content = r.bytes()?;
-                let message = Arc::new(message(exchange, routing_key, header_payload, content)?);
+                let message = Arc::new(r.message()?);
                 Ok(if kind == PAGED {
                     Record::Paged { uid, id, message }
                 } else {
@@ -321,13 +326,35 @@ fn message(
     .map_err(|_| DecodeError::Malformed("expiration"))
 }
 
-struct Reader<'a> {
+/// Reads the fields of a record (or of a replication frame) in order, failing on short
+/// input instead of panicking: both come from outside this process's memory.
+pub(crate) struct Reader<'a> {
     buf: &'a Bytes,
     at: usize,
 }
 
-impl Reader<'_> {
-    fn take(&mut self, n: usize) -> Result<Bytes, DecodeError> {
+impl<'a> Reader<'a> {
+    /// A reader at the start of `buf`.
+    pub(crate) fn new(buf: &'a Bytes) -> Self {
+        Self { buf, at: 0 }
+    }
+    /// Whether every byte was read.
+    pub(crate) fn is_done(&self) -> bool {
+        self.at == self.buf.len()
+    }
+    /// Bytes not read yet.
+    pub(crate) fn remaining(&self) -> usize {
+        self.buf.len() - self.at
+    }
+    /// A message written by [`put_message_content`].
+    pub(crate) fn message(&mut self) -> Result<Message, DecodeError> {
+        let exchange = self.short_str()?;
+        let routing_key = self.short_str()?;
+        let header_payload = self.bytes()?;
+        let content = self.bytes()?;
+        message(exchange, routing_key, header_payload, content)
+    }
+    pub(crate) fn take(&mut self, n: usize) -> Result<Bytes, DecodeError> {
         if self.buf.len() < self.at + n {
             return Err(DecodeError::Malformed("short body"));
         }
@@ -335,24 +362,24 @@ impl Reader<'_> {
         self.at += n;
         Ok(b)
     }
-    fn u8(&mut self) -> Result<u8, DecodeError> {
+    pub(crate) fn u8(&mut self) -> Result<u8, DecodeError> {
         Ok(self.take(1)?[0])
     }
-    fn u32(&mut self) -> Result<u32, DecodeError> {
+    pub(crate) fn u32(&mut self) -> Result<u32, DecodeError> {
         Ok(u32::from_be_bytes(
             self.take(4)?[..].try_into().expect("4 bytes"),
         ))
     }
-    fn u64(&mut self) -> Result<u64, DecodeError> {
+    pub(crate) fn u64(&mut self) -> Result<u64, DecodeError> {
         Ok(u64::from_be_bytes(
             self.take(8)?[..].try_into().expect("8 bytes"),
         ))
     }
-    fn short_str(&mut self) -> Result<String, DecodeError> {
+    pub(crate) fn short_str(&mut self) -> Result<String, DecodeError> {
         let n = usize::from(self.u8()?);
         String::from_utf8(self.take(n)?.to_vec()).map_err(|_| DecodeError::Malformed("string"))
     }
-    fn bytes(&mut self) -> Result<Bytes, DecodeError> {
+    pub(crate) fn bytes(&mut self) -> Result<Bytes, DecodeError> {
         let n = self.u32()? as usize;
         self.take(n)
     }

@@ -17,6 +17,7 @@ mod declare;
 mod effects;
 mod expiry;
 mod feeds;
+mod replica;
 mod routing;
 mod settle;
 

@@ -20,6 +20,7 @@ mod handshake;
 mod output;
 mod proxied;
 mod publish;
+mod replica;
 mod tx;
 mod wiring;
 

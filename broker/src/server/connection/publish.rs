@@ -167,6 +167,18 @@ impl Connection {
             });
             return;
         }
+        if self.is_replication(&p.exchange) {
+            let applied = self.apply_replication(&message, v);
+            let ch = self
+                .channels
+                .get_mut(&id)
+                .expect("publishing channel is open");
+            if ch.confirm {
+                ch.publish_seq += 1;
+                ch.confirm_publish(ch.publish_seq, applied, None);
+            }
+            return;
+        }
         let forwards_before = self.fx.forwards.len();
         let outcome = if self.link {
             Ok(v.get().publish_forwarded(

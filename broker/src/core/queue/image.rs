@@ -1,0 +1,369 @@
+//! A queue's content as one value, and the check a replicated op passes before it is applied.
+//!
+//! A backup that joins a queue late (a new member, or one that lost its copy) cannot replay
+//! the queue's history from sequence 1: the primary hands it an [`QueueImage`] — every ready
+//! and unacked message with its id, expiry and redelivered flag, and the sequence number the
+//! image reflects — and then the ops after that number. Installing the image and applying
+//! those ops yields the primary's queue exactly, so a backup promoted later serves what the
+//! primary would have.
+//!
+//! Ops that arrive over a link are input from another process: [`Queue::fits`] checks that
+//! an op continues this queue's sequence and names messages where the op expects them, so a
+//! stream that diverged is refused (and the backup caught up again) instead of tripping
+//! [`Queue::apply`]'s assertions.
+
+use super::{Entry, Queue};
+use crate::core::message::Message;
+use crate::core::ops::{OpKind, QueueOp};
+use std::sync::Arc;
+use thiserror::Error;
+
+/// One message of a [`QueueImage`].
+#[derive(Debug, Clone)]
+pub struct ImageEntry {
+    /// Its id in the queue.
+    pub id: u64,
+    /// The message.
+    pub message: Arc<Message>,
+    /// Absolute expiry time in ms.
+    pub expires_at_ms: Option<u64>,
+    /// Its next delivery is a redelivery.
+    pub redelivered: bool,
+    /// Delivered and not yet acked on the primary (else ready).
+    pub unacked: bool,
+}
+
+/// A queue's whole content at one sequence number: what a new backup starts from.
+#[derive(Debug, Clone, Default)]
+pub struct QueueImage {
+    /// The sequence number of the last op the image reflects; the ops after it follow.
+    pub last_seq: u64,
+    /// The id the next enqueued message gets (ids are never reused, even after the
+    /// message with the highest id left).
+    pub next_id: u64,
+    /// Ready and unacked messages, in id order.
+    pub entries: Vec<ImageEntry>,
+}
+
+/// Why a replicated op or image does not fit a queue.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum ReplicaError {
+    /// The op is not the next in the queue's sequence.
+    #[error("queue '{queue}': op {got} arrived where op {expected} was due")]
+    Sequence {
+        /// The queue.
+        queue: String,
+        /// The sequence number the queue expected.
+        expected: u64,
+        /// The one that came.
+        got: u64,
+    },
+    /// The op names a message that is not where the op expects it (or reuses an id).
+    #[error("queue '{queue}': op {seq} names message {id}, which is not where the op expects it")]
+    Message {
+        /// The queue.
+        queue: String,
+        /// The op's sequence number.
+        seq: u64,
+        /// The message id.
+        id: u64,
+    },
+    /// An image arrived for a queue that already holds messages or serves consumers.
+    #[error("queue '{0}': an image can only be installed into an empty queue with no consumers")]
+    NotEmpty(String),
+    /// The queue is not on this member (or not a replica here).
+    #[error("queue '{0}' has no replica on this member")]
+    NoReplica(String),
+}
+
+impl Queue {
+    /// Everything the queue holds, with the sequence number it reflects.
+    pub fn image(&self) -> QueueImage {
+        let entry = |e: &Entry, unacked: bool| ImageEntry {
+            id: e.id,
+            message: e.message.clone(),
+            expires_at_ms: e.expires_at_ms,
+            redelivered: e.redelivered,
+            unacked,
+        };
+        let mut entries: Vec<ImageEntry> = self
+            .ready()
+            .map(|e| entry(e, false))
+            .chain(self.unacked.values().map(|e| entry(e, true)))
+            .collect();
+        entries.sort_unstable_by_key(|e| e.id);
+        QueueImage {
+            last_seq: self.last_seq,
+            next_id: self.next_id,
+            entries,
+        }
+    }
+
+    /// Makes this empty queue hold `image`: the ops after `image.last_seq` apply next.
+    pub fn install_image(&mut self, image: QueueImage) -> Result<(), ReplicaError> {
+        if self.ready_count > 0 || !self.unacked.is_empty() || !self.consumers.is_empty() {
+            return Err(ReplicaError::NotEmpty(self.name.to_string()));
+        }
+        let mut last_id = 0;
+        for e in &image.entries {
+            if e.id <= last_id || e.id >= image.next_id {
+                return Err(ReplicaError::Message {
+                    queue: self.name.to_string(),
+                    seq: image.last_seq,
+                    id: e.id,
+                });
+            }
+            last_id = e.id;
+        }
+        self.last_seq = image.last_seq;
+        self.next_id = image.next_id;
+        for e in image.entries {
+            self.add_resident(&e.message);
+            let entry = Entry {
+                id: e.id,
+                message: e.message,
+                expires_at_ms: e.expires_at_ms,
+                redelivered: e.redelivered,
+                owns_page: false,
+            };
+            if e.unacked {
+                self.unacked.insert(entry.id, entry);
+            } else {
+                self.insert_ready(entry);
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether `op` can be applied next: the next sequence number, and its message where
+    /// the op kind expects it.
+    pub fn fits(&self, op: &QueueOp) -> Result<(), ReplicaError> {
+        if op.seq != self.last_seq + 1 {
+            return Err(ReplicaError::Sequence {
+                queue: self.name.to_string(),
+                expected: self.last_seq + 1,
+                got: op.seq,
+            });
+        }
+        let misplaced = |id: u64| ReplicaError::Message {
+            queue: self.name.to_string(),
+            seq: op.seq,
+            id,
+        };
+        match &op.kind {
+            OpKind::Enqueue { id, .. } if *id < self.next_id => Err(misplaced(*id)),
+            OpKind::Deliver { id } | OpKind::Take { id } | OpKind::Drop { id, .. }
+                if !self.is_ready(*id) =>
+            {
+                Err(misplaced(*id))
+            }
+            OpKind::Settle { id } | OpKind::Requeue { id } if !self.unacked.contains_key(id) => {
+                Err(misplaced(*id))
+            }
+            OpKind::Purge { ids } => match ids.iter().find(|&&id| !self.is_ready(id)) {
+                Some(&id) => Err(misplaced(id)),
+                None if ids.len() != self.ready_count => Err(misplaced(0)),
+                None => Ok(()),
+            },
+            _ => Ok(()),
+        }
+    }
+
+    /// Ids of the unacked messages in id order: the order a promoted backup requeues them in,
+    /// which is the order the old primary delivered them.
+    pub fn unacked_in_order(&self) -> Vec<u64> {
+        let mut ids: Vec<u64> = self.unacked.keys().copied().collect();
+        ids.sort_unstable();
+        ids
+    }
+
+    fn is_ready(&self, id: u64) -> bool {
+        self.levels
+            .iter()
+            .any(|l| l.binary_search_by_key(&id, |e| e.id).is_ok())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::amqp::{FieldTable, Properties};
+    use crate::core::args::QueueArgs;
+    use bytes::Bytes;
+    use proptest::prelude::*;
+
+    fn queue() -> Queue {
+        let args = QueueArgs {
+            max_priority: Some(3),
+            ..QueueArgs::default()
+        };
+        Queue::new(
+            "q".into(),
+            true,
+            None,
+            false,
+            FieldTable::default(),
+            args,
+            0,
+        )
+    }
+
+    fn message(priority: u8) -> Arc<Message> {
+        Arc::new(Message::authored(
+            "".into(),
+            "k".into(),
+            Properties::default().with_priority(priority),
+            Bytes::from_static(b"body"),
+        ))
+    }
+
+    /// A random step a primary could take, as an op that fits its queue now (or `None` when
+    /// the step has nothing to act on).
+    fn next_op(q: &Queue, step: u8, pick: usize, priority: u8) -> Option<QueueOp> {
+        let ready: Vec<u64> = q.ready().map(|e| e.id).collect();
+        let unacked = q.unacked_in_order();
+        let pick_of = |ids: &[u64]| (!ids.is_empty()).then(|| ids[pick % ids.len()]);
+        let kind = match step % 7 {
+            0 | 1 => OpKind::Enqueue {
+                id: q.next_id(),
+                message: message(priority),
+                expires_at_ms: None,
+            },
+            2 => OpKind::Deliver {
+                id: pick_of(&ready)?,
+            },
+            3 => OpKind::Settle {
+                id: pick_of(&unacked)?,
+            },
+            4 => OpKind::Requeue {
+                id: pick_of(&unacked)?,
+            },
+            5 => OpKind::Take {
+                id: pick_of(&ready)?,
+            },
+            _ if pick.is_multiple_of(5) => OpKind::Purge { ids: ready },
+            _ => OpKind::Drop {
+                id: pick_of(&ready)?,
+                reason: crate::core::ops::DropReason::Expired,
+            },
+        };
+        Some(q.op(kind))
+    }
+
+    fn content(q: &Queue) -> Vec<(u64, bool, bool, u8)> {
+        q.image()
+            .entries
+            .iter()
+            .map(|e| (e.id, e.redelivered, e.unacked, e.message.priority))
+            .collect()
+    }
+
+    proptest! {
+        /// A backup that installs the primary's image at any point and applies the ops after
+        /// it holds exactly what the primary holds, in the same delivery order.
+        #[test]
+        fn image_then_later_ops_rebuild_the_primary(
+            steps in prop::collection::vec((any::<u8>(), any::<usize>(), 0u8..4), 1..120),
+            cut in any::<prop::sample::Index>(),
+        ) {
+            let mut primary = queue();
+            let cut = cut.index(steps.len());
+            let mut backup = None;
+            for (i, &(step, pick, priority)) in steps.iter().enumerate() {
+                if i == cut {
+                    let mut b = queue();
+                    b.install_image(primary.image()).unwrap();
+                    backup = Some(b);
+                }
+                let Some(op) = next_op(&primary, step, pick, priority) else { continue };
+                primary.fits(&op).unwrap();
+                primary.apply(&op);
+                if let Some(b) = backup.as_mut() {
+                    b.fits(&op).unwrap();
+                    b.apply(&op);
+                }
+            }
+            let backup = backup.unwrap();
+            prop_assert_eq!(content(&backup), content(&primary));
+            prop_assert_eq!(backup.last_seq(), primary.last_seq());
+            prop_assert_eq!(backup.next_id(), primary.next_id());
+            prop_assert_eq!(backup.ready_count(), primary.ready_count());
+            prop_assert_eq!(backup.resident_bytes(), primary.resident_bytes());
+            let order = |q: &Queue| q.ready().map(|e| e.id).collect::<Vec<_>>();
+            prop_assert_eq!(order(&backup), order(&primary));
+        }
+    }
+
+    #[test]
+    fn ops_that_do_not_continue_the_queue_are_refused() {
+        let mut q = queue();
+        let enqueue = q.op(OpKind::Enqueue {
+            id: 1,
+            message: message(0),
+            expires_at_ms: None,
+        });
+        q.apply(&enqueue);
+        assert!(matches!(
+            q.fits(&enqueue),
+            Err(ReplicaError::Sequence {
+                expected: 2,
+                got: 1,
+                ..
+            })
+        ));
+        let reused = q.op(OpKind::Enqueue {
+            id: 1,
+            message: message(0),
+            expires_at_ms: None,
+        });
+        assert!(matches!(
+            q.fits(&reused),
+            Err(ReplicaError::Message { id: 1, .. })
+        ));
+        for kind in [
+            OpKind::Settle { id: 1 },
+            OpKind::Requeue { id: 1 },
+            OpKind::Deliver { id: 9 },
+            OpKind::Purge { ids: vec![] },
+        ] {
+            assert!(q.fits(&q.op(kind.clone())).is_err(), "{kind:?}");
+        }
+        assert!(q.fits(&q.op(OpKind::Deliver { id: 1 })).is_ok());
+        assert!(q.fits(&q.op(OpKind::Purge { ids: vec![1] })).is_ok());
+    }
+
+    #[test]
+    fn an_image_goes_only_into_an_empty_queue_and_must_be_in_id_order() {
+        let mut q = queue();
+        let e = |id| ImageEntry {
+            id,
+            message: message(0),
+            expires_at_ms: None,
+            redelivered: false,
+            unacked: false,
+        };
+        let disordered = QueueImage {
+            last_seq: 4,
+            next_id: 5,
+            entries: vec![e(2), e(1)],
+        };
+        assert!(q.install_image(disordered).is_err());
+        let beyond_next_id = QueueImage {
+            last_seq: 4,
+            next_id: 2,
+            entries: vec![e(3)],
+        };
+        assert!(q.install_image(beyond_next_id).is_err());
+        let good = QueueImage {
+            last_seq: 4,
+            next_id: 5,
+            entries: vec![e(1), e(3)],
+        };
+        q.install_image(good.clone()).unwrap();
+        assert_eq!(q.ready_count(), 2);
+        assert!(matches!(
+            q.install_image(good),
+            Err(ReplicaError::NotEmpty(_))
+        ));
+    }
+}

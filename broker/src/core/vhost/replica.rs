@@ -1,0 +1,296 @@
+//! A backup's side of a replicated queue, in the same core that serves it on its primary.
+//!
+//! On a member that is not a queue's primary, the queue's local copy serves nobody (clients
+//! here reach the primary through the proxy), so it is free to be the **replica**: the
+//! primary's queue ops, applied through [`Queue::apply`] exactly as the primary applied them,
+//! rebuild its content here — and the member's journal records them as it records its own
+//! queues' ops, so a durable replica survives a restart of this process too. When the
+//! cluster map makes this member the primary (an election), [`VHost::promote_replica`]
+//! requeues what the old primary had delivered and not seen acked, in its original order and
+//! marked redelivered, and the queue serves from where the old primary stopped.
+
+use super::VHost;
+use super::effects::{Effects, apply};
+use crate::core::ops::{OpKind, QueueOp};
+use crate::core::queue::{Queue, QueueImage, ReplicaError};
+
+impl VHost {
+    /// Applies `ops`, which the primary of `queue` replicated, in order. Stops at the first op
+    /// that does not fit (the stream diverged: the backup must be caught up again) and
+    /// returns why; the ops before it stay applied. Returns the sequence number reached.
+    pub fn apply_replicated(
+        &mut self,
+        queue: &str,
+        ops: &[QueueOp],
+        fx: &mut Effects,
+    ) -> Result<u64, ReplicaError> {
+        let record = self.record_ops;
+        let q = self.replica_mut(queue)?;
+        for op in ops {
+            q.fits(op)?;
+            apply(q, op.kind.clone(), record, fx);
+        }
+        Ok(q.last_seq())
+    }
+
+    /// Makes the replica of `queue` hold `image` (a catch-up's start); the ops after
+    /// `image.last_seq` follow through [`VHost::apply_replicated`]. What a stale replica
+    /// held (from before this member lost its place in the stream) is dropped first, as
+    /// removals, and the image's messages are recorded as enqueues, so that this member's
+    /// journal holds exactly what the replica holds.
+    pub fn install_replica(
+        &mut self,
+        queue: &str,
+        image: QueueImage,
+        fx: &mut Effects,
+    ) -> Result<(), ReplicaError> {
+        let record = self.record_ops;
+        let q = self.replica_mut(queue)?;
+        for id in q.unacked_in_order() {
+            apply(q, OpKind::Settle { id }, record, fx);
+        }
+        if q.ready_count() > 0 {
+            let ids = q.ready().map(|e| e.id).collect();
+            apply(q, OpKind::Purge { ids }, record, fx);
+        }
+        let enqueues: Vec<QueueOp> = image
+            .entries
+            .iter()
+            .map(|e| QueueOp {
+                queue: q.name.clone(),
+                uid: q.uid,
+                seq: image.last_seq,
+                kind: OpKind::Enqueue {
+                    id: e.id,
+                    message: e.message.clone(),
+                    expires_at_ms: e.expires_at_ms,
+                },
+            })
+            .collect();
+        q.install_image(image)?;
+        if record && q.durable && q.exclusive_owner.is_none() {
+            fx.ops.extend(enqueues);
+        }
+        Ok(())
+    }
+
+    /// The content of `queue` as a catch-up starts from (on its primary).
+    pub fn queue_image(&self, queue: &str) -> Option<QueueImage> {
+        self.queues.get(queue).map(Queue::image)
+    }
+
+    /// This member became the primary of `queue`, whose replica it held: what the old primary
+    /// had delivered and not seen acked goes back to the ready list in its original order,
+    /// marked redelivered, and the queue's consumers are served. Returns how many messages
+    /// were requeued.
+    pub fn promote_replica(
+        &mut self,
+        queue: &str,
+        now_ms: u64,
+        fx: &mut Effects,
+    ) -> Result<usize, ReplicaError> {
+        let record = self.record_ops;
+        let node = self.node.clone();
+        let q = self
+            .queues
+            .get_mut(queue)
+            .filter(|q| q.primary_elsewhere(node.as_deref()).is_none())
+            .ok_or_else(|| ReplicaError::NoReplica(queue.to_owned()))?;
+        let unacked = q.unacked_in_order();
+        for &id in &unacked {
+            apply(q, OpKind::Requeue { id }, record, fx);
+        }
+        self.dispatch(queue, now_ms, fx);
+        Ok(unacked.len())
+    }
+
+    /// The replica of `queue`: a queue held here whose primary is another member.
+    fn replica_mut(&mut self, queue: &str) -> Result<&mut Queue, ReplicaError> {
+        let node = self.node.clone();
+        self.queues
+            .get_mut(queue)
+            .filter(|q| node.is_some() && q.primary_elsewhere(node.as_deref()).is_some())
+            .ok_or_else(|| ReplicaError::NoReplica(queue.to_owned()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::amqp::Properties;
+    use crate::core::vhost::{Consume, Effects, QueueDeclare, VHost};
+    use crate::core::{ChannelKey, Message, OpKind, QueueOp};
+    use bytes::Bytes;
+    use std::sync::Arc;
+
+    const CH: ChannelKey = ChannelKey {
+        conn: 1,
+        channel: 1,
+    };
+
+    /// Member `node`'s vhost holding the shared durable queue `q`, whose primary is `a`.
+    fn member(node: &str) -> VHost {
+        let mut v = VHost::new("/", 7);
+        v.set_record_ops(true);
+        v.set_node(node);
+        v.channel_open(CH);
+        v.queue_declare(
+            1,
+            QueueDeclare {
+                name: "q".into(),
+                durable: true,
+                ..Default::default()
+            },
+            0,
+        )
+        .unwrap();
+        v.set_queue_home("q", "a");
+        v
+    }
+
+    fn publish(v: &mut VHost, body: &'static str, fx: &mut Effects) {
+        let m = Arc::new(Message::authored(
+            "".into(),
+            "q".into(),
+            Properties::default().with_delivery_mode(2),
+            Bytes::from_static(body.as_bytes()),
+        ));
+        v.publish("", "q", m, 0, fx).unwrap();
+    }
+
+    fn consume(v: &mut VHost, prefetch: u16, fx: &mut Effects) {
+        v.basic_qos(CH, 0, prefetch, false, 0, fx);
+        v.basic_consume(
+            CH,
+            Consume {
+                queue: "q".into(),
+                tag: "c".into(),
+                ..Default::default()
+            },
+            0,
+            fx,
+        )
+        .unwrap();
+    }
+
+    fn bodies(fx: &Effects) -> Vec<(String, bool)> {
+        fx.deliveries
+            .iter()
+            .map(|d| {
+                let body = d.message.body.in_memory().expect("in memory");
+                (String::from_utf8(body.to_vec()).unwrap(), d.redelivered)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_promoted_replica_redelivers_what_the_primary_had_delivered_in_order_then_the_rest() {
+        let mut a = member("a");
+        let mut b = member("b");
+        let mut fx = Effects::default();
+        for body in ["m1", "m2", "m3", "m4", "m5"] {
+            publish(&mut a, body, &mut fx);
+        }
+        consume(&mut a, 3, &mut fx);
+        assert_eq!(bodies(&fx).len(), 3);
+        let first = fx.deliveries[0].delivery_tag;
+        a.basic_ack(CH, first, false, 0, &mut fx).unwrap();
+        let ops = std::mem::take(&mut fx.ops);
+
+        let mut bfx = Effects::default();
+        let reached = b.apply_replicated("q", &ops, &mut bfx).unwrap();
+        assert_eq!(reached, ops.last().unwrap().seq);
+        let replica_uid = b.queue("q").unwrap().uid;
+        assert!(bfx.ops.iter().all(|op| op.uid == replica_uid));
+        assert_eq!(
+            bfx.ops.len(),
+            ops.len(),
+            "the backup journals what it applied"
+        );
+        // The ack made room for m4: m2, m3 and m4 are out.
+        assert_eq!(b.queue("q").unwrap().unacked_count(), 3);
+
+        // a is lost; the map makes b the primary.
+        b.set_queue_home("q", "b");
+        let mut pfx = Effects::default();
+        assert_eq!(b.promote_replica("q", 0, &mut pfx).unwrap(), 3);
+        consume(&mut b, 10, &mut pfx);
+        assert_eq!(
+            bodies(&pfx),
+            [("m2", true), ("m3", true), ("m4", true), ("m5", false)]
+                .map(|(b, r)| (b.to_owned(), r))
+        );
+    }
+
+    #[test]
+    fn a_diverged_stream_stops_at_the_first_op_that_does_not_fit() {
+        let mut a = member("a");
+        let mut b = member("b");
+        let mut fx = Effects::default();
+        publish(&mut a, "m1", &mut fx);
+        publish(&mut a, "m2", &mut fx);
+        let mut ops = std::mem::take(&mut fx.ops);
+        ops.push(QueueOp {
+            kind: OpKind::Settle { id: 1 },
+            seq: 3,
+            ..ops[0].clone()
+        });
+        let mut bfx = Effects::default();
+        let err = b.apply_replicated("q", &ops, &mut bfx).unwrap_err();
+        assert!(err.to_string().contains("message 1"), "{err}");
+        assert_eq!(b.queue("q").unwrap().ready_count(), 2);
+        assert_eq!(b.queue("q").unwrap().last_seq(), 2);
+    }
+
+    #[test]
+    fn only_a_member_that_is_not_the_primary_holds_a_replica() {
+        let mut a = member("a");
+        let mut fx = Effects::default();
+        publish(&mut a, "m1", &mut fx);
+        let ops = std::mem::take(&mut fx.ops);
+        assert!(a.apply_replicated("q", &ops, &mut fx).is_err());
+        assert!(member("b").promote_replica("q", 0, &mut fx).is_err());
+        assert!(member("b").apply_replicated("nope", &ops, &mut fx).is_err());
+    }
+
+    /// Gives `b`'s replica of `q` a stale message of its own, as a replica that fell out of
+    /// the stream holds.
+    fn publish_to_replica(b: &mut VHost, fx: &mut Effects) {
+        let mut other = member("a");
+        let mut ofx = Effects::default();
+        publish(&mut other, "stale", &mut ofx);
+        b.apply_replicated("q", &ofx.ops, fx).unwrap();
+    }
+
+    #[test]
+    fn a_late_backup_installs_the_image_then_follows_the_stream() {
+        let mut a = member("a");
+        let mut fx = Effects::default();
+        publish(&mut a, "m1", &mut fx);
+        publish(&mut a, "m2", &mut fx);
+        consume(&mut a, 1, &mut fx);
+        let image = a.queue_image("q").unwrap();
+        fx.ops.clear();
+        publish(&mut a, "m3", &mut fx);
+        let tag = fx.deliveries[0].delivery_tag;
+        a.basic_ack(CH, tag, false, 0, &mut fx).unwrap();
+        let after = std::mem::take(&mut fx.ops);
+
+        let mut b = member("b");
+        let mut bfx = Effects::default();
+        publish_to_replica(&mut b, &mut bfx);
+        bfx.ops.clear();
+        b.install_replica("q", image, &mut bfx).unwrap();
+        let kinds: Vec<_> = bfx.ops.iter().map(|op| format!("{:?}", op.kind)).collect();
+        assert!(
+            kinds[0].starts_with("Purge"),
+            "the stale copy goes first: {kinds:?}"
+        );
+        assert_eq!(bfx.ops.len(), 3, "then the image's messages are journalled");
+        b.apply_replicated("q", &after, &mut bfx).unwrap();
+        let (qa, qb) = (a.queue("q").unwrap(), b.queue("q").unwrap());
+        assert_eq!(qb.last_seq(), qa.last_seq());
+        let ids = |q: &crate::core::queue::Queue| q.ready().map(|e| e.id).collect::<Vec<_>>();
+        assert_eq!(ids(qb), ids(qa));
+        assert_eq!(qb.unacked_count(), qa.unacked_count());
+    }
+}
