@@ -81,6 +81,45 @@ fn bench_reports_json_with_rates_and_latency() {
 }
 
 #[test]
+fn bench_declares_its_queue_with_the_arguments_given_as_json() {
+    let b = Broker::start();
+    let bench = |args: &str| {
+        Command::new(binary("ringmqctl"))
+            .args([
+                "bench",
+                "--uri",
+                &b.uri(),
+                "--seconds",
+                "1",
+                "--queue",
+                "bench-args",
+                "--queue-args",
+                args,
+            ])
+            .output()
+            .unwrap()
+    };
+    let out = bench(r#"{"x-max-length": 5, "x-overflow": "drop-head"}"#);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let q = b.admin_client().get("/api/queues/%2f/bench-args").unwrap();
+    assert_eq!(q.status, 200, "{}", q.body);
+    assert_eq!(q.body["arguments"]["x-max-length"], 5, "{}", q.body);
+    assert_eq!(q.body["arguments"]["x-overflow"], "drop-head", "{}", q.body);
+
+    let out = bench("{not json");
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--queue-args is not JSON"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
 fn bench_against_no_broker_fails_with_a_reason() {
     let out = Command::new(binary("ringmqctl"))
         .args([

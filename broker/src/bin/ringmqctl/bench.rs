@@ -51,6 +51,11 @@ pub struct BenchArgs {
     /// Queue to use (declared if missing); default: a fresh one, deleted afterwards.
     #[arg(long)]
     queue: Option<String>,
+    /// Arguments the queue is declared with, as a JSON object — e.g.
+    /// '{"qpid.cluster.backups": 2}' for ringmq, '{"x-queue-type": "quorum"}' for RabbitMQ —
+    /// so that one tool drives both (integers are sent as signed 64-bit).
+    #[arg(long, value_name = "JSON")]
+    queue_args: Option<String>,
     /// Consumer prefetch (basic.qos); consumers ack once per read batch with multiple=true.
     #[arg(long, default_value_t = 1000)]
     prefetch: u16,
@@ -82,6 +87,15 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
 }
 
 async fn bench(args: BenchArgs) -> anyhow::Result<()> {
+    let queue_args = match &args.queue_args {
+        None => FieldTable::default(),
+        Some(text) => {
+            let json: serde_json::Value = serde_json::from_str(text)
+                .with_context(|| format!("--queue-args is not JSON: {text}"))?;
+            ringmq::admin::json::table_from_json(&json)
+                .map_err(|e| anyhow::anyhow!("--queue-args: {e}"))?
+        }
+    };
     let target = Target::parse(&args.uri)?;
     let consumer_target = Target::parse(args.consumer_uri.as_deref().unwrap_or(&args.uri))?;
     let queue_target = Target::parse(args.queue_uri.as_deref().unwrap_or(&args.uri))?;
@@ -102,7 +116,7 @@ async fn bench(args: BenchArgs) -> anyhow::Result<()> {
                 exclusive: false,
                 auto_delete: false,
                 nowait: false,
-                arguments: FieldTable::default(),
+                arguments: queue_args,
             })),
             |m| matches!(m, AMQPClass::Queue(queue::AMQPMethod::DeclareOk(_))),
             "queue.declare-ok",
