@@ -179,6 +179,10 @@ pub struct Config {
     /// member with the fewest primaries), RabbitMQ's `queue_leader_locator` values. A declare
     /// argument `x-queue-leader-locator` overrides it for one queue.
     pub queue_primary_locator: crate::cluster::placement::PrimaryLocator,
+    /// How many backups (0..=3) a clustered queue declared without `qpid.cluster.backups`
+    /// keeps: its primary's next members in the ring, each a full copy that can take over.
+    /// 0: proxied from every member but lost with its primary. Exclusive queues have none.
+    pub default_backups: u8,
     /// Bytes of message bodies one queue keeps in memory (flow-to-disk): bodies beyond it
     /// live only in the journal and are read back on delivery. 0 keeps every body in memory.
     pub queue_memory_budget_bytes: u64,
@@ -240,6 +244,7 @@ impl Default for Config {
             cluster_join_timeout_ms: 30_000,
             cluster_founder: None,
             queue_primary_locator: Default::default(),
+            default_backups: crate::cluster::roles::DEFAULT_BACKUPS,
             queue_memory_budget_bytes: 64 * 1024 * 1024,
             journal: crate::store::journal::JournalConfig::default(),
             vhosts: vec!["/".to_owned()],
@@ -407,6 +412,14 @@ impl Config {
                 "tls_reload_interval_s must be at least 1".into(),
             ));
         }
+        if self.default_backups > crate::cluster::roles::MAX_BACKUPS {
+            return Err(ConfigError::Invalid(format!(
+                "default_backups {} is outside 0..={}: a queue keeps at most {} backups",
+                self.default_backups,
+                crate::cluster::roles::MAX_BACKUPS,
+                crate::cluster::roles::MAX_BACKUPS
+            )));
+        }
         if self.vhosts.is_empty() {
             return Err(ConfigError::Invalid(
                 "at least one vhost is needed (e.g. vhosts: [\"/\"])".into(),
@@ -435,6 +448,16 @@ mod tests {
         assert_eq!(c.users.len(), 1);
         assert_eq!(c.users[0].name, "app");
         assert_eq!(c.frame_max, Config::default().frame_max);
+    }
+
+    #[test]
+    fn default_backups_is_one_and_more_than_three_is_refused() {
+        assert_eq!(Config::default().default_backups, 1);
+        let c = Config::from_yaml("default_backups: 3\n").unwrap();
+        assert!(c.validate().is_ok());
+        let c = Config::from_yaml("default_backups: 4\n").unwrap();
+        let err = c.validate().unwrap_err().to_string();
+        assert!(err.contains("default_backups 4 is outside 0..=3"), "{err}");
     }
 
     #[test]

@@ -300,6 +300,10 @@ fn queues_declare_get_list_purge_delete_and_errors() {
         ("messages_unacknowledged", json!(0)),
         ("messages", json!(0)),
         ("consumers", json!(0)),
+        // A single broker's queues have no backups.
+        ("backup_nodes", json!([])),
+        ("in_sync_backup_nodes", json!([])),
+        ("unavailable", json!(false)),
     ] {
         assert_eq!(q[k], v, "{k} in {q}");
     }

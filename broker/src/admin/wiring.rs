@@ -225,6 +225,8 @@ fn check(op: &WiringOp, v: &VHost, vh: &str) -> Result<Checked> {
         // No route plans an unbind: `DELETE /api/bindings/...` finds the binding by its
         // properties key and changes the vhost itself.
         WiringOp::UnbindQueue { .. } | WiringOp::UnbindExchange { .. } => {}
+        // The cluster's own ops: no route makes them.
+        WiringOp::BackupInSync { .. } | WiringOp::BackupOutOfSync { .. } => {}
     }
     Ok(checked)
 }

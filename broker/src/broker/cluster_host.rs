@@ -107,6 +107,26 @@ impl ClusterHost for BrokerHost {
         }
     }
 
+    fn roles_changed(
+        &mut self,
+        vhost: &str,
+        queue: &str,
+        roles: Option<&crate::cluster::QueueRoles>,
+    ) {
+        // The primary is where the queue's messages live: the vhost routes and proxies by it.
+        // (Replication — catch-up, promotion of a replica — is not here yet.)
+        if let Some(roles) = roles
+            && let Some(v) = self.broker.vhost(vhost)
+        {
+            let mut v = v.lock();
+            if v.queue(queue)
+                .is_some_and(|q| q.home.as_deref() != Some(roles.primary.as_str()))
+            {
+                v.set_queue_home(queue, &roles.primary);
+            }
+        }
+    }
+
     fn shutdown(&mut self) {
         self.broker.journal.shutdown();
     }

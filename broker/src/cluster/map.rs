@@ -1,14 +1,17 @@
 //! The cluster map as a pure state machine: CPG events in, the wiring store changed and
 //! actions out. No sockets, clocks or locks — the node (`node.rs`) carries the actions out —
 //! so every decision (when a joiner holds the map, which events it replays, who sends a
-//! snapshot, who answers a client) is tested without I/O, including by a randomised model
-//! test that checks every member ends with the same map.
+//! snapshot, who answers a client, which member is a queue's primary and which are its
+//! backups) is tested without I/O, including by randomised model tests that check every
+//! member ends with the same map and that no election ever promotes a backup out of sync.
 
 use super::membership::Membership;
 use super::message::{ClusterMsg, Snapshot};
+use super::roles::{self, QueueRoles, Roles};
 use crate::core::AmqpError;
+use crate::core::args::QueueArgs;
 use crate::core::wiring::Wiring;
-use crate::core::{OpReply, WiringOp};
+use crate::core::{OpReply, WiringOp, is_foreign};
 use crate::cpg::{CpgEvent, MemberId};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -41,6 +44,10 @@ pub struct Checkpoint {
     pub through: u64,
     /// The members as of then.
     pub membership: Membership,
+    /// Every clustered queue's roles as of then (none in a checkpoint written before roles
+    /// existed).
+    #[serde(default)]
+    pub roles: Roles,
 }
 
 /// What the node must do after an event.
@@ -71,6 +78,23 @@ pub enum Action {
     /// Leave the cluster group and join it again: this incarnation resumed a membership whose
     /// map it never received, and only a fresh join brings a snapshot.
     Rejoin,
+    /// A clustered queue's roles changed at this point of the agreed order (every member
+    /// emits the same): it was declared (`was` is `None`) or deleted (`now` is `None`), an
+    /// election moved its primary, it became unavailable or available again, a backup was
+    /// added, dropped, marked in sync or out of sync. The node points the queue's `home` at
+    /// the primary; the replication layer starts a new backup's catch-up, promotes this
+    /// member's replica when it became primary, and stops counting a backup that left the
+    /// in-sync set.
+    RolesChanged {
+        /// Vhost of the queue.
+        vhost: String,
+        /// The queue.
+        queue: String,
+        /// Its roles before.
+        was: Option<QueueRoles>,
+        /// Its roles now.
+        now: Option<QueueRoles>,
+    },
 }
 
 /// Most events a joiner buffers while it waits for its snapshot.
@@ -110,6 +134,8 @@ pub struct ClusterMap {
     /// a map that may be stale, so it waits for one that holds the newest.
     may_found: bool,
     through: u64,
+    /// Every clustered queue's primary, backups and in-sync set.
+    roles: Roles,
 }
 
 impl ClusterMap {
@@ -124,6 +150,7 @@ impl ClusterMap {
             live: false,
             may_found,
             through: 0,
+            roles: Roles::default(),
         }
     }
 
@@ -139,6 +166,7 @@ impl ClusterMap {
             live: false,
             may_found: false,
             through: checkpoint.through,
+            roles: checkpoint.roles,
         }
     }
 
@@ -148,6 +176,7 @@ impl ClusterMap {
         self.synced.then(|| Checkpoint {
             through: self.through,
             membership: self.membership.clone(),
+            roles: self.roles.clone(),
         })
     }
 
@@ -164,6 +193,11 @@ impl ClusterMap {
     /// The members as this member sees them.
     pub fn membership(&self) -> &Membership {
         &self.membership
+    }
+
+    /// Every clustered queue's roles as this member sees them.
+    pub fn roles(&self) -> &Roles {
+        &self.roles
     }
 
     /// Handles one event of the cluster group.
@@ -241,6 +275,16 @@ impl ClusterMap {
                     through: self.through,
                 });
             }
+            // The store restored its queues from disk, which knows no primaries: every queue
+            // learns its roles again.
+            for (vhost, queue, r) in self.roles.iter() {
+                actions.push(Action::RolesChanged {
+                    vhost: vhost.to_owned(),
+                    queue: queue.to_owned(),
+                    was: None,
+                    now: Some(r.clone()),
+                });
+            }
             actions.push(Action::HostsChanged);
             actions.push(Action::Synced);
         } else if in_group {
@@ -258,6 +302,7 @@ impl ClusterMap {
         self.joined = false;
         self.buffered.clear();
         self.membership = Membership::default();
+        self.roles = Roles::default();
     }
 
     /// Whether `ev` ends this member's membership of the group (a failure the others declared).
@@ -284,11 +329,13 @@ impl ClusterMap {
 
     /// Builds the snapshot `SendSnapshot` asks for.
     pub fn snapshot(&self, to: MemberId, through: u64, store: &mut impl WiringStore) -> ClusterMsg {
+        let mut vhosts = store.export();
+        self.roles.fill(&mut vhosts);
         ClusterMsg::Snapshot(Box::new(Snapshot {
             to,
             through,
             membership: self.membership.clone(),
-            vhosts: store.export(),
+            vhosts,
         }))
     }
 
@@ -298,6 +345,29 @@ impl ClusterMap {
         store: &mut impl WiringStore,
         actions: &mut Vec<Action>,
     ) -> Result<(), MapError> {
+        let roles = Roles::from_wiring(&s.vhosts);
+        let old = std::mem::replace(&mut self.roles, roles);
+        for (vhost, queue, was) in old.iter() {
+            if self.roles.get(vhost, queue).is_none() {
+                actions.push(Action::RolesChanged {
+                    vhost: vhost.to_owned(),
+                    queue: queue.to_owned(),
+                    was: Some(was.clone()),
+                    now: None,
+                });
+            }
+        }
+        for (vhost, queue, now) in self.roles.iter() {
+            let was = old.get(vhost, queue);
+            if was != Some(now) {
+                actions.push(Action::RolesChanged {
+                    vhost: vhost.to_owned(),
+                    queue: queue.to_owned(),
+                    was: was.cloned(),
+                    now: Some(now.clone()),
+                });
+            }
+        }
         store.install(s.vhosts, s.through);
         self.membership.install(s.membership);
         self.membership.on_snapshot(self.me);
@@ -322,6 +392,8 @@ impl ClusterMap {
             CpgEvent::ConfChg { index, members, .. } => {
                 let ids: Vec<MemberId> = members.iter().map(|m| m.id).collect();
                 self.membership.on_conf_change(&ids);
+                let ring = roles::ring(&self.membership);
+                self.update_roles(actions, |r| r.reconcile(&ring));
                 for to in self.membership.snapshot_duty(self.me) {
                     actions.push(Action::SendSnapshot { to, through: index });
                 }
@@ -334,7 +406,21 @@ impl ClusterMap {
                 ..
             } => match ClusterMsg::decode(&payload) {
                 Some(ClusterMsg::Hello(info)) => {
+                    // A member that announced itself before: its process restarted in place.
+                    let restarted = self
+                        .membership
+                        .members()
+                        .iter()
+                        .find(|m| m.id == sender)
+                        .and_then(|m| m.info.as_ref())
+                        .is_some_and(|old| old.node_id == info.node_id)
+                        .then(|| info.node_id.clone());
                     self.membership.on_hello(sender, info);
+                    let ring = roles::ring(&self.membership);
+                    match restarted {
+                        Some(node) => self.update_roles(actions, |r| r.restarted(&node, &ring)),
+                        None => self.update_roles(actions, |r| r.reconcile(&ring)),
+                    }
                     actions.push(Action::HostsChanged);
                 }
                 Some(ClusterMsg::Op {
@@ -343,11 +429,22 @@ impl ClusterMap {
                     vhost,
                     op,
                 }) => {
+                    if let Some(outcome) = self.apply_sync_op(sender, &vhost, &op, actions) {
+                        if origin == self.me {
+                            actions.push(Action::Answer {
+                                request,
+                                outcome: outcome.map(|()| (OpReply::default(), None)),
+                            });
+                        }
+                        return Ok(());
+                    }
                     if store.applied_through(&vhost).is_some_and(|t| index <= t) {
                         // Applied and saved by the previous process: a restart's replay.
+                        self.track_queue(index, origin, &vhost, &op, None, actions);
                         return Ok(());
                     }
                     let outcome = store.apply(index, &vhost, &op);
+                    self.track_queue(index, origin, &vhost, &op, Some(&outcome), actions);
                     if origin == self.me {
                         actions.push(Action::Answer { request, outcome });
                     }
@@ -360,7 +457,155 @@ impl ClusterMap {
         }
         Ok(())
     }
+
+    /// Applies `f` to every queue's roles, and reports each change.
+    fn update_roles(&mut self, actions: &mut Vec<Action>, f: impl FnMut(&mut QueueRoles)) {
+        for (vhost, queue, was, now) in self.roles.update_all(f) {
+            actions.push(Action::RolesChanged {
+                vhost,
+                queue,
+                was: Some(was),
+                now: Some(now),
+            });
+        }
+    }
+
+    /// [`WiringOp::BackupInSync`] and [`WiringOp::BackupOutOfSync`] change the roles only (the
+    /// store never sees them), whatever a restart's store saved: `Some` with the answer for
+    /// them, `None` for every other op. In sync counts only when `sender` is the primary of
+    /// that incarnation: a deposed primary's late op must not vouch for a backup it no longer
+    /// feeds.
+    fn apply_sync_op(
+        &mut self,
+        sender: MemberId,
+        vhost: &str,
+        op: &WiringOp,
+        actions: &mut Vec<Action>,
+    ) -> Option<Result<(), AmqpError>> {
+        let (queue, incarnation, node, in_sync) = match op {
+            WiringOp::BackupInSync {
+                queue,
+                incarnation,
+                node,
+            } => (queue, *incarnation, node, true),
+            WiringOp::BackupOutOfSync {
+                queue,
+                incarnation,
+                node,
+            } => (queue, *incarnation, node, false),
+            _ => return None,
+        };
+        let sender_node = self
+            .membership
+            .members()
+            .iter()
+            .find(|m| m.id == sender)
+            .and_then(|m| m.info.as_ref())
+            .map(|i| i.node_id.as_str());
+        let Some(was) = self
+            .roles
+            .get(vhost, queue)
+            .filter(|r| r.incarnation == incarnation)
+        else {
+            return Some(Err(AmqpError::not_found(format!(
+                "no incarnation {incarnation} of queue '{queue}' in vhost '{vhost}'"
+            ))));
+        };
+        let mut now = was.clone();
+        let changed = if in_sync {
+            sender_node == Some(now.primary.as_str()) && now.mark_in_sync(node)
+        } else {
+            now.mark_out_of_sync(node)
+        };
+        if changed {
+            let was = self.roles.set(vhost, queue, Some(now.clone()));
+            actions.push(Action::RolesChanged {
+                vhost: vhost.to_owned(),
+                queue: queue.to_owned(),
+                was,
+                now: Some(now),
+            });
+            Some(Ok(()))
+        } else if in_sync && !now.in_sync.contains(node) {
+            Some(Err(AmqpError::precondition(format!(
+                "'{node}' is not a backup that the primary of queue '{queue}' in vhost                  '{vhost}' can mark in sync now"
+            ))))
+        } else {
+            Some(Ok(()))
+        }
+    }
+
+    /// Keeps the roles in step with the queues: a declare that created a clustered queue
+    /// gives it roles (incarnation: this op's agreed `index`), a delete takes them away.
+    /// `outcome` is the store's answer; `None` for an op a restart's store had already
+    /// applied, where the map decides from what it holds (a queue it has no roles for, with
+    /// valid arguments, is created).
+    fn track_queue(
+        &mut self,
+        index: u64,
+        origin: MemberId,
+        vhost: &str,
+        op: &WiringOp,
+        outcome: Option<&Result<(OpReply, Option<u64>), AmqpError>>,
+        actions: &mut Vec<Action>,
+    ) {
+        match op {
+            WiringOp::DeclareQueue {
+                name,
+                exclusive: false,
+                home: Some(home),
+                arguments,
+                server_named,
+                ..
+            } if !is_foreign(home) => {
+                let Ok(args) = QueueArgs::parse(arguments, name, vhost) else {
+                    return;
+                };
+                let created = match outcome {
+                    Some(Ok((reply, _))) => reply.created,
+                    Some(Err(_)) => false,
+                    None => {
+                        let reserved = name.starts_with("amq.")
+                            && !(*server_named && name.starts_with("amq.gen-"));
+                        !reserved && self.roles.get(vhost, name).is_none()
+                    }
+                };
+                if !created {
+                    return;
+                }
+                let k = args.backups.unwrap_or_else(|| {
+                    self.membership
+                        .members()
+                        .iter()
+                        .find(|m| m.id == origin)
+                        .and_then(|m| m.info.as_ref())
+                        .map_or(roles::DEFAULT_BACKUPS, |i| i.default_backups)
+                });
+                let now = QueueRoles::new(index, home, k, &roles::ring(&self.membership));
+                let was = self.roles.set(vhost, name, Some(now.clone()));
+                actions.push(Action::RolesChanged {
+                    vhost: vhost.to_owned(),
+                    queue: name.clone(),
+                    was,
+                    now: Some(now),
+                });
+            }
+            WiringOp::DeleteQueue { name, .. } if !matches!(outcome, Some(Err(_))) => {
+                if let Some(was) = self.roles.set(vhost, name, None) {
+                    actions.push(Action::RolesChanged {
+                        vhost: vhost.to_owned(),
+                        queue: name.clone(),
+                        was: Some(was),
+                        now: None,
+                    });
+                }
+            }
+            _ => {}
+        }
+    }
 }
 
+#[cfg(test)]
+mod roles_tests;
 #[cfg(test)]
 mod tests;

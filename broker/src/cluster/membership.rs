@@ -19,6 +19,16 @@ pub struct MemberInfo {
     pub admin: String,
     /// Failure zone.
     pub zone: String,
+    /// Its `default_backups`: the `k` of a queue declared through it without
+    /// `qpid.cluster.backups`. Announced, so that every member gives such a queue the same
+    /// number of backups whatever its own configuration says (a member that predates it
+    /// announces none: [`super::roles::DEFAULT_BACKUPS`]).
+    #[serde(default = "default_backups")]
+    pub default_backups: u8,
+}
+
+fn default_backups() -> u8 {
+    super::roles::DEFAULT_BACKUPS
 }
 
 /// One member as the map knows it.
@@ -120,6 +130,7 @@ mod tests {
             amqp: format!("127.0.0.1:{}", 5670 + u16::from(n)),
             admin: String::new(),
             zone: String::new(),
+            default_backups: 1,
         }
     }
 

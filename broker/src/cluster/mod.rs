@@ -13,6 +13,8 @@ pub mod message;
 pub mod node;
 pub mod notice;
 pub mod placement;
+pub mod roles;
 
 pub use membership::{MemberInfo, MemberState, Membership};
 pub use node::{Cluster, ClusterError, ClusterHost, ClusterSettings, OpOutcome};
+pub use roles::{QueueRoles, Roles};

@@ -5,6 +5,7 @@
 use super::map::{Action, Checkpoint, ClusterMap, WiringStore};
 use super::membership::{MemberInfo, MemberState, Membership};
 use super::message::ClusterMsg;
+use super::roles::{QueueRoles, Roles};
 use crate::core::AmqpError;
 use crate::core::{OpReply, WiringOp};
 use crate::cpg::{Cpg, CpgConfig, CpgError, CpgEvent, CpgEvents, MemberId, SyncPoint};
@@ -95,6 +96,8 @@ pub struct Cluster {
     pending: Mutex<HashMap<u64, oneshot::Sender<OpOutcome>>>,
     next_request: AtomicU64,
     membership: RwLock<Membership>,
+    /// Every clustered queue's roles, as of the newest event applied.
+    roles: RwLock<Roles>,
     progress: Mutex<Progress>,
     link_password: String,
 }
@@ -170,6 +173,7 @@ impl Cluster {
             pending: Mutex::new(HashMap::new()),
             next_request: AtomicU64::new(1),
             membership: RwLock::new(Membership::default()),
+            roles: RwLock::new(Roles::default()),
             progress: Mutex::new(Progress::default()),
             link_password: crate::proxy::link::link_password(&settings.secret),
         });
@@ -259,6 +263,13 @@ impl Cluster {
     /// The members in ring order.
     pub fn members(&self) -> Vec<MemberState> {
         self.membership.read().members().to_vec()
+    }
+
+    /// The roles of queue `queue` in `vhost` — primary, backups, in-sync set — as of the
+    /// newest cluster event applied here; `None` for a queue that has none (not clustered,
+    /// exclusive, or no such queue).
+    pub fn queue_roles(&self, vhost: &str, queue: &str) -> Option<QueueRoles> {
+        self.roles.read().get(vhost, queue).cloned()
     }
 
     /// AMQP addresses of the live members (`known-hosts`).
@@ -360,6 +371,9 @@ pub trait ClusterHost: WiringStore + Send + 'static {
     /// vhost (`amq.qpid`); `nodes` their node ids, for the queues they own (a queue whose
     /// primary is not among them refuses publishes).
     fn members_changed(&mut self, hosts: &[String], nodes: &[String]);
+    /// Queue `queue` of `vhost` has new roles (`None`: it has none any more): its primary,
+    /// where its messages live, is `roles.primary`.
+    fn roles_changed(&mut self, vhost: &str, queue: &str, roles: Option<&QueueRoles>);
     /// Saves what must survive before the process exits (the journal).
     fn shutdown(&mut self);
     /// The newest journal sequence number handed to the journal, and a watch of the newest
@@ -527,7 +541,20 @@ impl<H: ClusterHost> Applier<H> {
                     *self.cluster.membership.write() = self.map.membership().clone();
                     self.publish_known_hosts();
                 }
-                Action::Synced => self.cluster.progress.lock().synced = true,
+                Action::Synced => {
+                    *self.cluster.roles.write() = self.map.roles().clone();
+                    self.cluster.progress.lock().synced = true;
+                }
+                Action::RolesChanged {
+                    vhost,
+                    queue,
+                    was,
+                    now,
+                } => {
+                    log_roles_change(&vhost, &queue, was.as_ref(), now.as_ref());
+                    self.cluster.roles.write().set(&vhost, &queue, now.clone());
+                    self.host.roles_changed(&vhost, &queue, now.as_ref());
+                }
                 Action::Join => self.join(false),
                 Action::Rejoin => self.join(true),
             }
@@ -577,6 +604,29 @@ impl<H: ClusterHost> Applier<H> {
             .filter_map(|m| m.info.map(|i| i.node_id))
             .collect();
         self.host.members_changed(&hosts, &nodes);
+    }
+}
+
+/// One line for a change of a queue's roles a person wants to know about: an election, a
+/// queue becoming unavailable or available again (at `debug`, backups coming and going).
+fn log_roles_change(vhost: &str, queue: &str, was: Option<&QueueRoles>, now: Option<&QueueRoles>) {
+    let (Some(was), Some(now)) = (was, now) else {
+        return;
+    };
+    if now.unavailable && !was.unavailable {
+        tracing::warn!(
+            vhost,
+            queue,
+            lost_primary = %now.primary,
+            waiting_for = ?now.in_sync,
+            "queue unavailable: its primary is gone and no backup was in sync; it returns with the lost primary or one of the nodes it waits for"
+        );
+    } else if now.primary != was.primary {
+        tracing::info!(vhost, queue, from = %was.primary, to = %now.primary, backups = ?now.backups, "queue primary elected: an in-sync backup took over");
+    } else if was.unavailable && !now.unavailable {
+        tracing::info!(vhost, queue, primary = %now.primary, "queue available again: its primary is back");
+    } else if now.backups != was.backups || now.in_sync != was.in_sync {
+        tracing::debug!(vhost, queue, backups = ?now.backups, in_sync = ?now.in_sync, "queue backups changed");
     }
 }
 

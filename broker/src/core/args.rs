@@ -36,7 +36,17 @@ pub struct QueueArgs {
     pub max_priority: Option<u8>,
     /// `x-single-active-consumer`.
     pub single_active_consumer: bool,
+    /// `qpid.cluster.backups` ([`BACKUPS_ARGUMENT`]): how many backups a clustered queue
+    /// keeps (0..=[`MAX_BACKUPS`]); `None` takes the member's `default_backups`.
+    pub backups: Option<u8>,
 }
+
+/// The declare argument naming how many backups a clustered queue keeps.
+pub const BACKUPS_ARGUMENT: &str = "qpid.cluster.backups";
+
+/// Most backups one queue may ask for: each costs a copy of every message and an ack on
+/// every confirm, and three already survive more failures than a cluster's quorum allows.
+pub const MAX_BACKUPS: u8 = 3;
 
 /// Reads an integer field of any AMQP integer type.
 pub fn int_value(v: &AMQPValue) -> Option<i64> {
@@ -117,6 +127,17 @@ impl QueueArgs {
                     args.dead_letter_routing_key =
                         Some(str_value(value).ok_or_else(|| bad("expected a string"))?)
                 }
+                BACKUPS_ARGUMENT => {
+                    let range =
+                        || bad(&format!("value must be an integer from 0 to {MAX_BACKUPS}"));
+                    let n = int_value(value).ok_or_else(range)?;
+                    args.backups = Some(
+                        u8::try_from(n)
+                            .ok()
+                            .filter(|n| *n <= MAX_BACKUPS)
+                            .ok_or_else(range)?,
+                    );
+                }
                 "x-single-active-consumer" => {
                     args.single_active_consumer = match value {
                         AMQPValue::Boolean(b) => *b,
@@ -195,9 +216,41 @@ mod tests {
                 "x-dead-letter-routing-key",
                 AMQPValue::LongString("k".into()),
             )]),
+            table(&[(BACKUPS_ARGUMENT, AMQPValue::LongInt(4))]),
+            table(&[(BACKUPS_ARGUMENT, AMQPValue::LongInt(-1))]),
         ] {
             let err = QueueArgs::parse(&bad, "q", "/").unwrap_err();
             assert_eq!(err.code, 406, "{err}");
+        }
+    }
+
+    #[test]
+    fn backups_take_any_integer_type_from_0_to_3_and_name_the_argument_otherwise() {
+        for (value, want) in [
+            (AMQPValue::ShortShortUInt(0), 0),
+            (AMQPValue::ShortInt(1), 1),
+            (AMQPValue::LongUInt(2), 2),
+            (AMQPValue::LongLongInt(3), 3),
+        ] {
+            let args = QueueArgs::parse(&table(&[(BACKUPS_ARGUMENT, value)]), "q", "/").unwrap();
+            assert_eq!(args.backups, Some(want));
+        }
+        assert_eq!(
+            QueueArgs::parse(&table(&[]), "q", "/").unwrap().backups,
+            None
+        );
+        for bad in [
+            AMQPValue::LongInt(4),
+            AMQPValue::ShortShortInt(-1),
+            AMQPValue::LongString("2".into()),
+        ] {
+            let err = QueueArgs::parse(&table(&[(BACKUPS_ARGUMENT, bad)]), "q", "/").unwrap_err();
+            assert_eq!(err.code, 406);
+            assert!(
+                err.text.contains("'qpid.cluster.backups'") && err.text.contains("from 0 to 3"),
+                "{}",
+                err.text
+            );
         }
     }
 }

@@ -67,6 +67,39 @@ pub struct WiringQueue {
     /// (a joiner routes to them and refuses them to its own connections); no disk does.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub exclusive: bool,
+    /// Its backups and their sync state, beside `home` (the primary): only a cluster map's
+    /// snapshot carries them (`cluster::roles`, which decides them); a vhost exports them
+    /// empty, and no disk holds them. Flat in JSON, absent when empty.
+    #[serde(flatten)]
+    pub roles: WiringRoles,
+}
+
+/// A clustered queue's roles besides its primary, as a snapshot of the cluster map carries
+/// them. Every field defaults, so snapshots of members that predate roles still read.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WiringRoles {
+    /// Cluster-wide identity of the queue's incarnation: the agreed index of the declare that
+    /// created it, the same on every member (unlike `uid`, local to one journal). 0: none
+    /// (not a clustered queue, or declared before roles existed).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub incarnation: u64,
+    /// Node ids of the backups, in ring order after the primary.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub backups: Vec<String>,
+    /// The backups that are in sync (may be promoted), in backups order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub in_sync: Vec<String>,
+    /// How many backups the queue keeps when enough members are up (`k`).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub wanted_backups: u8,
+    /// The primary is lost with no in-sync backup: `home` and `in_sync` name who holds the
+    /// newest state, and the queue waits for one of them.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub unavailable: bool,
+}
+
+fn is_zero<T: Default + PartialEq>(n: &T) -> bool {
+    *n == T::default()
 }
 
 /// A binding between two ends that the same view holds.
@@ -203,6 +236,8 @@ impl VHost {
                         View::Shared => q.home.as_deref().map(str::to_owned),
                     },
                     exclusive: q.exclusive_owner.is_some(),
+                    // The cluster map owns the roles and adds them to its snapshots.
+                    roles: WiringRoles::default(),
                 });
             }
         }

@@ -125,6 +125,31 @@ pub enum WiringOp {
         /// Arguments.
         arguments: FieldTable,
     },
+    /// A clustered queue's primary caught backup `node` up (a snapshot, then the op stream):
+    /// from this point of the agreed order on it counts as in sync — the primary's confirms
+    /// wait for its ack, and it may be elected. Applied only if `node` is still a backup of
+    /// that incarnation and the sender is its primary (else a no-op). The cluster map's
+    /// roles change; a vhost's wiring does not.
+    BackupInSync {
+        /// Queue.
+        queue: String,
+        /// Its incarnation ([`crate::core::wiring::WiringRoles::incarnation`]).
+        incarnation: u64,
+        /// Node id of the backup.
+        node: String,
+    },
+    /// Backup `node` of a clustered queue is no longer in sync: committed by the primary
+    /// before it sends any confirm without that backup's ack, so a backup that may lack a
+    /// confirmed op is never elected. Applied if `node` is in sync in that incarnation (else
+    /// a no-op), whoever sends it.
+    BackupOutOfSync {
+        /// Queue.
+        queue: String,
+        /// Its incarnation.
+        incarnation: u64,
+        /// Node id of the backup.
+        node: String,
+    },
 }
 
 /// What applying an op answers, for the broker whose client asked.
@@ -323,7 +348,11 @@ impl WiringOp {
                 } else {
                     v.queue_declare(conn, d, now_ms)?
                 };
-                if let Some(home) = home {
+                // A redeclare through another member does not move the queue: its primary is
+                // where it was made, or where the cluster map's election put it.
+                if let Some(home) = home
+                    && (created || v.queue(&name).is_some_and(|q| q.home.is_none()))
+                {
                     v.set_queue_home(&name, &home);
                 }
                 if exclusive && here && conn == NO_CONNECTION {
@@ -364,6 +393,10 @@ impl WiringOp {
             } => v
                 .queue_unbind(conn, &queue, &exchange, &routing_key, arguments)
                 .map(|()| OpReply::default()),
+            // The cluster map's roles, not the vhost's wiring (a single broker has none).
+            WiringOp::BackupInSync { .. } | WiringOp::BackupOutOfSync { .. } => {
+                Ok(OpReply::default())
+            }
         }
     }
 }

@@ -240,6 +240,10 @@ pub fn required_access(op: &WiringOp) -> Vec<(Access, Resource<'_>)> {
             (Access::Write, Resource::Queue(queue)),
             (Access::Read, Resource::Exchange(exchange)),
         ],
+        // A queue's primary sends these itself; no client method makes them.
+        WiringOp::BackupInSync { queue, .. } | WiringOp::BackupOutOfSync { queue, .. } => {
+            vec![(Access::Configure, Resource::Queue(queue))]
+        }
     }
 }
 

@@ -64,6 +64,7 @@ fn wiring(uids: &[u64]) -> Wiring {
                 arguments: Default::default(),
                 home: None,
                 exclusive: false,
+                roles: Default::default(),
             })
             .collect(),
         ..Default::default()

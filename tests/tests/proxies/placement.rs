@@ -166,3 +166,98 @@ async fn a_balanced_locator_spreads_primaries_over_the_members() {
         .unwrap_err();
     assert_eq!(reply_code(&e), Some(406), "{e}");
 }
+
+#[tokio::test]
+async fn a_queue_lists_its_backups_in_ring_order_and_a_lost_backup_is_replaced() {
+    let (mut members, _secret) = start_cluster("proxy-backups", 4);
+    let (_c0, on_0) = members[0].channel().await;
+    let args = |backups: lapin::types::AMQPValue| {
+        let mut args = FieldTable::default();
+        args.insert(
+            "qpid.cluster.primary".into(),
+            lapin::types::AMQPValue::LongString("proxy-backups-2".into()),
+        );
+        args.insert("qpid.cluster.backups".into(), backups);
+        args
+    };
+    on_0.queue_declare(
+        "two".into(),
+        QueueDeclareOptions::default(),
+        args(lapin::types::AMQPValue::ShortShortUInt(2)),
+    )
+    .await
+    .unwrap();
+    // Without the argument: the member's `default_backups`, 1.
+    on_0.queue_declare(
+        "one".into(),
+        QueueDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let backups = |b: &ringmq_tests::Broker, name: &str| {
+        let q = b
+            .admin_client()
+            .get(&format!("/api/queues/%2f/{name}"))
+            .unwrap()
+            .body;
+        assert_eq!(q["in_sync_backup_nodes"], serde_json::json!([]), "{q}");
+        assert_eq!(q["unavailable"], false, "{q}");
+        q["backup_nodes"].clone()
+    };
+    for m in &members {
+        // The primary's successors in join order, wrapping around; the same on every member.
+        assert_eq!(
+            backups(m, "two"),
+            serde_json::json!(["proxy-backups-3", "proxy-backups-0"])
+        );
+        assert_eq!(backups(m, "one"), serde_json::json!(["proxy-backups-1"]));
+    }
+    let listed = members[1].admin_client().get("/api/queues").unwrap().body;
+    let two = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|q| q["name"] == "two")
+        .expect("listed");
+    assert_eq!(
+        two["backup_nodes"].as_array().map(Vec::len),
+        Some(2),
+        "{two}"
+    );
+
+    // More than three backups: 406 naming the argument and the range.
+    let (_c, ch) = members[1].channel().await;
+    let refused = ch
+        .queue_declare(
+            "four".into(),
+            QueueDeclareOptions::default(),
+            args(lapin::types::AMQPValue::LongInt(4)),
+        )
+        .await
+        .expect_err("at most three backups");
+    assert_eq!(reply_code(&refused), Some(406));
+    assert!(
+        refused.to_string().contains("qpid.cluster.backups"),
+        "{refused}"
+    );
+
+    // Backup 3 is killed: the next member in the ring takes its place.
+    members[3].kill();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
+    loop {
+        let now = backups(&members[0], "two");
+        if now == serde_json::json!(["proxy-backups-0", "proxy-backups-1"]) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no transfer after the kill: {now}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        backups(&members[1], "two"),
+        serde_json::json!(["proxy-backups-0", "proxy-backups-1"])
+    );
+}

@@ -230,6 +230,13 @@ fn queue_json(b: &Broker, vh: &str, q: &Queue) -> Value {
     let node = q.home.as_deref().unwrap_or(&b.config.node_id);
     let ready = q.ready_count();
     let unacked = q.unacked_count();
+    // Its backups (node ids, in ring order) and which of them may take over: the cluster
+    // map's, so every member answers the same.
+    let roles = b.cluster().and_then(|c| c.queue_roles(vh, &q.name));
+    let (backups, in_sync, unavailable) = match roles {
+        Some(r) => (r.backups, r.in_sync, r.unavailable),
+        None => (Vec::new(), Vec::new(), false),
+    };
     json!({
         "name": q.name.as_ref(),
         "vhost": vh,
@@ -243,6 +250,9 @@ fn queue_json(b: &Broker, vh: &str, q: &Queue) -> Value {
         "consumers": q.consumers.len(),
         "owner": node,
         "node": node,
+        "backup_nodes": backups,
+        "in_sync_backup_nodes": in_sync,
+        "unavailable": unavailable,
         "type": "classic",
         "state": "running",
     })

@@ -12,12 +12,12 @@ use bytes::Bytes;
 use rand08::rngs::StdRng;
 use rand08::{Rng, SeedableRng};
 
-struct Store {
-    vhosts: BTreeMap<String, VHost>,
+pub(super) struct Store {
+    pub(super) vhosts: BTreeMap<String, VHost>,
 }
 
 impl Store {
-    fn new(seed: u64) -> Self {
+    pub(super) fn new(seed: u64) -> Self {
         let mut vhosts = BTreeMap::new();
         vhosts.insert("/".to_owned(), VHost::new("/", seed));
         Self { vhosts }
@@ -76,7 +76,7 @@ struct Model {
     answers: usize,
 }
 
-fn member(id: MemberId) -> Member {
+pub(super) fn member(id: MemberId) -> Member {
     Member {
         id,
         addr: format!("m{id}"),
@@ -99,6 +99,7 @@ impl Model {
                             amqp: format!("a{}", node.id),
                             admin: String::new(),
                             zone: String::new(),
+                            default_backups: 1,
                         };
                         let delay = self.rng.gen_range(0..4);
                         self.pending.push((node.id, delay, ClusterMsg::Hello(info)));
@@ -109,7 +110,11 @@ impl Model {
                         self.pending.push((node.id, delay, msg));
                     }
                     Action::Answer { .. } => self.answers += 1,
-                    Action::HostsChanged | Action::Synced | Action::Join | Action::Rejoin => {}
+                    Action::HostsChanged
+                    | Action::Synced
+                    | Action::Join
+                    | Action::Rejoin
+                    | Action::RolesChanged { .. } => {}
                 }
             }
         }
@@ -468,6 +473,7 @@ fn a_restarted_member_failed_meanwhile_joins_again_and_never_founds_alone() {
     let checkpoint = Checkpoint {
         through: 5,
         membership: Membership::default(),
+        roles: Roles::default(),
     };
     let mut map = ClusterMap::resume(2, checkpoint);
     // The replay shows the others declaring it failed while it was down.

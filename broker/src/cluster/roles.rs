@@ -1,0 +1,454 @@
+//! Who holds each clustered queue: its primary, its `k` backups in ring order, which of them
+//! are in sync, and whether the queue is unavailable. Pure decisions over the ring (the
+//! members whose hello gave their node id, in join order), taken by the cluster map on every
+//! member at the same point of the agreed order, so every member reaches the same roles
+//! without a vote:
+//!
+//! * **election** — the primary's member is gone: the first backup (in backups order) that
+//!   is in sync and still a member becomes primary. A backup that is catching up is never
+//!   promoted; with none in sync left the queue is *unavailable* until a member holding its
+//!   newest state returns.
+//! * **backup-ship transfer** — a backup's member is gone: the primary's next ring members
+//!   that are not backups yet take its place, not in sync (they catch up first).
+//! * **join** — a member whose hello arrived fills the queues that are short of `k`.
+//!
+//! The ops that change the in-sync set ([`WiringOp::BackupInSync`] and
+//! [`WiringOp::BackupOutOfSync`], committed by the primary) name the queue's incarnation, so
+//! a late op never touches a queue of the same name declared again.
+//!
+//! [`WiringOp::BackupInSync`]: crate::core::WiringOp::BackupInSync
+//! [`WiringOp::BackupOutOfSync`]: crate::core::WiringOp::BackupOutOfSync
+
+use super::membership::Membership;
+use crate::core::wiring::{Wiring, WiringRoles};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+pub use crate::core::args::{BACKUPS_ARGUMENT, MAX_BACKUPS};
+
+/// Backups of a queue declared without [`BACKUPS_ARGUMENT`] on a member whose configuration
+/// does not say (`default_backups`): one, so one failure loses nothing.
+pub const DEFAULT_BACKUPS: u8 = 1;
+
+/// The roles of one clustered queue, the same on every member.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QueueRoles {
+    /// Cluster-wide identity of this incarnation of the queue: the agreed index of the
+    /// declare that created it (a queue deleted and declared again is another incarnation).
+    pub incarnation: u64,
+    /// Node id of the primary (the queue's `home`); while unavailable, the lost primary.
+    pub primary: String,
+    /// Node ids of the backups, in ring order after the primary; never the primary, never
+    /// twice, at most `wanted_backups`.
+    pub backups: Vec<String>,
+    /// The backups that hold every op the primary confirmed (a subset of `backups`, in
+    /// backups order). Only these may be promoted.
+    pub in_sync: Vec<String>,
+    /// `k`: how many backups the queue keeps when enough members are up.
+    pub wanted_backups: u8,
+    /// The primary is lost and no in-sync backup was left: nobody may serve the queue until
+    /// the primary or one of `in_sync` (kept as they were, members or not) returns.
+    pub unavailable: bool,
+}
+
+impl QueueRoles {
+    /// The roles of a queue created at agreed `incarnation` on `primary`, wanting `k` backups,
+    /// given the ring now. Its backups start out of sync, like any new backup.
+    pub fn new(incarnation: u64, primary: &str, k: u8, ring: &[String]) -> Self {
+        let mut roles = Self {
+            incarnation,
+            primary: primary.to_owned(),
+            backups: Vec::new(),
+            in_sync: Vec::new(),
+            wanted_backups: k.min(MAX_BACKUPS),
+            unavailable: false,
+        };
+        roles.reconcile(ring);
+        roles
+    }
+
+    /// Brings the roles in line with `ring` (node ids of the members, in ring order): an
+    /// election if the primary is gone, its end when a holder of the newest state is back,
+    /// departed backups dropped, and the ring's next members added up to `k`. Idempotent:
+    /// the same roles and ring give the same result however often it runs.
+    pub fn reconcile(&mut self, ring: &[String]) {
+        let live = |n: &String| ring.contains(n);
+        if !live(&self.primary) {
+            let promoted = self
+                .backups
+                .iter()
+                .position(|b| self.in_sync.contains(b) && live(b));
+            let Some(i) = promoted else {
+                // Frozen: `primary` and `in_sync` name who holds the newest state.
+                self.unavailable = true;
+                return;
+            };
+            let new = self.backups.remove(i);
+            self.in_sync.retain(|n| *n != new);
+            self.primary = new;
+        }
+        self.unavailable = false;
+        self.backups.retain(live);
+        let backups = &self.backups;
+        self.in_sync.retain(|n| backups.contains(n));
+        let Some(at) = ring.iter().position(|n| *n == self.primary) else {
+            return;
+        };
+        let successors = ring[at + 1..].iter().chain(&ring[..at]);
+        for n in successors {
+            if self.backups.len() >= usize::from(self.wanted_backups) {
+                break;
+            }
+            if !self.backups.contains(n) {
+                self.backups.push(n.clone());
+            }
+        }
+        self.assert_invariants();
+    }
+
+    /// Node `node`'s member restarted in place (its hello came again): whatever it held in
+    /// memory is gone, so it is no longer in sync, and a primary with an in-sync backup
+    /// hands over to it (the restarted one keeps only what its journal had).
+    pub fn restarted(&mut self, node: &str, ring: &[String]) {
+        if self.unavailable {
+            return;
+        }
+        if self.primary == node {
+            let promoted = self
+                .backups
+                .iter()
+                .position(|b| self.in_sync.contains(b) && ring.contains(b));
+            if let Some(i) = promoted {
+                let new = self.backups.remove(i);
+                self.in_sync.retain(|n| *n != new);
+                self.primary = new;
+            }
+        }
+        self.in_sync.retain(|n| n != node);
+        self.reconcile(ring);
+    }
+
+    /// `node` caught up: in sync from now on, if it is still a backup (else nothing changes;
+    /// returns whether it did).
+    pub fn mark_in_sync(&mut self, node: &str) -> bool {
+        if self.unavailable || !self.backups.iter().any(|b| b == node) {
+            return false;
+        }
+        if self.in_sync.iter().any(|b| b == node) {
+            return false;
+        }
+        self.in_sync.push(node.to_owned());
+        let backups = &self.backups;
+        self.in_sync
+            .sort_by_key(|n| backups.iter().position(|b| b == n));
+        true
+    }
+
+    /// `node` fell behind: no longer in sync (returns whether it was).
+    pub fn mark_out_of_sync(&mut self, node: &str) -> bool {
+        if self.unavailable {
+            return false;
+        }
+        let before = self.in_sync.len();
+        self.in_sync.retain(|n| n != node);
+        self.in_sync.len() != before
+    }
+
+    /// A broken invariant stops loudly: the primary is never its own backup, a node is a
+    /// backup once, there are never more than `k`, and only backups are in sync.
+    fn assert_invariants(&self) {
+        assert!(
+            !self.backups.contains(&self.primary),
+            "primary {} is also a backup: {self:?}",
+            self.primary
+        );
+        assert!(
+            self.backups.len() <= usize::from(self.wanted_backups),
+            "{self:?}"
+        );
+        for (i, b) in self.backups.iter().enumerate() {
+            assert!(!self.backups[..i].contains(b), "backup {b} twice: {self:?}");
+        }
+        assert!(
+            self.in_sync.iter().all(|n| self.backups.contains(n)),
+            "{self:?}"
+        );
+    }
+}
+
+/// Node ids of the members whose hello arrived, in ring order: who may hold a role now.
+pub fn ring(membership: &Membership) -> Vec<String> {
+    let mut ring: Vec<String> = Vec::new();
+    for m in membership.members() {
+        if let Some(info) = &m.info
+            && !ring.contains(&info.node_id)
+        {
+            ring.push(info.node_id.clone());
+        }
+    }
+    ring
+}
+
+/// The roles of every clustered queue, by vhost and name. Exclusive queues, queues of
+/// another AMQP broker and queues declared before roles existed have none.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Roles {
+    vhosts: BTreeMap<String, BTreeMap<String, QueueRoles>>,
+}
+
+impl Roles {
+    /// The roles of queue `queue` in `vhost`.
+    pub fn get(&self, vhost: &str, queue: &str) -> Option<&QueueRoles> {
+        self.vhosts.get(vhost)?.get(queue)
+    }
+
+    /// Sets (or, with `None`, removes) the roles of `queue` in `vhost`; returns what they were.
+    pub fn set(
+        &mut self,
+        vhost: &str,
+        queue: &str,
+        roles: Option<QueueRoles>,
+    ) -> Option<QueueRoles> {
+        match roles {
+            Some(r) => self
+                .vhosts
+                .entry(vhost.to_owned())
+                .or_default()
+                .insert(queue.to_owned(), r),
+            None => {
+                let queues = self.vhosts.get_mut(vhost)?;
+                let was = queues.remove(queue);
+                if queues.is_empty() {
+                    self.vhosts.remove(vhost);
+                }
+                was
+            }
+        }
+    }
+
+    /// Every queue's roles: (vhost, queue, roles), sorted.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &str, &QueueRoles)> {
+        self.vhosts
+            .iter()
+            .flat_map(|(v, qs)| qs.iter().map(move |(q, r)| (v.as_str(), q.as_str(), r)))
+    }
+
+    /// Applies `f` to every queue's roles; returns (vhost, queue, before, after) for each that
+    /// changed, in a stable order.
+    pub fn update_all(
+        &mut self,
+        mut f: impl FnMut(&mut QueueRoles),
+    ) -> Vec<(String, String, QueueRoles, QueueRoles)> {
+        let mut changed = Vec::new();
+        for (v, qs) in &mut self.vhosts {
+            for (q, r) in qs.iter_mut() {
+                let before = r.clone();
+                f(r);
+                if *r != before {
+                    changed.push((v.clone(), q.clone(), before, r.clone()));
+                }
+            }
+        }
+        changed
+    }
+
+    /// Writes the roles into the shared wiring a snapshot carries (each queue's `home`,
+    /// `backups`, `in_sync`, `incarnation`, `wanted_backups`, `unavailable`).
+    pub fn fill(&self, vhosts: &mut BTreeMap<String, Wiring>) {
+        for (name, w) in vhosts.iter_mut() {
+            for q in &mut w.queues {
+                if let Some(r) = self.get(name, &q.name) {
+                    q.home = Some(r.primary.clone());
+                    q.roles = WiringRoles {
+                        incarnation: r.incarnation,
+                        backups: r.backups.clone(),
+                        in_sync: r.in_sync.clone(),
+                        wanted_backups: r.wanted_backups,
+                        unavailable: r.unavailable,
+                    };
+                }
+            }
+        }
+    }
+
+    /// The roles a snapshot's shared wiring carries (queues with an incarnation); a snapshot
+    /// from a member that predates roles carries none.
+    pub fn from_wiring(vhosts: &BTreeMap<String, Wiring>) -> Self {
+        let mut roles = Self::default();
+        for (name, w) in vhosts {
+            for q in &w.queues {
+                let Some(primary) = q.home.as_ref().filter(|_| q.roles.incarnation != 0) else {
+                    continue;
+                };
+                let r = &q.roles;
+                roles.set(
+                    name,
+                    &q.name,
+                    Some(QueueRoles {
+                        incarnation: r.incarnation,
+                        primary: primary.clone(),
+                        backups: r.backups.clone(),
+                        in_sync: r.in_sync.clone(),
+                        wanted_backups: r.wanted_backups,
+                        unavailable: r.unavailable,
+                    }),
+                );
+            }
+        }
+        roles
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ring_of(nodes: &[&str]) -> Vec<String> {
+        nodes.iter().map(|n| (*n).to_owned()).collect()
+    }
+
+    #[test]
+    fn backups_are_the_primarys_ring_successors_and_start_out_of_sync() {
+        let ring = ring_of(&["a", "b", "c", "d", "e"]);
+        let r = QueueRoles::new(7, "d", 2, &ring);
+        assert_eq!(r.backups, ["e", "a"], "wrapping around the ring");
+        assert!(r.in_sync.is_empty());
+        assert!(!r.unavailable);
+        let r = QueueRoles::new(7, "a", 3, &ring_of(&["a", "b"]));
+        assert_eq!(r.backups, ["b"], "as many as there are members");
+        let r = QueueRoles::new(7, "a", 0, &ring);
+        assert!(r.backups.is_empty());
+    }
+
+    #[test]
+    fn the_first_in_sync_backup_in_ring_order_is_elected_never_one_catching_up() {
+        let ring = ring_of(&["a", "b", "c", "d"]);
+        let mut r = QueueRoles::new(1, "a", 2, &ring);
+        assert_eq!(r.backups, ["b", "c"]);
+        assert!(r.mark_in_sync("c"));
+        r.reconcile(&ring_of(&["b", "c", "d"]));
+        assert_eq!(r.primary, "c", "b was still catching up");
+        assert_eq!(
+            r.backups,
+            ["b", "d"],
+            "c's successors after it, b stays a backup"
+        );
+        assert!(r.in_sync.is_empty());
+    }
+
+    #[test]
+    fn other_in_sync_backups_stay_in_sync_across_an_election() {
+        let ring = ring_of(&["a", "b", "c", "d", "e"]);
+        let mut r = QueueRoles::new(1, "a", 2, &ring);
+        r.mark_in_sync("b");
+        r.mark_in_sync("c");
+        r.reconcile(&ring_of(&["b", "c", "d", "e"]));
+        assert_eq!(r.primary, "b");
+        assert_eq!(r.backups, ["c", "d"]);
+        assert_eq!(r.in_sync, ["c"]);
+    }
+
+    #[test]
+    fn five_members_with_two_backups_survive_the_primary_and_its_first_backup_at_once() {
+        let ring = ring_of(&["a", "b", "c", "d", "e"]);
+        let mut r = QueueRoles::new(1, "a", 2, &ring);
+        r.mark_in_sync("b");
+        r.mark_in_sync("c");
+        r.reconcile(&ring_of(&["c", "d", "e"]));
+        assert_eq!(r.primary, "c");
+        assert_eq!(r.backups, ["d", "e"]);
+        assert!(r.in_sync.is_empty(), "the new backups catch up first");
+    }
+
+    #[test]
+    fn with_no_in_sync_backup_left_the_queue_waits_for_a_holder_of_its_newest_state() {
+        let ring = ring_of(&["a", "b", "c"]);
+        let mut r = QueueRoles::new(1, "a", 2, &ring);
+        r.mark_in_sync("b");
+        // a and b fail together; c was catching up.
+        r.reconcile(&ring_of(&["c"]));
+        assert!(r.unavailable);
+        assert_eq!(r.primary, "a", "the lost primary is kept");
+        assert!(!r.mark_in_sync("c"), "nothing changes while unavailable");
+        // A new member is no holder.
+        r.reconcile(&ring_of(&["c", "d"]));
+        assert!(r.unavailable);
+        // b held the newest state: it serves.
+        r.reconcile(&ring_of(&["c", "d", "b"]));
+        assert!(!r.unavailable);
+        assert_eq!(r.primary, "b");
+        assert_eq!(r.backups, ["c", "d"]);
+    }
+
+    #[test]
+    fn the_lost_primary_returning_ends_the_unavailability_on_itself() {
+        let mut r = QueueRoles::new(1, "a", 1, &ring_of(&["a", "b"]));
+        r.reconcile(&ring_of(&["b"]));
+        assert!(r.unavailable);
+        r.reconcile(&ring_of(&["b", "a"]));
+        assert!(!r.unavailable);
+        assert_eq!(r.primary, "a");
+        assert_eq!(r.backups, ["b"]);
+    }
+
+    #[test]
+    fn a_lost_backup_is_replaced_by_the_next_ring_member_out_of_sync() {
+        let ring = ring_of(&["a", "b", "c", "d"]);
+        let mut r = QueueRoles::new(1, "a", 2, &ring);
+        r.mark_in_sync("b");
+        r.mark_in_sync("c");
+        r.reconcile(&ring_of(&["a", "c", "d"]));
+        assert_eq!(r.primary, "a");
+        assert_eq!(r.backups, ["c", "d"]);
+        assert_eq!(r.in_sync, ["c"]);
+    }
+
+    #[test]
+    fn a_joining_member_fills_a_queue_short_of_backups() {
+        let mut r = QueueRoles::new(1, "a", 2, &ring_of(&["a"]));
+        assert!(r.backups.is_empty());
+        r.reconcile(&ring_of(&["a", "b"]));
+        assert_eq!(r.backups, ["b"]);
+        r.reconcile(&ring_of(&["a", "b", "c", "d"]));
+        assert_eq!(r.backups, ["b", "c"]);
+        assert!(r.in_sync.is_empty());
+    }
+
+    #[test]
+    fn a_declare_on_a_member_that_is_gone_is_unavailable_until_it_returns() {
+        let mut r = QueueRoles::new(1, "x", 1, &ring_of(&["a", "b"]));
+        assert!(r.unavailable);
+        r.reconcile(&ring_of(&["a", "b", "x"]));
+        assert!(!r.unavailable);
+        assert_eq!(r.backups, ["a"]);
+    }
+
+    #[test]
+    fn a_restarted_primary_hands_over_to_an_in_sync_backup_and_catches_up() {
+        let ring = ring_of(&["a", "b", "c"]);
+        let mut r = QueueRoles::new(1, "a", 1, &ring);
+        r.restarted("a", &ring);
+        assert_eq!(
+            r.primary, "a",
+            "no in-sync backup: its journal is the newest state"
+        );
+        r.mark_in_sync("b");
+        r.restarted("b", &ring);
+        assert!(r.in_sync.is_empty(), "a restarted backup catches up again");
+        r.mark_in_sync("b");
+        r.restarted("a", &ring);
+        assert_eq!(r.primary, "b");
+        assert_eq!(r.backups, ["c"]);
+    }
+
+    #[test]
+    fn in_sync_marks_apply_only_to_backups() {
+        let mut r = QueueRoles::new(1, "a", 1, &ring_of(&["a", "b", "c"]));
+        assert!(!r.mark_in_sync("c"));
+        assert!(!r.mark_in_sync("a"));
+        assert!(r.mark_in_sync("b"));
+        assert!(!r.mark_in_sync("b"), "already");
+        assert!(r.mark_out_of_sync("b"));
+        assert!(!r.mark_out_of_sync("b"));
+    }
+}
