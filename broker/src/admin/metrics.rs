@@ -65,6 +65,7 @@ pub fn render(broker: &Broker, per_queue: bool) -> String {
     register_client_counters(&mut reg, broker);
     register_journal(&mut reg, broker);
     register_gauges(&mut reg, broker);
+    register_replication(&mut reg, broker);
     if per_queue {
         register_per_queue(&mut reg, broker);
     }
@@ -187,6 +188,77 @@ fn register_journal(reg: &mut Registry, broker: &Broker) {
         "journal_fsync_seconds",
         "Duration of the journal's fdatasync calls",
         j.fsync_seconds.clone(),
+    );
+}
+
+/// Replication of this member's primaries: totals, catch-ups, and the lag now.
+fn register_replication(reg: &mut Registry, broker: &Broker) {
+    let r = broker.replicator().stats();
+    for (name, help, value) in [
+        (
+            "replication_frames_sent",
+            "Replication frames (a queue's ops of one batch, or a catch-up image) sent to backups",
+            r.frames_sent,
+        ),
+        (
+            "replication_sent_bytes",
+            "Bytes of replication frames sent to backups",
+            r.bytes_sent,
+        ),
+        (
+            "replication_catch_ups_started",
+            "Catch-ups begun: an image of a queue sent to a backup new to it or after a failure",
+            r.catch_ups_started,
+        ),
+        (
+            "replication_catch_ups_completed",
+            "Catch-ups that ended with the backup committed in sync",
+            r.catch_ups_completed,
+        ),
+        (
+            "replication_link_failures",
+            "Links to backups that failed or refused a frame (each starts a catch-up)",
+            r.links_failed,
+        ),
+        (
+            "replication_elections_won",
+            "Queues whose replica on this member was promoted to primary by an election",
+            broker.elections_won(),
+        ),
+    ] {
+        let c: prometheus_client::metrics::counter::Counter = Default::default();
+        c.inc_by(value);
+        reg.register(name, help, c);
+    }
+    gauge(
+        reg,
+        "replication_frames_unacked",
+        "Replication frames sent and not yet acknowledged by their backups (the lag)",
+        r.frames_unacked,
+    );
+    gauge(
+        reg,
+        "replication_batches_waiting",
+        "Batches whose confirms wait for an in-sync backup's acknowledgement",
+        r.batches_waiting,
+    );
+    gauge(
+        reg,
+        "replicated_queues",
+        "Replicated queues this member is the primary of",
+        r.queues,
+    );
+    gauge(
+        reg,
+        "replication_backups_in_sync",
+        "Backups (per queue this member is primary of) that are in sync",
+        r.in_sync_backups,
+    );
+    gauge(
+        reg,
+        "replication_backups_catching_up",
+        "Backups (per queue this member is primary of) that are catching up",
+        r.catching_up_backups,
     );
 }
 

@@ -113,18 +113,7 @@ impl ClusterHost for BrokerHost {
         queue: &str,
         roles: Option<&crate::cluster::QueueRoles>,
     ) {
-        // The primary is where the queue's messages live: the vhost routes and proxies by it.
-        // (Replication — catch-up, promotion of a replica — is not here yet.)
-        if let Some(roles) = roles
-            && let Some(v) = self.broker.vhost(vhost)
-        {
-            let mut v = v.lock();
-            if v.queue(queue)
-                .is_some_and(|q| q.home.as_deref() != Some(roles.primary.as_str()))
-            {
-                v.set_queue_home(queue, &roles.primary);
-            }
-        }
+        self.broker.apply_roles(vhost, queue, roles);
     }
 
     fn shutdown(&mut self) {

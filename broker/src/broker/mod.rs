@@ -14,6 +14,7 @@ pub mod connections;
 pub mod majority;
 pub mod outbox;
 mod persist;
+mod replication;
 pub mod resources;
 pub mod stats;
 mod vhosts;
@@ -71,6 +72,12 @@ pub struct Broker {
     retiring: Arc<Mutex<std::collections::HashSet<(String, String)>>>,
     /// Links to the other members and foreign brokers, for proxied queues.
     proxies: crate::proxy::Proxies,
+    /// Replication of this member's primaries to their backups.
+    replicator: Arc<crate::replication::replicator::Replicator>,
+    /// What the replicator reaches the broker through, once it joined a cluster.
+    replication_host: std::sync::OnceLock<Arc<dyn crate::replication::replicator::ReplicationHost>>,
+    /// Replicas on this member promoted to primary (see [`Broker::elections_won`]).
+    elections_won: AtomicU64,
     /// Whether the listeners accept clients: a cluster member only starts once it holds
     /// the cluster map, so no client sees a wiring the cluster does not have.
     serving: tokio::sync::watch::Sender<bool>,
@@ -107,6 +114,10 @@ impl Broker {
             recovered.disk,
             recovered.next_segment,
         )?;
+        let proxies = crate::proxy::Proxies::default();
+        let replicator = Arc::new(crate::replication::replicator::Replicator::new(
+            proxies.links.clone(),
+        ));
         Ok(Arc::new(Self {
             users: UserStore::new(
                 config.users.clone(),
@@ -127,7 +138,10 @@ impl Broker {
             blocked_reason: Mutex::new(""),
             journal,
             cluster: std::sync::OnceLock::new(),
-            proxies: crate::proxy::Proxies::default(),
+            proxies,
+            replicator,
+            replication_host: std::sync::OnceLock::new(),
+            elections_won: AtomicU64::new(0),
             retiring: Arc::default(),
             serving: tokio::sync::watch::channel(false).0,
             data_dir,
@@ -152,7 +166,7 @@ impl Broker {
 
     /// Records the cluster this broker joined and opens its proxies: links to the other
     /// members, found by node id in the cluster's membership.
-    pub fn joined(&self, cluster: Arc<crate::cluster::Cluster>) {
+    pub fn joined(self: &Arc<Self>, cluster: Arc<crate::cluster::Cluster>) {
         let members = Arc::downgrade(&cluster);
         self.proxies
             .links
@@ -166,6 +180,7 @@ impl Broker {
                     .map(|i| i.amqp)
             });
         let _ = self.cluster.set(cluster);
+        self.start_replication();
     }
 
     /// The node id of the member a queue declared with `arguments` lives on (its primary):

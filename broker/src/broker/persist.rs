@@ -37,6 +37,7 @@ impl Broker {
                 wiring: vhost.durable_wiring(),
             }));
         }
+        self.replicate(vhost, fx);
         if !fx.ops.is_empty() || !fx.page_out.is_empty() {
             let mut records = Vec::new();
             records_from_ops(&fx.ops, &mut records);

@@ -542,7 +542,13 @@ impl<H: ClusterHost> Applier<H> {
                     self.publish_known_hosts();
                 }
                 Action::Synced => {
-                    *self.cluster.roles.write() = self.map.roles().clone();
+                    let roles = self.map.roles().clone();
+                    // The broker follows every queue's roles from here: which copy serves,
+                    // which replicates to whom.
+                    for (vhost, queue, r) in roles.iter() {
+                        self.host.roles_changed(vhost, queue, Some(r));
+                    }
+                    *self.cluster.roles.write() = roles;
                     self.cluster.progress.lock().synced = true;
                 }
                 Action::RolesChanged {

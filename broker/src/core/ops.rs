@@ -17,6 +17,9 @@ pub struct QueueOp {
     pub uid: u64,
     /// Per-queue sequence number: strictly increasing, without gaps, from 1.
     pub seq: u64,
+    /// The queue survives a restart: only such queues' ops go to the journal (a replicated
+    /// transient queue's ops go to its backups only).
+    pub durable: bool,
     /// What changed.
     pub kind: OpKind,
 }

@@ -68,6 +68,9 @@ pub struct Queue {
     /// Node id of the cluster member that owns the queue (where it was declared); `None`
     /// outside a cluster, where the one broker owns everything.
     pub home: Option<Arc<str>>,
+    /// Its ops are replicated (this member is the primary of a queue with backups, or holds
+    /// a backup's copy): they are recorded even when the queue is not durable.
+    pub replicated: bool,
     levels: Vec<VecDeque<Entry>>,
     unacked: HashMap<u64, Entry>,
     ready_count: usize,
@@ -117,6 +120,7 @@ impl Queue {
             last_used_ms: now_ms,
             had_consumer: false,
             home: None,
+            replicated: false,
             levels: (0..levels).map(|_| VecDeque::new()).collect(),
             unacked: HashMap::new(),
             ready_count: 0,
@@ -282,6 +286,7 @@ impl Queue {
             queue: self.name.clone(),
             uid: self.uid,
             seq: self.last_seq + 1,
+            durable: self.durable,
             kind,
         }
     }

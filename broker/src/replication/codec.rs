@@ -270,10 +270,12 @@ fn read_op(r: &mut Reader<'_>, queue: &Arc<str>) -> Result<QueueOp, DecodeError>
         }
         _ => return Err(DecodeError::Malformed("op kind")),
     };
+    // The backup applies the kind to its own copy, under its own uid and durability.
     Ok(QueueOp {
         queue: queue.clone(),
         uid: 0,
         seq,
+        durable: false,
         kind,
     })
 }
@@ -341,7 +343,7 @@ mod tests {
             let ops: Vec<QueueOp> = kinds
                 .into_iter()
                 .enumerate()
-                .map(|(i, kind)| QueueOp { queue: queue.clone(), uid: 0, seq: i as u64 + 1, kind })
+                .map(|(i, kind)| QueueOp { queue: queue.clone(), uid: 0, seq: i as u64 + 1, durable: false, kind })
                 .collect();
             let frame = Frame::Ops { incarnation, queue, ops: ops.clone() };
             let mut out = Vec::new();
@@ -410,6 +412,7 @@ mod tests {
             queue: "q".into(),
             uid: 0,
             seq: 1,
+            durable: true,
             kind: OpKind::Enqueue {
                 id: 4,
                 message: Arc::new(paged),

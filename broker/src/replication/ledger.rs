@@ -64,6 +64,11 @@ impl Ledger {
             .map_or(self.stamp, |&oldest| oldest - 1)
     }
 
+    /// How many batches still wait for an acknowledgement.
+    pub fn waiting(&self) -> u64 {
+        self.stamp - self.acked_through()
+    }
+
     /// Whether `backup` owes anything.
     pub fn owes(&self, backup: &str) -> bool {
         self.owed.contains_key(backup)

@@ -30,11 +30,12 @@ use futures::future::BoxFuture;
 use parking_lot::Mutex;
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use tokio::sync::watch;
 
 /// A replicated queue's roles as the cluster map says, on its primary.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct QueueRoles {
+pub struct ReplicaSet {
     /// The queue's cluster-wide identity.
     pub incarnation: u64,
     /// Node ids of its backups, in ring order.
@@ -45,7 +46,7 @@ pub struct QueueRoles {
 
 /// What the replicator needs of the broker: the vhosts, to take images at a batch boundary,
 /// and the cluster, to commit in-sync changes.
-pub trait ReplicationHost: Send + Sync + 'static {
+pub trait ReplicationHost: Send + Sync + std::fmt::Debug + 'static {
     /// Runs `f` on vhost `vhost` while holding its lock: no batch runs meanwhile.
     fn with_vhost(&self, vhost: &str, f: &mut dyn FnMut(&mut VHost));
     /// Commits through the cluster that `backup` is (or is no longer) in sync for `queue` of
@@ -90,7 +91,7 @@ struct Link {
 struct State {
     ledger: Ledger,
     /// Roles of the replicated queues this member is primary of, by (vhost, queue).
-    roles: HashMap<(String, Arc<str>), QueueRoles>,
+    roles: HashMap<(String, Arc<str>), ReplicaSet>,
     /// By (backup node id, vhost).
     links: HashMap<(String, String), Link>,
 }
@@ -100,6 +101,42 @@ pub struct Replicator {
     forwarders: Forwarders,
     state: Mutex<State>,
     acked: watch::Sender<u64>,
+    counters: Counters,
+}
+
+/// Running totals for `/metrics`.
+#[derive(Debug, Default)]
+struct Counters {
+    frames: AtomicU64,
+    bytes: AtomicU64,
+    catch_ups_started: AtomicU64,
+    catch_ups_completed: AtomicU64,
+    links_failed: AtomicU64,
+}
+
+/// What the replicator has done and where it stands, for `/metrics`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReplicationStats {
+    /// Frames handed to backup links (one per queue per batch per backup, and images).
+    pub frames_sent: u64,
+    /// Their bytes.
+    pub bytes_sent: u64,
+    /// Frames sent and not yet acknowledged, over every backup: the replication lag.
+    pub frames_unacked: u64,
+    /// Batches whose confirms still wait for an in-sync backup.
+    pub batches_waiting: u64,
+    /// Catch-ups begun (an image sent to a backup new to a queue, or after a failure).
+    pub catch_ups_started: u64,
+    /// Catch-ups that ended with the backup committed in sync.
+    pub catch_ups_completed: u64,
+    /// Backup links that failed or refused a frame.
+    pub links_failed: u64,
+    /// Replicated queues this member is primary of.
+    pub queues: u64,
+    /// Of their backups (counted per queue), how many are in sync.
+    pub in_sync_backups: u64,
+    /// And how many are not (catching up).
+    pub catching_up_backups: u64,
 }
 
 impl std::fmt::Debug for Replicator {
@@ -120,6 +157,30 @@ impl Replicator {
             forwarders: Forwarders::new(links),
             state: Mutex::default(),
             acked: watch::Sender::new(0),
+            counters: Counters::default(),
+        }
+    }
+
+    /// Totals and the current lag.
+    pub fn stats(&self) -> ReplicationStats {
+        let state = self.state.lock();
+        let c = &self.counters;
+        let (mut in_sync, mut catching_up) = (0, 0);
+        for r in state.roles.values() {
+            in_sync += r.in_sync.len() as u64;
+            catching_up += (r.backups.len() - r.in_sync.len()) as u64;
+        }
+        ReplicationStats {
+            frames_sent: c.frames.load(Ordering::Relaxed),
+            bytes_sent: c.bytes.load(Ordering::Relaxed),
+            frames_unacked: state.links.values().map(|l| l.sent.len() as u64).sum(),
+            batches_waiting: state.ledger.waiting(),
+            catch_ups_started: c.catch_ups_started.load(Ordering::Relaxed),
+            catch_ups_completed: c.catch_ups_completed.load(Ordering::Relaxed),
+            links_failed: c.links_failed.load(Ordering::Relaxed),
+            queues: state.roles.len() as u64,
+            in_sync_backups: in_sync,
+            catching_up_backups: catching_up,
         }
     }
 
@@ -142,7 +203,7 @@ impl Replicator {
         if state.roles.is_empty() || ops.is_empty() {
             return None;
         }
-        let mut frames: Vec<(QueueRoles, Frame)> = Vec::new();
+        let mut frames: Vec<(ReplicaSet, Frame)> = Vec::new();
         for run in ops.chunk_by(|a, b| a.queue == b.queue) {
             let key = (vhost.to_owned(), run[0].queue.clone());
             let Some(roles) = state.roles.get(&key) else {
@@ -168,10 +229,25 @@ impl Replicator {
         let mut batches: HashMap<String, Vec<Job>> = HashMap::new();
         let after_index = host.applied_index();
         for (roles, frame) in frames {
+            // An enqueue carries the message as published, in memory; should one not, the
+            // backups miss these ops, refuse the next ones, and are caught up again.
+            let message = match encode(&frame) {
+                Ok(m) => m,
+                Err(e) => {
+                    tracing::error!(vhost, error = %e, "replication frame not sent");
+                    continue;
+                }
+            };
             for backup in &roles.backups {
-                if let Some(job) =
-                    self.frame_job(&mut state, vhost, backup, &frame, stamp, None, after_index)
-                {
+                if let Some(job) = self.frame_job(
+                    &mut state,
+                    vhost,
+                    backup,
+                    &message,
+                    stamp,
+                    None,
+                    after_index,
+                ) {
                     batches.entry(backup.clone()).or_default().push(job);
                 }
             }
@@ -189,7 +265,7 @@ impl Replicator {
         host: &Arc<dyn ReplicationHost>,
         v: &VHost,
         queue: &str,
-        roles: Option<QueueRoles>,
+        roles: Option<ReplicaSet>,
     ) {
         let vhost = v.name().to_owned();
         let key = (vhost.clone(), Arc::<str>::from(queue));
@@ -258,28 +334,35 @@ impl Replicator {
             queue: queue.into(),
             image,
         };
+        let message = match encode(&frame) {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::warn!(backup, queue, error = %e, "cannot catch this backup up: it stays out of sync");
+                return None;
+            }
+        };
         let stamp = state.ledger.issue([]);
         let name: Arc<str> = queue.into();
         self.frame_job(
             state,
             v.name(),
             backup,
-            &frame,
+            &message,
             stamp,
             Some((name, incarnation)),
             after_index,
         )
     }
 
-    /// A job carrying `frame` to `backup`, registered with its link (`None` when the link is
-    /// broken: its catch-up will send an image instead).
+    /// A job carrying `frame` (encoded by [`encode`]) to `backup`, registered with its link
+    /// (`None` when the link is broken: its catch-up will send an image instead).
     #[allow(clippy::too_many_arguments)]
     fn frame_job(
         &self,
         state: &mut State,
         vhost: &str,
         backup: &str,
-        frame: &Frame,
+        frame: &Arc<Message>,
         stamp: u64,
         image: Option<(Arc<str>, u64)>,
         after_index: u64,
@@ -291,23 +374,21 @@ impl Replicator {
         if link.broken {
             return None;
         }
-        let mut body = Vec::new();
-        if let Err(e) = frame.encode(&mut body) {
-            tracing::warn!(backup, error = %e, "replication frame not sent; the backup will be caught up again");
-            link.broken = true;
-            return None;
-        }
         let id = link.tracker.issue();
+        self.counters.frames.fetch_add(1, Ordering::Relaxed);
+        self.counters
+            .bytes
+            .fetch_add(frame.body_len() as u64, Ordering::Relaxed);
+        if image.is_some() {
+            self.counters
+                .catch_ups_started
+                .fetch_add(1, Ordering::Relaxed);
+        }
         link.sent.push_back(Sent { id, stamp, image });
         Some(Job {
             exchange: REPLICATION_EXCHANGE.into(),
             routing_key: "".into(),
-            message: Arc::new(Message::authored(
-                REPLICATION_EXCHANGE.into(),
-                "".into(),
-                Default::default(),
-                bytes::Bytes::from(body),
-            )),
+            message: frame.clone(),
             ticket: Some((link.tracker.clone(), id)),
             after_index,
         })
@@ -358,8 +439,15 @@ impl Replicator {
             let (in_sync, broken) = self.take_answers(&key, &tracker);
             for (queue, incarnation) in in_sync {
                 let committed = host.commit_sync(&vhost, &queue, incarnation, &backup, true);
-                if let Err(e) = committed.await {
-                    tracing::warn!(%backup, %queue, error = %e, "backup caught up, but its in-sync mark was not committed");
+                match committed.await {
+                    Ok(()) => {
+                        self.counters
+                            .catch_ups_completed
+                            .fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(e) => {
+                        tracing::warn!(%backup, %queue, error = %e, "backup caught up, but its in-sync mark was not committed");
+                    }
                 }
             }
             if broken {
@@ -398,6 +486,8 @@ impl Replicator {
         let refused = answered > 0 && tracker.refused(1, answered);
         if refused || status.failure.is_some() {
             link.broken = true;
+            self.counters.links_failed.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(backup = %key.0, vhost = %key.1, refused, failure = ?status.failure, "replication link to a backup failed: catching it up again");
             return (Vec::new(), true);
         }
         if let Some(last) = last {
@@ -469,4 +559,17 @@ impl Replicator {
             me.send(&host2, &vhost_name, batches);
         });
     }
+}
+
+/// A frame as the message that carries it (encoded once, whatever number of backups it goes
+/// to).
+fn encode(frame: &Frame) -> Result<Arc<Message>, super::codec::EncodeError> {
+    let mut body = Vec::new();
+    frame.encode(&mut body)?;
+    Ok(Arc::new(Message::authored(
+        REPLICATION_EXCHANGE.into(),
+        "".into(),
+        Default::default(),
+        bytes::Bytes::from(body),
+    )))
 }

@@ -4,9 +4,9 @@
 //! `tx.commit-ok`, and the reply to a durable wiring change leave the broker only when every
 //! guarantee they promise holds. Today that is one condition: the journal's fsynced prefix
 //! covers the batch that produced them (a persistent message on a durable queue, a durable
-//! exchange, queue or binding). Replication adds a second one beside it — every in-sync backup
-//! acknowledged the batch's queue ops — and proxies a third — every primary the batch
-//! forwarded to confirmed. Each is a field of [`Conditions`] and of [`Progress`].
+//! exchange, queue or binding); every in-sync backup acknowledged the batch's queue ops
+//! (replication); every primary the batch forwarded to confirmed (proxies). Each is a field
+//! of [`Conditions`] and of [`Progress`].
 //!
 //! **Why a prefix of the byte stream.** Replies on a connection are ordered, and a confirm
 //! must not overtake what the client was told before it; so the gate holds everything written
@@ -25,6 +25,9 @@ pub struct Conditions {
     /// The connection's forwards (numbered 1, 2, … in its
     /// [`crate::proxy::forward::ForwardTracker`]) that must be confirmed by their primaries.
     pub forwards: u64,
+    /// The replication stamp every in-sync backup must have acknowledged
+    /// ([`crate::replication::ledger`]).
+    pub replicated: u64,
 }
 
 /// How far the guarantees have come, as the connection last heard.
@@ -34,12 +37,16 @@ pub struct Progress {
     pub journal_synced: u64,
     /// Every forward of the connection up to this number is confirmed.
     pub forwards_confirmed: u64,
+    /// Every replicated batch up to this stamp is acknowledged by its in-sync backups.
+    pub replicas_acked: u64,
 }
 
 impl Conditions {
     /// Whether everything the held output promises is true at `progress`.
     fn hold_at(&self, progress: Progress) -> bool {
-        progress.journal_synced >= self.journal_seq && progress.forwards_confirmed >= self.forwards
+        progress.journal_synced >= self.journal_seq
+            && progress.forwards_confirmed >= self.forwards
+            && progress.replicas_acked >= self.replicated
     }
 }
 
@@ -113,6 +120,7 @@ mod tests {
         Progress {
             journal_synced,
             forwards_confirmed: 0,
+            replicas_acked: 0,
         }
     }
 
@@ -120,6 +128,7 @@ mod tests {
         Some(Conditions {
             journal_seq,
             forwards: 0,
+            replicated: 0,
         })
     }
 
@@ -131,14 +140,41 @@ mod tests {
             Some(Conditions {
                 journal_seq: 1,
                 forwards: 3,
+                replicated: 0,
             }),
         );
         let progress = |forwards_confirmed| Progress {
             journal_synced: 1,
             forwards_confirmed,
+            replicas_acked: 0,
         };
         assert_eq!(gate.release(10, progress(2)), 0);
         assert_eq!(gate.release(10, progress(3)), 10);
+    }
+
+    #[test]
+    fn a_replicated_batch_waits_for_its_backups_after_its_fsync() {
+        let mut gate = ConfirmGate::default();
+        gate.hold(
+            10,
+            Some(Conditions {
+                journal_seq: 4,
+                forwards: 0,
+                replicated: 7,
+            }),
+        );
+        let progress = |journal_synced, replicas_acked| Progress {
+            journal_synced,
+            forwards_confirmed: 0,
+            replicas_acked,
+        };
+        assert_eq!(
+            gate.release(10, progress(4, 6)),
+            0,
+            "a backup still owes it"
+        );
+        assert_eq!(gate.release(10, progress(3, 7)), 0, "not yet on this disk");
+        assert_eq!(gate.release(10, progress(4, 7)), 10);
     }
 
     #[test]

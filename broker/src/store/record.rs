@@ -73,10 +73,11 @@ pub enum DecodeError {
     Malformed(&'static str),
 }
 
-/// The records of one batch of queue ops: persistent enqueues and every removal. Removals of
+/// The records of one batch of queue ops of durable queues (a transient replicated queue's
+/// ops are for its backups only): persistent enqueues and every removal. Removals of
 /// messages that were never written are dropped later by the journal, which knows.
 pub fn records_from_ops(ops: &[QueueOp], out: &mut Vec<Record>) {
-    for op in ops {
+    for op in ops.iter().filter(|op| op.durable) {
         match &op.kind {
             OpKind::Enqueue {
                 id,

@@ -19,4 +19,5 @@ mod forwarded_crash;
 mod full_restart;
 mod harness;
 mod lone_member;
+mod replicated_failover;
 mod sigstop;

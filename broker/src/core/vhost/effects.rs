@@ -42,7 +42,7 @@ pub struct Effects {
     pub deliveries: Vec<Delivery>,
     /// Consumers cancelled by the broker.
     pub cancelled: Vec<Cancelled>,
-    /// Queue ops of durable queues, in order, when the vhost records them (see
+    /// Queue ops of durable and replicated queues, in order, when the vhost records them (see
     /// [`VHost::set_record_ops`](super::VHost::set_record_ops)).
     pub ops: Vec<QueueOp>,
     /// Bodies paged out that need a page record of their own (flow-to-disk).
@@ -66,6 +66,11 @@ pub struct Effects {
     /// cluster the deletion is a cluster op (see [`VHost::retire_queue`](super::VHost)),
     /// so the queue leaves every member at once.
     pub retire: Vec<Arc<str>>,
+
+    /// The replication stamp this batch's confirms wait for: every in-sync backup of the
+    /// queues it changed must acknowledge it. Set by the broker when it hands the batch's
+    /// ops to the backups, not by the core.
+    pub replica_stamp: Option<u64>,
 
     /// A publish landed on a queue whose consumers cannot keep up (see
     /// [`FLOW_READY_THRESHOLD`](super::FLOW_READY_THRESHOLD)): the publisher should pause
@@ -135,7 +140,8 @@ pub struct PageOut {
 }
 
 /// Applies `kind` to `q` as its next op, recording the op when asked and the queue is
-/// durable (only durable queues have anyone to read their ops: the journal). An entry that
+/// durable or replicated (only those have anyone to read their ops: the journal, the
+/// backups). An entry that
 /// leaves with a page record of its own has that record released.
 pub(super) fn apply(q: &mut Queue, kind: OpKind, record: bool, fx: &mut Effects) -> Option<Entry> {
     let leaves = matches!(
@@ -147,7 +153,7 @@ pub(super) fn apply(q: &mut Queue, kind: OpKind, record: bool, fx: &mut Effects)
     if leaves && let Some(e) = out.as_ref().filter(|e| e.owns_page) {
         fx.page_released.push((q.uid, e.id));
     }
-    if record && q.durable && q.exclusive_owner.is_none() {
+    if record && (q.durable || q.replicated) && q.exclusive_owner.is_none() {
         fx.ops.push(op);
     }
     out

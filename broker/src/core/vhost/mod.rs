@@ -171,6 +171,14 @@ impl VHost {
         q.primary_elsewhere(self.node.as_deref()).cloned()
     }
 
+    /// Marks queue `name` replicated or not (see [`Queue::replicated`]): the cluster map
+    /// gave it backups, and this member is its primary or one of them.
+    pub fn set_replicated(&mut self, name: &str, on: bool) {
+        if let Some(q) = self.queues.get_mut(name) {
+            q.replicated = on;
+        }
+    }
+
     /// Records which cluster member owns queue `name` (a no-op if there is no such queue).
     pub fn set_queue_home(&mut self, name: &str, node: &str) {
         if let Some(q) = self.queues.get_mut(name) {

@@ -60,6 +60,7 @@ impl VHost {
                 queue: q.name.clone(),
                 uid: q.uid,
                 seq: image.last_seq,
+                durable: q.durable,
                 kind: OpKind::Enqueue {
                     id: e.id,
                     message: e.message.clone(),

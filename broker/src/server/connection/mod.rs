@@ -287,6 +287,7 @@ impl Connection {
         heartbeat.reset();
         let mut heartbeat_armed = false;
         let mut synced = self.broker.journal.synced();
+        let mut replicated = self.broker.replicator().acked();
         let stall = Duration::from_secs(self.broker.config.write_stall_timeout_s);
         let mut more_input = false;
         loop {
@@ -303,6 +304,7 @@ impl Connection {
             let progress = Progress {
                 journal_synced: *synced.borrow(),
                 forwards_confirmed: forwards.answered_through,
+                replicas_acked: *replicated.borrow(),
             };
             let buffered = self.writer.len();
             let writable = self.gate.release(buffered, progress);
@@ -384,6 +386,12 @@ impl Connection {
                     last_recv = Instant::now();
                     self.stats.bytes_in += n as u64; // metrics
                     more_input = self.on_bytes(&mut rbuf);
+                }
+                r = replicated.changed(), if held => {
+                    if r.is_err() {
+                        self.close_reason = "replication stopped".into();
+                        return Ok(Finish::Drop);
+                    }
                 }
                 _ = self.outbox.notified() => self.drain_outbox(),
                 _ = self.forwards.changed(), if forwarding || held => {}

@@ -220,18 +220,22 @@ impl Connection {
         self.spare.deliveries = earlier;
     }
 
-    /// Holds everything written so far until the journal is durable up to `journal_seq`
-    /// and every publish forwarded so far is confirmed by its primary.
+    /// Holds everything written so far until the journal is durable up to `journal_seq`,
+    /// every publish forwarded so far is confirmed by its primary, and the in-sync backups
+    /// acknowledged the batch's replication stamp (taken from the effects).
     pub(super) fn hold_output(&mut self, journal_seq: Option<u64>) {
         let forwards = self.forwards.issued();
-        let conditions = if journal_seq.is_some() || forwards > self.forwards_held {
-            Some(Conditions {
-                journal_seq: journal_seq.unwrap_or(0),
-                forwards,
-            })
-        } else {
-            None
-        };
+        let replicated = self.fx.replica_stamp.take();
+        let conditions =
+            if journal_seq.is_some() || forwards > self.forwards_held || replicated.is_some() {
+                Some(Conditions {
+                    journal_seq: journal_seq.unwrap_or(0),
+                    forwards,
+                    replicated: replicated.unwrap_or(0),
+                })
+            } else {
+                None
+            };
         self.forwards_held = forwards;
         self.gate.hold(self.writer.len(), conditions);
     }
@@ -244,6 +248,7 @@ impl Connection {
         let progress = crate::server::confirm_gate::Progress {
             journal_synced: u64::MAX,
             forwards_confirmed: failed - 1,
+            replicas_acked: u64::MAX,
         };
         let keep = self.gate.release(self.writer.len(), progress);
         self.gate.abandon();

@@ -1,0 +1,150 @@
+//! The broker's side of replication: the batch hand-off to the [`Replicator`], the cluster
+//! map's roles carried out on the vhosts (which member's copy serves, which is a replica, a
+//! replica promoted after an election), and the [`ReplicationHost`] the replicator uses to
+//! take images and commit in-sync changes.
+
+use super::Broker;
+use crate::clock::now_ms;
+use crate::cluster::QueueRoles;
+use crate::core::{Effects, VHost, WiringOp};
+use crate::replication::replicator::{ReplicaSet, ReplicationHost, Replicator};
+use futures::future::BoxFuture;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
+
+/// The broker as its replicator sees it.
+#[derive(Debug)]
+struct Host {
+    broker: Weak<Broker>,
+}
+
+impl ReplicationHost for Host {
+    fn with_vhost(&self, vhost: &str, f: &mut dyn FnMut(&mut VHost)) {
+        if let Some(v) = self.broker.upgrade().and_then(|b| b.vhost(vhost)) {
+            f(&mut v.lock());
+        }
+    }
+
+    fn commit_sync(
+        &self,
+        vhost: &str,
+        queue: &str,
+        incarnation: u64,
+        backup: &str,
+        in_sync: bool,
+    ) -> BoxFuture<'static, Result<(), String>> {
+        let (queue, node) = (queue.to_owned(), backup.to_owned());
+        let op = if in_sync {
+            WiringOp::BackupInSync {
+                queue,
+                incarnation,
+                node,
+            }
+        } else {
+            WiringOp::BackupOutOfSync {
+                queue,
+                incarnation,
+                node,
+            }
+        };
+        let cluster = self.broker.upgrade().and_then(|b| b.cluster().cloned());
+        let vhost = vhost.to_owned();
+        Box::pin(async move {
+            let cluster = cluster.ok_or("this broker is not a cluster member")?;
+            match cluster.submit(&vhost, op).await {
+                Ok(Ok(_)) => Ok(()),
+                Ok(Err(e)) => Err(e.text),
+                Err(_) => Err("the cluster stopped".to_owned()),
+            }
+        })
+    }
+
+    fn applied_index(&self) -> u64 {
+        self.broker
+            .upgrade()
+            .map_or(0, |b| b.proxies().applied.index())
+    }
+}
+
+impl Broker {
+    /// The replicator of this member's primaries.
+    pub fn replicator(&self) -> &Arc<Replicator> {
+        &self.replicator
+    }
+
+    /// How many queues' replicas on this member were promoted to primary (`/metrics`).
+    pub fn elections_won(&self) -> u64 {
+        self.elections_won.load(Ordering::Relaxed)
+    }
+
+    /// Lets the replicator reach this broker (once it joined a cluster).
+    pub(super) fn start_replication(self: &Arc<Self>) {
+        let host: Arc<dyn ReplicationHost> = Arc::new(Host {
+            broker: Arc::downgrade(self),
+        });
+        let _ = self.replication_host.set(host);
+    }
+
+    /// Hands the batch's ops of replicated queues to their backups; the stamp the batch's
+    /// confirms wait for goes into `fx`. Under the vhost lock, in batch order.
+    pub(super) fn replicate(&self, vhost: &VHost, fx: &mut Effects) {
+        if let Some(host) = self.replication_host.get()
+            && let Some(stamp) = self.replicator.replicate(host, vhost.name(), &fx.ops)
+        {
+            fx.replica_stamp = Some(stamp);
+        }
+    }
+
+    /// Carries out new roles of `queue` in `vhost`: its primary serves it (a replica here
+    /// that the map just made primary is promoted: what the old primary had delivered goes
+    /// back to the queue, redelivered), its ops are recorded while it has backups, and the
+    /// replicator follows its backups from here when this member is the primary.
+    pub fn apply_roles(&self, vhost: &str, queue: &str, roles: Option<&QueueRoles>) {
+        let Some(vhost_ref) = self.vhost(vhost) else {
+            return;
+        };
+        let me = self.cluster().map(|c| c.node_id().to_owned());
+        let mut v = vhost_ref.lock();
+        let mut fx = Effects::default();
+        let Some(q) = v.queue(queue) else {
+            return;
+        };
+        let was_primary = q.home.as_deref() == me.as_deref();
+        let serving = roles.filter(|r| !r.unavailable);
+        if let Some(roles) = serving
+            && q.home.as_deref() != Some(roles.primary.as_str())
+        {
+            v.set_queue_home(queue, &roles.primary);
+        }
+        let primary_here = serving.is_some_and(|r| Some(r.primary.as_str()) == me.as_deref());
+        let replicated = serving.is_some_and(|r| !r.backups.is_empty());
+        v.set_replicated(queue, primary_here && replicated);
+        let set = serving
+            .filter(|_| primary_here && replicated)
+            .map(|r| ReplicaSet {
+                incarnation: r.incarnation,
+                backups: r.backups.clone(),
+                in_sync: r.in_sync.clone(),
+            });
+        if let Some(host) = self.replication_host.get() {
+            self.replicator.set_roles(host, &v, queue, set);
+        }
+        // After the images (which reflect the replica as it was) and before the batch is
+        // replicated: the requeues are ops every backup applies after what it holds.
+        if primary_here && !was_primary {
+            match v.promote_replica(queue, now_ms(), &mut fx) {
+                Ok(requeued) => {
+                    self.elections_won.fetch_add(1, Ordering::Relaxed);
+                    tracing::info!(
+                        vhost,
+                        queue,
+                        requeued,
+                        "this member is the queue's primary now: its replica serves"
+                    );
+                }
+                Err(e) => tracing::warn!(vhost, queue, error = %e, "promotion"),
+            }
+        }
+        self.finish_batch(0, &mut v, &mut fx);
+    }
+}
