@@ -81,10 +81,15 @@ pub(crate) fn member_yaml(
 /// Three members on fixed ports: member 0 founds (no seeds), 1 and 2 join; returns once all
 /// three are ready and agree on a leader.
 pub(crate) fn start_cluster(name: &str) -> (Vec<Broker>, Vec<Ports>, Secret) {
+    start_cluster_of(name, N)
+}
+
+/// `n` members on fixed ports, as [`start_cluster`] starts three.
+pub(crate) fn start_cluster_of(name: &str, n: usize) -> (Vec<Broker>, Vec<Ports>, Secret) {
     let secret = secret(name);
-    let ports: Vec<Ports> = (0..N).map(|_| Ports::allocate()).collect();
+    let ports: Vec<Ports> = (0..n).map(|_| Ports::allocate()).collect();
     let mut members: Vec<Broker> = Vec::new();
-    for i in 0..N {
+    for i in 0..n {
         let seeds = if i == 0 { Seeds::None } else { Seeds::Others };
         members.push(Broker::start_on_ports(
             &member_yaml(name, i, &ports, &secret.0, seeds, 60_000),
@@ -98,12 +103,8 @@ pub(crate) fn start_cluster(name: &str) -> (Vec<Broker>, Vec<Ports>, Secret) {
             &format!("{name}: start"),
         );
     }
-    wait_settled(
-        &mut members,
-        &[0, 1, 2],
-        READY_LIMIT,
-        &format!("{name}: start"),
-    );
+    let all: Vec<usize> = (0..n).collect();
+    wait_settled(&mut members, &all, READY_LIMIT, &format!("{name}: start"));
     (members, ports, secret)
 }
 
@@ -164,9 +165,10 @@ pub(crate) fn wait_ready(members: &mut [Broker], which: &[usize], limit: Duratio
 }
 
 /// Waits until every member in `which` is ready, reports quorum, names the same leader (one
-/// of the cluster's members) and counts three voters.
+/// of the cluster's members) and counts every member as a voter.
 pub(crate) fn wait_settled(members: &mut [Broker], which: &[usize], limit: Duration, what: &str) {
     let deadline = Instant::now() + limit;
+    let voters = members.len();
     loop {
         let views: Vec<Option<Value>> = which
             .iter()
@@ -179,8 +181,9 @@ pub(crate) fn wait_settled(members: &mut [Broker], which: &[usize], limit: Durat
             })
             .collect();
         let settled = views.iter().all(|v| {
-            v.as_ref()
-                .is_some_and(|v| v["quorum"] == true && v["voters"] == N && v["leader"].is_string())
+            v.as_ref().is_some_and(|v| {
+                v["quorum"] == true && v["voters"] == voters && v["leader"].is_string()
+            })
         }) && views
             .iter()
             .all(|v| v.as_ref().map(|v| &v["leader"]) == views[0].as_ref().map(|v| &v["leader"]));

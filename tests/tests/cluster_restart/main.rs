@@ -19,5 +19,6 @@ mod forwarded_crash;
 mod full_restart;
 mod harness;
 mod lone_member;
+mod replicated_cycles;
 mod replicated_failover;
 mod sigstop;

@@ -51,14 +51,12 @@ fn wait_view(
     }
 }
 
-#[tokio::test]
-async fn a_killed_primary_is_replaced_by_its_in_sync_backup_with_nothing_confirmed_lost() {
-    let name = "repl-failover";
-    let (mut members, _ports, _secret) = start_cluster(name);
-    let queue = "orders";
+/// Declares durable `queue` with `backups` backups through `b` (its primary), waits until
+/// `backups` of them are in sync, and returns their node ids in ring order.
+async fn declare_replicated(b: &ringmq_tests::Broker, queue: &str, backups: i32) -> Vec<String> {
     let mut args = FieldTable::default();
-    args.insert("qpid.cluster.backups".into(), AMQPValue::LongInt(1));
-    let (conn, ch) = members[0].channel().await;
+    args.insert("qpid.cluster.backups".into(), AMQPValue::LongInt(backups));
+    let (conn, ch) = b.channel().await;
     ch.queue_declare(
         queue.into(),
         QueueDeclareOptions {
@@ -68,24 +66,30 @@ async fn a_killed_primary_is_replaced_by_its_in_sync_backup_with_nothing_confirm
         args,
     )
     .await
-    .expect("declare on member 0, its primary");
-    let view = wait_view(&members[0], queue, "a backup in sync", |v| {
+    .expect("declare on its primary");
+    let _ = conn.close(200, "declared".into()).await;
+    let want = usize::try_from(backups).unwrap();
+    let view = wait_view(b, queue, "the backups in sync", |v| {
         v["in_sync_backup_nodes"]
             .as_array()
-            .is_some_and(|a| !a.is_empty())
+            .is_some_and(|a| a.len() == want)
     });
-    let backup = view["in_sync_backup_nodes"][0].as_str().unwrap().to_owned();
-    let b = (0..N)
-        .find(|&i| node(name, i) == backup)
-        .expect("the backup is a member");
-    assert_ne!(b, 0, "the primary is not its own backup");
+    view["in_sync_backup_nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n.as_str().unwrap().to_owned())
+        .collect()
+}
 
-    // Confirmed publishes, all of them acked by the primary (so on the backup too).
+/// Publishes `m0`, `m1`, … persistent to `queue` through `b`, each confirmed.
+async fn publish_confirmed(b: &ringmq_tests::Broker, queue: &str, count: usize) {
+    let (conn, ch) = b.channel().await;
     ch.confirm_select(ConfirmSelectOptions::default())
         .await
         .unwrap();
-    let mut confirms = Vec::with_capacity(MESSAGES);
-    for i in 0..MESSAGES {
+    let mut confirms = Vec::with_capacity(count);
+    for i in 0..count {
         confirms.push(
             ch.basic_publish(
                 "".into(),
@@ -99,8 +103,54 @@ async fn a_killed_primary_is_replaced_by_its_in_sync_backup_with_nothing_confirm
         );
     }
     for c in confirms {
-        assert!(c.await.unwrap().is_ack(), "{name}: a publish was nacked");
+        assert!(c.await.unwrap().is_ack(), "a publish was nacked");
     }
+    let _ = conn.close(200, "published".into()).await;
+}
+
+/// Takes `count` messages from `queue` through `ch` (no-ack): bodies and redelivered flags.
+async fn drain(ch: &lapin::Channel, queue: &str, count: usize) -> Vec<(String, bool)> {
+    let mut consumer = ch
+        .basic_consume(
+            queue.into(),
+            "audit".into(),
+            BasicConsumeOptions {
+                no_ack: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let mut got = Vec::new();
+    while got.len() < count {
+        let d = tokio::time::timeout(Duration::from_secs(10), consumer.next())
+            .await
+            .unwrap_or_else(|_| panic!("only {} of {count} messages", got.len()))
+            .unwrap()
+            .unwrap();
+        got.push((String::from_utf8(d.data.clone()).unwrap(), d.redelivered));
+    }
+    got
+}
+
+/// The index of the member whose node id is `node`.
+fn member_of(name: &str, n: usize, node: &str) -> usize {
+    (0..n)
+        .find(|&i| crate::harness::node(name, i) == node)
+        .expect("a member's node id")
+}
+
+#[tokio::test]
+async fn a_killed_primary_is_replaced_by_its_in_sync_backup_with_nothing_confirmed_lost() {
+    let name = "repl-failover";
+    let (mut members, _ports, _secret) = start_cluster(name);
+    let queue = "orders";
+    let backups = declare_replicated(&members[0], queue, 1).await;
+    let backup = backups[0].clone();
+    let b = member_of(name, N, &backup);
+    assert_ne!(b, 0, "the primary is not its own backup");
+    publish_confirmed(&members[0], queue, MESSAGES).await;
 
     // A consumer of the primary takes the first messages and never acks them.
     let (_cconn, cch) = members[0].channel().await;
@@ -126,7 +176,6 @@ async fn a_killed_primary_is_replaced_by_its_in_sync_backup_with_nothing_confirm
     }
     // The deliveries' ops reach the backup before the primary dies: give the stream a moment.
     tokio::time::sleep(Duration::from_millis(500)).await;
-    drop(conn);
 
     let killed_at = Instant::now();
     members[0].kill();
@@ -157,31 +206,36 @@ async fn a_killed_primary_is_replaced_by_its_in_sync_backup_with_nothing_confirm
     );
 
     // Every message once: the unacked ones first, redelivered, in order; then the rest.
-    let mut consumer = pch
-        .basic_consume(
-            queue.into(),
-            "audit".into(),
-            BasicConsumeOptions {
-                no_ack: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
-    let mut got = Vec::new();
-    while got.len() < MESSAGES + 1 {
-        let d = tokio::time::timeout(Duration::from_secs(10), consumer.next())
-            .await
-            .unwrap_or_else(|_| panic!("{name}: only {} of {} messages", got.len(), MESSAGES + 1))
-            .unwrap()
-            .unwrap();
-        got.push((String::from_utf8(d.data.clone()).unwrap(), d.redelivered));
-    }
+    let got = drain(&pch, queue, MESSAGES + 1).await;
     let expected: Vec<(String, bool)> = (0..MESSAGES)
         .map(|i| (format!("m{i}"), i < usize::from(UNACKED)))
         .chain([("after".to_owned(), false)])
         .collect();
     assert_eq!(got, expected, "{name}: the queue after the failover");
-    drop(consumer);
+}
+
+/// The seed's double failure: on five members a queue with two backups loses its primary and
+/// its first backup at once; three members keep the majority, the second backup is elected
+/// and serves every confirmed message.
+#[tokio::test]
+async fn five_members_and_two_backups_survive_the_primary_and_its_first_backup_dying_together() {
+    let name = "repl-double";
+    let n = 5;
+    let (mut members, _ports, _secret) = start_cluster_of(name, n);
+    let queue = "ledger";
+    let backups = declare_replicated(&members[0], queue, 2).await;
+    let (first, second) = (
+        member_of(name, n, &backups[0]),
+        member_of(name, n, &backups[1]),
+    );
+    publish_confirmed(&members[0], queue, MESSAGES).await;
+    members[0].kill();
+    members[first].kill();
+    wait_view(&members[second], queue, "the second backup elected", |v| {
+        v["node"].as_str() == Some(backups[1].as_str())
+    });
+    let (_c, ch) = members[second].channel().await;
+    let got = drain(&ch, queue, MESSAGES).await;
+    let expected: Vec<(String, bool)> = (0..MESSAGES).map(|i| (format!("m{i}"), false)).collect();
+    assert_eq!(got, expected, "{name}: the queue after the double failure");
 }

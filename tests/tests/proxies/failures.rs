@@ -1,5 +1,5 @@
 //! Errors and failures: the primary's errors reach the proxy's client as they are; a queue
-//! whose primary is gone refuses publishes and cancels its consumers.
+//! whose primary is gone with no backup refuses publishes and cancels its consumers.
 
 use crate::support::*;
 use futures_lite::StreamExt;
@@ -45,7 +45,7 @@ async fn errors_of_the_primary_reach_the_client_of_the_proxy() {
 #[tokio::test]
 async fn a_queue_whose_primary_is_gone_refuses_publishes_and_cancels_its_consumers() {
     let (mut members, _secret) = start_cluster("proxy-down", 3);
-    declare(&members[0], "orphan").await;
+    declare_unreplicated(&members[0], "orphan").await;
     let (_c1, on_1) = members[1].channel().await;
     let mut consumer = on_1
         .basic_consume(

@@ -201,10 +201,26 @@ async fn a_queue_lists_its_backups_in_ring_order_and_a_lost_backup_is_replaced()
             .get(&format!("/api/queues/%2f/{name}"))
             .unwrap()
             .body;
-        assert_eq!(q["in_sync_backup_nodes"], serde_json::json!([]), "{q}");
         assert_eq!(q["unavailable"], false, "{q}");
         q["backup_nodes"].clone()
     };
+    // New backups start out of sync and are marked in sync once their catch-up (an image of
+    // the queue) is confirmed.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
+    for name in ["two", "one"] {
+        loop {
+            let q = members[0]
+                .admin_client()
+                .get(&format!("/api/queues/%2f/{name}"))
+                .unwrap()
+                .body;
+            if q["in_sync_backup_nodes"] == q["backup_nodes"] {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "{name} in sync: {q}");
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    }
     for m in &members {
         // The primary's successors in join order, wrapping around; the same on every member.
         assert_eq!(

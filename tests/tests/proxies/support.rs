@@ -22,6 +22,27 @@ pub(crate) async fn declare(b: &Broker, name: &str) {
     .expect("declare");
 }
 
+/// Declares durable queue `name` through member `b` with no backups (`k` = 0): it is lost
+/// with its primary, as every queue was before replication.
+pub(crate) async fn declare_unreplicated(b: &Broker, name: &str) {
+    let (_c, ch) = b.channel().await;
+    let mut args = FieldTable::default();
+    args.insert(
+        "qpid.cluster.backups".into(),
+        lapin::types::AMQPValue::LongInt(0),
+    );
+    ch.queue_declare(
+        name.into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        args,
+    )
+    .await
+    .expect("declare");
+}
+
 /// Queue `name`'s (ready messages, consumers) as member `b` answers a passive declare.
 pub(crate) async fn count(b: &Broker, name: &str) -> (u32, u32) {
     let (_c, ch) = b.channel().await;

@@ -18,9 +18,12 @@ impl VHost {
         let mut expired_queues = Vec::new();
         let node = self.node.clone();
         for q in self.queues.values_mut() {
-            expire_head(q, now_ms, true, record, fx, &mut dead);
-            // A proxied queue's use is seen by its primary, which decides its expiry.
+            // A proxied queue's use is seen by its primary, which decides its expiry — and its
+            // messages' (a replica here drops a message when the primary's op says so).
             let proxied = q.primary_elsewhere(node.as_deref()).is_some();
+            if !proxied {
+                expire_head(q, now_ms, true, record, fx, &mut dead);
+            }
             if let Some(expires) = q.args.expires_ms
                 && !proxied
                 && q.consumers.is_empty()

@@ -243,6 +243,36 @@ mod tests {
     }
 
     #[test]
+    fn a_replica_leaves_expiry_to_its_primary() {
+        let mut b = member("b");
+        let mut fx = Effects::default();
+        let m = Arc::new(Message::authored(
+            "".into(),
+            "q".into(),
+            Properties::default(),
+            Bytes::from_static(b"short-lived"),
+        ));
+        let op = QueueOp {
+            queue: "q".into(),
+            uid: 0,
+            seq: 1,
+            durable: true,
+            kind: OpKind::Enqueue {
+                id: 1,
+                message: m,
+                expires_at_ms: Some(5),
+            },
+        };
+        b.apply_replicated("q", &[op], &mut fx).unwrap();
+        b.tick(1_000, &mut fx);
+        assert_eq!(
+            b.queue("q").unwrap().ready_count(),
+            1,
+            "the primary's drop op removes it"
+        );
+    }
+
+    #[test]
     fn only_a_member_that_is_not_the_primary_holds_a_replica() {
         let mut a = member("a");
         let mut fx = Effects::default();
