@@ -107,6 +107,10 @@ impl Broker {
         let mut v = vhost_ref.lock();
         let mut fx = Effects::default();
         let Some(q) = v.queue(queue) else {
+            // Deleted: nothing of it is replicated from here any more.
+            if let Some(host) = self.replication_host.get() {
+                self.replicator.set_roles(host, &v, queue, None);
+            }
             return;
         };
         let was_primary = q.home.as_deref() == me.as_deref();
