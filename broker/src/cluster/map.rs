@@ -472,7 +472,9 @@ impl ClusterMap {
 
     /// [`WiringOp::BackupInSync`] and [`WiringOp::BackupOutOfSync`] change the roles only (the
     /// store never sees them), whatever a restart's store saved: `Some` with the answer for
-    /// them, `None` for every other op. In sync counts only when `sender` is the primary of
+    /// them, `None` for every other op. Out of sync always succeeds (a no-op when the node is
+    /// not in sync, or the incarnation is gone), so a primary that waits for it to commit
+    /// never waits for ever; in sync is refused when it changes nothing. In sync counts only when `sender` is the primary of
     /// that incarnation: a deposed primary's late op must not vouch for a backup it no longer
     /// feeds.
     fn apply_sync_op(
@@ -507,6 +509,10 @@ impl ClusterMap {
             .get(vhost, queue)
             .filter(|r| r.incarnation == incarnation)
         else {
+            if !in_sync {
+                // Out of sync of a queue that is gone (or declared again) holds already.
+                return Some(Ok(()));
+            }
             return Some(Err(AmqpError::not_found(format!(
                 "no incarnation {incarnation} of queue '{queue}' in vhost '{vhost}'"
             ))));
