@@ -7,6 +7,9 @@
 //! opened it checked its own client's), and routes what it publishes only into queues it
 //! owns ([`crate::core::VHost::publish_forwarded`]).
 
+use super::upstream_link::UpstreamLink;
+use crate::amqp::{AMQPValue, FieldTable, LongString};
+use crate::client::{ClientError, Presentation, RawClient, Target};
 use hmac::{Hmac, KeyInit, Mac};
 use lapin::{Connection, ConnectionProperties};
 use parking_lot::Mutex;
@@ -58,7 +61,7 @@ pub enum LinkError {
 type Resolve = Box<dyn Fn(&str) -> Option<String> + Send + Sync>;
 
 /// One (member, vhost) link: connected at most once at a time by whoever needs it first.
-type Slot = Arc<tokio::sync::Mutex<Option<Arc<Connection>>>>;
+type Slot<C> = Arc<tokio::sync::Mutex<Option<Arc<C>>>>;
 
 /// The open links of this broker, by (node id or foreign URI, vhost).
 #[derive(Default)]
@@ -66,7 +69,9 @@ pub struct Links {
     /// The cluster this broker joined: the links' password and how to find a member's AMQP
     /// address by node id (the cluster map's membership).
     cluster: std::sync::OnceLock<(String, Resolve)>,
-    open: Mutex<HashMap<(String, String), Slot>>,
+    open: Mutex<HashMap<(String, String), Slot<Connection>>>,
+    /// The upstream links to members, on the broker's own codec ([`super::upstream_link`]).
+    upstream: Mutex<HashMap<(String, String), Slot<UpstreamLink>>>,
 }
 
 /// Whether a queue's home names another AMQP broker (a foreign proxy) rather than a
@@ -162,6 +167,36 @@ impl Links {
         super::forward_link::ForwardLink::open(node, &addr, vhost, password).await
     }
 
+    /// The upstream link to cluster member `node` for `vhost` ([`super::upstream_link`]):
+    /// the open one, or a new one when there is none or it failed. Concurrent callers for
+    /// the same pair wait for one connection attempt.
+    pub async fn upstream_link(
+        &self,
+        node: &str,
+        vhost: &str,
+    ) -> Result<Arc<UpstreamLink>, LinkError> {
+        let slot = self
+            .upstream
+            .lock()
+            .entry((node.to_owned(), vhost.to_owned()))
+            .or_default()
+            .clone();
+        let mut slot = slot.lock().await;
+        if let Some(l) = slot.as_ref()
+            && l.is_open()
+        {
+            return Ok(l.clone());
+        }
+        let (password, resolve) = self
+            .cluster
+            .get()
+            .ok_or_else(|| LinkError::UnknownMember(node.into()))?;
+        let addr = resolve(node).ok_or_else(|| LinkError::UnknownMember(node.into()))?;
+        let link = Arc::new(UpstreamLink::open(node, &addr, vhost, password).await?);
+        *slot = Some(link.clone());
+        Ok(link)
+    }
+
     /// Opens a channel on the link to `node` for `vhost`.
     pub async fn channel(&self, node: &str, vhost: &str) -> Result<lapin::Channel, LinkError> {
         let connection = self.connection(node, vhost).await?;
@@ -235,6 +270,44 @@ impl Links {
             }),
         }
     }
+}
+
+/// Connects to cluster member `addr` on the broker's own codec ([`RawClient`]) and logs in
+/// as a link for `vhost`: [`LINK_USER`] with the link `password`, the [`LINK_PROPERTY`]
+/// client property, `name` as its connection name, asking for `heartbeat_s`, announcing
+/// `consumer_cancel_notify`. Channel 1 is open when it returns.
+pub(super) async fn open_raw(
+    addr: &str,
+    vhost: &str,
+    password: &str,
+    name: &str,
+    heartbeat_s: u16,
+) -> Result<RawClient, ClientError> {
+    let stream = tokio::net::TcpStream::connect(addr).await?;
+    stream.set_nodelay(true)?;
+    let target = Target {
+        addr: addr.to_owned(),
+        user: LINK_USER.to_owned(),
+        password: password.to_owned(),
+        vhost: vhost.to_owned(),
+    };
+    let mut properties = FieldTable::default();
+    properties.insert(
+        "connection_name".into(),
+        AMQPValue::LongString(LongString::from(name)),
+    );
+    properties.insert(
+        LINK_PROPERTY.into(),
+        AMQPValue::LongString(LongString::from("true")),
+    );
+    let presentation = Presentation {
+        properties,
+        heartbeat_s,
+        // The member tells an upstream channel when it cancels a consumer (its queue went).
+        capabilities: &["consumer_cancel_notify"],
+    };
+    let response = format!("\0{LINK_USER}\0{password}");
+    RawClient::open_presenting(stream, &target, "PLAIN", response.as_bytes(), &presentation).await
 }
 
 /// Whether the other broker answered 404 NOT_FOUND.
