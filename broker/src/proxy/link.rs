@@ -1,6 +1,9 @@
-//! Links: the AMQP connections a cluster member opens to the others, one per (member,
-//! vhost) — AMQP binds a connection to one vhost — shared by every client of this member,
-//! opened on demand and opened again after a failure.
+//! Links: the AMQP connections a cluster member opens to the others, per (member, vhost) —
+//! AMQP binds a connection to one vhost — shared by every client of this member, opened on
+//! demand and opened again after a failure. To a member they speak the broker's own codec:
+//! a forwarding link for publishes ([`super::forward_link`]) and an upstream link for
+//! everything else ([`super::upstream_link`]). To a foreign broker (a `qpid.cluster.proxy`
+//! URI) they are lapin's, a general client any AMQP 0-9-1 broker understands.
 //!
 //! A link logs in as [`LINK_USER`] with [`link_password`], an HMAC of the cluster secret:
 //! the member at the other end recognises it, gives it every permission (the member that
@@ -13,7 +16,6 @@ use crate::client::{ClientError, Presentation, RawClient, Target};
 use hmac::{Hmac, KeyInit, Mac};
 use lapin::{Connection, ConnectionProperties};
 use parking_lot::Mutex;
-use percent_encoding::{NON_ALPHANUMERIC, utf8_percent_encode};
 use sha2::Sha256;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -60,7 +62,8 @@ pub enum LinkError {
 /// Finds a member's AMQP address by node id.
 type Resolve = Box<dyn Fn(&str) -> Option<String> + Send + Sync>;
 
-/// One (member, vhost) link: connected at most once at a time by whoever needs it first.
+/// One (member or foreign broker, vhost) link: connected at most once at a time by whoever
+/// needs it first.
 type Slot<C> = Arc<tokio::sync::Mutex<Option<Arc<C>>>>;
 
 /// The open links of this broker, by (node id or foreign URI, vhost).
@@ -69,6 +72,7 @@ pub struct Links {
     /// The cluster this broker joined: the links' password and how to find a member's AMQP
     /// address by node id (the cluster map's membership).
     cluster: std::sync::OnceLock<(String, Resolve)>,
+    /// The lapin links to foreign brokers.
     open: Mutex<HashMap<(String, String), Slot<Connection>>>,
     /// The upstream links to members, on the broker's own codec ([`super::upstream_link`]).
     upstream: Mutex<HashMap<(String, String), Slot<UpstreamLink>>>,
@@ -95,33 +99,24 @@ impl Links {
         let _ = self.cluster.set((password, Box::new(resolve)));
     }
 
-    /// Where a link to `node` for `vhost` connects: a foreign broker's URI as given, or the
-    /// cluster member's address with the link credentials.
-    fn uri(&self, node: &str, vhost: &str) -> Result<(String, String), LinkError> {
-        if is_foreign(node) {
-            let addr = node
-                .split('@')
-                .next_back()
-                .and_then(|rest| rest.split('/').next())
-                .unwrap_or(node)
-                .to_owned();
-            return Ok((node.to_owned(), addr));
+    /// Where a lapin link to foreign broker `uri` connects (host:port, for errors and logs).
+    /// Cluster members get the broker's own codec ([`Links::upstream_link`],
+    /// [`Links::forward_link`]), never lapin.
+    fn foreign_addr(uri: &str) -> Result<String, LinkError> {
+        if !is_foreign(uri) {
+            return Err(LinkError::UnknownMember(uri.into()));
         }
-        let (password, resolve) = self
-            .cluster
-            .get()
-            .ok_or_else(|| LinkError::UnknownMember(node.into()))?;
-        let addr = resolve(node).ok_or_else(|| LinkError::UnknownMember(node.into()))?;
-        let uri = format!(
-            "amqp://{LINK_USER}:{password}@{addr}/{}?heartbeat=10",
-            utf8_percent_encode(vhost, NON_ALPHANUMERIC)
-        );
-        Ok((uri, addr))
+        Ok(uri
+            .split('@')
+            .next_back()
+            .and_then(|rest| rest.split('/').next())
+            .unwrap_or(uri)
+            .to_owned())
     }
 
-    /// The link to `node` (a member's node id, or a foreign broker's URI) for `vhost`: the
-    /// open one, or a new one when there is none or it failed. Concurrent callers for the
-    /// same pair wait for one connection attempt.
+    /// The lapin link to the foreign broker at URI `node` (its vhost is in the URI; `vhost`
+    /// keys the slot): the open one, or a new one when there is none or it failed.
+    /// Concurrent callers for the same pair wait for one connection attempt.
     pub async fn connection(&self, node: &str, vhost: &str) -> Result<Arc<Connection>, LinkError> {
         let slot = self
             .open
@@ -135,11 +130,11 @@ impl Links {
         {
             return Ok(c.clone());
         }
-        let (uri, addr) = self.uri(node, vhost)?;
+        let addr = Self::foreign_addr(node)?;
         let props = ConnectionProperties::default()
             .with_connection_name(format!("ringmq link to {node}").into())
             .with_client_property(LINK_PROPERTY.into(), "true".into());
-        let connection = Connection::connect(&uri, props)
+        let connection = Connection::connect(node, props)
             .await
             .map_err(|e| LinkError::Failed {
                 node: redacted(node),
@@ -197,7 +192,7 @@ impl Links {
         Ok(link)
     }
 
-    /// Opens a channel on the link to `node` for `vhost`.
+    /// Opens a channel on the lapin link to the foreign broker at URI `node`.
     pub async fn channel(&self, node: &str, vhost: &str) -> Result<lapin::Channel, LinkError> {
         let connection = self.connection(node, vhost).await?;
         connection
@@ -205,7 +200,7 @@ impl Links {
             .await
             .map_err(|e| LinkError::Failed {
                 node: redacted(node),
-                addr: self.uri(node, vhost).map(|(_, a)| a).unwrap_or_default(),
+                addr: Self::foreign_addr(node).unwrap_or_default(),
                 reason: e.to_string(),
             })
     }
@@ -230,7 +225,7 @@ impl Links {
             .await
             .map(drop);
         let _ = ch.close(200, "checked".into()).await;
-        self.found(node, vhost, found)
+        self.found(node, found)
     }
 
     /// Whether `node` has `exchange` in `vhost` (a passive declare on a channel of its
@@ -255,17 +250,17 @@ impl Links {
             )
             .await;
         let _ = ch.close(200, "checked".into()).await;
-        self.found(node, vhost, found)
+        self.found(node, found)
     }
 
     /// A passive declare's outcome: found, 404 (not found), or a failure of the link.
-    fn found(&self, node: &str, vhost: &str, asked: lapin::Result<()>) -> Result<bool, LinkError> {
+    fn found(&self, node: &str, asked: lapin::Result<()>) -> Result<bool, LinkError> {
         match asked {
             Ok(()) => Ok(true),
             Err(e) if not_found(&e) => Ok(false),
             Err(e) => Err(LinkError::Failed {
                 node: redacted(node),
-                addr: self.uri(node, vhost).map(|(_, a)| a).unwrap_or_default(),
+                addr: Self::foreign_addr(node).unwrap_or_default(),
                 reason: e.to_string(),
             }),
         }
