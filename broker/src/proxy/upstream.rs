@@ -152,12 +152,10 @@ pub enum Command {
         /// Answered after the round trip.
         reply: Reply<()>,
     },
-    /// The client settled a delivery that came through this channel.
+    /// The client settled deliveries that came through this channel.
     Settle {
-        /// Upstream delivery tag.
-        tag: u64,
-        /// How.
-        settlement: Settlement,
+        /// Upstream delivery tags and how, in the client's order.
+        settlements: Vec<(u64, Settlement)>,
     },
 }
 
@@ -263,13 +261,13 @@ async fn run(t: Target, mut commands: mpsc::UnboundedReceiver<Command>) {
             fail(c, err);
             continue;
         }
-        if let Command::Settle { tag, settlement } = c {
+        if let Command::Settle { settlements } = c {
             // Settlements queued together go out together: runs of acks as one
             // `multiple` ack where that names exactly them.
-            let mut batch = vec![(tag, settlement)];
+            let mut batch = settlements;
             while let Ok(c) = commands.try_recv() {
                 match c {
-                    Command::Settle { tag, settlement } => batch.push((tag, settlement)),
+                    Command::Settle { settlements } => batch.extend(settlements),
                     other => {
                         next = Some(other);
                         break;
@@ -462,8 +460,8 @@ async fn execute(
             });
             answer(reply, counted)
         }
-        Command::Settle { tag, settlement } => {
-            ch.settle(vec![(tag, settlement)]);
+        Command::Settle { settlements } => {
+            ch.settle(settlements);
             Ok(())
         }
         Command::Barrier { reply } => answer(reply, ch.call(qos(*last_credit)).await.map(drop)),

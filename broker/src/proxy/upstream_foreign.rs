@@ -238,8 +238,8 @@ impl ForeignChannel {
                 .map(|q| (q.message_count(), q.consumer_count()))
                 .map_err(err),
             ),
-            Command::Settle { tag, settlement } => {
-                self.settle(vec![(tag, settlement)]).await;
+            Command::Settle { settlements } => {
+                self.settle(settlements).await;
                 Ok(())
             }
             Command::Barrier { reply } => answer(
