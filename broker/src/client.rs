@@ -51,6 +51,8 @@ pub struct RawClient<S = TcpStream> {
     pub known_hosts: String,
     /// Negotiated heartbeat in seconds (0: none).
     pub heartbeat_s: u16,
+    /// Highest channel number the server allows (its `connection.tune`; 0 there is none).
+    pub channel_max: u16,
 }
 
 /// How the client presents itself in the handshake beyond its login.
@@ -60,6 +62,9 @@ pub struct Presentation {
     pub properties: FieldTable,
     /// Heartbeat to ask for, in seconds; 0 asks for none. The server's is taken if lower.
     pub heartbeat_s: u16,
+    /// Capabilities announced besides `connection.blocked` and
+    /// `authentication_failure_close` (a cluster link wants `consumer_cancel_notify`).
+    pub capabilities: &'static [&'static str],
 }
 
 /// The parts of an AMQP URI the client uses.
@@ -129,6 +134,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> RawClient<S> {
             frame_max: 131_072,
             known_hosts: String::new(),
             heartbeat_s: 0,
+            channel_max: u16::MAX,
         }
     }
 
@@ -157,6 +163,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> RawClient<S> {
             "authentication_failure_close".into(),
             AMQPValue::Boolean(true),
         );
+        for &cap in presentation.capabilities {
+            caps.insert(cap.into(), AMQPValue::Boolean(true));
+        }
         let mut props = presentation.properties.clone();
         props.insert(
             "product".into(),
@@ -191,6 +200,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> RawClient<S> {
             (mine, 0) => mine,
             (mine, theirs) => mine.min(theirs),
         };
+        if tune.channel_max != 0 {
+            c.channel_max = tune.channel_max;
+        }
         c.send(
             0,
             AMQPClass::Connection(connection::AMQPMethod::TuneOk(connection::TuneOk {

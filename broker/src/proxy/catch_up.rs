@@ -7,8 +7,7 @@
 //! change too. Sent only when the index moved since the channel last said it: wiring
 //! changes are rare next to messages.
 
-use lapin::options::ExchangeDeclareOptions;
-use lapin::types::{AMQPValue, FieldTable};
+use crate::amqp::{AMQPClass, AMQPValue, FieldTable, ShortString, exchange};
 use std::time::Duration;
 use tokio::sync::watch;
 
@@ -63,30 +62,32 @@ impl Applied {
     }
 }
 
-/// Tells the member at the other end of `ch` that what follows on the channel needs the
-/// cluster change `index` applied, and waits until it is.
-pub async fn catch_up(ch: &lapin::Channel, index: u64) -> lapin::Result<()> {
-    let mut args = FieldTable::default();
-    args.insert(
+/// The passive default-exchange declare that tells the member at the other end of a link
+/// channel that what follows on the channel needs the cluster change `index` applied. The
+/// member reads nothing after it on that channel until it has applied it (or gave up after
+/// [`CATCH_UP_LIMIT`]), so the sender need not wait for its declare-ok before what follows.
+pub fn declare(index: u64) -> AMQPClass {
+    let mut arguments = FieldTable::default();
+    arguments.insert(
         AFTER_INDEX_ARGUMENT.into(),
-        AMQPValue::LongLongInt(index as i64),
+        AMQPValue::LongLongInt(i64::try_from(index).unwrap_or(i64::MAX)),
     );
-    ch.exchange_declare(
-        "".into(),
-        lapin::ExchangeKind::Direct,
-        ExchangeDeclareOptions {
-            passive: true,
-            ..Default::default()
-        },
-        args,
-    )
-    .await
+    AMQPClass::Exchange(exchange::AMQPMethod::Declare(exchange::Declare {
+        exchange: ShortString::from(""),
+        kind: ShortString::from("direct"),
+        passive: true,
+        durable: false,
+        auto_delete: false,
+        internal: false,
+        nowait: false,
+        arguments,
+    }))
 }
 
 /// The index an [`AFTER_INDEX_ARGUMENT`] names, if the arguments carry one.
-pub fn after_index(arguments: &crate::amqp::FieldTable) -> Option<u64> {
+pub fn after_index(arguments: &FieldTable) -> Option<u64> {
     match arguments.inner().get(AFTER_INDEX_ARGUMENT)? {
-        crate::amqp::AMQPValue::LongLongInt(i) => u64::try_from(*i).ok(),
+        AMQPValue::LongLongInt(i) => u64::try_from(*i).ok(),
         _ => None,
     }
 }

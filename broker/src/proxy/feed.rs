@@ -328,7 +328,7 @@ fn enqueue(
     properties: crate::amqp::Properties,
     body: Vec<u8>,
 ) -> Option<u64> {
-    let message = match super::upstream::message(exchange, routing_key, properties, body) {
+    let message = match super::upstream_foreign::message(exchange, routing_key, properties, body) {
         Ok(m) => Arc::new(m),
         Err(e) => {
             tracing::warn!(vhost, queue = %feed.queue, error = %e.text, "dropped a message from a foreign exchange");

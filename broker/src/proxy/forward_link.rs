@@ -10,19 +10,16 @@
 //! settles the batch's tickets as the member's confirms come in (`multiple` acks settle
 //! runs at once).
 //!
-//! It logs in as any link does ([`super::link`]): [`LINK_USER`], the cluster-secret HMAC
-//! and the [`LINK_PROPERTY`] client property, so the member routes what it publishes into
+//! It logs in as any link does ([`super::link::open_raw`]): [`super::link::LINK_USER`], the
+//! cluster-secret HMAC and the [`super::link::LINK_PROPERTY`] client property, so the member routes what it publishes into
 //! the queues it owns only. It speaks to cluster members only; foreign brokers get lapin.
 
 use super::forward::{ForwardOutcome, Job, Ticket, fail};
-use super::link::{LINK_PROPERTY, LINK_USER, LinkError};
+use super::link::LinkError;
 use crate::amqp::frame::{FRAME_METHOD, split_frame};
 use crate::amqp::writer::FrameWriter;
-use crate::amqp::{
-    AMQPClass, AMQPValue, FieldTable, LongString, ShortString, basic, channel, confirm, connection,
-    exchange,
-};
-use crate::client::{ClientError, Presentation, RawClient, Target};
+use crate::amqp::{AMQPClass, ShortString, basic, channel, confirm, connection};
+use crate::client::{ClientError, RawClient};
 use bytes::BytesMut;
 use parking_lot::Mutex;
 use std::collections::BTreeMap;
@@ -195,7 +192,8 @@ impl ForwardLink {
     fn encode(&mut self, job: Job, waiting: &mut Waiting) {
         if job.after_index > self.told {
             self.told = job.after_index;
-            self.out.method(CHANNEL, catch_up_declare(job.after_index));
+            self.out
+                .method(CHANNEL, super::catch_up::declare(job.after_index));
         }
         self.next_tag += 1;
         waiting.tickets.insert(self.next_tag, job.ticket);
@@ -266,27 +264,6 @@ impl ForwardLink {
     }
 }
 
-/// The passive default-exchange declare that tells the member the cluster change what
-/// follows needs ([`super::catch_up::AFTER_INDEX_ARGUMENT`]); its declare-ok needs no
-/// waiting here: the member reads nothing after it on the channel until it is answered.
-fn catch_up_declare(index: u64) -> AMQPClass {
-    let mut arguments = FieldTable::default();
-    arguments.insert(
-        super::catch_up::AFTER_INDEX_ARGUMENT.into(),
-        AMQPValue::LongLongInt(i64::try_from(index).unwrap_or(i64::MAX)),
-    );
-    AMQPClass::Exchange(exchange::AMQPMethod::Declare(exchange::Declare {
-        exchange: ShortString::from(""),
-        kind: ShortString::from("direct"),
-        passive: true,
-        durable: false,
-        auto_delete: false,
-        internal: false,
-        nowait: false,
-        arguments,
-    }))
-}
-
 /// Connects, logs in as a link and opens the confirm-mode channel: the stream, what was
 /// read past the handshake, the frame-max and the heartbeat agreed.
 async fn handshake(
@@ -294,31 +271,8 @@ async fn handshake(
     vhost: &str,
     password: &str,
 ) -> Result<(TcpStream, BytesMut, u32, u16), ClientError> {
-    let stream = TcpStream::connect(addr).await?;
-    stream.set_nodelay(true)?;
-    let target = Target {
-        addr: addr.to_owned(),
-        user: LINK_USER.to_owned(),
-        password: password.to_owned(),
-        vhost: vhost.to_owned(),
-    };
-    let mut properties = FieldTable::default();
-    properties.insert(
-        "connection_name".into(),
-        AMQPValue::LongString(LongString::from("ringmq forwarding link")),
-    );
-    properties.insert(
-        LINK_PROPERTY.into(),
-        AMQPValue::LongString(LongString::from("true")),
-    );
-    let presentation = Presentation {
-        properties,
-        heartbeat_s: HEARTBEAT_S,
-    };
-    let response = format!("\0{LINK_USER}\0{password}");
     let mut client =
-        RawClient::open_presenting(stream, &target, "PLAIN", response.as_bytes(), &presentation)
-            .await?;
+        super::link::open_raw(addr, vhost, password, "ringmq forwarding link", HEARTBEAT_S).await?;
     client
         .call(
             AMQPClass::Confirm(confirm::AMQPMethod::Select(confirm::Select {

@@ -1,16 +1,21 @@
-//! Links: the AMQP connections a cluster member opens to the others, one per (member,
-//! vhost) — AMQP binds a connection to one vhost — shared by every client of this member,
-//! opened on demand and opened again after a failure.
+//! Links: the AMQP connections a cluster member opens to the others, per (member, vhost) —
+//! AMQP binds a connection to one vhost — shared by every client of this member, opened on
+//! demand and opened again after a failure. To a member they speak the broker's own codec:
+//! a forwarding link for publishes ([`super::forward_link`]) and an upstream link for
+//! everything else ([`super::upstream_link`]). To a foreign broker (a `qpid.cluster.proxy`
+//! URI) they are lapin's, a general client any AMQP 0-9-1 broker understands.
 //!
 //! A link logs in as [`LINK_USER`] with [`link_password`], an HMAC of the cluster secret:
 //! the member at the other end recognises it, gives it every permission (the member that
 //! opened it checked its own client's), and routes what it publishes only into queues it
 //! owns ([`crate::core::VHost::publish_forwarded`]).
 
+use super::upstream_link::UpstreamLink;
+use crate::amqp::{AMQPValue, FieldTable, LongString};
+use crate::client::{ClientError, Presentation, RawClient, Target};
 use hmac::{Hmac, KeyInit, Mac};
 use lapin::{Connection, ConnectionProperties};
 use parking_lot::Mutex;
-use percent_encoding::{NON_ALPHANUMERIC, utf8_percent_encode};
 use sha2::Sha256;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -57,8 +62,9 @@ pub enum LinkError {
 /// Finds a member's AMQP address by node id.
 type Resolve = Box<dyn Fn(&str) -> Option<String> + Send + Sync>;
 
-/// One (member, vhost) link: connected at most once at a time by whoever needs it first.
-type Slot = Arc<tokio::sync::Mutex<Option<Arc<Connection>>>>;
+/// One (member or foreign broker, vhost) link: connected at most once at a time by whoever
+/// needs it first.
+type Slot<C> = Arc<tokio::sync::Mutex<Option<Arc<C>>>>;
 
 /// The open links of this broker, by (node id or foreign URI, vhost).
 #[derive(Default)]
@@ -66,7 +72,10 @@ pub struct Links {
     /// The cluster this broker joined: the links' password and how to find a member's AMQP
     /// address by node id (the cluster map's membership).
     cluster: std::sync::OnceLock<(String, Resolve)>,
-    open: Mutex<HashMap<(String, String), Slot>>,
+    /// The lapin links to foreign brokers.
+    open: Mutex<HashMap<(String, String), Slot<Connection>>>,
+    /// The upstream links to members, on the broker's own codec ([`super::upstream_link`]).
+    upstream: Mutex<HashMap<(String, String), Slot<UpstreamLink>>>,
 }
 
 /// Whether a queue's home names another AMQP broker (a foreign proxy) rather than a
@@ -90,33 +99,24 @@ impl Links {
         let _ = self.cluster.set((password, Box::new(resolve)));
     }
 
-    /// Where a link to `node` for `vhost` connects: a foreign broker's URI as given, or the
-    /// cluster member's address with the link credentials.
-    fn uri(&self, node: &str, vhost: &str) -> Result<(String, String), LinkError> {
-        if is_foreign(node) {
-            let addr = node
-                .split('@')
-                .next_back()
-                .and_then(|rest| rest.split('/').next())
-                .unwrap_or(node)
-                .to_owned();
-            return Ok((node.to_owned(), addr));
+    /// Where a lapin link to foreign broker `uri` connects (host:port, for errors and logs).
+    /// Cluster members get the broker's own codec ([`Links::upstream_link`],
+    /// [`Links::forward_link`]), never lapin.
+    fn foreign_addr(uri: &str) -> Result<String, LinkError> {
+        if !is_foreign(uri) {
+            return Err(LinkError::UnknownMember(uri.into()));
         }
-        let (password, resolve) = self
-            .cluster
-            .get()
-            .ok_or_else(|| LinkError::UnknownMember(node.into()))?;
-        let addr = resolve(node).ok_or_else(|| LinkError::UnknownMember(node.into()))?;
-        let uri = format!(
-            "amqp://{LINK_USER}:{password}@{addr}/{}?heartbeat=10",
-            utf8_percent_encode(vhost, NON_ALPHANUMERIC)
-        );
-        Ok((uri, addr))
+        Ok(uri
+            .split('@')
+            .next_back()
+            .and_then(|rest| rest.split('/').next())
+            .unwrap_or(uri)
+            .to_owned())
     }
 
-    /// The link to `node` (a member's node id, or a foreign broker's URI) for `vhost`: the
-    /// open one, or a new one when there is none or it failed. Concurrent callers for the
-    /// same pair wait for one connection attempt.
+    /// The lapin link to the foreign broker at URI `node` (its vhost is in the URI; `vhost`
+    /// keys the slot): the open one, or a new one when there is none or it failed.
+    /// Concurrent callers for the same pair wait for one connection attempt.
     pub async fn connection(&self, node: &str, vhost: &str) -> Result<Arc<Connection>, LinkError> {
         let slot = self
             .open
@@ -130,11 +130,11 @@ impl Links {
         {
             return Ok(c.clone());
         }
-        let (uri, addr) = self.uri(node, vhost)?;
+        let addr = Self::foreign_addr(node)?;
         let props = ConnectionProperties::default()
             .with_connection_name(format!("ringmq link to {node}").into())
             .with_client_property(LINK_PROPERTY.into(), "true".into());
-        let connection = Connection::connect(&uri, props)
+        let connection = Connection::connect(node, props)
             .await
             .map_err(|e| LinkError::Failed {
                 node: redacted(node),
@@ -162,7 +162,37 @@ impl Links {
         super::forward_link::ForwardLink::open(node, &addr, vhost, password).await
     }
 
-    /// Opens a channel on the link to `node` for `vhost`.
+    /// The upstream link to cluster member `node` for `vhost` ([`super::upstream_link`]):
+    /// the open one, or a new one when there is none or it failed. Concurrent callers for
+    /// the same pair wait for one connection attempt.
+    pub async fn upstream_link(
+        &self,
+        node: &str,
+        vhost: &str,
+    ) -> Result<Arc<UpstreamLink>, LinkError> {
+        let slot = self
+            .upstream
+            .lock()
+            .entry((node.to_owned(), vhost.to_owned()))
+            .or_default()
+            .clone();
+        let mut slot = slot.lock().await;
+        if let Some(l) = slot.as_ref()
+            && l.is_open()
+        {
+            return Ok(l.clone());
+        }
+        let (password, resolve) = self
+            .cluster
+            .get()
+            .ok_or_else(|| LinkError::UnknownMember(node.into()))?;
+        let addr = resolve(node).ok_or_else(|| LinkError::UnknownMember(node.into()))?;
+        let link = Arc::new(UpstreamLink::open(node, &addr, vhost, password).await?);
+        *slot = Some(link.clone());
+        Ok(link)
+    }
+
+    /// Opens a channel on the lapin link to the foreign broker at URI `node`.
     pub async fn channel(&self, node: &str, vhost: &str) -> Result<lapin::Channel, LinkError> {
         let connection = self.connection(node, vhost).await?;
         connection
@@ -170,7 +200,7 @@ impl Links {
             .await
             .map_err(|e| LinkError::Failed {
                 node: redacted(node),
-                addr: self.uri(node, vhost).map(|(_, a)| a).unwrap_or_default(),
+                addr: Self::foreign_addr(node).unwrap_or_default(),
                 reason: e.to_string(),
             })
     }
@@ -195,7 +225,7 @@ impl Links {
             .await
             .map(drop);
         let _ = ch.close(200, "checked".into()).await;
-        self.found(node, vhost, found)
+        self.found(node, found)
     }
 
     /// Whether `node` has `exchange` in `vhost` (a passive declare on a channel of its
@@ -220,21 +250,59 @@ impl Links {
             )
             .await;
         let _ = ch.close(200, "checked".into()).await;
-        self.found(node, vhost, found)
+        self.found(node, found)
     }
 
     /// A passive declare's outcome: found, 404 (not found), or a failure of the link.
-    fn found(&self, node: &str, vhost: &str, asked: lapin::Result<()>) -> Result<bool, LinkError> {
+    fn found(&self, node: &str, asked: lapin::Result<()>) -> Result<bool, LinkError> {
         match asked {
             Ok(()) => Ok(true),
             Err(e) if not_found(&e) => Ok(false),
             Err(e) => Err(LinkError::Failed {
                 node: redacted(node),
-                addr: self.uri(node, vhost).map(|(_, a)| a).unwrap_or_default(),
+                addr: Self::foreign_addr(node).unwrap_or_default(),
                 reason: e.to_string(),
             }),
         }
     }
+}
+
+/// Connects to cluster member `addr` on the broker's own codec ([`RawClient`]) and logs in
+/// as a link for `vhost`: [`LINK_USER`] with the link `password`, the [`LINK_PROPERTY`]
+/// client property, `name` as its connection name, asking for `heartbeat_s`, announcing
+/// `consumer_cancel_notify`. Channel 1 is open when it returns.
+pub(super) async fn open_raw(
+    addr: &str,
+    vhost: &str,
+    password: &str,
+    name: &str,
+    heartbeat_s: u16,
+) -> Result<RawClient, ClientError> {
+    let stream = tokio::net::TcpStream::connect(addr).await?;
+    stream.set_nodelay(true)?;
+    let target = Target {
+        addr: addr.to_owned(),
+        user: LINK_USER.to_owned(),
+        password: password.to_owned(),
+        vhost: vhost.to_owned(),
+    };
+    let mut properties = FieldTable::default();
+    properties.insert(
+        "connection_name".into(),
+        AMQPValue::LongString(LongString::from(name)),
+    );
+    properties.insert(
+        LINK_PROPERTY.into(),
+        AMQPValue::LongString(LongString::from("true")),
+    );
+    let presentation = Presentation {
+        properties,
+        heartbeat_s,
+        // The member tells an upstream channel when it cancels a consumer (its queue went).
+        capabilities: &["consumer_cancel_notify"],
+    };
+    let response = format!("\0{LINK_USER}\0{password}");
+    RawClient::open_presenting(stream, &target, "PLAIN", response.as_bytes(), &presentation).await
 }
 
 /// Whether the other broker answered 404 NOT_FOUND.

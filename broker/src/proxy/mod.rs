@@ -9,7 +9,9 @@
 //!   once, on a confirm-mode channel; the publisher's confirm waits for every owner's.
 //! * [`upstream`]: a client channel that consumes, gets, purges or asks about a proxied
 //!   queue gets one upstream channel per primary, in its name: consumers there with the
-//!   client's prefetch, acks passed on only after the client's.
+//!   client's prefetch, acks passed on only after the client's. To a member it is a channel
+//!   of the member's [`upstream_link`] (the broker's own codec), to a foreign broker lapin's
+//!   ([`upstream_foreign`]).
 //!
 //! Foreign proxies use the same links to another AMQP broker: a queue's publishes and
 //! consumers as above, an exchange's publishes as forwards, and what the other broker's
@@ -24,6 +26,8 @@ pub mod forward_link;
 pub mod link;
 pub mod stats;
 pub mod upstream;
+pub mod upstream_foreign;
+pub mod upstream_link;
 pub mod watch;
 
 use forward::Forwarders;

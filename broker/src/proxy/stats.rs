@@ -5,8 +5,8 @@
 //! passive declare is a use of the queue (it renews `x-expires`) and looking is not.
 
 use super::link::Links;
-use crate::amqp::{AMQPValue, FieldTable};
-use lapin::options::QueueDeclareOptions;
+use super::upstream_link::{Replied, UpstreamChannel};
+use crate::amqp::{AMQPClass, AMQPValue, FieldTable, queue};
 use std::collections::HashMap;
 
 /// The passive-declare argument with which a link asks for a queue's numbers without using
@@ -25,8 +25,9 @@ pub struct QueueStats {
     pub consumers: u32,
 }
 
-/// The numbers of `queues` (in `vhost`) on `primary`; a queue that could not be asked
-/// about (gone meanwhile, or the member unreachable) is left out.
+/// The numbers of `queues` (in `vhost`) on member `primary`, asked on a channel of its
+/// upstream link ([`super::upstream_link`]); a queue that could not be asked about (gone
+/// meanwhile, or the member unreachable) is left out.
 pub async fn queue_stats(
     links: &Links,
     primary: &str,
@@ -34,42 +35,56 @@ pub async fn queue_stats(
     queues: &[String],
 ) -> HashMap<String, QueueStats> {
     let mut out = HashMap::new();
-    let mut channel: Option<lapin::Channel> = None;
+    let Ok(link) = links.upstream_link(primary, vhost).await else {
+        return out;
+    };
+    let mut channel: Option<UpstreamChannel> = None;
     for name in queues {
-        if channel.as_ref().is_none_or(|c| !c.status().connected()) {
-            channel = links.channel(primary, vhost).await.ok();
-        }
-        let Some(ch) = &channel else {
-            break;
+        // A 404 closes the channel on the member: the next queue gets a new one.
+        let ch = match channel.take() {
+            Some(ch) => ch,
+            None => match link.open_channel().await {
+                Ok(ch) => ch,
+                Err(_) => break,
+            },
         };
-        let asking = |which: &str| {
-            let mut args = FieldTable::default();
-            args.insert(STATS_ARGUMENT.into(), AMQPValue::LongString(which.into()));
-            args
+        let ask = |which: &str| {
+            let mut arguments = FieldTable::default();
+            arguments.insert(STATS_ARGUMENT.into(), AMQPValue::LongString(which.into()));
+            AMQPClass::Queue(queue::AMQPMethod::Declare(queue::Declare {
+                queue: name.as_str().into(),
+                passive: true,
+                durable: false,
+                exclusive: false,
+                auto_delete: false,
+                nowait: false,
+                arguments,
+            }))
         };
-        let passive = QueueDeclareOptions {
-            passive: true,
-            ..QueueDeclareOptions::default()
+        let counts = |r: Result<Replied, _>| match r {
+            Ok(Replied::Method(AMQPClass::Queue(queue::AMQPMethod::DeclareOk(ok)))) => {
+                Some((ok.message_count, ok.consumer_count))
+            }
+            _ => None,
         };
-        let plain = ch
-            .queue_declare(name.as_str().into(), passive, asking("ready"))
-            .await;
-        let unacked = ch
-            .queue_declare(name.as_str().into(), passive, asking("unacked"))
-            .await;
-        if let (Ok(plain), Ok(unacked)) = (plain, unacked) {
+        let ready = counts(ch.call(ask("ready")).await);
+        let unacked = counts(ch.call(ask("unacked")).await);
+        if let (Some((ready, consumers)), Some((unacked, _))) = (ready, unacked) {
             out.insert(
                 name.clone(),
                 QueueStats {
-                    ready: plain.message_count(),
-                    unacked: unacked.message_count(),
-                    consumers: plain.consumer_count(),
+                    ready,
+                    unacked,
+                    consumers,
                 },
             );
+            channel = Some(ch);
+        } else {
+            ch.close();
         }
     }
     if let Some(ch) = channel {
-        let _ = ch.close(200, "done".into()).await;
+        ch.close();
     }
     out
 }

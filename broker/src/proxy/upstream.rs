@@ -5,23 +5,19 @@
 //! had not acked goes back to its queue on the primary in its original order.
 //!
 //! One task per upstream channel runs its [`Command`]s in order (an ack never overtakes
-//! the delivery it answers, a get is answered in its turn); one task per proxied consumer
-//! hands its deliveries to the client connection's mailbox.
+//! the delivery it answers, a get is answered in its turn). To a cluster member the channel
+//! is one of the member's upstream link ([`super::upstream_link`], the broker's own codec),
+//! whose reader hands deliveries straight to the client connection's mailbox; to a foreign
+//! broker it is lapin's ([`super::upstream_foreign`]).
 
-use super::link::Links;
-use crate::amqp::writer::FrameWriter;
-use crate::amqp::{FieldTable, codes};
+use super::link::{Links, is_foreign};
+use super::upstream_foreign::ForeignChannel;
+use super::upstream_link::{ClientConsumer, Replied, UpstreamChannel};
+use crate::amqp::{AMQPClass, FieldTable, basic, codes, queue};
 use crate::broker::outbox::Outbox;
 use crate::core::vhost::Settlement;
 use crate::core::{AmqpError, Message};
-use bytes::Bytes;
-use futures::{FutureExt, StreamExt};
-use lapin::options::{
-    BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicGetOptions, BasicNackOptions,
-    BasicQosOptions, QueueDeclareOptions, QueueDeleteOptions, QueuePurgeOptions,
-};
 use std::collections::BTreeSet;
-use std::future::Future;
 use std::sync::Arc;
 use tokio::sync::{mpsc, oneshot};
 
@@ -29,9 +25,6 @@ use tokio::sync::{mpsc, oneshot};
 /// no-ack): the proxy must never hold more than a bounded number of messages that its
 /// client has not taken (DESIGN §4: no "stuck messages"), so credit is always finite.
 pub const DEFAULT_CREDIT: u16 = 4096;
-
-/// Most deliveries a consumer's pump hands to the connection in one mailbox push.
-const PUMP_BATCH: usize = 256;
 
 /// A delivery from a primary for a proxied consumer of the client channel `channel`.
 #[derive(Debug)]
@@ -159,12 +152,10 @@ pub enum Command {
         /// Answered after the round trip.
         reply: Reply<()>,
     },
-    /// The client settled a delivery that came through this channel.
+    /// The client settled deliveries that came through this channel.
     Settle {
-        /// Upstream delivery tag.
-        tag: u64,
-        /// How.
-        settlement: Settlement,
+        /// Upstream delivery tags and how, in the client's order.
+        settlements: Vec<(u64, Settlement)>,
     },
 }
 
@@ -217,25 +208,29 @@ pub fn gone(primary: &str) -> AmqpError {
     )
 }
 
-/// A lapin error as the AMQP error the client gets: the other broker's own reply code and
-/// text, or 404 naming the primary when it could not be reached.
-fn amqp_error(primary: &str, e: &lapin::Error) -> AmqpError {
-    match e.kind() {
-        lapin::ErrorKind::ProtocolError(amqp) => {
-            AmqpError::new(amqp.get_id(), amqp.get_message().to_string())
-        }
-        _ => AmqpError::new(
-            codes::NOT_FOUND,
-            format!(
-                "the queue's primary, '{}', cannot be reached: {e}",
-                super::link::redacted(primary)
-            ),
-        ),
-    }
+/// An upstream channel: on a member's upstream link, or lapin's to a foreign broker.
+enum Channel {
+    Member(UpstreamChannel),
+    Foreign(ForeignChannel),
 }
 
 async fn run(t: Target, mut commands: mpsc::UnboundedReceiver<Command>) {
-    let ch = match t.links.channel(&t.primary, &t.vhost).await {
+    let opened = if is_foreign(&t.primary) {
+        ForeignChannel::open(&t)
+            .await
+            .map(Channel::Foreign)
+            .map_err(|e| e.to_string())
+    } else {
+        match t.links.upstream_link(&t.primary, &t.vhost).await {
+            Ok(link) => link
+                .open_channel()
+                .await
+                .map(Channel::Member)
+                .map_err(|e| e.text),
+            Err(e) => Err(e.to_string()),
+        }
+    };
+    let ch = match opened {
         Ok(ch) => ch,
         Err(e) => {
             let err = AmqpError::new(
@@ -248,7 +243,6 @@ async fn run(t: Target, mut commands: mpsc::UnboundedReceiver<Command>) {
             return;
         }
     };
-    let unsettled = Unsettled::default();
     // The prefetch of the channel's latest consumer, which a barrier repeats.
     let mut last_credit: u16 = 0;
     let mut failed: Option<AmqpError> = None;
@@ -267,101 +261,74 @@ async fn run(t: Target, mut commands: mpsc::UnboundedReceiver<Command>) {
             fail(c, err);
             continue;
         }
-        if let Command::Settle { tag, settlement } = c {
+        if let Command::Settle { settlements } = c {
             // Settlements queued together go out together: runs of acks as one
             // `multiple` ack where that names exactly them.
-            let mut batch = vec![(tag, settlement)];
+            let mut batch = settlements;
             while let Ok(c) = commands.try_recv() {
                 match c {
-                    Command::Settle { tag, settlement } => batch.push((tag, settlement)),
+                    Command::Settle { settlements } => batch.extend(settlements),
                     other => {
                         next = Some(other);
                         break;
                     }
                 }
             }
-            settle(&ch, &unsettled, batch).await;
+            match &ch {
+                Channel::Member(m) => m.settle(batch),
+                Channel::Foreign(f) => f.settle(batch).await,
+            }
             continue;
         }
-        let needed = t.applied.index();
-        if needed > told && !super::link::is_foreign(&t.primary) {
-            if let Err(e) = super::catch_up::catch_up(&ch, needed).await {
-                let err = amqp_error(&t.primary, &e);
-                fail(c, &err);
-                failed = Some(err);
-                continue;
+        let result = match &ch {
+            Channel::Member(m) => {
+                // No catch-up to a foreign broker: it has no cluster changes to apply.
+                let needed = t.applied.index();
+                if needed > told {
+                    if let Err(err) = catch_up(m, needed).await {
+                        fail(c, &err);
+                        failed = Some(err);
+                        continue;
+                    }
+                    told = needed;
+                }
+                execute(&t, m, &mut last_credit, c).await
             }
-            told = needed;
-        }
-        if let Err(e) = execute(&t, &ch, &unsettled, &mut last_credit, c).await {
+            Channel::Foreign(f) => f.execute(&t, &mut last_credit, c).await,
+        };
+        if let Err(e) = result {
             failed = Some(e);
         }
     }
     // The client channel closed: close ours, so the primary requeues what it delivered.
-    let _ = ch
-        .close(codes::REPLY_SUCCESS, "client channel closed".into())
-        .await;
-}
-
-/// Upstream delivery tags not yet settled, shared by the channel's task and its consumers'
-/// pumps: an ack may be sent as `multiple` only when no unsettled tag below it remains.
-type Unsettled = Arc<parking_lot::Mutex<BTreeSet<u64>>>;
-
-/// Sends a batch of settlements in order, without waiting for the socket: their frames are
-/// queued on the first poll (in order), and the link writes them with what follows.
-async fn settle(ch: &lapin::Channel, unsettled: &Unsettled, batch: Vec<(u64, Settlement)>) {
-    let mut acks: Vec<u64> = Vec::new();
-    for (tag, settlement) in batch {
-        unsettled.lock().remove(&tag);
-        if settlement == Settlement::Ack {
-            acks.push(tag);
-            continue;
-        }
-        send_acks(ch, unsettled, &mut acks).await;
-        let nack = ch.basic_nack(
-            tag,
-            BasicNackOptions {
-                multiple: false,
-                requeue: settlement == Settlement::Requeue,
-            },
-        );
-        queue_frames(nack).await;
+    match ch {
+        Channel::Member(m) => m.close(),
+        Channel::Foreign(f) => f.close().await,
     }
-    send_acks(ch, unsettled, &mut acks).await;
 }
 
-async fn send_acks(ch: &lapin::Channel, unsettled: &Unsettled, acks: &mut Vec<u64>) {
-    let Some(&last) = acks.iter().max() else {
-        return;
-    };
-    let covers_all = unsettled.lock().range(..last).next().is_none();
-    if covers_all && acks.len() > 1 {
-        queue_frames(ch.basic_ack(last, BasicAckOptions { multiple: true })).await;
-    } else {
-        for &tag in acks.iter() {
-            queue_frames(ch.basic_ack(tag, BasicAckOptions::default())).await;
-        }
-    }
-    acks.clear();
+/// Tells the member that what follows on the channel needs the cluster change `index`
+/// applied ([`super::catch_up`]), and waits until it is.
+async fn catch_up(ch: &UpstreamChannel, index: u64) -> Result<(), AmqpError> {
+    ch.call(super::catch_up::declare(index)).await.map(drop)
 }
 
-/// Polls a lapin send once — which queues its frames — and lets it go: a failure shows as
-/// the channel's state on the next command.
-async fn queue_frames(send: impl Future<Output = lapin::Result<()>>) {
-    let mut send = std::pin::pin!(send);
-    let _ = futures::poll!(send.as_mut());
+/// basic.qos with `credit` as a per-consumer prefetch.
+fn qos(credit: u16) -> AMQPClass {
+    AMQPClass::Basic(basic::AMQPMethod::Qos(basic::Qos {
+        prefetch_count: credit,
+        global: false,
+    }))
 }
 
-/// Runs one command; an error that broke the upstream channel is returned (after it was
-/// given to the command's reply).
+/// Runs one command on a member's upstream channel; an error that broke the upstream
+/// channel is returned (after it was given to the command's reply).
 async fn execute(
     t: &Target,
-    ch: &lapin::Channel,
-    unsettled: &Unsettled,
+    ch: &UpstreamChannel,
     last_credit: &mut u16,
     c: Command,
 ) -> Result<(), AmqpError> {
-    let err = |e: lapin::Error| amqp_error(&t.primary, &e);
     match c {
         Command::Consume {
             queue,
@@ -374,150 +341,136 @@ async fn execute(
             reply,
         } => {
             *last_credit = credit;
-            let started = async {
-                ch.basic_qos(credit, BasicQosOptions { global: false })
-                    .await
-                    .map_err(err)?;
-                ch.basic_consume(
-                    queue.as_str().into(),
-                    tag.as_str().into(),
-                    BasicConsumeOptions {
-                        exclusive,
-                        ..BasicConsumeOptions::default()
-                    },
-                    arguments,
-                )
-                .await
-                .map_err(err)
-            }
-            .await;
-            match started {
-                Ok(consumer) => {
-                    let _ = reply.send(Ok(()));
-                    tokio::spawn(pump(
-                        consumer,
-                        ch.clone(),
-                        unsettled.clone(),
-                        t.outbox.clone(),
-                        Pumped {
-                            channel: t.channel,
-                            tag: tag.into(),
-                            serial,
-                            queue: queue.into(),
-                            primary: t.primary.clone(),
-                            no_ack,
-                        },
-                    ));
-                    Ok(())
-                }
-                Err(e) => answer(reply, Err(e)),
-            }
+            let consume = basic::Consume {
+                queue: queue.as_str().into(),
+                consumer_tag: tag.as_str().into(),
+                no_local: false,
+                no_ack: false,
+                exclusive,
+                nowait: false,
+                arguments,
+            };
+            let to = ClientConsumer {
+                outbox: t.outbox.clone(),
+                channel: t.channel,
+                tag: tag.into(),
+                serial,
+                queue: queue.into(),
+                primary: t.primary.clone(),
+                no_ack,
+            };
+            let started = match ch.call(qos(credit)).await {
+                Ok(_) => ch.consume(consume, to).await,
+                Err(e) => Err(e),
+            };
+            answer(reply, started)
         }
         Command::Cancel {
             tag,
             requeue,
             reply,
         } => {
-            let cancelled = ch
-                .basic_cancel(tag.as_str().into(), BasicCancelOptions::default())
-                .await;
-            let processed = match cancelled {
-                Ok(()) if !requeue.is_empty() => {
-                    let batch = requeue.into_iter().map(|t| (t, Settlement::Requeue));
-                    settle(ch, unsettled, batch.collect()).await;
+            let cancel = AMQPClass::Basic(basic::AMQPMethod::Cancel(basic::Cancel {
+                consumer_tag: tag.as_str().into(),
+                nowait: false,
+            }));
+            let processed = match ch.call(cancel).await {
+                Ok(_) if !requeue.is_empty() => {
+                    ch.settle(
+                        requeue
+                            .into_iter()
+                            .map(|t| (t, Settlement::Requeue))
+                            .collect(),
+                    );
                     // A round trip after the nacks: the primary has processed them.
-                    ch.basic_qos(*last_credit, BasicQosOptions { global: false })
-                        .await
+                    ch.call(qos(*last_credit)).await.map(drop)
                 }
-                other => other,
+                other => other.map(drop),
             };
-            answer(reply, processed.map_err(err))
+            answer(reply, processed)
         }
         Command::Get {
             queue,
             no_ack,
             reply,
         } => {
-            let got = ch
-                .basic_get(queue.as_str().into(), BasicGetOptions { no_ack })
-                .await
-                .map_err(err)
-                .and_then(|got| {
-                    got.map(|g| {
-                        let d = g.delivery;
-                        if !no_ack {
-                            unsettled.lock().insert(d.delivery_tag);
-                        }
-                        Ok(ProxiedGet {
-                            upstream_tag: d.delivery_tag,
-                            redelivered: d.redelivered,
-                            message_count: g.message_count,
-                            message: Arc::new(message(
-                                d.exchange,
-                                d.routing_key,
-                                d.properties,
-                                d.data,
-                            )?),
-                        })
-                    })
-                    .transpose()
-                });
+            let get = AMQPClass::Basic(basic::AMQPMethod::Get(basic::Get {
+                queue: queue.as_str().into(),
+                no_ack,
+            }));
+            let got = ch.call(get).await.map(|r| match r {
+                Replied::Got(g) => {
+                    if !no_ack {
+                        ch.track(g.upstream_tag);
+                    }
+                    Some(g)
+                }
+                Replied::Method(_) => None,
+            });
             answer(reply, got)
         }
-        Command::Purge { queue, reply } => answer(
-            reply,
-            ch.queue_purge(queue.as_str().into(), QueuePurgeOptions::default())
-                .await
-                .map_err(err),
-        ),
+        Command::Purge { queue, reply } => {
+            let purge = AMQPClass::Queue(queue::AMQPMethod::Purge(queue::Purge {
+                queue: queue.as_str().into(),
+                nowait: false,
+            }));
+            let purged = ch.call(purge).await.and_then(|r| match r {
+                Replied::Method(AMQPClass::Queue(queue::AMQPMethod::PurgeOk(ok))) => {
+                    Ok(ok.message_count)
+                }
+                other => Err(ch.unexpected("queue.purge-ok", &other)),
+            });
+            answer(reply, purged)
+        }
         Command::Delete {
             queue,
             if_unused,
             if_empty,
             reply,
-        } => answer(
-            reply,
-            ch.queue_delete(
-                queue.as_str().into(),
-                QueueDeleteOptions {
-                    if_unused,
-                    if_empty,
-                    nowait: false,
-                },
-            )
-            .await
-            .map_err(err),
-        ),
-        Command::Counts { queue, reply } => answer(
-            reply,
-            ch.queue_declare(
-                queue.as_str().into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..QueueDeclareOptions::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .map(|q| (q.message_count(), q.consumer_count()))
-            .map_err(err),
-        ),
-        Command::Settle { tag, settlement } => {
-            settle(ch, unsettled, vec![(tag, settlement)]).await;
+        } => {
+            let delete = AMQPClass::Queue(queue::AMQPMethod::Delete(queue::Delete {
+                queue: queue.as_str().into(),
+                if_unused,
+                if_empty,
+                nowait: false,
+            }));
+            let deleted = ch.call(delete).await.and_then(|r| match r {
+                Replied::Method(AMQPClass::Queue(queue::AMQPMethod::DeleteOk(ok))) => {
+                    Ok(ok.message_count)
+                }
+                other => Err(ch.unexpected("queue.delete-ok", &other)),
+            });
+            answer(reply, deleted)
+        }
+        Command::Counts { queue, reply } => {
+            let declare = AMQPClass::Queue(queue::AMQPMethod::Declare(queue::Declare {
+                queue: queue.as_str().into(),
+                passive: true,
+                durable: false,
+                exclusive: false,
+                auto_delete: false,
+                nowait: false,
+                arguments: FieldTable::default(),
+            }));
+            let counted = ch.call(declare).await.and_then(|r| match r {
+                Replied::Method(AMQPClass::Queue(queue::AMQPMethod::DeclareOk(ok))) => {
+                    Ok((ok.message_count, ok.consumer_count))
+                }
+                other => Err(ch.unexpected("queue.declare-ok", &other)),
+            });
+            answer(reply, counted)
+        }
+        Command::Settle { settlements } => {
+            ch.settle(settlements);
             Ok(())
         }
-        Command::Barrier { reply } => answer(
-            reply,
-            ch.basic_qos(*last_credit, BasicQosOptions { global: false })
-                .await
-                .map_err(err),
-        ),
+        Command::Barrier { reply } => answer(reply, ch.call(qos(*last_credit)).await.map(drop)),
     }
 }
 
 /// Gives `result` to `reply`; a failure is also the channel's (AMQP closes a channel on
 /// every error its peer reports).
-fn answer<T>(reply: Reply<T>, result: Result<T, AmqpError>) -> Result<(), AmqpError> {
+pub(super) fn answer<T>(reply: Reply<T>, result: Result<T, AmqpError>) -> Result<(), AmqpError> {
     let failure = result.as_ref().err().cloned();
     let _ = reply.send(result);
     failure.map_or(Ok(()), Err)
@@ -544,84 +497,137 @@ fn fail(c: Command, err: &AmqpError) {
     }
 }
 
-/// A message as a primary (or a foreign exchange's feed) delivered it, with its content
-/// header encoded once for the client's delivery.
-pub(crate) fn message(
-    exchange: lapin::types::ShortString,
-    routing_key: lapin::types::ShortString,
-    properties: crate::amqp::Properties,
-    body: Vec<u8>,
-) -> Result<Message, AmqpError> {
-    let header = FrameWriter::encode_header_payload(body.len() as u64, &properties);
-    Message::new(exchange, routing_key, properties, header, Bytes::from(body))
-        .map_err(|e| AmqpError::precondition(e.0))
+/// A settlement as it goes upstream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Upstreamed {
+    /// basic.ack of `tag`, and with `multiple` of every unsettled tag below it.
+    Ack {
+        /// Upstream delivery tag.
+        tag: u64,
+        /// Every unsettled tag up to `tag`.
+        multiple: bool,
+    },
+    /// basic.nack of `tag` alone.
+    Nack {
+        /// Upstream delivery tag.
+        tag: u64,
+        /// Back to its queue (else dropped or dead-lettered).
+        requeue: bool,
+    },
 }
 
-/// Whose deliveries a pump hands on.
-struct Pumped {
-    channel: u16,
-    tag: Arc<str>,
-    serial: u64,
-    queue: Arc<str>,
-    primary: Arc<str>,
-    no_ack: bool,
-}
-
-/// Hands one proxied consumer's deliveries to the client connection, until the consumer
-/// ends (cancelled by either side, or the channel closed).
-async fn pump(
-    mut consumer: lapin::Consumer,
-    ch: lapin::Channel,
-    unsettled: Unsettled,
-    outbox: Arc<Outbox>,
-    c: Pumped,
-) {
-    let Pumped {
-        channel,
-        tag,
-        serial,
-        queue,
-        primary,
-        no_ack,
-    } = c;
-    while let Some(Ok(first)) = consumer.next().await {
-        // What else already arrived goes to the connection in the same mailbox push.
-        let mut arrived = vec![first];
-        while arrived.len() < PUMP_BATCH {
-            match consumer.next().now_or_never() {
-                Some(Some(Ok(d))) => arrived.push(d),
-                _ => break,
-            }
+/// The frames that carry a batch of settlements upstream, in the batch's order, taking
+/// their tags out of `unsettled` (the channel's delivered and not yet settled tags). Acks
+/// between two nacks go together: those below the lowest tag still unsettled as one
+/// `multiple` ack — it names exactly them, since nothing below it is left to name — the
+/// rest one by one. A nack's tag leaves `unsettled` only after the acks before it went, so
+/// a `multiple` ack never covers a tag that a later nack names.
+pub fn settle_plan(
+    unsettled: &mut BTreeSet<u64>,
+    batch: Vec<(u64, Settlement)>,
+) -> Vec<Upstreamed> {
+    let mut frames = Vec::new();
+    let mut acks: Vec<u64> = Vec::new();
+    for (tag, settlement) in batch {
+        if settlement == Settlement::Ack {
+            unsettled.remove(&tag);
+            acks.push(tag);
+            continue;
         }
-        let mut batch = Vec::with_capacity(arrived.len());
-        for d in arrived {
-            let upstream_tag = d.delivery_tag;
-            unsettled.lock().insert(upstream_tag);
-            match message(d.exchange, d.routing_key, d.properties, d.data) {
-                Ok(m) => batch.push(ProxiedDelivery {
-                    channel,
-                    consumer_tag: tag.clone(),
-                    serial,
-                    queue: queue.clone(),
-                    primary: primary.clone(),
-                    upstream_tag,
-                    redelivered: d.redelivered,
-                    message: Arc::new(m),
-                    no_ack,
-                }),
-                Err(e) => {
-                    tracing::warn!(%primary, %queue, error = %e.text, "dropping a proxied delivery the broker cannot take");
-                    settle(&ch, &unsettled, vec![(upstream_tag, Settlement::Ack)]).await;
-                }
-            }
-        }
-        outbox.push(|p| p.proxied.append(&mut batch));
+        plan_acks(unsettled, &mut acks, &mut frames);
+        unsettled.remove(&tag);
+        frames.push(Upstreamed::Nack {
+            tag,
+            requeue: settlement == Settlement::Requeue,
+        });
     }
-    outbox.push(|p| {
-        p.proxied_ended.push(ProxiedEnd {
-            channel,
-            consumer_tag: tag,
-            serial,
-        })
-    });
+    plan_acks(unsettled, &mut acks, &mut frames);
+    frames
+}
+
+fn plan_acks(unsettled: &BTreeSet<u64>, acks: &mut Vec<u64>, frames: &mut Vec<Upstreamed>) {
+    acks.sort_unstable();
+    let floor = unsettled.first().copied().unwrap_or(u64::MAX);
+    let below = acks.partition_point(|&t| t < floor);
+    match below {
+        0 => {}
+        1 => frames.push(Upstreamed::Ack {
+            tag: acks[0],
+            multiple: false,
+        }),
+        n => frames.push(Upstreamed::Ack {
+            tag: acks[n - 1],
+            multiple: true,
+        }),
+    }
+    for &tag in &acks[below..] {
+        frames.push(Upstreamed::Ack {
+            tag,
+            multiple: false,
+        });
+    }
+    acks.clear();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use Settlement::{Ack, Reject, Requeue};
+
+    fn plan(unsettled: &[u64], batch: &[(u64, Settlement)]) -> (Vec<Upstreamed>, Vec<u64>) {
+        let mut u: BTreeSet<u64> = unsettled.iter().copied().collect();
+        let frames = settle_plan(&mut u, batch.to_vec());
+        (frames, u.into_iter().collect())
+    }
+
+    fn ack(tag: u64, multiple: bool) -> Upstreamed {
+        Upstreamed::Ack { tag, multiple }
+    }
+
+    #[test]
+    fn a_run_of_acks_with_nothing_unsettled_below_is_one_multiple_ack() {
+        let (frames, left) = plan(&[1, 2, 3, 4, 5], &[(3, Ack), (1, Ack), (2, Ack)]);
+        assert_eq!(frames, vec![ack(3, true)]);
+        assert_eq!(left, vec![4, 5]);
+    }
+
+    #[test]
+    fn acks_above_an_unsettled_tag_go_one_by_one() {
+        // 3 is still with the client: a multiple ack of 5 would ack it too.
+        let (frames, left) = plan(&[1, 2, 3, 4, 5], &[(1, Ack), (2, Ack), (4, Ack), (5, Ack)]);
+        assert_eq!(frames, vec![ack(2, true), ack(4, false), ack(5, false)]);
+        assert_eq!(left, vec![3]);
+        let (frames, _) = plan(&[7], &[(7, Ack)]);
+        assert_eq!(frames, vec![ack(7, false)], "one ack is never multiple");
+    }
+
+    #[test]
+    fn a_multiple_ack_never_covers_a_tag_a_later_nack_names() {
+        // The client acked 2 and 3, then rejected 1: 1 must reach the primary as a nack.
+        let (frames, left) = plan(&[1, 2, 3], &[(2, Ack), (3, Ack), (1, Requeue)]);
+        assert_eq!(
+            frames,
+            vec![
+                ack(2, false),
+                ack(3, false),
+                Upstreamed::Nack {
+                    tag: 1,
+                    requeue: true
+                }
+            ]
+        );
+        assert!(left.is_empty());
+        // Acks after the nack may use it: 1 is settled by then.
+        let (frames, _) = plan(&[1, 2, 3, 4], &[(1, Reject), (2, Ack), (3, Ack)]);
+        assert_eq!(
+            frames,
+            vec![
+                Upstreamed::Nack {
+                    tag: 1,
+                    requeue: false
+                },
+                ack(3, true)
+            ]
+        );
+    }
 }

@@ -7,6 +7,7 @@ mod consumers;
 mod exclusive;
 mod failures;
 mod lifecycle;
+mod link;
 mod naming;
 mod one_queue;
 mod placement;

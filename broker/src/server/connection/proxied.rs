@@ -10,7 +10,7 @@ use super::frames::short;
 use super::wiring::Pending;
 use super::{Connection, Lazy};
 use crate::amqp::{AMQPClass, basic, codes, exchange, queue, tx};
-use crate::core::vhost::Settlement;
+use crate::core::vhost::{RemoteSettle, Settlement};
 use crate::core::{AmqpError, ChannelKey};
 use crate::proxy::forward::ForwardTracker;
 use crate::proxy::upstream::{
@@ -659,6 +659,7 @@ impl Connection {
 
     /// Writes proxied deliveries that have their tags, in tag order.
     pub(super) fn write_admitted(&mut self, admitted: Vec<Admitted>) {
+        let mut taken = Vec::new();
         for Admitted { delivery: d, tag } in admitted {
             let m = &d.message;
             self.writer.deliver(
@@ -675,9 +676,10 @@ impl Connection {
             self.stats.redelivered += u64::from(d.redelivered); // metrics
             if d.no_ack {
                 // The client takes it as it is written: settled upstream now.
-                self.settle_upstream(d.channel, &d.primary, d.upstream_tag, Settlement::Ack);
+                taken.push((d.channel, d.primary, d.upstream_tag, Settlement::Ack));
             }
         }
+        self.settle_upstream_all(taken);
     }
 
     /// Admits the deliveries channel-wide prefetch held back, in the order they came, as far
@@ -761,10 +763,10 @@ impl Connection {
     /// barrier round trip on its upstream channel).
     pub(super) fn send_remote_settles(&mut self) {
         let settles = std::mem::take(&mut self.fx.remote_settles);
+        self.settle_upstream_all(settles.iter().map(upstream_settle));
         let mut barriers: Vec<(u16, Arc<str>)> = Vec::new();
         for s in &settles {
             let channel = s.channel.channel;
-            self.settle_upstream(channel, &s.primary, s.upstream_tag, s.settlement);
             if s.settlement != Settlement::Ack
                 && !barriers
                     .iter()
@@ -799,9 +801,9 @@ impl Connection {
         if mine.is_empty() {
             return false;
         }
+        self.settle_upstream_all(mine.iter().map(upstream_settle));
         let mut barriers: Vec<(u16, Arc<str>)> = Vec::new();
         for s in &mine {
-            self.settle_upstream(id, &s.primary, s.upstream_tag, s.settlement);
             if !barriers.iter().any(|(_, p)| *p == s.primary) {
                 barriers.push((id, s.primary.clone()));
             }
@@ -842,7 +844,41 @@ impl Connection {
 
     fn settle_upstream(&self, channel: u16, primary: &Arc<str>, tag: u64, settlement: Settlement) {
         if let Some(u) = self.upstreams.get(&(channel, primary.clone())) {
-            u.send(Command::Settle { tag, settlement });
+            u.send(Command::Settle {
+                settlements: vec![(tag, settlement)],
+            });
+        }
+    }
+
+    /// Passes settlements to their upstream channels in order, one command per run of
+    /// settlements for the same upstream channel (usually the whole batch: one lookup and
+    /// one queue push instead of one per message).
+    fn settle_upstream_all(&self, settles: impl IntoIterator<Item = UpstreamSettle>) {
+        let mut run: Option<SettleRun> = None;
+        for (channel, primary, tag, settlement) in settles {
+            if let Some((c, p, batch)) = &mut run
+                && *c == channel
+                && *p == primary
+            {
+                batch.push((tag, settlement));
+                continue;
+            }
+            if let Some(run) = run.take() {
+                self.send_settles(run);
+            }
+            run = Some((channel, primary, vec![(tag, settlement)]));
+        }
+        if let Some(run) = run {
+            self.send_settles(run);
+        }
+    }
+
+    fn send_settles(
+        &self,
+        (channel, primary, settlements): (u16, Arc<str>, Vec<(u64, Settlement)>),
+    ) {
+        if let Some(u) = self.upstreams.get(&(channel, primary)) {
+            u.send(Command::Settle { settlements });
         }
     }
 
@@ -853,6 +889,21 @@ impl Connection {
         self.remote_consumers.retain(|(ch, _), _| *ch != id);
         self.held.remove(&id);
     }
+}
+
+/// A settlement for an upstream channel: client channel, primary, upstream tag, how.
+type UpstreamSettle = (u16, Arc<str>, u64, Settlement);
+
+/// Settlements for one upstream channel: client channel, primary, (upstream tag, how).
+type SettleRun = (u16, Arc<str>, Vec<(u64, Settlement)>);
+
+fn upstream_settle(s: &RemoteSettle) -> UpstreamSettle {
+    (
+        s.channel.channel,
+        s.primary.clone(),
+        s.upstream_tag,
+        s.settlement,
+    )
 }
 
 /// The credit of a proxied consumer on its primary: the client's per-consumer prefetch,
