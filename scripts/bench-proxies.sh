@@ -8,6 +8,9 @@
 # and prints each run's consumed/s and p99, and the median ratios to direct.
 #
 #   scripts/bench-proxies.sh [SIZE] [SECONDS]      (ROUNDS=n, BASE_PORT=p in the environment)
+#
+# QUEUE_ARGS (JSON) declares the queues with those arguments, e.g. '{"qpid.cluster.backups":0}'
+# to measure the proxy path alone (without it every queue has the default backup).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 size=${1:-1000}; seconds=${2:-5}; rounds=${ROUNDS:-3}; base=${BASE_PORT:-7672}
@@ -26,7 +29,7 @@ run() { # name, extra args
   local name=$1; shift
   local q="bench-$name-$RANDOM"
   local out
-  out=$("$ctl" bench --seconds "$seconds" --size "$size" --queue-uri "$m0" --queue "$q" --json "$@" 2>/dev/null | tail -1)
+  out=$("$ctl" bench --seconds "$seconds" --size "$size" --queue-uri "$m0" --queue "$q" --queue-args "${QUEUE_ARGS:-{\}}" --json "$@" 2>/dev/null | tail -1)
   python3 -c 'import json,sys; d=json.loads(sys.argv[2]); print(sys.argv[1], int(d["consumed_per_sec"]), d["latency_us"]["p99"])' "$name" "$out"
 }
 results=$(mktemp)
