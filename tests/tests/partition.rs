@@ -262,3 +262,188 @@ fn partition_scenario(net: &Net) {
         let _ = std::fs::remove_dir_all(data);
     }
 }
+
+/// The primary of a replicated queue is cut off (issue #13): it confirms nothing more (its
+/// backup is out of reach, and within its lease it stops serving), the majority elects the
+/// backup, which has every confirmed message and confirms new ones; after the cut heals the
+/// old primary rejoins as a backup and every member names one primary.
+#[test]
+fn a_cut_off_primary_stops_confirming_and_the_majority_elects_its_backup() {
+    if !ringmq_tests::prereq::root_with(
+        "the partition test",
+        &[("ip", "iproute2"), ("nft", "nftables")],
+    ) {
+        return;
+    }
+    let net = Net::create("rmp", 79, 3);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            net.enter_hub();
+            replicated_partition_scenario(&net);
+        })
+        .join()
+        .expect("the scenario passes");
+    });
+}
+
+/// Queue `queue`'s view on a member's admin API.
+fn queue_view(m: &Member, queue: &str) -> serde_json::Value {
+    ringmq::admin_client::AdminClient::new(&m.admin, Some("test"), Some("test"))
+        .get(&format!("/api/queues/%2f/{queue}"))
+        .map(|a| a.body)
+        .unwrap_or_default()
+}
+
+fn replicated_partition_scenario(net: &Net) {
+    use futures_lite::StreamExt;
+    use lapin::BasicProperties;
+    use lapin::options::{BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions};
+    const CONFIRMED: usize = 500;
+    let secret = std::env::temp_dir().join(format!(
+        "ringmq-partition-repl-secret-{}",
+        std::process::id()
+    ));
+    std::fs::write(&secret, "partition-test-secret").unwrap();
+    let cluster_addr = |i: usize| format!("{}:25672", net.addr(i));
+    let mut members = vec![Member::start(net, 0, &[], &secret)];
+    members.push(Member::start(net, 1, &[cluster_addr(0)], &secret));
+    members.push(Member::start(
+        net,
+        2,
+        &[cluster_addr(0), cluster_addr(1)],
+        &secret,
+    ));
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let queue = "ledger";
+    let publisher = rt.block_on(async {
+        let conn = lapin::Connection::connect(&members[0].amqp, Default::default())
+            .await
+            .unwrap();
+        let ch = conn.create_channel().await.unwrap();
+        let mut args = FieldTable::default();
+        args.insert(
+            "qpid.cluster.backups".into(),
+            lapin::types::AMQPValue::LongInt(1),
+        );
+        ch.queue_declare(
+            queue.into(),
+            QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            args,
+        )
+        .await
+        .unwrap();
+        ch.confirm_select(ConfirmSelectOptions::default())
+            .await
+            .unwrap();
+        (conn, ch)
+    });
+    wait_for("the backup in sync", Duration::from_secs(15), || {
+        queue_view(&members[0], queue)["in_sync_backup_nodes"] == serde_json::json!(["m1"])
+    });
+    let publish = |ch: &lapin::Channel, body: String| {
+        let ch = ch.clone();
+        async move {
+            ch.basic_publish(
+                "".into(),
+                queue.into(),
+                BasicPublishOptions::default(),
+                body.as_bytes(),
+                BasicProperties::default().with_delivery_mode(2),
+            )
+            .await
+        }
+    };
+    rt.block_on(async {
+        for i in 0..CONFIRMED {
+            let confirm = publish(&publisher.1, format!("m{i}")).await.unwrap();
+            assert!(confirm.await.unwrap().is_ack(), "m{i} confirmed");
+        }
+    });
+
+    net.isolate(0);
+    let cut = rt.block_on(async {
+        match publish(&publisher.1, "during-cut".into()).await {
+            Ok(confirm) => tokio::time::timeout(Duration::from_secs(10), confirm).await,
+            Err(e) => Ok(Err(e)),
+        }
+    });
+    assert!(
+        !matches!(&cut, Ok(Ok(c)) if c.is_ack()),
+        "a primary cut off from its backup confirms nothing: {cut:?}"
+    );
+    wait_for(
+        "the majority elects the backup",
+        Duration::from_secs(15),
+        || queue_view(&members[1], queue)["node"] == "m1",
+    );
+    rt.block_on(async {
+        let conn = lapin::Connection::connect(&members[1].amqp, Default::default())
+            .await
+            .unwrap();
+        let ch = conn.create_channel().await.unwrap();
+        ch.confirm_select(ConfirmSelectOptions::default())
+            .await
+            .unwrap();
+        let confirm = publish(&ch, "after".into()).await.unwrap();
+        assert!(confirm.await.unwrap().is_ack(), "the new primary confirms");
+    });
+
+    net.heal();
+    wait_for(
+        "the removed member stops once it hears of its removal",
+        Duration::from_secs(15),
+        || members[0].child.try_wait().unwrap().is_some(),
+    );
+    members[0] = Member::start(net, 0, &[cluster_addr(1), cluster_addr(2)], &secret);
+    wait_for("one primary everywhere", Duration::from_secs(15), || {
+        members.iter().all(|m| queue_view(m, queue)["node"] == "m1")
+    });
+    let bodies = rt.block_on(async {
+        let conn = lapin::Connection::connect(&members[0].amqp, Default::default())
+            .await
+            .unwrap();
+        let ch = conn.create_channel().await.unwrap();
+        let mut consumer = ch
+            .basic_consume(
+                queue.into(),
+                "audit".into(),
+                BasicConsumeOptions {
+                    no_ack: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        let mut bodies = Vec::new();
+        while let Ok(Some(Ok(d))) =
+            tokio::time::timeout(Duration::from_secs(3), consumer.next()).await
+        {
+            bodies.push(String::from_utf8(d.data.clone()).unwrap());
+        }
+        bodies
+    });
+    let expected: Vec<String> = (0..CONFIRMED)
+        .map(|i| format!("m{i}"))
+        .chain(["after".to_owned()])
+        .collect();
+    let kept: Vec<String> = bodies
+        .iter()
+        .filter(|b| *b != "during-cut")
+        .cloned()
+        .collect();
+    assert_eq!(kept, expected, "every confirmed message, once, in order");
+    drop(publisher);
+    let _ = std::fs::remove_file(&secret);
+    for m in members.drain(..) {
+        let data = m.data.clone();
+        drop(m);
+        let _ = std::fs::remove_dir_all(data);
+    }
+}
