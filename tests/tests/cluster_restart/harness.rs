@@ -345,3 +345,35 @@ pub(crate) async fn declare_once(
         .await
         .unwrap_or_else(|_| Err("no answer in 15 s".into()))
 }
+
+/// Queue `queue` as `b`'s admin API shows it (`None` while it answers anything but 200).
+pub(crate) fn queue_view(b: &Broker, queue: &str) -> Option<Value> {
+    let a = b
+        .admin_client()
+        .get(&format!("/api/queues/%2f/{queue}"))
+        .ok()?;
+    (a.status == 200).then_some(a.body)
+}
+
+/// Polls `b`'s view of `queue` until it satisfies `done`; panics with the last view after
+/// `limit`.
+pub(crate) fn wait_queue_view(
+    b: &Broker,
+    queue: &str,
+    limit: Duration,
+    what: &str,
+    done: impl Fn(&Value) -> bool,
+) -> Value {
+    let deadline = Instant::now() + limit;
+    loop {
+        let view = queue_view(b, queue);
+        if let Some(v) = view.as_ref().filter(|v| done(v)) {
+            return v.clone();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what}: not within {limit:?}; last view {view:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

@@ -21,32 +21,6 @@ const PER_CYCLE: usize = 100;
 /// Longest wait for an election, a restart or a catch-up.
 const LIMIT: Duration = Duration::from_secs(60);
 
-fn queue_view(b: &ringmq_tests::Broker, queue: &str) -> Option<Value> {
-    let a = b
-        .admin_client()
-        .get(&format!("/api/queues/%2f/{queue}"))
-        .ok()?;
-    (a.status == 200).then_some(a.body)
-}
-
-/// Polls `b`'s view of `queue` until `done`; panics after [`LIMIT`].
-fn wait_for(
-    b: &ringmq_tests::Broker,
-    queue: &str,
-    what: &str,
-    done: impl Fn(&Value) -> bool,
-) -> Value {
-    let deadline = Instant::now() + LIMIT;
-    loop {
-        let view = queue_view(b, queue);
-        if let Some(v) = view.as_ref().filter(|v| done(v)) {
-            return v.clone();
-        }
-        assert!(Instant::now() < deadline, "{what}: last view {view:?}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 /// Publishes `range` as `m<i>` through `b`; returns the ones confirmed (a connection that
 /// fails mid-way leaves the rest unconfirmed).
 async fn publish(
@@ -180,7 +154,13 @@ async fn cycles(name: &str, backups: i32) {
     let mut failover = Vec::new();
     let mut next = 0;
     for cycle in 0..cycles {
-        let view = wait_for(&members[0], queue, "in sync before the kill", in_sync);
+        let view = wait_queue_view(
+            &members[0],
+            queue,
+            LIMIT,
+            "in sync before the kill",
+            in_sync,
+        );
         let primary_node = view["node"].as_str().unwrap().to_owned();
         let primary = (0..N).find(|&i| node(name, i) == primary_node).unwrap();
         let proxy = (primary + 1) % N;
@@ -192,9 +172,10 @@ async fn cycles(name: &str, backups: i32) {
         let killed = Instant::now();
         members[primary].kill();
         let survivor = (primary + 1) % N;
-        wait_for(
+        wait_queue_view(
             &members[survivor],
             queue,
+            LIMIT,
             &format!("{name} cycle {cycle}: election"),
             |v| v["node"].as_str().is_some_and(|n| n != primary_node),
         );
@@ -215,7 +196,7 @@ async fn cycles(name: &str, backups: i32) {
         restart(&mut members, primary, &format!("{name} cycle {cycle}"));
     }
     // Drain through the last primary's neighbour.
-    let view = wait_for(&members[0], queue, "in sync at the end", in_sync);
+    let view = wait_queue_view(&members[0], queue, LIMIT, "in sync at the end", in_sync);
     let primary = (0..N)
         .find(|&i| Some(node(name, i).as_str()) == view["node"].as_str())
         .unwrap();

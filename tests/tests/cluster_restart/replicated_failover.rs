@@ -11,7 +11,6 @@ use lapin::options::{
     QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
-use serde_json::Value;
 use std::time::{Duration, Instant};
 
 /// Confirmed publishes before the crash.
@@ -20,36 +19,6 @@ const MESSAGES: usize = 2_000;
 const UNACKED: u16 = 10;
 /// Longest wait for a backup to be in sync, and for the election.
 const ROLE_LIMIT: Duration = Duration::from_secs(30);
-
-/// The queue as `b`'s admin API shows it (`None` while it answers anything but 200).
-fn queue_view(b: &ringmq_tests::Broker, queue: &str) -> Option<Value> {
-    let a = b
-        .admin_client()
-        .get(&format!("/api/queues/%2f/{queue}"))
-        .ok()?;
-    (a.status == 200).then_some(a.body)
-}
-
-/// Waits until `b` shows `queue` satisfying `done`; panics with the last view after `limit`.
-fn wait_view(
-    b: &ringmq_tests::Broker,
-    queue: &str,
-    what: &str,
-    done: impl Fn(&Value) -> bool,
-) -> Value {
-    let deadline = Instant::now() + ROLE_LIMIT;
-    loop {
-        let view = queue_view(b, queue);
-        if let Some(v) = view.as_ref().filter(|v| done(v)) {
-            return v.clone();
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{what}: not within {ROLE_LIMIT:?}; last view {view:?}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
 
 /// Declares durable `queue` with `backups` backups through `b` (its primary), waits until
 /// `backups` of them are in sync, and returns their node ids in ring order.
@@ -69,7 +38,7 @@ async fn declare_replicated(b: &ringmq_tests::Broker, queue: &str, backups: i32)
     .expect("declare on its primary");
     let _ = conn.close(200, "declared".into()).await;
     let want = usize::try_from(backups).unwrap();
-    let view = wait_view(b, queue, "the backups in sync", |v| {
+    let view = wait_queue_view(b, queue, ROLE_LIMIT, "the backups in sync", |v| {
         v["in_sync_backup_nodes"]
             .as_array()
             .is_some_and(|a| a.len() == want)
@@ -179,7 +148,7 @@ async fn a_killed_primary_is_replaced_by_its_in_sync_backup_with_nothing_confirm
 
     let killed_at = Instant::now();
     members[0].kill();
-    wait_view(&members[b], queue, "the backup elected", |v| {
+    wait_queue_view(&members[b], queue, ROLE_LIMIT, "the backup elected", |v| {
         v["node"].as_str() == Some(backup.as_str())
     });
     eprintln!("{name}: elected {:?} after the kill", killed_at.elapsed());
@@ -231,9 +200,13 @@ async fn five_members_and_two_backups_survive_the_primary_and_its_first_backup_d
     publish_confirmed(&members[0], queue, MESSAGES).await;
     members[0].kill();
     members[first].kill();
-    wait_view(&members[second], queue, "the second backup elected", |v| {
-        v["node"].as_str() == Some(backups[1].as_str())
-    });
+    wait_queue_view(
+        &members[second],
+        queue,
+        ROLE_LIMIT,
+        "the second backup elected",
+        |v| v["node"].as_str() == Some(backups[1].as_str()),
+    );
     let (_c, ch) = members[second].channel().await;
     let got = drain(&ch, queue, MESSAGES).await;
     let expected: Vec<(String, bool)> = (0..MESSAGES).map(|i| (format!("m{i}"), false)).collect();
