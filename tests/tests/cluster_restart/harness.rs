@@ -1,9 +1,13 @@
 //! What every restart test uses: members on fixed ports with a shared secret, waiting for
 //! readiness and settling, and the checks a waiting member must pass.
 
-use lapin::Connection;
-use lapin::options::QueueDeclareOptions;
+use futures_lite::StreamExt;
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
+    ConfirmSelectOptions, QueueDeclareOptions,
+};
 use lapin::types::FieldTable;
+use lapin::{BasicProperties, Connection};
 use ringmq_tests::{Broker, Ports, reply_code};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -375,5 +379,110 @@ pub(crate) fn wait_queue_view(
             "{what}: not within {limit:?}; last view {view:?}"
         );
         std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Publishes `range` as `m<i>` through `b`; returns the ones confirmed (a connection that
+/// fails mid-way leaves the rest unconfirmed).
+pub(crate) async fn publish_range(
+    b: &ringmq_tests::Broker,
+    queue: &str,
+    range: std::ops::Range<usize>,
+) -> Vec<usize> {
+    let Ok(conn) = lapin::Connection::connect(&b.uri(), Default::default()).await else {
+        return Vec::new();
+    };
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let mut pending = Vec::new();
+    for i in range {
+        let Ok(c) = ch
+            .basic_publish(
+                "".into(),
+                queue.into(),
+                BasicPublishOptions::default(),
+                format!("m{i}").as_bytes(),
+                BasicProperties::default().with_delivery_mode(2),
+            )
+            .await
+        else {
+            break;
+        };
+        pending.push((i, c));
+    }
+    let mut confirmed = Vec::new();
+    for (i, c) in pending {
+        if c.await.is_ok_and(|c| c.is_ack()) {
+            confirmed.push(i);
+        }
+    }
+    let _ = conn.close(200, "done".into()).await;
+    confirmed
+}
+
+/// Consumes `count` messages through `b` and acks each; returns their numbers.
+pub(crate) async fn consume_and_ack(
+    b: &ringmq_tests::Broker,
+    queue: &str,
+    count: usize,
+) -> Vec<usize> {
+    let (conn, ch) = b.channel().await;
+    ch.basic_qos(count as u16, BasicQosOptions::default())
+        .await
+        .unwrap();
+    let mut consumer = ch
+        .basic_consume(
+            queue.into(),
+            "cycle".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let mut acked = Vec::new();
+    while acked.len() < count {
+        let Ok(Some(Ok(d))) = tokio::time::timeout(Duration::from_secs(10), consumer.next()).await
+        else {
+            break;
+        };
+        d.acker.ack(BasicAckOptions::default()).await.unwrap();
+        acked.push(
+            String::from_utf8(d.data.clone()).unwrap()[1..]
+                .parse()
+                .unwrap(),
+        );
+    }
+    // A round trip after the acks: the member has read them before the channel closes.
+    ch.queue_declare(
+        queue.into(),
+        QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+    let _ = conn.close(200, "done".into()).await;
+    acked
+}
+
+/// Starts member `i` again on its data directory, as a supervisor would: a member the
+/// majority already declared failed exits (status 3) to rejoin as a new incarnation, and is
+/// started once more.
+pub(crate) fn restart_member(members: &mut [ringmq_tests::Broker], i: usize, what: &str) {
+    let deadline = Instant::now() + READY_LIMIT;
+    members[i].start_again();
+    loop {
+        if members[i].exit_status().is_some() {
+            members[i].start_again();
+        }
+        if readyz(&members[i]).is_ok_and(|a| a.status == 200) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{what}: member {i} not back");
+        std::thread::sleep(Duration::from_millis(50));
     }
 }

@@ -21,4 +21,5 @@ mod harness;
 mod lone_member;
 mod replicated_cycles;
 mod replicated_failover;
+mod replicated_full_restart;
 mod sigstop;

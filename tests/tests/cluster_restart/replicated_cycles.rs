@@ -6,11 +6,7 @@
 
 use crate::harness::*;
 use futures_lite::StreamExt;
-use lapin::BasicProperties;
-use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
-    ConfirmSelectOptions, QueueDeclareOptions,
-};
+use lapin::options::{BasicConsumeOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use serde_json::Value;
 use std::collections::BTreeSet;
@@ -20,107 +16,6 @@ use std::time::{Duration, Instant};
 const PER_CYCLE: usize = 100;
 /// Longest wait for an election, a restart or a catch-up.
 const LIMIT: Duration = Duration::from_secs(60);
-
-/// Publishes `range` as `m<i>` through `b`; returns the ones confirmed (a connection that
-/// fails mid-way leaves the rest unconfirmed).
-async fn publish(
-    b: &ringmq_tests::Broker,
-    queue: &str,
-    range: std::ops::Range<usize>,
-) -> Vec<usize> {
-    let Ok(conn) = lapin::Connection::connect(&b.uri(), Default::default()).await else {
-        return Vec::new();
-    };
-    let ch = conn.create_channel().await.unwrap();
-    ch.confirm_select(ConfirmSelectOptions::default())
-        .await
-        .unwrap();
-    let mut pending = Vec::new();
-    for i in range {
-        let Ok(c) = ch
-            .basic_publish(
-                "".into(),
-                queue.into(),
-                BasicPublishOptions::default(),
-                format!("m{i}").as_bytes(),
-                BasicProperties::default().with_delivery_mode(2),
-            )
-            .await
-        else {
-            break;
-        };
-        pending.push((i, c));
-    }
-    let mut confirmed = Vec::new();
-    for (i, c) in pending {
-        if c.await.is_ok_and(|c| c.is_ack()) {
-            confirmed.push(i);
-        }
-    }
-    let _ = conn.close(200, "done".into()).await;
-    confirmed
-}
-
-/// Consumes `count` messages through `b` and acks each; returns their numbers.
-async fn consume_and_ack(b: &ringmq_tests::Broker, queue: &str, count: usize) -> Vec<usize> {
-    let (conn, ch) = b.channel().await;
-    ch.basic_qos(count as u16, BasicQosOptions::default())
-        .await
-        .unwrap();
-    let mut consumer = ch
-        .basic_consume(
-            queue.into(),
-            "cycle".into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
-    let mut acked = Vec::new();
-    while acked.len() < count {
-        let Ok(Some(Ok(d))) = tokio::time::timeout(Duration::from_secs(10), consumer.next()).await
-        else {
-            break;
-        };
-        d.acker.ack(BasicAckOptions::default()).await.unwrap();
-        acked.push(
-            String::from_utf8(d.data.clone()).unwrap()[1..]
-                .parse()
-                .unwrap(),
-        );
-    }
-    // A round trip after the acks: the member has read them before the channel closes.
-    ch.queue_declare(
-        queue.into(),
-        QueueDeclareOptions {
-            passive: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await
-    .unwrap();
-    let _ = conn.close(200, "done".into()).await;
-    acked
-}
-
-/// Starts member `i` again on its data directory, as a supervisor would: a member the
-/// majority already declared failed exits (status 3) to rejoin as a new incarnation, and is
-/// started once more.
-fn restart(members: &mut [ringmq_tests::Broker], i: usize, what: &str) {
-    let deadline = Instant::now() + LIMIT;
-    members[i].start_again();
-    loop {
-        if members[i].exit_status().is_some() {
-            members[i].start_again();
-        }
-        if readyz(&members[i]).is_ok_and(|a| a.status == 200) {
-            return;
-        }
-        assert!(Instant::now() < deadline, "{what}: member {i} not back");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
 
 async fn cycles(name: &str, backups: i32) {
     let cycles: usize = std::env::var("REPL_CYCLES")
@@ -164,7 +59,7 @@ async fn cycles(name: &str, backups: i32) {
         let primary_node = view["node"].as_str().unwrap().to_owned();
         let primary = (0..N).find(|&i| node(name, i) == primary_node).unwrap();
         let proxy = (primary + 1) % N;
-        confirmed.extend(publish(&members[proxy], queue, next..next + PER_CYCLE).await);
+        confirmed.extend(publish_range(&members[proxy], queue, next..next + PER_CYCLE).await);
         next += PER_CYCLE;
         acked.extend(consume_and_ack(&members[proxy], queue, PER_CYCLE / 2).await);
         // Settles are not confirmed to anyone: give the stream a moment to carry them.
@@ -180,7 +75,7 @@ async fn cycles(name: &str, backups: i32) {
             |v| v["node"].as_str().is_some_and(|n| n != primary_node),
         );
         let first = loop {
-            let got = publish(&members[survivor], queue, next..next + 1).await;
+            let got = publish_range(&members[survivor], queue, next..next + 1).await;
             next += 1;
             if let Some(&i) = got.first() {
                 break i;
@@ -193,7 +88,7 @@ async fn cycles(name: &str, backups: i32) {
         };
         confirmed.insert(first);
         failover.push(killed.elapsed());
-        restart(&mut members, primary, &format!("{name} cycle {cycle}"));
+        restart_member(&mut members, primary, &format!("{name} cycle {cycle}"));
     }
     // Drain through the last primary's neighbour.
     let view = wait_queue_view(&members[0], queue, LIMIT, "in sync at the end", in_sync);
