@@ -186,6 +186,14 @@ pub struct Config {
     /// Bytes of message bodies one queue keeps in memory (flow-to-disk): bodies beyond it
     /// live only in the journal and are read back on delivery. 0 keeps every body in memory.
     pub queue_memory_budget_bytes: u64,
+    /// How long a backup's catch-up of one queue (its image in chunks, then the ops held
+    /// back meanwhile, confirmed by the backup) may take before it is abandoned and retried
+    /// from a new image, in ms.
+    pub replication_catch_up_timeout_ms: u64,
+    /// Bytes of a queue's ops a catch-up holds back while the image's chunks are still
+    /// going out; a queue that changes faster than that abandons the catch-up, which is
+    /// retried from a new image.
+    pub replication_catch_up_held_bytes: u64,
     /// Journal tuning.
     pub journal: crate::store::journal::JournalConfig,
     /// Virtual hosts that exist at start.
@@ -246,6 +254,8 @@ impl Default for Config {
             queue_primary_locator: Default::default(),
             default_backups: crate::cluster::roles::DEFAULT_BACKUPS,
             queue_memory_budget_bytes: 64 * 1024 * 1024,
+            replication_catch_up_timeout_ms: 120_000,
+            replication_catch_up_held_bytes: 64 * 1024 * 1024,
             journal: crate::store::journal::JournalConfig::default(),
             vhosts: vec!["/".to_owned()],
             users: vec![UserConfig {
@@ -341,6 +351,20 @@ impl Config {
         }
     }
 
+    /// The bounds of a backup's catch-up: chunks of at most 1 MiB (less when
+    /// `max_message_size` is smaller: a chunk is one message on the link, and every member
+    /// should share the limit), the time limit and the ops held back.
+    pub fn catch_up_limits(&self) -> crate::replication::catch_up::CatchUpLimits {
+        crate::replication::catch_up::CatchUpLimits {
+            chunk: crate::replication::codec::ChunkLimits::for_max_message_size(
+                self.max_message_size,
+            ),
+            held_bytes: usize::try_from(self.replication_catch_up_held_bytes).unwrap_or(usize::MAX),
+            timeout: std::time::Duration::from_millis(self.replication_catch_up_timeout_ms),
+            ..Default::default()
+        }
+    }
+
     /// Checks ranges that the types cannot express.
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.frame_max < crate::amqp::frame::FRAME_MIN_SIZE {
@@ -348,6 +372,11 @@ impl Config {
                 "frame_max {} is below the protocol minimum of 4096 bytes",
                 self.frame_max
             )));
+        }
+        if self.replication_catch_up_timeout_ms == 0 {
+            return Err(ConfigError::Invalid(
+                "replication_catch_up_timeout_ms must be above 0 (a catch-up needs time to send its image)".into(),
+            ));
         }
         if self.cluster_listen.is_some() && self.cluster_secret_file.is_none() {
             return Err(ConfigError::Invalid(

@@ -216,6 +216,11 @@ fn register_replication(reg: &mut Registry, broker: &Broker) {
             r.catch_ups_completed,
         ),
         (
+            "replication_catch_ups_abandoned",
+            "Catch-ups given up (not done within replication_catch_up_timeout_ms, too many ops held back, a link failure) and retried from a new image",
+            r.catch_ups_abandoned,
+        ),
+        (
             "replication_link_failures",
             "Links to backups that failed or refused a frame (each starts a catch-up)",
             r.links_failed,
@@ -260,6 +265,35 @@ fn register_replication(reg: &mut Registry, broker: &Broker) {
         "Backups (per queue this member is primary of) that are catching up",
         r.catching_up_backups,
     );
+    for (name, help, value) in [
+        (
+            "replication_catch_ups_running",
+            "Catch-ups under way (a backup receiving a queue's image in chunks, or confirming it)",
+            r.catch_ups_running,
+        ),
+        (
+            "replication_catch_up_messages",
+            "Messages in the images of the catch-ups under way",
+            r.catch_up_messages_total,
+        ),
+        (
+            "replication_catch_up_messages_sent",
+            "Of the messages in the images of the catch-ups under way, those sent so far",
+            r.catch_up_messages_sent,
+        ),
+        (
+            "replication_catch_up_sent_bytes",
+            "Image chunk bytes the catch-ups under way sent so far",
+            r.catch_up_bytes_sent,
+        ),
+        (
+            "replication_catch_up_held_bytes",
+            "Bytes of ops held back by catch-ups under way until their image's last chunk is out",
+            r.catch_up_held_bytes,
+        ),
+    ] {
+        gauge(reg, name, help, value);
+    }
 }
 
 /// Gauges of what the broker holds now, computed at scrape time.

@@ -192,6 +192,23 @@ impl Broker {
         }
     }
 
+    /// Reads paged-out bodies back for a catch-up's image, outside the vhost lock: `None`
+    /// for a body whose record is gone (its message left the queue since the image was
+    /// taken). Unlike a delivery's read this is no broken promise, so it stops nothing.
+    pub fn read_paged_for_image(
+        &self,
+        keys: &[DiskBody],
+    ) -> Result<Vec<Option<bytes::Bytes>>, String> {
+        let seq = self.journal.last_submitted();
+        let bodies = crate::store::paging::read_present(self.journal.index(), keys, seq)
+            .map_err(|e| e.to_string())?;
+        self.journal
+            .stats
+            .bodies_read
+            .fetch_add(bodies.iter().flatten().count() as u64, Ordering::Relaxed);
+        Ok(bodies)
+    }
+
     /// Hands effects meant for other connections to their mailboxes. Call it while still
     /// holding the vhost lock that produced them (see [`Outbox`]). Items for `own` are left
     /// in `fx` for the caller to write directly.

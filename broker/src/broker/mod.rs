@@ -117,6 +117,7 @@ impl Broker {
         let proxies = crate::proxy::Proxies::default();
         let replicator = Arc::new(crate::replication::replicator::Replicator::new(
             proxies.links.clone(),
+            config.catch_up_limits(),
         ));
         Ok(Arc::new(Self {
             users: UserStore::new(

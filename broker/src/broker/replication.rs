@@ -6,7 +6,7 @@
 use super::Broker;
 use crate::clock::now_ms;
 use crate::cluster::QueueRoles;
-use crate::core::{Effects, VHost, WiringOp};
+use crate::core::{DiskBody, Effects, VHost, WiringOp};
 use crate::replication::replicator::{ReplicaSet, ReplicationHost, Replicator};
 use futures::future::BoxFuture;
 use std::sync::atomic::Ordering;
@@ -63,6 +63,11 @@ impl ReplicationHost for Host {
         self.broker
             .upgrade()
             .map_or(0, |b| b.proxies().applied.index())
+    }
+
+    fn read_paged(&self, keys: &[DiskBody]) -> Result<Vec<Option<bytes::Bytes>>, String> {
+        let broker = self.broker.upgrade().ok_or("the broker stopped")?;
+        broker.read_paged_for_image(keys)
     }
 }
 

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 mod image;
 
-pub use image::{ImageEntry, QueueImage, ReplicaError};
+pub use image::{ImageChunk, ImageEntry, QueueImage, ReplicaError};
 
 /// A message held by a queue.
 #[derive(Debug, Clone)]
@@ -81,6 +81,8 @@ pub struct Queue {
     owned_pages: usize,
     next_id: u64,
     last_seq: u64,
+    /// A replica installing an image chunk by chunk: where it stands.
+    installing: Option<image::Installing>,
 }
 
 impl Queue {
@@ -129,6 +131,7 @@ impl Queue {
             owned_pages: 0,
             next_id: 1,
             last_seq: 0,
+            installing: None,
         }
     }
 

@@ -12,14 +12,16 @@
 //!   u8, and the kind's fields — Enqueue: id u64, expires-at ms u64 (0 = none), message;
 //!   Deliver, Take, Settle, Requeue: id u64; Drop: id u64, reason u8; Purge: count u32,
 //!   ids u64 × count.
-//! * `2` Image: incarnation u64, queue, last seq u64, next id u64, count u32, then per
-//!   entry: id u64, expires-at ms u64, flags u8 (1 redelivered, 2 unacked), message.
+//! * `2` Image chunk: incarnation u64, queue, flags u8 (1 first, 2 last), the image's last
+//!   seq u64 and next id u64, count u32, then per entry: id u64, expires-at ms u64, flags u8
+//!   (1 redelivered, 2 unacked), message. A catch-up sends an image as a run of these, each
+//!   bounded in bytes and entries ([`ChunkLimits`]).
 //!
 //! The incarnation is the queue's cluster-wide identity: a queue deleted and declared again
 //! under the same name is another queue, and a backup must not apply one's ops to the other.
 
 use crate::core::ops::{DropReason, OpKind, QueueOp};
-use crate::core::queue::{ImageEntry, QueueImage};
+use crate::core::queue::{ImageChunk, ImageEntry};
 use crate::store::record::{DecodeError, Reader, put_message_content, put_str};
 use bytes::Bytes;
 use std::sync::Arc;
@@ -39,6 +41,70 @@ const PURGE: u8 = 7;
 const REDELIVERED: u8 = 1;
 const UNACKED: u8 = 2;
 
+const FIRST: u8 = 1;
+const LAST: u8 = 2;
+
+/// Bytes of an image chunk frame before its entries, besides the queue name: kind,
+/// incarnation, name length, flags, last seq, next id, count.
+const IMAGE_HEAD_BYTES: usize = 1 + 8 + 1 + 1 + 8 + 8 + 4;
+
+/// Bounds of one image chunk: a catch-up sends an image as chunks no larger than these (a
+/// chunk holds one entry at least, so a message larger than `max_bytes` goes alone).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChunkLimits {
+    /// Encoded bytes of a chunk frame.
+    pub max_bytes: usize,
+    /// Entries of a chunk.
+    pub max_entries: usize,
+}
+
+impl ChunkLimits {
+    /// The default: 1 MiB and 4096 entries, or less when the members' `max_message_size`
+    /// (a chunk is the body of one message on the link) is smaller.
+    pub fn for_max_message_size(max_message_size: u64) -> Self {
+        let max_message_size = usize::try_from(max_message_size).unwrap_or(usize::MAX);
+        Self {
+            max_bytes: DEFAULT_CHUNK_BYTES.min(max_message_size),
+            max_entries: DEFAULT_CHUNK_ENTRIES,
+        }
+    }
+
+    /// How many of `entries` (from the front) the next chunk of `queue`'s image takes: at
+    /// least one, then as many as fit.
+    pub fn take(&self, queue: &str, entries: impl IntoIterator<Item = usize>) -> usize {
+        let mut bytes = IMAGE_HEAD_BYTES + queue.len();
+        let mut n = 0;
+        for len in entries.into_iter().take(self.max_entries.max(1)) {
+            if n > 0 && bytes + len > self.max_bytes {
+                break;
+            }
+            bytes += len;
+            n += 1;
+        }
+        n
+    }
+}
+
+/// Default bound of an image chunk's bytes.
+pub const DEFAULT_CHUNK_BYTES: usize = 1024 * 1024;
+/// Default bound of an image chunk's entries.
+pub const DEFAULT_CHUNK_ENTRIES: usize = 4096;
+
+/// Encoded bytes of one image entry (body included, wherever it is now).
+pub fn image_entry_len(e: &ImageEntry) -> usize {
+    let m = &e.message;
+    8 + 8
+        + 1
+        + 1
+        + m.exchange.as_str().len()
+        + 1
+        + m.routing_key.as_str().len()
+        + 4
+        + m.header_payload.len()
+        + 4
+        + m.body_len()
+}
+
 /// One frame of the replication stream.
 #[derive(Debug, Clone)]
 pub enum Frame {
@@ -51,14 +117,14 @@ pub enum Frame {
         /// The ops.
         ops: Vec<QueueOp>,
     },
-    /// A queue's whole content: a catch-up starts from it.
+    /// A piece of a queue's whole content: a catch-up starts from the image these make up.
     Image {
         /// The queue's cluster-wide identity.
         incarnation: u64,
         /// Its name.
         queue: Arc<str>,
-        /// The content.
-        image: QueueImage,
+        /// The piece.
+        chunk: ImageChunk,
     },
 }
 
@@ -92,15 +158,16 @@ impl Frame {
             Frame::Image {
                 incarnation,
                 queue,
-                image,
+                chunk,
             } => {
                 out.push(IMAGE);
                 out.extend_from_slice(&incarnation.to_be_bytes());
                 put_str(out, queue);
-                out.extend_from_slice(&image.last_seq.to_be_bytes());
-                out.extend_from_slice(&image.next_id.to_be_bytes());
-                out.extend_from_slice(&(image.entries.len() as u32).to_be_bytes());
-                for e in &image.entries {
+                out.push(if chunk.first { FIRST } else { 0 } | if chunk.last { LAST } else { 0 });
+                out.extend_from_slice(&chunk.last_seq.to_be_bytes());
+                out.extend_from_slice(&chunk.next_id.to_be_bytes());
+                out.extend_from_slice(&(chunk.entries.len() as u32).to_be_bytes());
+                for e in &chunk.entries {
                     on_disk(queue, e.id, e.message.body.in_memory().is_none())?;
                     out.extend_from_slice(&e.id.to_be_bytes());
                     out.extend_from_slice(&e.expires_at_ms.unwrap_or(0).to_be_bytes());
@@ -134,6 +201,10 @@ impl Frame {
             IMAGE => {
                 let incarnation = r.u64()?;
                 let queue = r.short_str()?.into();
+                let chunk_flags = r.u8()?;
+                if chunk_flags & !(FIRST | LAST) != 0 {
+                    return Err(DecodeError::Malformed("image chunk flags"));
+                }
                 let last_seq = r.u64()?;
                 let next_id = r.u64()?;
                 let n = count(&mut r, 17)?;
@@ -154,7 +225,9 @@ impl Frame {
                 Frame::Image {
                     incarnation,
                     queue,
-                    image: QueueImage {
+                    chunk: ImageChunk {
+                        first: chunk_flags & FIRST != 0,
+                        last: chunk_flags & LAST != 0,
                         last_seq,
                         next_id,
                         entries,
@@ -363,7 +436,7 @@ mod tests {
     }
 
     #[test]
-    fn an_image_round_trips_with_its_flags() {
+    fn an_image_chunk_round_trips_with_its_flags_and_its_size_is_known_in_advance() {
         let entry = |id, redelivered, unacked| ImageEntry {
             id,
             message: message(b"m", true),
@@ -371,33 +444,62 @@ mod tests {
             redelivered,
             unacked,
         };
-        let image = QueueImage {
-            last_seq: 40,
-            next_id: 9,
-            entries: vec![
-                entry(2, true, true),
-                entry(5, true, false),
-                entry(8, false, false),
-            ],
-        };
-        let mut out = Vec::new();
-        Frame::Image {
-            incarnation: 3,
-            queue: "q".into(),
-            image: image.clone(),
+        for (first, last) in [(true, false), (false, false), (false, true), (true, true)] {
+            let chunk = ImageChunk {
+                first,
+                last,
+                last_seq: 40,
+                next_id: 9,
+                entries: vec![
+                    entry(2, true, true),
+                    entry(5, true, false),
+                    entry(8, false, false),
+                ],
+            };
+            let mut out = Vec::new();
+            Frame::Image {
+                incarnation: 3,
+                queue: "q".into(),
+                chunk: chunk.clone(),
+            }
+            .encode(&mut out)
+            .unwrap();
+            let expected_len =
+                IMAGE_HEAD_BYTES + 1 + chunk.entries.iter().map(image_entry_len).sum::<usize>();
+            assert_eq!(out.len(), expected_len, "image_entry_len is exact");
+            let data = Bytes::from(out);
+            let Frame::Image {
+                incarnation,
+                queue,
+                chunk: back,
+            } = Frame::decode(&data).unwrap()
+            else {
+                panic!("an image frame decodes as an image");
+            };
+            assert_eq!((incarnation, &*queue), (3, "q"));
+            assert_eq!(format!("{back:?}"), format!("{chunk:?}"));
+            for cut in 0..data.len() {
+                assert!(Frame::decode(&data.slice(..cut)).is_err());
+            }
         }
-        .encode(&mut out)
-        .unwrap();
-        let Frame::Image {
-            incarnation,
-            queue,
-            image: back,
-        } = Frame::decode(&Bytes::from(out)).unwrap()
-        else {
-            panic!("an image frame decodes as an image");
+    }
+
+    #[test]
+    fn chunk_limits_bound_bytes_and_entries_but_take_one_entry_at_least() {
+        let limits = ChunkLimits {
+            max_bytes: 1000,
+            max_entries: 3,
         };
-        assert_eq!((incarnation, &*queue), (3, "q"));
-        assert_eq!(format!("{back:?}"), format!("{image:?}"));
+        let head = IMAGE_HEAD_BYTES + "q".len();
+        assert_eq!(limits.take("q", [100, 100, 100, 100]), 3, "entries bound");
+        assert_eq!(limits.take("q", [400, 400, 400]), 2, "bytes bound");
+        assert_eq!(limits.take("q", [1000 - head, 1]), 1, "exactly full");
+        assert_eq!(limits.take("q", [5000, 1]), 1, "a large message goes alone");
+        assert_eq!(limits.take("q", []), 0);
+        let small = ChunkLimits::for_max_message_size(64 * 1024);
+        assert_eq!(small.max_bytes, 64 * 1024);
+        let default = ChunkLimits::for_max_message_size(128 * 1024 * 1024);
+        assert_eq!(default.max_bytes, DEFAULT_CHUNK_BYTES);
     }
 
     #[test]

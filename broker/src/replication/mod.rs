@@ -5,6 +5,7 @@
 //! [`codec`] is the stream's format; the links that carry it, the acknowledgements the
 //! confirm gate waits for, and catch-up of a new backup build on it (docs/replication.md).
 
+pub mod catch_up;
 pub mod codec;
 pub mod ledger;
 pub mod replicator;

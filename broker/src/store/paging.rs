@@ -72,22 +72,38 @@ pub fn read_bodies(
     keys: &[DiskBody],
     submitted_seq: u64,
 ) -> Result<Vec<Bytes>, ReadError> {
+    read_present(index, keys, submitted_seq)?
+        .into_iter()
+        .zip(keys)
+        .map(|(body, k)| {
+            body.ok_or(ReadError::Missing {
+                uid: k.uid,
+                id: k.id,
+            })
+        })
+        .collect()
+}
+
+/// [`read_bodies`] for a reader that expects some records to be gone (a catch-up's image
+/// taken a while ago, whose messages may have left their queue since): `None` for a key no
+/// live record holds, after waiting for the writer as `read_bodies` does.
+pub fn read_present(
+    index: &SharedIndex,
+    keys: &[DiskBody],
+    submitted_seq: u64,
+) -> Result<Vec<Option<Bytes>>, ReadError> {
     let mut places = look_up(index, keys);
     if places.iter().any(Option::is_none) && index.wait_processed(submitted_seq, WRITER_WAIT) {
         places = look_up(index, keys);
     }
     let mut wanted: Vec<(usize, Location, Arc<File>)> = Vec::with_capacity(keys.len());
     for (i, place) in places.into_iter().enumerate() {
-        let Some((at, file)) = place else {
-            return Err(ReadError::Missing {
-                uid: keys[i].uid,
-                id: keys[i].id,
-            });
-        };
-        wanted.push((i, at, file));
+        if let Some((at, file)) = place {
+            wanted.push((i, at, file));
+        }
     }
     wanted.sort_unstable_by_key(|(_, at, _)| (at.segment, at.offset_bytes));
-    let mut out = vec![Bytes::new(); keys.len()];
+    let mut out = vec![None; keys.len()];
     let mut run_start = 0;
     while run_start < wanted.len() {
         let first = wanted[run_start].1;
@@ -138,7 +154,7 @@ pub fn read_bodies(
             }
             // A slice would pin the whole run; a body outlives its batch in socket buffers
             // only briefly, but requeued and dead-lettered ones may stay.
-            out[*i] = Bytes::copy_from_slice(&body);
+            out[*i] = Some(Bytes::copy_from_slice(&body));
         }
         run_start = run_end;
     }

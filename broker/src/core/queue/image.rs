@@ -7,6 +7,11 @@
 //! those ops yields the primary's queue exactly, so a backup promoted later serves what the
 //! primary would have.
 //!
+//! An image travels in [`ImageChunk`]s of bounded size, installed one at a time
+//! ([`Queue::install_chunk`]): the first starts from an empty queue, each later one appends
+//! messages with higher ids, and the last sets the sequence number and next id, after which
+//! ops apply again. Until the last chunk the queue is *installing* and refuses every op.
+//!
 //! Ops that arrive over a link are input from another process: [`Queue::fits`] checks that
 //! an op continues this queue's sequence and names messages where the op expects them, so a
 //! stream that diverged is refused (and the backup caught up again) instead of tripping
@@ -45,6 +50,57 @@ pub struct QueueImage {
     pub entries: Vec<ImageEntry>,
 }
 
+/// One piece of a [`QueueImage`], as a catch-up sends it: the entries of one id range, and
+/// the image's sequence number and next id (every chunk of one image carries the same, so a
+/// chunk of another image is refused).
+#[derive(Debug, Clone, Default)]
+pub struct ImageChunk {
+    /// The image's first chunk: the queue must be empty (what a stale replica held was
+    /// removed first).
+    pub first: bool,
+    /// The image's last chunk: the queue holds the whole image after it, and the ops after
+    /// `last_seq` apply next.
+    pub last: bool,
+    /// The sequence number of the last op the image reflects.
+    pub last_seq: u64,
+    /// The id the next enqueued message gets.
+    pub next_id: u64,
+    /// Ready and unacked messages, in id order, all above the previous chunk's.
+    pub entries: Vec<ImageEntry>,
+}
+
+impl QueueImage {
+    /// The image as chunks of at most `max_entries` entries each (at least one chunk, even
+    /// for an empty image).
+    pub fn into_chunks(self, max_entries: usize) -> Vec<ImageChunk> {
+        let max_entries = max_entries.max(1);
+        let mut chunks: Vec<ImageChunk> = Vec::new();
+        let mut entries = self.entries.into_iter().peekable();
+        loop {
+            let part: Vec<ImageEntry> = entries.by_ref().take(max_entries).collect();
+            chunks.push(ImageChunk {
+                first: chunks.is_empty(),
+                last: entries.peek().is_none(),
+                last_seq: self.last_seq,
+                next_id: self.next_id,
+                entries: part,
+            });
+            if entries.peek().is_none() {
+                return chunks;
+            }
+        }
+    }
+}
+
+/// Where a queue stands in the installation of an image: the chunks so far came from the
+/// image of `last_seq` / `next_id` and ended at message `last_id`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Installing {
+    last_seq: u64,
+    next_id: u64,
+    last_id: u64,
+}
+
 /// Why a replicated op or image does not fit a queue.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum ReplicaError {
@@ -71,6 +127,12 @@ pub enum ReplicaError {
     /// An image arrived for a queue that already holds messages or serves consumers.
     #[error("queue '{0}': an image can only be installed into an empty queue with no consumers")]
     NotEmpty(String),
+    /// A later chunk of an image arrived without the chunks before it (or of another image).
+    #[error("queue '{0}': an image chunk arrived that does not continue the image being installed")]
+    Chunk(String),
+    /// An op arrived while an image is still being installed (its last chunk is due first).
+    #[error("queue '{0}': an op arrived before the last chunk of the image being installed")]
+    Installing(String),
     /// The queue is not on this member (or not a replica here).
     #[error("queue '{0}' has no replica on this member")]
     NoReplica(String),
@@ -99,25 +161,33 @@ impl Queue {
         }
     }
 
-    /// Makes this empty queue hold `image`: the ops after `image.last_seq` apply next.
-    pub fn install_image(&mut self, image: QueueImage) -> Result<(), ReplicaError> {
-        if self.ready_count > 0 || !self.unacked.is_empty() || !self.consumers.is_empty() {
-            return Err(ReplicaError::NotEmpty(self.name.to_string()));
-        }
-        let mut last_id = 0;
-        for e in &image.entries {
-            if e.id <= last_id || e.id >= image.next_id {
+    /// Installs one chunk of an image: the first into this empty queue, each later one after
+    /// the chunk before it (same image, higher ids). After the last chunk the queue holds the
+    /// image and the ops after `chunk.last_seq` apply next; before it, [`Queue::fits`]
+    /// refuses every op. A chunk that does not fit changes nothing.
+    pub fn install_chunk(&mut self, chunk: ImageChunk) -> Result<(), ReplicaError> {
+        let mut last_id = if chunk.first {
+            if self.ready_count > 0 || !self.unacked.is_empty() || !self.consumers.is_empty() {
+                return Err(ReplicaError::NotEmpty(self.name.to_string()));
+            }
+            0
+        } else {
+            match self.installing {
+                Some(i) if i.last_seq == chunk.last_seq && i.next_id == chunk.next_id => i.last_id,
+                _ => return Err(ReplicaError::Chunk(self.name.to_string())),
+            }
+        };
+        for e in &chunk.entries {
+            if e.id <= last_id || e.id >= chunk.next_id {
                 return Err(ReplicaError::Message {
                     queue: self.name.to_string(),
-                    seq: image.last_seq,
+                    seq: chunk.last_seq,
                     id: e.id,
                 });
             }
             last_id = e.id;
         }
-        self.last_seq = image.last_seq;
-        self.next_id = image.next_id;
-        for e in image.entries {
+        for e in chunk.entries {
             self.add_resident(&e.message);
             let entry = Entry {
                 id: e.id,
@@ -132,12 +202,39 @@ impl Queue {
                 self.insert_ready(entry);
             }
         }
+        if chunk.last {
+            self.last_seq = chunk.last_seq;
+            self.next_id = chunk.next_id;
+            self.installing = None;
+        } else {
+            self.installing = Some(Installing {
+                last_seq: chunk.last_seq,
+                next_id: chunk.next_id,
+                last_id,
+            });
+        }
         Ok(())
+    }
+
+    /// Makes this empty queue hold `image` at once (one chunk).
+    pub fn install_image(&mut self, image: QueueImage) -> Result<(), ReplicaError> {
+        for chunk in image.into_chunks(usize::MAX) {
+            self.install_chunk(chunk)?;
+        }
+        Ok(())
+    }
+
+    /// An image is being installed: its last chunk has not arrived.
+    pub fn is_installing(&self) -> bool {
+        self.installing.is_some()
     }
 
     /// Whether `op` can be applied next: the next sequence number, and its message where
     /// the op kind expects it.
     pub fn fits(&self, op: &QueueOp) -> Result<(), ReplicaError> {
+        if self.installing.is_some() {
+            return Err(ReplicaError::Installing(self.name.to_string()));
+        }
         if op.seq != self.last_seq + 1 {
             return Err(ReplicaError::Sequence {
                 queue: self.name.to_string(),
@@ -265,14 +362,24 @@ mod tests {
         fn image_then_later_ops_rebuild_the_primary(
             steps in prop::collection::vec((any::<u8>(), any::<usize>(), 0u8..4), 1..120),
             cut in any::<prop::sample::Index>(),
+            chunk_entries in 1usize..8,
         ) {
             let mut primary = queue();
             let cut = cut.index(steps.len());
             let mut backup = None;
             for (i, &(step, pick, priority)) in steps.iter().enumerate() {
                 if i == cut {
+                    // In chunks: every op is refused until the last one is in.
                     let mut b = queue();
-                    b.install_image(primary.image()).unwrap();
+                    let probe = primary.op(OpKind::Deliver { id: 0 });
+                    for chunk in primary.image().into_chunks(chunk_entries) {
+                        let last = chunk.last;
+                        b.install_chunk(chunk).unwrap();
+                        prop_assert_eq!(b.is_installing(), !last);
+                        if !last {
+                            prop_assert_eq!(b.fits(&probe), Err(ReplicaError::Installing("q".into())));
+                        }
+                    }
                     backup = Some(b);
                 }
                 let Some(op) = next_op(&primary, step, pick, priority) else { continue };
@@ -365,5 +472,65 @@ mod tests {
             q.install_image(good),
             Err(ReplicaError::NotEmpty(_))
         ));
+    }
+
+    #[test]
+    fn a_chunk_must_continue_the_image_being_installed() {
+        let e = |id| ImageEntry {
+            id,
+            message: message(0),
+            expires_at_ms: None,
+            redelivered: false,
+            unacked: id == 4,
+        };
+        let image = QueueImage {
+            last_seq: 9,
+            next_id: 7,
+            entries: vec![e(1), e(2), e(4), e(6)],
+        };
+        let chunks = image.clone().into_chunks(2);
+        assert_eq!(chunks.len(), 2);
+        assert!(chunks[0].first && !chunks[0].last && !chunks[1].first && chunks[1].last);
+
+        let mut q = queue();
+        assert_eq!(
+            q.install_chunk(chunks[1].clone()),
+            Err(ReplicaError::Chunk("q".into())),
+            "a later chunk without the first"
+        );
+        q.install_chunk(chunks[0].clone()).unwrap();
+        let other_image = ImageChunk {
+            last_seq: 10,
+            ..chunks[1].clone()
+        };
+        assert_eq!(
+            q.install_chunk(other_image),
+            Err(ReplicaError::Chunk("q".into())),
+            "a chunk of another image"
+        );
+        let going_back = ImageChunk {
+            entries: vec![e(2)],
+            ..chunks[1].clone()
+        };
+        assert!(matches!(
+            q.install_chunk(going_back),
+            Err(ReplicaError::Message { id: 2, .. })
+        ));
+        assert_eq!(q.ready_count(), 2, "refused chunks changed nothing");
+        q.install_chunk(chunks[1].clone()).unwrap();
+        assert!(!q.is_installing());
+        assert_eq!((q.last_seq(), q.next_id()), (9, 7));
+        assert_eq!((q.ready_count(), q.unacked_count()), (3, 1));
+        assert!(q.fits(&q.op(OpKind::Settle { id: 4 })).is_ok());
+        assert_eq!(q.op(OpKind::Settle { id: 4 }).seq, 10);
+
+        // A first chunk again (a retried catch-up) needs the queue emptied first.
+        assert_eq!(
+            q.install_chunk(chunks[0].clone()),
+            Err(ReplicaError::NotEmpty("q".into()))
+        );
+        let empty = QueueImage::default().into_chunks(3);
+        assert_eq!(empty.len(), 1);
+        assert!(empty[0].first && empty[0].last);
     }
 }

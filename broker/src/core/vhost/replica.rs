@@ -12,7 +12,7 @@
 use super::VHost;
 use super::effects::{Effects, apply};
 use crate::core::ops::{OpKind, QueueOp};
-use crate::core::queue::{Queue, QueueImage, ReplicaError};
+use crate::core::queue::{ImageChunk, Queue, QueueImage, ReplicaError};
 
 impl VHost {
     /// Applies `ops`, which the primary of `queue` replicated, in order. Stops at the first op
@@ -33,33 +33,36 @@ impl VHost {
         Ok(q.last_seq())
     }
 
-    /// Makes the replica of `queue` hold `image` (a catch-up's start); the ops after
-    /// `image.last_seq` follow through [`VHost::apply_replicated`]. What a stale replica
-    /// held (from before this member lost its place in the stream) is dropped first, as
-    /// removals, and the image's messages are recorded as enqueues, so that this member's
-    /// journal holds exactly what the replica holds.
+    /// Installs one chunk of an image into the replica of `queue` (a catch-up); the ops
+    /// after the image's `last_seq` follow its last chunk through
+    /// [`VHost::apply_replicated`]. The first chunk drops what a stale replica held (from
+    /// before this member lost its place in the stream, or a catch-up that was abandoned
+    /// half way) first, as removals; every chunk's messages are recorded as enqueues, so that
+    /// this member's journal holds exactly what the replica holds.
     pub fn install_replica(
         &mut self,
         queue: &str,
-        image: QueueImage,
+        chunk: ImageChunk,
         fx: &mut Effects,
     ) -> Result<(), ReplicaError> {
         let record = self.record_ops;
         let q = self.replica_mut(queue)?;
-        for id in q.unacked_in_order() {
-            apply(q, OpKind::Settle { id }, record, fx);
+        if chunk.first {
+            for id in q.unacked_in_order() {
+                apply(q, OpKind::Settle { id }, record, fx);
+            }
+            if q.ready_count() > 0 {
+                let ids = q.ready().map(|e| e.id).collect();
+                apply(q, OpKind::Purge { ids }, record, fx);
+            }
         }
-        if q.ready_count() > 0 {
-            let ids = q.ready().map(|e| e.id).collect();
-            apply(q, OpKind::Purge { ids }, record, fx);
-        }
-        let enqueues: Vec<QueueOp> = image
+        let enqueues: Vec<QueueOp> = chunk
             .entries
             .iter()
             .map(|e| QueueOp {
                 queue: q.name.clone(),
                 uid: q.uid,
-                seq: image.last_seq,
+                seq: chunk.last_seq,
                 durable: q.durable,
                 kind: OpKind::Enqueue {
                     id: e.id,
@@ -68,7 +71,7 @@ impl VHost {
                 },
             })
             .collect();
-        q.install_image(image)?;
+        q.install_chunk(chunk)?;
         if record && q.durable && q.exclusive_owner.is_none() {
             fx.ops.extend(enqueues);
         }
@@ -310,7 +313,9 @@ mod tests {
         let mut bfx = Effects::default();
         publish_to_replica(&mut b, &mut bfx);
         bfx.ops.clear();
-        b.install_replica("q", image, &mut bfx).unwrap();
+        for chunk in image.into_chunks(1) {
+            b.install_replica("q", chunk, &mut bfx).unwrap();
+        }
         let kinds: Vec<_> = bfx.ops.iter().map(|op| format!("{:?}", op.kind)).collect();
         assert!(
             kinds[0].starts_with("Purge"),
@@ -323,5 +328,63 @@ mod tests {
         let ids = |q: &crate::core::queue::Queue| q.ready().map(|e| e.id).collect::<Vec<_>>();
         assert_eq!(ids(qb), ids(qa));
         assert_eq!(qb.unacked_count(), qa.unacked_count());
+    }
+
+    #[test]
+    fn an_abandoned_catch_up_is_reset_by_the_next_attempts_first_chunk() {
+        let mut a = member("a");
+        let mut fx = Effects::default();
+        for body in ["m1", "m2", "m3"] {
+            publish(&mut a, body, &mut fx);
+        }
+        let first_try = a.queue_image("q").unwrap().into_chunks(1);
+        let mut b = member("b");
+        let mut bfx = Effects::default();
+        b.install_replica("q", first_try[0].clone(), &mut bfx)
+            .unwrap();
+        b.install_replica("q", first_try[1].clone(), &mut bfx)
+            .unwrap();
+        assert!(b.queue("q").unwrap().is_installing());
+        let err = b.apply_replicated("q", &fx.ops, &mut bfx).unwrap_err();
+        assert!(
+            matches!(err, crate::core::queue::ReplicaError::Installing(_)),
+            "no op applies before the last chunk: {err}"
+        );
+
+        // The first try is abandoned (its last chunk never comes); the primary moves on
+        // and a second image replaces what the first left.
+        fx.ops.clear();
+        consume(&mut a, 1, &mut fx);
+        publish(&mut a, "m4", &mut fx);
+        let image = a.queue_image("q").unwrap();
+        fx.ops.clear();
+        publish(&mut a, "m5", &mut fx);
+        let tag = fx.deliveries[0].delivery_tag;
+        a.basic_ack(CH, tag, false, 0, &mut fx).unwrap();
+        let after = std::mem::take(&mut fx.ops);
+
+        bfx.ops.clear();
+        for chunk in image.into_chunks(3) {
+            b.install_replica("q", chunk, &mut bfx).unwrap();
+        }
+        let kinds: Vec<String> = bfx.ops.iter().map(|op| format!("{:?}", op.kind)).collect();
+        assert!(
+            kinds[0].starts_with("Purge { ids: [1, 2] }"),
+            "the half-installed first try goes first: {kinds:?}"
+        );
+        assert_eq!(
+            kinds.iter().filter(|k| k.starts_with("Enqueue")).count(),
+            4,
+            "then the new image's messages are journalled: {kinds:?}"
+        );
+        b.apply_replicated("q", &after, &mut bfx).unwrap();
+        let (qa, qb) = (a.queue("q").unwrap(), b.queue("q").unwrap());
+        assert_eq!(qb.last_seq(), qa.last_seq());
+        let ids = |q: &crate::core::queue::Queue| q.ready().map(|e| e.id).collect::<Vec<_>>();
+        // The ack made room for m2: it is out with the consumer.
+        assert_eq!(ids(qb), vec![3, 4, 5]);
+        assert_eq!(ids(qb), ids(qa));
+        assert_eq!(qb.unacked_in_order(), vec![2]);
+        assert_eq!(qb.unacked_in_order(), qa.unacked_in_order());
     }
 }

@@ -4,7 +4,9 @@
 //! durable where the queue is durable — so the primary's confirm gate hears "this backup has
 //! it" only when it is as safe here as a confirmed message is on the primary. A frame that
 //! does not fit the replica (the stream diverged) is nacked: the primary catches this
-//! backup up again instead of counting on it.
+//! backup up again instead of counting on it. An image arrives in chunks, each applied as it
+//! comes (the first resets the replica), so this side holds no more than the chunks in
+//! flight besides the replica.
 
 use super::{Connection, Lazy};
 use crate::core::Message;
@@ -32,8 +34,8 @@ impl Connection {
                 .get()
                 .apply_replicated(&queue, &ops, &mut self.fx)
                 .map(drop),
-            Frame::Image { queue, image, .. } => {
-                v.get().install_replica(&queue, image, &mut self.fx)
+            Frame::Image { queue, chunk, .. } => {
+                v.get().install_replica(&queue, chunk, &mut self.fx)
             }
         };
         match outcome {
