@@ -114,6 +114,9 @@ pub struct CatchUp {
     pub messages_sent: u64,
     /// Encoded chunk bytes sent so far.
     pub bytes_sent: u64,
+    /// Entries sent as stand-ins: their paged-out body was gone (the message had left the
+    /// queue after the image was taken).
+    pub stand_ins: u64,
     /// When an abandoned attempt is retried.
     pub retry_at: Option<Instant>,
 }
@@ -144,6 +147,7 @@ impl CatchUp {
             held_bytes: 0,
             messages_sent: 0,
             bytes_sent: 0,
+            stand_ins: 0,
             retry_at: None,
         }
     }
@@ -223,16 +227,18 @@ impl CatchUp {
     }
 
     /// The chunk built from [`Self::next_chunk`] went out as tracker id `id` with `messages`
-    /// entries in `bytes`. After the last chunk, returns the held ops frames, to go out right
-    /// behind it; the catch-up then waits for the backup's confirmation.
+    /// entries (`stand_ins` of them stand-ins) in `bytes`. After the last chunk, returns the
+    /// held ops frames, to go out right behind it; the catch-up then waits for the backup's
+    /// confirmation.
     pub fn chunk_sent(
         &mut self,
         id: u64,
-        messages: usize,
+        (messages, stand_ins): (usize, usize),
         bytes: usize,
         last: bool,
     ) -> Vec<Arc<Message>> {
         self.building = false;
+        self.stand_ins += stand_ins as u64;
         self.in_flight.push_back(id);
         self.messages_sent += messages as u64;
         self.bytes_sent += bytes as u64;
@@ -350,7 +356,7 @@ mod tests {
             assert_eq!(w.first, sent.is_empty());
             sent.extend(w.entries.iter().map(|e| e.id));
             ids += 1;
-            let out = c.chunk_sent(ids, w.entries.len(), bytes, w.last);
+            let out = c.chunk_sent(ids, (w.entries.len(), 0), bytes, w.last);
             assert_eq!(out.is_empty(), !w.last);
             if !w.last {
                 assert!(c.hold(&frame(100), &l, now), "held while sending");
@@ -377,7 +383,7 @@ mod tests {
         let mut c = CatchUp::new(7, 1, image(0, 0), Instant::now(), &l);
         let w = c.next_chunk("q", &l).unwrap();
         assert!(w.first && w.last && w.entries.is_empty());
-        assert!(c.chunk_sent(1, 0, 0, true).is_empty());
+        assert!(c.chunk_sent(1, (0, 0), 0, true).is_empty());
         assert!(c.next_chunk("q", &l).is_none());
     }
 

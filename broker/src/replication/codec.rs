@@ -47,6 +47,9 @@ const LAST: u8 = 2;
 /// Bytes of an image chunk frame before its entries, besides the queue name: kind,
 /// incarnation, name length, flags, last seq, next id, count.
 const IMAGE_HEAD_BYTES: usize = 1 + 8 + 1 + 1 + 8 + 8 + 4;
+/// Bytes of an ops frame before its ops, besides the queue name: kind, incarnation, name
+/// length, count.
+const OPS_HEAD_BYTES: usize = 1 + 8 + 1 + 4;
 
 /// Bounds of one image chunk: a catch-up sends an image as chunks no larger than these (a
 /// chunk holds one entry at least, so a message larger than `max_bytes` goes alone).
@@ -69,20 +72,71 @@ impl ChunkLimits {
         }
     }
 
-    /// How many of `entries` (from the front) the next chunk of `queue`'s image takes: at
-    /// least one, then as many as fit.
+    /// How many of `entries` (their encoded lengths, from the front) the next chunk of
+    /// `queue`'s image takes: at least one, then as many as fit.
     pub fn take(&self, queue: &str, entries: impl IntoIterator<Item = usize>) -> usize {
-        let mut bytes = IMAGE_HEAD_BYTES + queue.len();
-        let mut n = 0;
-        for len in entries.into_iter().take(self.max_entries.max(1)) {
-            if n > 0 && bytes + len > self.max_bytes {
-                break;
-            }
-            bytes += len;
-            n += 1;
-        }
-        n
+        fit(
+            IMAGE_HEAD_BYTES + queue.len(),
+            self.max_bytes,
+            self.max_entries,
+            entries,
+        )
     }
+
+    /// How many of `ops` (their encoded lengths, from the front) the next ops frame of
+    /// `queue` takes: at least one, then as many as fit in `max_bytes` (a batch's ops of
+    /// one queue go out in as many frames as that needs).
+    pub fn take_ops(&self, queue: &str, ops: impl IntoIterator<Item = usize>) -> usize {
+        fit(
+            OPS_HEAD_BYTES + queue.len(),
+            self.max_bytes,
+            usize::MAX,
+            ops,
+        )
+    }
+}
+
+fn fit(
+    head: usize,
+    max_bytes: usize,
+    max_items: usize,
+    lens: impl IntoIterator<Item = usize>,
+) -> usize {
+    let mut bytes = head;
+    let mut n = 0;
+    for len in lens.into_iter().take(max_items.max(1)) {
+        if n > 0 && bytes + len > max_bytes {
+            break;
+        }
+        bytes += len;
+        n += 1;
+    }
+    n
+}
+
+/// Encoded bytes of one op in an ops frame (body included).
+pub fn op_len(op: &QueueOp) -> usize {
+    8 + 1
+        + match &op.kind {
+            OpKind::Enqueue { message, .. } => 8 + 8 + message_len(message),
+            OpKind::Deliver { .. }
+            | OpKind::Take { .. }
+            | OpKind::Settle { .. }
+            | OpKind::Requeue { .. } => 8,
+            OpKind::Drop { .. } => 9,
+            OpKind::Purge { ids } => 4 + 8 * ids.len(),
+        }
+}
+
+/// Encoded bytes of a message's content (as [`put_message_content`] lays it out).
+fn message_len(m: &crate::core::message::Message) -> usize {
+    1 + m.exchange.as_str().len()
+        + 1
+        + m.routing_key.as_str().len()
+        + 4
+        + m.header_payload.len()
+        + 4
+        + m.body_len()
 }
 
 /// Default bound of an image chunk's bytes.
@@ -92,17 +146,7 @@ pub const DEFAULT_CHUNK_ENTRIES: usize = 4096;
 
 /// Encoded bytes of one image entry (body included, wherever it is now).
 pub fn image_entry_len(e: &ImageEntry) -> usize {
-    let m = &e.message;
-    8 + 8
-        + 1
-        + 1
-        + m.exchange.as_str().len()
-        + 1
-        + m.routing_key.as_str().len()
-        + 4
-        + m.header_payload.len()
-        + 4
-        + m.body_len()
+    8 + 8 + 1 + message_len(&e.message)
 }
 
 /// One frame of the replication stream.
@@ -421,6 +465,8 @@ mod tests {
             let frame = Frame::Ops { incarnation, queue, ops: ops.clone() };
             let mut out = Vec::new();
             frame.encode(&mut out).unwrap();
+            let expected_len = OPS_HEAD_BYTES + "orders".len() + ops.iter().map(op_len).sum::<usize>();
+            prop_assert_eq!(out.len(), expected_len, "op_len is exact");
             let data = Bytes::from(out);
             let Frame::Ops { incarnation: got, queue, ops: back } = Frame::decode(&data).unwrap() else {
                 panic!("an ops frame decodes as ops");
@@ -496,6 +542,12 @@ mod tests {
         assert_eq!(limits.take("q", [1000 - head, 1]), 1, "exactly full");
         assert_eq!(limits.take("q", [5000, 1]), 1, "a large message goes alone");
         assert_eq!(limits.take("q", []), 0);
+        assert_eq!(
+            limits.take_ops("q", [10; 500]),
+            (1000 - OPS_HEAD_BYTES - 1) / 10,
+            "ops are bounded by bytes only"
+        );
+        assert_eq!(limits.take_ops("q", [5000, 1]), 1);
         let small = ChunkLimits::for_max_message_size(64 * 1024);
         assert_eq!(small.max_bytes, 64 * 1024);
         let default = ChunkLimits::for_max_message_size(128 * 1024 * 1024);

@@ -14,3 +14,10 @@ pub mod replicator;
 /// link connection's publishes to it are taken as frames (a client's are routed, and find no
 /// such exchange); it never exists in a vhost.
 pub const REPLICATION_EXCHANGE: &str = "amq.ringmq.replication";
+
+/// Bytes a replication frame may add to the largest message it carries besides that
+/// message's content header (which a link accepts up to a frame's size on top of
+/// `max_message_size`): kind, incarnation, queue name, counts, ids, expiry, flags, exchange
+/// and routing key. A frame of one message of `max_message_size` stays within what a link
+/// accepts, so a queue never holds a message its backups cannot take.
+pub const FRAME_FIELDS_BYTES: u64 = 4096;

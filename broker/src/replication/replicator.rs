@@ -25,7 +25,7 @@
 
 use super::REPLICATION_EXCHANGE;
 use super::catch_up::{CatchUp, CatchUpLimits, ChunkWork, Phase};
-use super::codec::Frame;
+use super::codec::{Frame, op_len};
 use super::ledger::Ledger;
 use crate::core::VHost;
 use crate::core::message::{DiskBody, Message};
@@ -262,14 +262,24 @@ impl Replicator {
             let Some(roles) = state.roles.get(&key) else {
                 continue;
             };
-            frames.push((
-                roles.clone(),
-                Frame::Ops {
-                    incarnation: roles.incarnation,
-                    queue: run[0].queue.clone(),
-                    ops: run.to_vec(),
-                },
-            ));
+            // Each frame within the chunk size (a frame is one message on the link, which
+            // the backup takes up to its `max_message_size`).
+            let mut rest = run;
+            while !rest.is_empty() {
+                let n = self
+                    .limits
+                    .chunk
+                    .take_ops(&run[0].queue, rest.iter().map(op_len));
+                frames.push((
+                    roles.clone(),
+                    Frame::Ops {
+                        incarnation: roles.incarnation,
+                        queue: run[0].queue.clone(),
+                        ops: rest[..n].to_vec(),
+                    },
+                ));
+                rest = &rest[n..];
+            }
         }
         if frames.is_empty() {
             return None;
@@ -685,6 +695,7 @@ impl Replicator {
             next_id,
         } = work;
         let built = async {
+            let mut stand_ins = 0;
             let paged: Vec<(usize, DiskBody)> = entries
                 .iter()
                 .enumerate()
@@ -703,7 +714,10 @@ impl Replicator {
                     // in sync; the backup never serves this stand-in.
                     let resolved = match body {
                         Some(body) => m.with_body(body),
-                        None => stand_in(m),
+                        None => {
+                            stand_ins += 1;
+                            stand_in(m)
+                        }
                     };
                     entries[i].message = Arc::new(resolved);
                 }
@@ -721,7 +735,7 @@ impl Replicator {
                 },
             };
             encode(&frame)
-                .map(|m| (m, messages))
+                .map(|m| (m, (messages, stand_ins)))
                 .map_err(|e| e.to_string())
         };
         let (frame, messages) = match built.await {
@@ -850,7 +864,7 @@ impl Replicator {
                 .get(&queue)
                 .is_some_and(|c| c.attempt == attempt && c.phase == Phase::Confirming);
             if done && let Some(c) = link.catch_ups.remove(&queue) {
-                tracing::info!(backup = %key.0, vhost = %key.1, %queue, attempt, messages = c.messages_total, bytes = c.bytes_sent, elapsed_ms = c.started.elapsed().as_millis() as u64, "catch-up confirmed by the backup");
+                tracing::info!(backup = %key.0, vhost = %key.1, %queue, attempt, messages = c.messages_total, bytes = c.bytes_sent, stand_ins = c.stand_ins, elapsed_ms = c.started.elapsed().as_millis() as u64, "catch-up confirmed by the backup");
                 in_sync.push((queue, c.incarnation));
             }
         }

@@ -19,6 +19,7 @@ mod forwarded_crash;
 mod full_restart;
 mod harness;
 mod lone_member;
+mod replicated_catch_up;
 mod replicated_cycles;
 mod replicated_failover;
 mod replicated_full_restart;

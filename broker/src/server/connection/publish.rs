@@ -79,7 +79,15 @@ impl Connection {
                     method_id,
                 });
             }
-            if header.body_size > self.broker.config.max_message_size {
+            // A link's publish may be a replication frame: one message of up to the limit
+            // plus the frame's own fields (ids, names, its content header, which fit one
+            // AMQP frame).
+            let headroom = if self.link {
+                u64::from(self.broker.config.frame_max) + crate::replication::FRAME_FIELDS_BYTES
+            } else {
+                0
+            };
+            if header.body_size > self.broker.config.max_message_size + headroom {
                 let max = self.broker.config.max_message_size;
                 let text = format!(
                     "message size {} is larger than configured max size {max}",
