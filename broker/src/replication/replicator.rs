@@ -600,7 +600,7 @@ impl Replicator {
     async fn pump(self: &Arc<Self>, host: &Arc<dyn ReplicationHost>, key: &(String, String)) {
         let (backup, vhost) = (key.0.as_str(), key.1.as_str());
         let now = Instant::now();
-        let due: Vec<(Arc<str>, u64)> = {
+        let due: Vec<(Arc<str>, u64, u64)> = {
             let mut state = self.state.lock();
             let Some(link) = state.links.get_mut(key).filter(|l| !l.broken) else {
                 return;
@@ -615,7 +615,10 @@ impl Replicator {
                     tracing::warn!(backup, vhost, %queue, attempt = c.attempt, timeout_ms = self.limits.timeout.as_millis() as u64, messages_sent = c.messages_sent, messages = c.messages_total, "catch-up abandoned: not done within replication_catch_up_timeout_ms; retrying from a new image");
                 }
                 if c.due_for_retry(now) {
-                    due.push((queue.clone(), c.incarnation));
+                    // Looked at again after another delay, should this retry not happen
+                    // (the vhost is gone).
+                    c.retry_at = Some(now + self.limits.retry_delay);
+                    due.push((queue.clone(), c.incarnation, c.attempt));
                 }
             }
             due
@@ -625,7 +628,7 @@ impl Replicator {
             host.with_vhost(vhost, &mut |v: &mut VHost| {
                 let mut state = me.state.lock();
                 let now = Instant::now();
-                for (queue, incarnation) in &due {
+                for (queue, incarnation, attempt) in &due {
                     let wanted = state
                         .roles
                         .get(&(vhost.to_owned(), queue.clone()))
@@ -637,11 +640,10 @@ impl Replicator {
                     let Some(link) = state.links.get_mut(key) else {
                         return;
                     };
-                    if !link
-                        .catch_ups
-                        .get(queue)
-                        .is_some_and(|c| c.due_for_retry(now))
-                    {
+                    let still_abandoned = link.catch_ups.get(queue).is_some_and(|c| {
+                        c.attempt == *attempt && matches!(c.phase, Phase::Abandoned(_))
+                    });
+                    if !still_abandoned {
                         continue;
                     }
                     link.catch_ups.remove(queue);

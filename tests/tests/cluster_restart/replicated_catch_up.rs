@@ -408,3 +408,76 @@ async fn a_queue_paged_out_to_disk_catches_up_a_new_backup_while_consumers_ack()
     );
     new_backup_catches_up_then_serves_everything("catch-up-paged", &extra, 300).await;
 }
+
+/// A purge while the new backup's image is still going out: most of the image's paged-out
+/// bodies are gone from the journal before their chunk is built. They go as stand-ins, the
+/// purge (held back behind the last chunk) removes them on the backup, and after the
+/// failover the backup holds exactly what the primary held: the messages published after
+/// the purge.
+#[tokio::test]
+async fn a_purge_during_the_image_leaves_the_new_backup_with_exactly_the_primarys_queue() {
+    let name = "catch-up-purge";
+    let extra = format!(
+        "max_message_size: {MAX_MESSAGE_SIZE}\nqueue_memory_budget_bytes: {MAX_MESSAGE_SIZE}\n"
+    );
+    let (mut members, _ports, _secret) = start_cluster_with(name, &extra);
+    let queue = "purged";
+    let first_backup = declare_with_one_backup(&members[0], queue).await;
+    let b = member_of(name, &first_backup);
+    let c = (1..N).find(|&i| i != b).unwrap();
+    let new_backup = crate::harness::node(name, c);
+    // ~20 MiB, nearly all of it paged out: an image of ~300 chunks.
+    let initial: Vec<String> = (0..20_000).map(|i| format!("m{i}")).collect();
+    for part in initial.chunks(2_000) {
+        publish_confirmed(&members[0], queue, part).await;
+    }
+
+    members[b].kill();
+    // The map gives the role to the third member, whose catch-up starts at once; purge
+    // while its chunks are going out.
+    wait_queue_view(&members[0], queue, LIMIT, "the role transferred", |v| {
+        v["backup_nodes"] == serde_json::json!([new_backup])
+    });
+    let (conn, ch) = members[0].channel().await;
+    let purged = ch
+        .queue_purge(queue.into(), Default::default())
+        .await
+        .expect("purge on the primary");
+    let _ = conn.close(200, "purged".into()).await;
+    let after: Vec<String> = (0..10).map(|i| format!("after-{i}")).collect();
+    publish_confirmed(&members[0], queue, &after).await;
+    wait_queue_view(&members[0], queue, LIMIT, "the new backup in sync", |v| {
+        v["in_sync_backup_nodes"] == serde_json::json!([new_backup])
+    });
+    let log = members[0].log_tail(5_000);
+    let confirmed: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("catch-up confirmed") && l.contains(new_backup.as_str()))
+        .collect();
+    eprintln!("{name}: purged {purged} messages during the catch-up; {confirmed:?}");
+
+    restart(&mut members, b, name);
+    wait_settled(
+        &mut members,
+        &[0, 1, 2],
+        READY_LIMIT,
+        &format!("{name}: rejoin"),
+    );
+    members[0].kill();
+    wait_queue_view(
+        &members[c],
+        queue,
+        LIMIT,
+        "the caught-up backup elected",
+        |v| v["node"].as_str() == Some(new_backup.as_str()),
+    );
+    let got = drain(&members[c], queue, after.len()).await;
+    let expected: Vec<(String, bool)> = after.iter().map(|t| (t.clone(), false)).collect();
+    assert_eq!(got, expected, "{name}: the queue after the failover");
+    let (_conn, ch) = members[c].channel().await;
+    assert_eq!(
+        ringmq_tests::depth(&ch, queue).await,
+        0,
+        "{name}: no stand-in or purged message is left on the new primary"
+    );
+}
