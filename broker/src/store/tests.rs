@@ -6,7 +6,7 @@
 
 use super::DataDir;
 use super::journal::{Job, Journal, JournalConfig};
-use super::paging::read_bodies;
+use super::paging::{read_bodies, read_present};
 use super::record::Record;
 use super::recovery::{Recovered, Start, recover, recover_from};
 use super::snapshot::SNAPSHOT_FILE;
@@ -85,6 +85,23 @@ fn check_reads(journal: &Journal, expected: &BTreeMap<(u64, u64), usize>) {
             &message(k.len, k.id).body.bytes()[..],
             "body of {k:?}"
         );
+    }
+    // A catch-up's read: keys no live record holds come back as `None`, between the others.
+    let gone = DiskBody {
+        uid: 4242,
+        id: 1,
+        len: 3,
+    };
+    let mixed: Vec<DiskBody> = keys.iter().flat_map(|&k| [gone, k]).collect();
+    let bodies = read_present(journal.index(), &mixed, journal.last_submitted()).unwrap();
+    for (k, body) in mixed.iter().zip(bodies) {
+        match body {
+            None => assert_eq!(*k, gone, "only the gone key is missing"),
+            Some(body) => assert_eq!(&body[..], &message(k.len, k.id).body.bytes()[..]),
+        }
+    }
+    if !keys.is_empty() {
+        assert!(read_bodies(journal.index(), &[gone], journal.last_submitted()).is_err());
     }
 }
 
