@@ -481,3 +481,89 @@ async fn a_purge_during_the_image_leaves_the_new_backup_with_exactly_the_primary
         "{name}: no stand-in or purged message is left on the new primary"
     );
 }
+
+/// The time bound: with `replication_catch_up_timeout_ms` far below what a ~20 MiB image
+/// takes, the new backup's catch-up is abandoned and retried from a new image again and
+/// again (counted), and the backup stays out of sync; once the queue is purged the next
+/// attempt's image is small, it finishes in time, and the backup — whose replica held half
+/// an image from each abandoned attempt — holds exactly the primary's queue.
+#[tokio::test]
+async fn a_catch_up_over_its_time_limit_is_abandoned_retried_and_counted() {
+    let name = "catch-up-timeout";
+    let extra = format!(
+        "max_message_size: {MAX_MESSAGE_SIZE}\nqueue_memory_budget_bytes: 0\n\
+         replication_catch_up_timeout_ms: 100\n"
+    );
+    let (mut members, _ports, _secret) = start_cluster_with(name, &extra);
+    let queue = "slow";
+    let first_backup = declare_with_one_backup(&members[0], queue).await;
+    let b = member_of(name, &first_backup);
+    let c = (1..N).find(|&i| i != b).unwrap();
+    let new_backup = crate::harness::node(name, c);
+    let initial: Vec<String> = (0..20_000).map(|i| format!("m{i}")).collect();
+    for part in initial.chunks(2_000) {
+        publish_confirmed(&members[0], queue, part).await;
+    }
+
+    members[b].kill();
+    wait_queue_view(&members[0], queue, LIMIT, "the role transferred", |v| {
+        v["backup_nodes"] == serde_json::json!([new_backup])
+    });
+    let abandoned = |m: &Broker| metric(m, "ringmq_replication_catch_ups_abandoned_total");
+    let before = abandoned(&members[0]);
+    let deadline = Instant::now() + LIMIT;
+    while abandoned(&members[0]) < before + 3.0 {
+        assert!(
+            Instant::now() < deadline,
+            "{name}: the catch-up was not abandoned and retried three times; log:\n{}",
+            members[0].log_tail(40)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let view = queue_view(&members[0], queue).unwrap();
+    assert_eq!(
+        view["in_sync_backup_nodes"],
+        serde_json::json!([]),
+        "{name}: a catch-up that never finishes in time never makes the backup in sync"
+    );
+
+    let (conn, ch) = members[0].channel().await;
+    ch.queue_purge(queue.into(), Default::default())
+        .await
+        .expect("purge on the primary");
+    let _ = conn.close(200, "purged".into()).await;
+    let after: Vec<String> = (0..5).map(|i| format!("after-{i}")).collect();
+    publish_confirmed(&members[0], queue, &after).await;
+    wait_queue_view(&members[0], queue, LIMIT, "the new backup in sync", |v| {
+        v["in_sync_backup_nodes"] == serde_json::json!([new_backup])
+    });
+    eprintln!(
+        "{name}: in sync after {} abandoned catch-ups",
+        abandoned(&members[0]) - before
+    );
+
+    restart(&mut members, b, name);
+    wait_settled(
+        &mut members,
+        &[0, 1, 2],
+        READY_LIMIT,
+        &format!("{name}: rejoin"),
+    );
+    members[0].kill();
+    wait_queue_view(
+        &members[c],
+        queue,
+        LIMIT,
+        "the caught-up backup elected",
+        |v| v["node"].as_str() == Some(new_backup.as_str()),
+    );
+    let got = drain(&members[c], queue, after.len()).await;
+    let expected: Vec<(String, bool)> = after.iter().map(|t| (t.clone(), false)).collect();
+    assert_eq!(got, expected, "{name}: the queue after the failover");
+    let (_conn, ch) = members[c].channel().await;
+    assert_eq!(
+        ringmq_tests::depth(&ch, queue).await,
+        0,
+        "{name}: nothing of the abandoned attempts is left on the new primary"
+    );
+}
