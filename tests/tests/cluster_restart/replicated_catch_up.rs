@@ -3,7 +3,9 @@
 //! paged out to the journal (flow-to-disk), each get a new backup when their first backup is
 //! killed; the new one receives the image in bounded chunks while the primary keeps taking
 //! confirmed publishes (and, for the paged queue, consumers keep acking), becomes in sync,
-//! and after the primary is killed serves every message the queue held, in order.
+//! and after the primary is killed serves every message the queue held, in order. Also: a
+//! purge while the image goes out (bodies gone from the journal before their chunk is
+//! built), and a catch-up over its time limit, abandoned and retried until one finishes.
 
 use crate::harness::*;
 use futures_lite::StreamExt;
