@@ -158,7 +158,7 @@ async fn publish_until(b: &Broker, queue: &str, stop: Arc<AtomicBool>) -> Vec<St
 }
 
 /// Consumes and acks `count` messages of `queue` through `b`; returns their tags.
-async fn consume_and_ack(b: &Broker, queue: &str, count: usize) -> Vec<String> {
+async fn consume_and_ack_tags(b: &Broker, queue: &str, count: usize) -> Vec<String> {
     let (conn, ch) = b.channel().await;
     ch.basic_qos(PREFETCH as u16, BasicQosOptions::default())
         .await
@@ -228,23 +228,6 @@ async fn drain(b: &Broker, queue: &str, count: usize) -> Vec<(String, bool)> {
     got
 }
 
-/// Starts member `i` again on its data directory (a member the majority declared failed
-/// exits to rejoin as a new incarnation, and is started once more).
-fn restart(members: &mut [Broker], i: usize, what: &str) {
-    let deadline = Instant::now() + LIMIT;
-    members[i].start_again();
-    loop {
-        if members[i].exit_status().is_some() {
-            members[i].start_again();
-        }
-        if readyz(&members[i]).is_ok_and(|a| a.status == 200) {
-            return;
-        }
-        assert!(Instant::now() < deadline, "{what}: member {i} not back");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 /// The scenario both tests run: `queue` (primary member 0, one backup) holds [`MESSAGES`];
 /// its backup is killed, so the third member becomes its backup and catches up while
 /// publishes go on (and, with `consume_during`, a consumer acks that many messages); once
@@ -284,7 +267,7 @@ async fn new_backup_catches_up_then_serves_everything(
         if consume_during == 0 {
             return Vec::new();
         }
-        consume_and_ack(primary, queue, consume_during).await
+        consume_and_ack_tags(primary, queue, consume_during).await
     };
     let watch = async {
         let view = loop {
@@ -348,7 +331,7 @@ async fn new_backup_catches_up_then_serves_everything(
 
     // The killed member comes back (so that two of three keep the majority), then the
     // primary dies: the caught-up backup is elected and serves every message.
-    restart(&mut members, b, name);
+    restart_member(&mut members, b, name);
     wait_settled(
         &mut members,
         &[0, 1, 2],
@@ -458,7 +441,7 @@ async fn a_purge_during_the_image_leaves_the_new_backup_with_exactly_the_primary
         .collect();
     eprintln!("{name}: purged {purged} messages during the catch-up; {confirmed:?}");
 
-    restart(&mut members, b, name);
+    restart_member(&mut members, b, name);
     wait_settled(
         &mut members,
         &[0, 1, 2],
@@ -544,7 +527,7 @@ async fn a_catch_up_over_its_time_limit_is_abandoned_retried_and_counted() {
         abandoned(&members[0]) - before
     );
 
-    restart(&mut members, b, name);
+    restart_member(&mut members, b, name);
     wait_settled(
         &mut members,
         &[0, 1, 2],
