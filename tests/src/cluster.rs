@@ -3,6 +3,7 @@
 
 use crate::Broker;
 use std::path::PathBuf;
+use std::time::Duration;
 
 /// A cluster secret file shared by the members of one test.
 pub fn secret(name: &str) -> PathBuf {
@@ -25,7 +26,9 @@ pub fn member_yaml(node: &str, seeds: &[&str], secret: &std::path::Path) -> Stri
 }
 
 /// Starts `n` members (node ids `{name}-0` …): the first founds the cluster, each next one
-/// asks the ones before.
+/// asks the ones before. Returns once every member is ready (`/readyz` 200): a member prints
+/// its listening lines once admitted, which may be before it has applied its own
+/// announcement or holds the majority's lease, and until then it refuses clients.
 pub fn start_cluster(name: &str, n: usize) -> (Vec<Broker>, PathBuf) {
     let secret = secret(name);
     let mut members: Vec<Broker> = Vec::new();
@@ -37,6 +40,9 @@ pub fn start_cluster(name: &str, n: usize) -> (Vec<Broker>, PathBuf) {
             &seeds,
             &secret,
         )));
+    }
+    for m in &members {
+        m.wait_ready(Duration::from_secs(30));
     }
     (members, secret)
 }
