@@ -5,8 +5,13 @@
 //!   answers a ping with what is left of its lease, and the follower counts that from when it
 //!   *sent* the ping. So a member cut off with (or from) the leader loses quorum within
 //!   `lease_ms` of the cut.
-//! * The leader declares a member failed only after `failure_timeout_ms` without a ping from it
-//!   (counted from when it became leader, since it knows nothing older). Any lease the member
+//! * The leader declares a member failed only after `failure_timeout_ms` without a ping from it.
+//!   For a member it has not heard from in its term the silence counts from when it became
+//!   leader, or earlier by what a majority proves: every member but that one reported when it
+//!   last acknowledged an earlier term ([`TermAcks`]), and no lease of an earlier term outlives
+//!   the latest such acknowledgement by more than a lease; that credit is capped at one
+//!   failure timeout, which keeps the rule's tolerance of clock-rate differences
+//!   (docs/cpg.md, *A new leader's failure clock*). Any lease the member
 //!   still holds was granted at most `lease_ms` after a ping this or an earlier leader received,
 //!   so with `failure_timeout_ms > 2 * lease_ms + heartbeat_ms` it has expired first.
 //! * A follower whose log lags by more than `max_lag_entries` for `failure_timeout_ms` is also
@@ -19,6 +24,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use super::term_acks::TermAcks;
 use super::types::MemberId;
 
 /// Lease and failure-detector state of one member.
@@ -36,7 +42,17 @@ pub(crate) struct Lease {
     confirms: Vec<(Instant, u64)>,
     leader_until: Option<Instant>,
     leading_term: Option<u64>,
+    /// When each voter was last heard in this term; a voter never heard counts from this
+    /// leader's first look for failed members (its first tick with quorum).
     last_heard: BTreeMap<MemberId, Instant>,
+    /// Voters that did ping in this term (the others are in `last_heard` from that first
+    /// look only).
+    pinged: BTreeSet<MemberId>,
+    /// Members' reports in this term (this leader's own included): the latest moment each
+    /// may have acknowledged a leader of an earlier term, on this leader's clock.
+    older_acks: BTreeMap<MemberId, Instant>,
+    /// This member's own acknowledgements of each term.
+    pub(crate) acks: TermAcks,
     lagging_since: BTreeMap<MemberId, Instant>,
     /// Lagging members no longer granted a lease, and since when.
     withheld: BTreeMap<MemberId, Instant>,
@@ -56,6 +72,9 @@ impl Lease {
             leader_until: None,
             leading_term: None,
             last_heard: BTreeMap::new(),
+            pinged: BTreeSet::new(),
+            older_acks: BTreeMap::new(),
+            acks: TermAcks::new(Instant::now()),
             lagging_since: BTreeMap::new(),
             withheld: BTreeMap::new(),
             removing: BTreeSet::new(),
@@ -94,6 +113,8 @@ impl Lease {
             self.leader_until = Some(until);
         }
         remember(&mut self.confirms, until, read_index);
+        // A leader's round is its own acknowledgement of its term, from when it was sent.
+        self.acks.acked(term, sent_at);
     }
 
     /// When this member's lease ends, for a member that has applied up to `applied`: the
@@ -127,16 +148,67 @@ impl Lease {
     /// A ping from `member` reached the leader at `now`.
     pub fn heard(&mut self, member: MemberId, now: Instant) {
         self.last_heard.insert(member, now);
+        self.pinged.insert(member);
     }
 
-    /// Called on every leader tick; starts the failure clocks afresh in a new term, because a
-    /// new leader cannot know when the previous one last heard from anybody.
-    pub fn leading(&mut self, term: u64) {
+    /// `member`, whose vote is this leader's `term`, reported that it last acknowledged a leader
+    /// of an earlier term `since_ms` of its clock before `now` (or this leader's own record,
+    /// with `member` = itself). Ignored unless this member leads `term`; never moves a report
+    /// earlier.
+    pub fn reported(&mut self, member: MemberId, term: u64, since_ms: u64, now: Instant) {
+        if self.leading_term != Some(term) {
+            return;
+        }
+        let at = now
+            .checked_sub(Duration::from_millis(since_ms))
+            .unwrap_or(now);
+        let e = self.older_acks.entry(member).or_insert(at);
+        if *e < at {
+            *e = at;
+        }
+    }
+
+    /// Since when `member`, not heard from in this term, counts as silent: the start of this
+    /// term, or earlier when every other voter reported when it last acknowledged an earlier
+    /// term (`settled`: the membership is committed and not joint, so that they are a
+    /// majority of every configuration an earlier leader used — CPG changes one voter at a
+    /// time). The credit is capped at one failure timeout: the reports are durations on the
+    /// reporters' clocks, and with the cap a fast reporter clock costs no more margin than
+    /// the rule `failure_timeout > 2 × lease + heartbeat` already holds for clock rates
+    /// (docs/cpg.md).
+    fn silent_since(
+        &self,
+        member: MemberId,
+        voters: &BTreeSet<MemberId>,
+        settled: bool,
+        start: Instant,
+    ) -> Instant {
+        if !settled || voters.len() < 3 {
+            return start;
+        }
+        let mut latest: Option<Instant> = None;
+        for v in voters.iter().filter(|&&v| v != member) {
+            match self.older_acks.get(v) {
+                Some(&at) => latest = latest.max(Some(at)),
+                None => return start,
+            }
+        }
+        let earliest = start.checked_sub(self.failure_timeout).unwrap_or(start);
+        latest.map_or(start, |l| l.clamp(earliest, start))
+    }
+
+    /// Called on every leader tick (at `now`); starts the failure clocks afresh in a new term,
+    /// because a new leader cannot know when the previous one last heard from anybody — only,
+    /// from the members' reports, when the earlier terms' leases ran out
+    /// ([`Lease::reported`]).
+    pub fn leading(&mut self, term: u64, now: Instant) {
         if self.leading_term != Some(term) {
             self.leading_term = Some(term);
+            self.pinged.clear();
             self.leader_until = None;
             self.confirms.clear();
             self.last_heard.clear();
+            self.older_acks.clear();
             self.lagging_since.clear();
             self.withheld.clear();
             self.removing.clear();
@@ -171,18 +243,25 @@ impl Lease {
     }
 
     /// Members of `voters` (other than the leader) to declare failed at `now`: silent for
-    /// `failure_timeout_ms`, or lagging more than `max_lag_entries` for as long.
+    /// `failure_timeout_ms`, or lagging more than `max_lag_entries` for as long. `settled`:
+    /// the membership is committed and not joint (see [`Lease::silent_since`]).
     pub fn suspects(
         &mut self,
         now: Instant,
         leader: MemberId,
         voters: &BTreeSet<MemberId>,
+        settled: bool,
         lag_entries: &BTreeMap<MemberId, u64>,
         max_lag_entries: u64,
     ) -> BTreeSet<MemberId> {
         let mut out = BTreeSet::new();
         for &id in voters.iter().filter(|&&id| id != leader) {
-            let heard = *self.last_heard.entry(id).or_insert(now);
+            let first = *self.last_heard.entry(id).or_insert(now);
+            let heard = if self.pinged.contains(&id) {
+                first
+            } else {
+                self.silent_since(id, voters, settled, first)
+            };
             if now.duration_since(heard) > self.failure_timeout {
                 out.insert(id);
             }
@@ -205,6 +284,7 @@ impl Lease {
             }
         }
         self.last_heard.retain(|id, _| voters.contains(id));
+        self.pinged.retain(|id| voters.contains(id));
         out
     }
 
@@ -270,7 +350,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn follower_lease_never_outlives_the_leaders() {
         let mut leader = Lease::new(500, 1_200, 50);
-        leader.leading(3);
+        leader.leading(3, Instant::now());
         let sent = Instant::now();
         tokio::time::advance(Duration::from_millis(350)).await;
         leader.leader_confirmed(3, sent, 0);
@@ -286,7 +366,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn member_being_removed_gets_no_grant() {
         let mut leader = Lease::new(500, 1_200, 50);
-        leader.leading(3);
+        leader.leading(3, Instant::now());
         leader.leader_confirmed(3, Instant::now(), 0);
         leader.removing(&BTreeSet::from([2]));
         assert_eq!(leader.grant_ms(2, Instant::now()), 0);
@@ -297,34 +377,178 @@ mod tests {
     async fn new_leader_waits_a_full_failure_timeout_before_removing_anyone() {
         let mut l = Lease::new(500, 1_200, 50);
         let voters = BTreeSet::from([1, 2, 3]);
-        l.leading(7);
+        l.leading(7, Instant::now());
         let none = BTreeMap::new();
-        assert!(l.suspects(Instant::now(), 1, &voters, &none, 10).is_empty());
+        assert!(
+            l.suspects(Instant::now(), 1, &voters, true, &none, 10)
+                .is_empty()
+        );
         l.heard(2, Instant::now());
         tokio::time::advance(Duration::from_millis(1_000)).await;
         l.heard(2, Instant::now());
         tokio::time::advance(Duration::from_millis(199)).await;
-        assert!(l.suspects(Instant::now(), 1, &voters, &none, 10).is_empty());
+        assert!(
+            l.suspects(Instant::now(), 1, &voters, true, &none, 10)
+                .is_empty()
+        );
         tokio::time::advance(Duration::from_millis(2)).await;
         assert!(!l.all_fresh(Instant::now(), 1, &BTreeSet::from([2])));
         l.heard(2, Instant::now());
         assert!(l.all_fresh(Instant::now(), 1, &BTreeSet::from([1, 2])));
         assert_eq!(
-            l.suspects(Instant::now(), 1, &voters, &none, 10),
+            l.suspects(Instant::now(), 1, &voters, true, &none, 10),
             BTreeSet::from([3])
         );
         assert_eq!(l.stalest(&BTreeSet::from([2, 3])), Some(3));
     }
 
     #[tokio::test(start_paused = true)]
+    async fn a_new_leader_counts_a_silent_member_from_the_majoritys_last_acknowledgement_of_earlier_terms()
+     {
+        // Failure timeout 1200, lease 500, heartbeat 50.
+        let voters = BTreeSet::from([1, 2, 3]);
+        let none = BTreeMap::new();
+        // Members 1 and 2 last acknowledged the old leader 3 900 ms before 1 leads term 8;
+        // 2 reports its silence in its first ping.
+        let mut l = Lease::new(500, 1_200, 50);
+        let start = Instant::now();
+        l.leading(8, start);
+        l.reported(1, 8, 900, start);
+        // A report for another term, or before this member leads it, counts for nothing.
+        l.reported(2, 7, 900, start);
+        assert!(l.suspects(start, 1, &voters, true, &none, 10).is_empty());
+        l.reported(2, 8, 900, start);
+        l.heard(2, start);
+        // 3's leases ended within a lease of that acknowledgement; it is declared failed a
+        // failure timeout after it: start + 300.
+        tokio::time::advance(Duration::from_millis(299)).await;
+        l.heard(2, Instant::now());
+        assert!(
+            l.suspects(Instant::now(), 1, &voters, true, &none, 10)
+                .is_empty()
+        );
+        tokio::time::advance(Duration::from_millis(2)).await;
+        l.heard(2, Instant::now());
+        assert_eq!(
+            l.suspects(Instant::now(), 1, &voters, true, &none, 10),
+            BTreeSet::from([3])
+        );
+        // Not while the membership may be changing: then the term's start counts.
+        assert!(
+            l.suspects(Instant::now(), 1, &voters, false, &none, 10)
+                .is_empty()
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_short_silence_report_is_credited_as_is_and_a_missing_one_gives_no_credit() {
+        let voters = BTreeSet::from([1, 2, 3, 4, 5]);
+        let none = BTreeMap::new();
+        let mut l = Lease::new(500, 1_200, 50);
+        let start = Instant::now();
+        l.leading(3, start);
+        // The latest acknowledgement of the old term among the others was 150 ms before the
+        // term began: 3 is declared failed 1050 ms into the term.
+        l.reported(1, 3, 200, start);
+        l.reported(2, 3, 150, start);
+        l.reported(4, 3, 250, start);
+        l.reported(5, 3, 400, start);
+        for id in [2, 4, 5] {
+            l.heard(id, start);
+        }
+        // The leader's first look for failed members (its first tick with quorum).
+        assert!(l.suspects(start, 1, &voters, true, &none, 10).is_empty());
+        tokio::time::advance(Duration::from_millis(1_049)).await;
+        for id in [2, 4, 5] {
+            l.heard(id, Instant::now());
+        }
+        assert!(
+            l.suspects(Instant::now(), 1, &voters, true, &none, 10)
+                .is_empty()
+        );
+        tokio::time::advance(Duration::from_millis(2)).await;
+        for id in [2, 4, 5] {
+            l.heard(id, Instant::now());
+        }
+        assert_eq!(
+            l.suspects(Instant::now(), 1, &voters, true, &none, 10),
+            BTreeSet::from([3])
+        );
+        // A member still handling an append of the old term reports 0: no credit at all. And
+        // no credit beyond a failure timeout (a report of 5 s): declared at the term's start,
+        // not before it.
+        let mut l = Lease::new(500, 1_200, 50);
+        let start = Instant::now();
+        l.leading(5, start);
+        for id in [1, 2, 4, 5] {
+            l.reported(id, 5, if id == 4 { 0 } else { 1_000 }, start);
+            l.heard(id, start);
+        }
+        assert!(l.suspects(start, 1, &voters, true, &none, 10).is_empty());
+        tokio::time::advance(Duration::from_millis(1_199)).await;
+        for id in [2, 4, 5] {
+            l.heard(id, Instant::now());
+        }
+        assert!(
+            l.suspects(Instant::now(), 1, &voters, true, &none, 10)
+                .is_empty()
+        );
+        let mut l = Lease::new(500, 1_200, 50);
+        let start = Instant::now();
+        l.leading(9, start);
+        for id in [1, 2, 4, 5] {
+            l.reported(id, 9, 5_000, start);
+            l.heard(id, start);
+        }
+        assert!(l.suspects(start, 1, &voters, true, &none, 10).is_empty());
+        tokio::time::advance(Duration::from_millis(1)).await;
+        for id in [2, 4, 5] {
+            l.heard(id, Instant::now());
+        }
+        assert_eq!(
+            l.suspects(Instant::now(), 1, &voters, true, &none, 10),
+            BTreeSet::from([3])
+        );
+        // Two silent members: neither has a report from every other voter, so each waits a
+        // full failure timeout from the term's start.
+        let mut l = Lease::new(500, 1_200, 50);
+        let start = Instant::now();
+        l.leading(6, start);
+        for id in [1, 2, 5] {
+            l.reported(id, 6, 1_000, start);
+            l.heard(id, start);
+        }
+        assert!(l.suspects(start, 1, &voters, true, &none, 10).is_empty());
+        tokio::time::advance(Duration::from_millis(1_199)).await;
+        for id in [2, 5] {
+            l.heard(id, Instant::now());
+        }
+        assert!(
+            l.suspects(Instant::now(), 1, &voters, true, &none, 10)
+                .is_empty()
+        );
+        tokio::time::advance(Duration::from_millis(2)).await;
+        for id in [2, 5] {
+            l.heard(id, Instant::now());
+        }
+        assert_eq!(
+            l.suspects(Instant::now(), 1, &voters, true, &none, 10),
+            BTreeSet::from([3, 4])
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn lagging_member_is_removed_only_after_lagging_for_the_failure_timeout() {
         let mut l = Lease::new(500, 1_200, 50);
         let voters = BTreeSet::from([1, 2]);
-        l.leading(1);
+        l.leading(1, Instant::now());
         let lag = BTreeMap::from([(2, 100)]);
         for _ in 0..11 {
             l.heard(2, Instant::now());
-            assert!(l.suspects(Instant::now(), 1, &voters, &lag, 10).is_empty());
+            assert!(
+                l.suspects(Instant::now(), 1, &voters, true, &lag, 10)
+                    .is_empty()
+            );
             tokio::time::advance(Duration::from_millis(100)).await;
         }
         l.heard(2, Instant::now());
@@ -332,18 +556,24 @@ mod tests {
         l.heard(2, Instant::now());
         l.leader_confirmed(1, Instant::now(), 0);
         // Lagging for the failure timeout: no more lease, but it may still hold one.
-        assert!(l.suspects(Instant::now(), 1, &voters, &lag, 10).is_empty());
+        assert!(
+            l.suspects(Instant::now(), 1, &voters, true, &lag, 10)
+                .is_empty()
+        );
         assert_eq!(l.grant_ms(2, Instant::now()), 0);
         // Declared failed a failure timeout after its grants stopped, not before.
         for _ in 0..12 {
             tokio::time::advance(Duration::from_millis(100)).await;
             l.heard(2, Instant::now());
-            assert!(l.suspects(Instant::now(), 1, &voters, &lag, 10).is_empty());
+            assert!(
+                l.suspects(Instant::now(), 1, &voters, true, &lag, 10)
+                    .is_empty()
+            );
         }
         tokio::time::advance(Duration::from_millis(1)).await;
         l.heard(2, Instant::now());
         assert_eq!(
-            l.suspects(Instant::now(), 1, &voters, &lag, 10),
+            l.suspects(Instant::now(), 1, &voters, true, &lag, 10),
             BTreeSet::from([2])
         );
     }
@@ -351,7 +581,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_leader_lease_is_checked_against_the_clock_and_ignores_old_terms() {
         let mut l = Lease::new(500, 1_200, 50);
-        l.leading(4);
+        l.leading(4, Instant::now());
         let sent = Instant::now();
         l.leader_confirmed(3, sent, 0);
         assert_eq!(l.deadline_at(0), None);
@@ -362,7 +592,7 @@ mod tests {
         tokio::time::advance(Duration::from_millis(3_600)).await;
         assert!(l.deadline_at(7).is_some_and(|d| d <= Instant::now()));
         // A new term starts with no lease at all.
-        l.leading(5);
+        l.leading(5, Instant::now());
         assert_eq!(l.deadline_at(0), None);
     }
 
