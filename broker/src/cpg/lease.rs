@@ -197,11 +197,11 @@ impl Lease {
         latest.map_or(start, |l| l.clamp(earliest, start))
     }
 
-    /// Called on every leader tick (at `now`); starts the failure clocks afresh in a new term,
+    /// Called on every leader tick; starts the failure clocks afresh in a new term,
     /// because a new leader cannot know when the previous one last heard from anybody — only,
     /// from the members' reports, when the earlier terms' leases ran out
     /// ([`Lease::reported`]).
-    pub fn leading(&mut self, term: u64, now: Instant) {
+    pub fn leading(&mut self, term: u64) {
         if self.leading_term != Some(term) {
             self.leading_term = Some(term);
             self.pinged.clear();
@@ -350,7 +350,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn follower_lease_never_outlives_the_leaders() {
         let mut leader = Lease::new(500, 1_200, 50);
-        leader.leading(3, Instant::now());
+        leader.leading(3);
         let sent = Instant::now();
         tokio::time::advance(Duration::from_millis(350)).await;
         leader.leader_confirmed(3, sent, 0);
@@ -366,7 +366,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn member_being_removed_gets_no_grant() {
         let mut leader = Lease::new(500, 1_200, 50);
-        leader.leading(3, Instant::now());
+        leader.leading(3);
         leader.leader_confirmed(3, Instant::now(), 0);
         leader.removing(&BTreeSet::from([2]));
         assert_eq!(leader.grant_ms(2, Instant::now()), 0);
@@ -377,7 +377,7 @@ mod tests {
     async fn new_leader_waits_a_full_failure_timeout_before_removing_anyone() {
         let mut l = Lease::new(500, 1_200, 50);
         let voters = BTreeSet::from([1, 2, 3]);
-        l.leading(7, Instant::now());
+        l.leading(7);
         let none = BTreeMap::new();
         assert!(
             l.suspects(Instant::now(), 1, &voters, true, &none, 10)
@@ -412,7 +412,7 @@ mod tests {
         // 2 reports its silence in its first ping.
         let mut l = Lease::new(500, 1_200, 50);
         let start = Instant::now();
-        l.leading(8, start);
+        l.leading(8);
         l.reported(1, 8, 900, start);
         // A report for another term, or before this member leads it, counts for nothing.
         l.reported(2, 7, 900, start);
@@ -446,7 +446,7 @@ mod tests {
         let none = BTreeMap::new();
         let mut l = Lease::new(500, 1_200, 50);
         let start = Instant::now();
-        l.leading(3, start);
+        l.leading(3);
         // The latest acknowledgement of the old term among the others was 150 ms before the
         // term began: 3 is declared failed 1050 ms into the term.
         l.reported(1, 3, 200, start);
@@ -479,7 +479,7 @@ mod tests {
         // not before it.
         let mut l = Lease::new(500, 1_200, 50);
         let start = Instant::now();
-        l.leading(5, start);
+        l.leading(5);
         for id in [1, 2, 4, 5] {
             l.reported(id, 5, if id == 4 { 0 } else { 1_000 }, start);
             l.heard(id, start);
@@ -495,7 +495,7 @@ mod tests {
         );
         let mut l = Lease::new(500, 1_200, 50);
         let start = Instant::now();
-        l.leading(9, start);
+        l.leading(9);
         for id in [1, 2, 4, 5] {
             l.reported(id, 9, 5_000, start);
             l.heard(id, start);
@@ -513,7 +513,7 @@ mod tests {
         // full failure timeout from the term's start.
         let mut l = Lease::new(500, 1_200, 50);
         let start = Instant::now();
-        l.leading(6, start);
+        l.leading(6);
         for id in [1, 2, 5] {
             l.reported(id, 6, 1_000, start);
             l.heard(id, start);
@@ -541,7 +541,7 @@ mod tests {
     async fn lagging_member_is_removed_only_after_lagging_for_the_failure_timeout() {
         let mut l = Lease::new(500, 1_200, 50);
         let voters = BTreeSet::from([1, 2]);
-        l.leading(1, Instant::now());
+        l.leading(1);
         let lag = BTreeMap::from([(2, 100)]);
         for _ in 0..11 {
             l.heard(2, Instant::now());
@@ -581,7 +581,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_leader_lease_is_checked_against_the_clock_and_ignores_old_terms() {
         let mut l = Lease::new(500, 1_200, 50);
-        l.leading(4, Instant::now());
+        l.leading(4);
         let sent = Instant::now();
         l.leader_confirmed(3, sent, 0);
         assert_eq!(l.deadline_at(0), None);
@@ -592,7 +592,7 @@ mod tests {
         tokio::time::advance(Duration::from_millis(3_600)).await;
         assert!(l.deadline_at(7).is_some_and(|d| d <= Instant::now()));
         // A new term starts with no lease at all.
-        l.leading(5, Instant::now());
+        l.leading(5);
         assert_eq!(l.deadline_at(0), None);
     }
 

@@ -124,7 +124,7 @@ impl Cpg {
         let has_quorum = if state == ServerState::Leader {
             let failed = inner.failed.lock().clone();
             let mut lease = inner.lease.lock();
-            lease.leading(term, now);
+            lease.leading(term);
             // This leader's own report: when it last acknowledged an earlier term.
             let own = lease.acks.last_below(term, now);
             let own_ms = u64::try_from(now.duration_since(own).as_millis()).unwrap_or(u64::MAX);
