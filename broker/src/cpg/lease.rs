@@ -48,6 +48,10 @@ pub(crate) struct Lease {
     /// Voters that did ping in this term (the others are in `last_heard` from that first
     /// look only).
     pinged: BTreeSet<MemberId>,
+    /// The voters at this leader's first look for failed members in this term (`None`
+    /// before it): only they may be credited with silence from before it — a voter added
+    /// since has had no chance to ping yet.
+    first_voters: Option<BTreeSet<MemberId>>,
     /// Members' reports in this term (this leader's own included): the latest moment each
     /// may have acknowledged a leader of an earlier term, on this leader's clock.
     older_acks: BTreeMap<MemberId, Instant>,
@@ -73,6 +77,7 @@ impl Lease {
             leading_term: None,
             last_heard: BTreeMap::new(),
             pinged: BTreeSet::new(),
+            first_voters: None,
             older_acks: BTreeMap::new(),
             acks: TermAcks::new(Instant::now()),
             lagging_since: BTreeMap::new(),
@@ -183,7 +188,11 @@ impl Lease {
         settled: bool,
         start: Instant,
     ) -> Instant {
-        if !settled || voters.len() < 3 {
+        let was_voter = self
+            .first_voters
+            .as_ref()
+            .is_some_and(|v| v.contains(&member));
+        if !settled || voters.len() < 3 || !was_voter {
             return start;
         }
         let mut latest: Option<Instant> = None;
@@ -193,7 +202,11 @@ impl Lease {
                 None => return start,
             }
         }
-        let earliest = start.checked_sub(self.failure_timeout).unwrap_or(start);
+        // Never declared before `fresh` (three heartbeats) after the first look: a live
+        // member that knows the new leader has pinged it by then.
+        let earliest = (start + self.fresh)
+            .checked_sub(self.failure_timeout)
+            .unwrap_or(start);
         latest.map_or(start, |l| l.clamp(earliest, start))
     }
 
@@ -205,6 +218,7 @@ impl Lease {
         if self.leading_term != Some(term) {
             self.leading_term = Some(term);
             self.pinged.clear();
+            self.first_voters = None;
             self.leader_until = None;
             self.confirms.clear();
             self.last_heard.clear();
@@ -255,6 +269,7 @@ impl Lease {
         max_lag_entries: u64,
     ) -> BTreeSet<MemberId> {
         let mut out = BTreeSet::new();
+        self.first_voters.get_or_insert_with(|| voters.clone());
         for &id in voters.iter().filter(|&&id| id != leader) {
             let first = *self.last_heard.entry(id).or_insert(now);
             let heard = if self.pinged.contains(&id) {
@@ -501,13 +516,35 @@ mod tests {
             l.heard(id, start);
         }
         assert!(l.suspects(start, 1, &voters, true, &none, 10).is_empty());
-        tokio::time::advance(Duration::from_millis(1)).await;
+        // Three heartbeats after the first look at the earliest: a live member would have
+        // pinged by then.
+        tokio::time::advance(Duration::from_millis(149)).await;
         for id in [2, 4, 5] {
             l.heard(id, Instant::now());
         }
-        assert_eq!(
-            l.suspects(Instant::now(), 1, &voters, true, &none, 10),
-            BTreeSet::from([3])
+        assert!(
+            l.suspects(Instant::now(), 1, &voters, true, &none, 10)
+                .is_empty()
+        );
+        tokio::time::advance(Duration::from_millis(2)).await;
+        for id in [2, 4, 5] {
+            l.heard(id, Instant::now());
+        }
+        // A voter added after the first look (6) gets no credit, having had no chance to
+        // ping; and while it has not reported, nobody else gets any either.
+        let grown = BTreeSet::from([1, 2, 3, 4, 5, 6]);
+        assert!(
+            l.suspects(Instant::now(), 1, &grown, true, &none, 10)
+                .is_empty()
+        );
+        l.reported(6, 9, 5_000, Instant::now());
+        assert!(
+            l.suspects(Instant::now(), 1, &grown, true, &none, 10)
+                .contains(&3)
+        );
+        assert!(
+            !l.suspects(Instant::now(), 1, &grown, true, &none, 10)
+                .contains(&6)
         );
         // Two silent members: neither has a report from every other voter, so each waits a
         // full failure timeout from the term's start.
