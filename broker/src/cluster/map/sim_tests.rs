@@ -874,6 +874,11 @@ fn steps() -> u32 {
 
 /// Runs seed `seed`: its stats, or why it failed with the tails of the trace and notes.
 fn check_seed(seed: u64) -> Result<Stats, String> {
+    run_seed(seed).0
+}
+
+/// Runs seed `seed`: its stats or failure report, and the maps' decisions as noted.
+fn run_seed(seed: u64) -> (Result<Stats, String>, Vec<String>) {
     let world = Arc::new(Mutex::new(World {
         rng: StdRng::seed_from_u64(seed ^ 0x5eed_c1a5_7e70_0000),
         start: None,
@@ -902,7 +907,7 @@ fn check_seed(seed: u64) -> Result<Stats, String> {
     });
     let trace = run_app(seed, app, steps());
     let w = world.lock();
-    match &w.failure {
+    let outcome = match &w.failure {
         None => Ok(w.stats),
         Some(why) => {
             let lines = env_u64("CLUSTER_SIM_DUMP_LINES").map_or(60, |n| n as usize);
@@ -916,7 +921,8 @@ fn check_seed(seed: u64) -> Result<Stats, String> {
                 trace.dump_tail(lines)
             ))
         }
-    }
+    };
+    (outcome, w.notes.clone())
 }
 
 fn env_u64(name: &str) -> Option<u64> {
@@ -993,4 +999,15 @@ fn queue_roles_hold_over_the_cpg_simulation_2() {
 #[test]
 fn queue_roles_hold_over_the_cpg_simulation_3() {
     check_part(3);
+}
+
+/// A seed replays: the same decisions, at the same virtual times, in the same order.
+#[test]
+fn a_seed_of_the_roles_simulation_replays_exactly() {
+    let seed = seeds(0).first().copied().unwrap_or(0);
+    let (a, notes_a) = run_seed(seed);
+    let (b, notes_b) = run_seed(seed);
+    assert_eq!(notes_a, notes_b, "seed {seed} did not replay");
+    assert_eq!(format!("{a:?}"), format!("{b:?}"));
+    assert!(notes_a.len() > 3, "seed {seed} booted nothing");
 }
