@@ -217,18 +217,18 @@ impl World {
     fn booted(&mut self, slot: usize, proc: Proc, cpg: &Cpg, founder: bool) {
         self.start.get_or_insert_with(tokio::time::Instant::now);
         let s = &mut self.slots[slot];
-        let map = match s.checkpoint.clone().filter(|_| cpg.is_restart()) {
-            Some(c) => ClusterMap::resume(cpg.id(), c),
+        let (map, applied) = match s.checkpoint.clone().filter(|_| cpg.is_restart()) {
+            Some(c) => (ClusterMap::resume(cpg.id(), c.clone()), c.through),
             None => {
                 s.checkpoint = None;
-                ClusterMap::new(cpg.id(), founder && !cpg.is_restart())
+                (ClusterMap::new(cpg.id(), founder && !cpg.is_restart()), 0)
             }
         };
         s.member = Some(Member {
             proc,
             cpg: cpg.clone(),
             map,
-            applied: 0,
+            applied,
             next_request: 1,
             marks: BTreeMap::new(),
             links: BTreeMap::new(),
