@@ -139,7 +139,8 @@ pub(crate) type Proc = u64;
 /// (group joins and multicasts of random payloads, checked by [`checker`]). The harness
 /// brings the faults (crashes, restarts, partitions, pauses, loss, skew); the application
 /// joins its own group, multicasts, and checks its own properties. Its events are not
-/// recorded in the trace (the CPG sweep checks the layer itself); its notes are.
+/// recorded in the trace, which holds the faults (the CPG sweep checks the layer itself);
+/// the application keeps its own record.
 pub(crate) trait App: Send + Sync + 'static {
     /// Process `proc` of slot `slot` launched as `cpg` (`founder`: it founds the cluster);
     /// its events follow through [`App::event`].
@@ -728,8 +729,8 @@ fn run_seed(seed: u64) -> Trace {
 }
 
 /// Runs one seed with `app` on the members and `steps` fault steps (the CPG sweep has 8),
-/// then heals, settles and calls [`App::quiesced`]; returns the trace (faults and the app's
-/// notes) for a failure report.
+/// then heals, settles and calls [`App::quiesced`]; returns the trace of the faults, for a
+/// failure report.
 pub(crate) fn run_app(seed: u64, app: Arc<dyn App>, steps: u32) -> Trace {
     run(seed, Some(app), steps)
 }
