@@ -136,6 +136,10 @@ pub struct ClusterMap {
     through: u64,
     /// Every clustered queue's primary, backups and in-sync set.
     roles: Roles,
+    /// This process's own hello has been applied: the others know it is back (for a member
+    /// restarted in place, that hello is what hands its primaries over to in-sync backups;
+    /// see [`ClusterMap::is_announced`]).
+    announced: bool,
 }
 
 impl ClusterMap {
@@ -151,6 +155,7 @@ impl ClusterMap {
             may_found,
             through: 0,
             roles: Roles::default(),
+            announced: false,
         }
     }
 
@@ -167,6 +172,7 @@ impl ClusterMap {
             may_found: false,
             through: checkpoint.through,
             roles: checkpoint.roles,
+            announced: false,
         }
     }
 
@@ -188,6 +194,16 @@ impl ClusterMap {
     /// Whether this process's incarnation has started (see [`CpgEvent::Started`]).
     pub fn is_live(&self) -> bool {
         self.live
+    }
+
+    /// Whether this process's own hello has been applied here. Until then the member must
+    /// not serve: a member restarted in place resumes a map that still names it the primary
+    /// of its queues, and its hello — a restart to every other member — hands those with an
+    /// in-sync backup over to that backup. The others apply the hello before this member
+    /// does, so serving before it would make two primaries of one queue in one
+    /// configuration (found by `sim_tests`).
+    pub fn is_announced(&self) -> bool {
+        self.announced
     }
 
     /// The members as this member sees them.
@@ -265,6 +281,7 @@ impl ClusterMap {
     /// This incarnation started; `in_group`: its membership of the cluster group carries over.
     fn start(&mut self, in_group: bool, actions: &mut Vec<Action>) {
         self.live = true;
+        self.announced = false;
         if in_group && self.synced {
             // Resumed: announce the (maybe new) addresses, and take up any snapshot duty the
             // previous process may have left undone.
@@ -300,6 +317,7 @@ impl ClusterMap {
     fn forget(&mut self) {
         self.synced = false;
         self.joined = false;
+        self.announced = false;
         self.buffered.clear();
         self.membership = Membership::default();
         self.roles = Roles::default();
@@ -371,6 +389,14 @@ impl ClusterMap {
         store.install(s.vhosts, s.through);
         self.membership.install(s.membership);
         self.membership.on_snapshot(self.me);
+        // A joiner's entry is new since its join: if the snapshot already has its info, the
+        // snapshot reflects this process's hello.
+        self.announced = self.live
+            && self
+                .membership
+                .members()
+                .iter()
+                .any(|m| m.id == self.me && m.info.is_some());
         self.synced = true;
         for ev in std::mem::take(&mut self.buffered) {
             if ev.index() > s.through {
@@ -416,6 +442,9 @@ impl ClusterMap {
                         .is_some_and(|old| old.node_id == info.node_id)
                         .then(|| info.node_id.clone());
                     self.membership.on_hello(sender, info);
+                    if sender == self.me && self.live {
+                        self.announced = true;
+                    }
                     let ring = roles::ring(&self.membership);
                     match restarted {
                         Some(node) => self.update_roles(actions, |r| r.restarted(&node, &ring)),
@@ -613,5 +642,7 @@ impl ClusterMap {
 
 #[cfg(test)]
 mod roles_tests;
+#[cfg(test)]
+mod sim_tests;
 #[cfg(test)]
 mod tests;

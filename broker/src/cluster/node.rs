@@ -108,6 +108,8 @@ pub struct Cluster {
 struct Progress {
     live: bool,
     synced: bool,
+    /// Its own hello has been applied (see [`ClusterMap::is_announced`]).
+    announced: bool,
     caught_up: bool,
 }
 
@@ -223,8 +225,9 @@ impl Cluster {
 
     /// Why this member must not serve clients now, or `None` when it may: it must hold the
     /// majority's lease at this instant (checked against the clock, not cached), have started
-    /// its incarnation, hold the cluster map, and have caught up with what was committed when
-    /// it started.
+    /// its incarnation, hold the cluster map, have applied its own hello (a member restarted
+    /// in place hands its primaries over with it), and have caught up with what was
+    /// committed when it started.
     pub fn not_ready_reason(&self) -> Option<String> {
         if !self.cpg.has_quorum_now() {
             let (reachable, voters) = self.cpg.voters_reachable();
@@ -238,6 +241,8 @@ impl Cluster {
             Some("starting: announcing this member to the cluster".into())
         } else if !p.synced {
             Some("waiting for the cluster map from a member that holds it".into())
+        } else if !p.announced {
+            Some("waiting for this member's own announcement to the cluster to be applied".into())
         } else if !p.caught_up {
             Some("catching up with the cluster's newest changes".into())
         } else {
@@ -479,6 +484,7 @@ impl<H: ClusterHost> Applier<H> {
     fn check_caught_up(&mut self, events: &CpgEvents) {
         let mut p = self.cluster.progress.lock();
         p.synced = self.map.is_synced();
+        p.announced = self.map.is_announced();
         if let Some(point) = self.sync_point
             && events.received() >= point.events
             && !p.caught_up
@@ -531,7 +537,7 @@ impl<H: ClusterHost> Applier<H> {
     fn act(&mut self, actions: Vec<Action>) {
         for action in actions {
             match action {
-                Action::SendHello => self.multicast(ClusterMsg::Hello(self.info.clone())),
+                Action::SendHello => self.announce(),
                 Action::SendSnapshot { to, through } => {
                     let msg = self.map.snapshot(to, through, &mut self.host);
                     self.multicast(msg);
@@ -586,6 +592,26 @@ impl<H: ClusterHost> Applier<H> {
                     Err(e) => {
                         tracing::warn!(error = %e, "joining the cluster group; retrying");
                         tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
+                }
+            }
+        });
+    }
+
+    /// Multicasts this member's hello, retrying until it commits: the member serves only
+    /// once its own hello is applied ([`ClusterMap::is_announced`]). (A retry after a timeout
+    /// that committed after all makes a second hello, which the others take for a restart in
+    /// place: this member's backups catch up again — extra work, never a lost op.)
+    fn announce(&self) {
+        let cluster = self.cluster.clone();
+        let msg = ClusterMsg::Hello(self.info.clone());
+        tokio::spawn(async move {
+            loop {
+                match cluster.mcast(&msg).await {
+                    Ok(()) | Err(CpgError::Stopped(_)) => return,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "announcing this member to the cluster; retrying");
+                        tokio::time::sleep(Duration::from_millis(500)).await;
                     }
                 }
             }

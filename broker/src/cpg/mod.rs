@@ -31,7 +31,7 @@ mod types;
 mod wire;
 
 #[cfg(test)]
-mod sim;
+pub(crate) mod sim;
 
 pub use config::CpgConfig;
 pub use error::{CpgError, StopReason};

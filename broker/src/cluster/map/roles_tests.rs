@@ -775,3 +775,78 @@ fn roles_travel_in_snapshots_and_checkpoints_and_old_ones_still_read() {
         "{durable}"
     );
 }
+
+/// Found by `sim_tests` (seed 10): a member restarted in place resumed a map naming it the
+/// primary of a queue and served it until its own hello was applied, while the members that
+/// had applied that hello (a restart, to them) had already handed the queue to its in-sync
+/// backup — two primaries of one queue in one configuration. It serves only once its own
+/// hello of this incarnation is applied, which hands the queue over on its map too.
+#[test]
+fn a_member_restarted_in_place_is_announced_only_once_its_own_hello_applies() {
+    let (mut map, mut store) = three_members();
+    map.on_event(declare_on(7, 1, "q", "n1"), &mut store)
+        .unwrap();
+    let mark = WiringOp::BackupInSync {
+        queue: "q".into(),
+        incarnation: 7,
+        node: "n2".into(),
+    };
+    map.on_event(op(8, 1, mark), &mut store).unwrap();
+    assert_eq!(map.roles().get("/", "q").unwrap().in_sync, ["n2"]);
+    // Member 1's process restarts in place: its map resumes and starts.
+    let mut resumed = ClusterMap::resume(1, map.checkpoint().unwrap());
+    assert!(!resumed.is_announced());
+    resumed
+        .on_event(
+            CpgEvent::Started {
+                index: 10,
+                groups: vec!["ringmq".into()],
+            },
+            &mut store,
+        )
+        .unwrap();
+    assert!(resumed.is_synced() && resumed.is_live());
+    assert_eq!(resumed.roles().get("/", "q").unwrap().primary, "n1");
+    assert!(
+        !resumed.is_announced(),
+        "it names itself the primary, and must not serve"
+    );
+    resumed.on_event(hello(11, 1), &mut store).unwrap();
+    assert!(resumed.is_announced());
+    assert_eq!(
+        resumed.roles().get("/", "q").unwrap().primary,
+        "n2",
+        "its own hello handed the queue to the in-sync backup"
+    );
+}
+
+#[test]
+fn a_joiner_is_announced_once_its_hello_is_applied_or_in_its_snapshot() {
+    let (mut map, mut store) = three_members();
+    map.on_event(conf(7, &[1, 2, 3, 4], &[4], &[]), &mut store)
+        .unwrap();
+    let mut joiner = ClusterMap::new(4, false);
+    let mut joiner_store = Store::new(4);
+    joiner
+        .on_event(
+            CpgEvent::Started {
+                index: 7,
+                groups: Vec::new(),
+            },
+            &mut joiner_store,
+        )
+        .unwrap();
+    joiner
+        .on_event(conf(7, &[1, 2, 3, 4], &[4], &[]), &mut joiner_store)
+        .unwrap();
+    // Its hello commits before the snapshot, which reflects it.
+    map.on_event(hello(8, 4), &mut store).unwrap();
+    joiner.on_event(hello(8, 4), &mut joiner_store).unwrap();
+    assert!(!joiner.is_announced(), "buffered: it holds no map yet");
+    let snapshot = map.snapshot(4, 8, &mut store);
+    joiner
+        .on_event(deliver(9, 1, snapshot), &mut joiner_store)
+        .unwrap();
+    assert!(joiner.is_synced());
+    assert!(joiner.is_announced());
+}

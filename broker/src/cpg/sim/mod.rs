@@ -7,6 +7,10 @@
 //! CPG_SIM_SEED=1234 cargo test -p ringmq --lib cpg::sim -- --nocapture
 //! CPG_SIM_SEEDS=5000 cargo test --release -p ringmq --lib cpg::sim
 //! ```
+//!
+//! The same harness runs an application on top of the members instead of its own traffic
+//! ([`App`], [`run_app`]): the cluster map's simulation (`cluster::map::sim_tests`) feeds
+//! each member's events into a real `ClusterMap` under the same faults.
 
 mod checker;
 mod net;
@@ -121,6 +125,61 @@ struct Sim {
     start: Instant,
     trace: Arc<Mutex<Trace>>,
     slots: Vec<Slot>,
+    /// The application running on the members, if not the harness's own traffic.
+    app: Option<Arc<dyn App>>,
+    /// Processes booted so far: each gets the next number, its [`Proc`].
+    procs: u64,
+}
+
+/// One process of a slot, as an [`App`] tells them apart: events of a process that has
+/// crashed may still drain from its queue, and must not reach its successor.
+pub(crate) type Proc = u64;
+
+/// An application running on every simulated member in place of the harness's own traffic
+/// (group joins and multicasts of random payloads, checked by [`checker`]). The harness
+/// brings the faults (crashes, restarts, partitions, pauses, loss, skew); the application
+/// joins its own group, multicasts, and checks its own properties. Its events are not
+/// recorded in the trace, which holds the faults (the CPG sweep checks the layer itself);
+/// the application keeps its own record.
+pub(crate) trait App: Send + Sync + 'static {
+    /// Process `proc` of slot `slot` launched as `cpg` (`founder`: it founds the cluster);
+    /// its events follow through [`App::event`].
+    fn booted(&self, slot: usize, proc: Proc, cpg: &Cpg, founder: bool);
+    /// An event for process `proc` of slot `slot`. Returns the index through which the
+    /// application has now saved its state, if it saved: a restart on the slot's disk
+    /// resumes after it.
+    fn event(&self, slot: usize, proc: Proc, ev: CpgEvent) -> Option<u64>;
+    /// Slot `slot`'s process is gone: crashed, or stopped and replaced.
+    fn gone(&self, slot: usize);
+    /// A turn for slot `slot`, whose process is running and not paused: client work on it,
+    /// and whatever the application does in the background everywhere.
+    fn tick(&self, slot: usize, net: &Links);
+    /// The faults are over and healed: from now on no new client work, only what settles.
+    fn settle(&self);
+    /// After settling, with every process still running: the final checks.
+    fn quiesced(&self, net: &Links);
+}
+
+/// What an [`App`] may ask of the simulated network.
+pub(crate) struct Links<'a> {
+    net: &'a SimNet,
+}
+
+impl Links<'_> {
+    /// Whether `a` and `b` can exchange a message and its answer now: both running (not
+    /// paused) and the links both ways up.
+    pub(crate) fn talk(&self, a: &str, b: &str) -> bool {
+        a == b
+            || (!self.net.is_paused(a)
+                && !self.net.is_paused(b)
+                && self.net.reaches(a, b)
+                && self.net.reaches(b, a))
+    }
+
+    /// Whether `addr`'s process is paused (it acts on nothing).
+    pub(crate) fn is_paused(&self, addr: &str) -> bool {
+        self.net.is_paused(addr)
+    }
 }
 
 impl Sim {
@@ -179,8 +238,26 @@ impl Sim {
             clock_per_mille: clock,
         });
         self.record(Record::Regrouped);
-        let (trace, start) = (Arc::clone(&self.trace), self.start);
         let mut events = l.events;
+        if let Some(app) = self.app.clone() {
+            self.procs += 1;
+            let proc = self.procs;
+            app.booted(i, proc, &l.cpg, founder);
+            let cpg = l.cpg.clone();
+            tokio::spawn(async move {
+                while let Some(ev) = events.recv().await {
+                    if let Some(index) = app.event(i, proc, ev)
+                        && let Some(d) = &delivered
+                    {
+                        d.store(index, Ordering::Release);
+                        cpg.checkpointed(index);
+                    }
+                }
+            });
+            self.slots[i].member = Some(l.cpg);
+            return;
+        }
+        let (trace, start) = (Arc::clone(&self.trace), self.start);
         let (started_tx, started_rx) = tokio::sync::oneshot::channel();
         let cpg = l.cpg.clone();
         tokio::spawn(async move {
@@ -295,6 +372,9 @@ impl Sim {
 
     async fn crash(&mut self, i: usize) {
         if let Some(m) = self.slots[i].member.take() {
+            if let Some(app) = &self.app {
+                app.gone(i);
+            }
             self.net.unregister(&self.slots[i].addr);
             self.record(Record::Crashed { member: m.id() });
             self.record(Record::Regrouped);
@@ -394,6 +474,9 @@ impl Sim {
                 match m {
                     // Still voting: keep it, and start the replacement at a fresh address.
                     Some(m) if !m.is_retired() => {
+                        if let Some(app) = &self.app {
+                            app.gone(i);
+                        }
                         self.slots[i].lingering.push(m);
                         self.slots[i].incarnation += 1;
                         self.slots[i].addr = format!("m{i}.{}", self.slots[i].incarnation);
@@ -424,7 +507,11 @@ impl Sim {
             let i = usize::try_from(self.net.gen_range(0, self.slots.len() as u64)).unwrap_or(0);
             // A paused member's application is stopped too: it calls nothing.
             let running = !self.net.is_paused(&self.slots[i].addr);
-            if let Some(m) = self.slots[i].member.clone().filter(|_| running) {
+            if let Some(app) = self.app.clone() {
+                if running && self.slots[i].member.is_some() {
+                    app.tick(i, &Links { net: &self.net });
+                }
+            } else if let Some(m) = self.slots[i].member.clone().filter(|_| running) {
                 if !self.slots[i].in_group {
                     self.join(i, &m).await;
                 } else {
@@ -638,6 +725,17 @@ fn pause_ms(net: &SimNet, config: &CpgConfig) -> u64 {
 
 /// Runs one seed and returns its trace (already checked).
 fn run_seed(seed: u64) -> Trace {
+    run(seed, None, 8)
+}
+
+/// Runs one seed with `app` on the members and `steps` fault steps (the CPG sweep has 8),
+/// then heals, settles and calls [`App::quiesced`]; returns the trace of the faults, for a
+/// failure report.
+pub(crate) fn run_app(seed: u64, app: Arc<dyn App>, steps: u32) -> Trace {
+    run(seed, Some(app), steps)
+}
+
+fn run(seed: u64, app: Option<Arc<dyn App>>, steps: u32) -> Trace {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .start_paused(true)
@@ -667,6 +765,8 @@ fn run_seed(seed: u64) -> Trace {
                     durable: None,
                 })
                 .collect(),
+            app,
+            procs: 0,
         };
         // Most runs keep consensus state on a disk, as the broker does; the rest check the
         // in-memory model (every process a new member).
@@ -683,7 +783,7 @@ fn run_seed(seed: u64) -> Trace {
             sim.boot(i).await;
         }
         sim.traffic(Duration::from_secs(1), "warm").await;
-        for step in 0..8 {
+        for step in 0..steps {
             match sim.net.gen_range(0, 9) {
                 0 => {
                     let i = usize::try_from(sim.net.gen_range(0, n as u64)).unwrap_or(0);
@@ -729,6 +829,22 @@ fn run_seed(seed: u64) -> Trace {
                 sim.net.set_loss(0);
                 sim.supervise().await;
             }
+        }
+        if let Some(app) = sim.app.clone() {
+            // Heal, restart what stopped, let the application settle and check it.
+            sim.heal();
+            sim.net.set_loss(0);
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            sim.supervise().await;
+            sim.traffic(Duration::from_secs(3), "heal").await;
+            app.settle();
+            sim.traffic(Duration::from_secs(4), "settle").await;
+            app.quiesced(&Links { net: &sim.net });
+            for i in 0..n {
+                sim.crash(i).await;
+                sim.reap(i, true).await;
+            }
+            return sim.trace.lock().clone();
         }
         // Quiescence: heal everything, restart what stopped, let it settle, then require
         // progress from every live member.
