@@ -36,7 +36,7 @@ use crate::proxy::link::Links;
 use bytes::Bytes;
 use futures::future::BoxFuture;
 use parking_lot::Mutex;
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
@@ -114,6 +114,11 @@ struct State {
     links: HashMap<(String, String), Link>,
     /// The newest catch-up attempt's number.
     attempts: u64,
+    /// Backups whose catch-up's last frames are out, counted by the gate from then on, by
+    /// (vhost, queue, backup), until their in-sync mark is applied here or given up: so that
+    /// no op confirmed between the catch-up and the mark's commit goes out without a backup
+    /// the map is about to count on (found by `cluster::map::sim_tests`).
+    pending: HashSet<(String, Arc<str>, String)>,
 }
 
 /// Replication of this member's primaries to their backups.
@@ -284,10 +289,20 @@ impl Replicator {
         if frames.is_empty() {
             return None;
         }
-        let gating: Vec<String> = frames
-            .iter()
-            .flat_map(|(r, _)| r.in_sync.iter().map(|b| owed_key(b, vhost)))
-            .collect();
+        let mut gating: Vec<String> = Vec::new();
+        for (r, frame) in &frames {
+            let Frame::Ops { queue, .. } = frame else {
+                continue;
+            };
+            for b in &r.backups {
+                let pending = state
+                    .pending
+                    .contains(&(vhost.to_owned(), queue.clone(), b.clone()));
+                if r.in_sync.contains(b) || pending {
+                    gating.push(owed_key(b, vhost));
+                }
+            }
+        }
         let stamp = state.ledger.issue(gating.iter().map(String::as_str));
         let mut batches: HashMap<String, Vec<Job>> = HashMap::new();
         let after_index = host.applied_index();
@@ -382,12 +397,16 @@ impl Replicator {
             .map(|r| r.backups.clone())
             .unwrap_or_default();
         // Catch-ups of backups the queue no longer has (or of a queue no longer primary
-        // here) end.
+        // here) end; so does the counting of those whose mark the map now holds.
         for ((b, vh), link) in state.links.iter_mut() {
             if *vh == vhost && !backups.contains(b) {
                 link.catch_ups.remove(&name);
             }
         }
+        let in_sync = roles.as_ref().map(|r| r.in_sync.clone()).unwrap_or_default();
+        state.pending.retain(|(vh, q, b)| {
+            !(*vh == vhost && *q == name && (!backups.contains(b) || in_sync.contains(b)))
+        });
         let mut started = Vec::new();
         if let Some(roles) = &roles {
             let now = Instant::now();
@@ -419,7 +438,11 @@ impl Replicator {
             let counted = state
                 .roles
                 .iter()
-                .any(|((v, _), r)| v == vhost && r.in_sync.contains(&backup));
+                .any(|((v, _), r)| v == vhost && r.in_sync.contains(&backup))
+                || state
+                    .pending
+                    .iter()
+                    .any(|(v, _, b)| v == vhost && *b == backup);
             if !counted {
                 state.ledger.forgive(&owed_key(&backup, vhost));
             }
@@ -559,7 +582,15 @@ impl Replicator {
             let (in_sync, broken) = self.take_answers(&key, &tracker);
             for (queue, incarnation) in in_sync {
                 let committed = host.commit_sync(&vhost, &queue, incarnation, &backup, true);
-                match committed.await {
+                let outcome = committed.await;
+                {
+                    let mut state = self.state.lock();
+                    state
+                        .pending
+                        .remove(&(vhost.clone(), queue.clone(), backup.clone()));
+                    self.settle_forgiven(&mut state, &vhost);
+                }
+                match outcome {
                     Ok(()) => {
                         self.counters
                             .catch_ups_completed
@@ -801,6 +832,11 @@ impl Replicator {
                 Some(c) => c.chunk_sent(id, messages, bytes, last),
                 None => Vec::new(),
             };
+            if last {
+                state
+                    .pending
+                    .insert((vhost.to_owned(), queue.clone(), backup.to_owned()));
+            }
             let n = held.len();
             for (i, ops) in held.into_iter().enumerate() {
                 let stamp = state.ledger.issue([]);
@@ -831,7 +867,13 @@ impl Replicator {
     ) -> (Vec<(Arc<str>, u64)>, bool) {
         let status = tracker.status();
         let mut state = self.state.lock();
-        let State { ledger, links, .. } = &mut *state;
+        let State {
+            ledger,
+            links,
+            pending,
+            roles,
+            ..
+        } = &mut *state;
         let Some(link) = links.get_mut(key) else {
             return (Vec::new(), false);
         };
@@ -850,6 +892,16 @@ impl Replicator {
         let refused = answered > 0 && tracker.refused(1, answered);
         if refused || status.failure.is_some() {
             link.broken = true;
+            // A backup counted only until its mark commits is no longer awaited; one the map
+            // counts stays awaited until `recover` commits it out of sync.
+            pending.retain(|(v, _, b)| !(*v == key.1 && *b == key.0));
+            let counted = roles
+                .iter()
+                .any(|((v, _), r)| *v == key.1 && r.in_sync.contains(&key.0));
+            if !counted {
+                ledger.forgive(&owed_key(&key.0, &key.1));
+                self.acked.send_replace(ledger.acked_through());
+            }
             self.counters.links_failed.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(backup = %key.0, vhost = %key.1, refused, failure = ?status.failure, "replication link to a backup failed: catching it up again");
             return (Vec::new(), true);
