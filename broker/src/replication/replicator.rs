@@ -403,7 +403,10 @@ impl Replicator {
                 link.catch_ups.remove(&name);
             }
         }
-        let in_sync = roles.as_ref().map(|r| r.in_sync.clone()).unwrap_or_default();
+        let in_sync = roles
+            .as_ref()
+            .map(|r| r.in_sync.clone())
+            .unwrap_or_default();
         state.pending.retain(|(vh, q, b)| {
             !(*vh == vhost && *q == name && (!backups.contains(b) || in_sync.contains(b)))
         });
