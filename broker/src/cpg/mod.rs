@@ -25,7 +25,6 @@ mod runtime;
 mod service;
 mod state_machine;
 mod tcp;
-mod term_acks;
 mod transport;
 mod types;
 mod wire;
