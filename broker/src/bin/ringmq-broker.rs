@@ -262,6 +262,7 @@ async fn join_cluster(
             admin: advertised(admin_addr),
             zone: config.zone.clone(),
             default_backups: config.default_backups,
+            process: rand08::random::<u64>().max(1),
         },
         join_timeout: std::time::Duration::from_millis(config.cluster_join_timeout_ms),
         found_if_no_seed_answers: config.cluster_founder.as_deref() == Some(&config.node_id),

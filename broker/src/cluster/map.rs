@@ -432,14 +432,18 @@ impl ClusterMap {
                 ..
             } => match ClusterMsg::decode(&payload) {
                 Some(ClusterMsg::Hello(info)) => {
-                    // A member that announced itself before: its process restarted in place.
+                    // A member that announced itself before: its process restarted in place —
+                    // unless the same process says it again (a retried send).
                     let restarted = self
                         .membership
                         .members()
                         .iter()
                         .find(|m| m.id == sender)
                         .and_then(|m| m.info.as_ref())
-                        .is_some_and(|old| old.node_id == info.node_id)
+                        .is_some_and(|old| {
+                            old.node_id == info.node_id
+                                && (old.process == 0 || old.process != info.process)
+                        })
                         .then(|| info.node_id.clone());
                     self.membership.on_hello(sender, info);
                     if sender == self.me && self.live {

@@ -25,6 +25,12 @@ pub struct MemberInfo {
     /// announces none: [`super::roles::DEFAULT_BACKUPS`]).
     #[serde(default = "default_backups")]
     pub default_backups: u8,
+    /// A random nonce of the process that announced it: a second hello with the same nonce
+    /// is that process retrying a send that timed out, not a restart in place (which hands
+    /// its primaries over to in-sync backups while it may still be serving them). 0 from a
+    /// member that predates it: every hello of it counts as a restart, as before.
+    #[serde(default)]
+    pub process: u64,
 }
 
 fn default_backups() -> u8 {
@@ -131,6 +137,7 @@ mod tests {
             admin: String::new(),
             zone: String::new(),
             default_backups: 1,
+            process: 0,
         }
     }
 

@@ -92,6 +92,7 @@ impl Model {
                         admin: String::new(),
                         zone: String::new(),
                         default_backups: default_backups(node.node),
+                        process: 0,
                     };
                     let delay = self.rng.gen_range(0..3);
                     self.pending.push((node.id, delay, ClusterMsg::Hello(info)));
@@ -583,6 +584,7 @@ fn hello(index: u64, id: MemberId) -> CpgEvent {
         admin: String::new(),
         zone: String::new(),
         default_backups: 2,
+        process: 0,
     };
     deliver(index, id, ClusterMsg::Hello(info))
 }
@@ -849,4 +851,43 @@ fn a_joiner_is_announced_once_its_hello_is_applied_or_in_its_snapshot() {
         .unwrap();
     assert!(joiner.is_synced());
     assert!(joiner.is_announced());
+}
+
+/// A hello its process sent again (a send that timed out and committed late, then the retry)
+/// is not a restart: the process still serves its queues, and handing them to a backup then
+/// would make two primaries (found by `sim_tests`, seed 121, once the failover timing changed).
+/// A hello of a new process of the same member still is.
+#[test]
+fn a_hello_retried_by_the_same_process_is_not_a_restart() {
+    let (mut map, mut store) = three_members();
+    let with_process = |index: u64, process: u64| {
+        let info = MemberInfo {
+            node_id: "n1".into(),
+            amqp: String::new(),
+            admin: String::new(),
+            zone: String::new(),
+            default_backups: 2,
+            process,
+        };
+        deliver(index, 1, ClusterMsg::Hello(info))
+    };
+    map.on_event(with_process(7, 41), &mut store).unwrap();
+    map.on_event(declare_on(8, 1, "q", "n1"), &mut store)
+        .unwrap();
+    let mark = WiringOp::BackupInSync {
+        queue: "q".into(),
+        incarnation: 8,
+        node: "n2".into(),
+    };
+    map.on_event(op(9, 1, mark), &mut store).unwrap();
+    map.on_event(with_process(10, 41), &mut store).unwrap();
+    let r = map.roles().get("/", "q").unwrap();
+    assert_eq!(r.primary, "n1", "a retried hello hands nothing over");
+    assert_eq!(r.in_sync, ["n2"]);
+    map.on_event(with_process(11, 42), &mut store).unwrap();
+    assert_eq!(
+        map.roles().get("/", "q").unwrap().primary,
+        "n2",
+        "a new process's hello is a restart in place"
+    );
 }

@@ -100,6 +100,7 @@ impl Model {
                             admin: String::new(),
                             zone: String::new(),
                             default_backups: 1,
+                            process: 0,
                         };
                         let delay = self.rng.gen_range(0..4);
                         self.pending.push((node.id, delay, ClusterMsg::Hello(info)));
