@@ -486,3 +486,50 @@ pub(crate) fn restart_member(members: &mut [ringmq_tests::Broker], i: usize, wha
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+/// Declares durable `queue` with `backups` backups through `b` (its primary), waits up to
+/// `limit` until all of them are in sync, and returns their node ids in ring order.
+pub(crate) async fn declare_replicated(
+    b: &Broker,
+    queue: &str,
+    backups: i32,
+    limit: Duration,
+) -> Vec<String> {
+    let mut args = FieldTable::default();
+    args.insert(
+        "qpid.cluster.backups".into(),
+        lapin::types::AMQPValue::LongInt(backups),
+    );
+    let (conn, ch) = b.channel().await;
+    ch.queue_declare(
+        queue.into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        args,
+    )
+    .await
+    .expect("declare on its primary");
+    let _ = conn.close(200, "declared".into()).await;
+    let want = usize::try_from(backups).expect("backups >= 0");
+    let view = wait_queue_view(b, queue, limit, "the backups in sync", |v| {
+        v["in_sync_backup_nodes"]
+            .as_array()
+            .is_some_and(|a| a.len() == want)
+    });
+    view["in_sync_backup_nodes"]
+        .as_array()
+        .expect("in_sync_backup_nodes")
+        .iter()
+        .map(|n| n.as_str().expect("a node id").to_owned())
+        .collect()
+}
+
+/// The index, among the first `n` members of cluster `name`, of the one whose node id is
+/// `node`.
+pub(crate) fn member_of(name: &str, n: usize, node: &str) -> usize {
+    (0..n)
+        .find(|&i| crate::harness::node(name, i) == node)
+        .expect("a member's node id")
+}

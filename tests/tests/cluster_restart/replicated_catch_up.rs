@@ -14,7 +14,7 @@ use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
     ConfirmSelectOptions, QueueDeclareOptions,
 };
-use lapin::types::{AMQPValue, FieldTable};
+use lapin::types::FieldTable;
 use ringmq_tests::{Broker, Ports};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -93,38 +93,6 @@ async fn publish_confirmed(b: &Broker, queue: &str, tags: &[String]) {
         assert!(c.await.unwrap().is_ack(), "a publish was nacked");
     }
     let _ = conn.close(200, "published".into()).await;
-}
-
-/// Declares durable `queue` with one backup through `b` (its primary); waits until the
-/// backup is in sync and returns its node id.
-async fn declare_with_one_backup(b: &Broker, queue: &str) -> String {
-    let mut args = FieldTable::default();
-    args.insert("qpid.cluster.backups".into(), AMQPValue::LongInt(1));
-    let (conn, ch) = b.channel().await;
-    ch.queue_declare(
-        queue.into(),
-        QueueDeclareOptions {
-            durable: true,
-            ..Default::default()
-        },
-        args,
-    )
-    .await
-    .expect("declare on its primary");
-    let _ = conn.close(200, "declared".into()).await;
-    let view = wait_queue_view(b, queue, LIMIT, "the first backup in sync", |v| {
-        v["in_sync_backup_nodes"]
-            .as_array()
-            .is_some_and(|a| a.len() == 1)
-    });
-    view["in_sync_backup_nodes"][0].as_str().unwrap().to_owned()
-}
-
-/// The member whose node id is `node`.
-fn member_of(name: &str, node: &str) -> usize {
-    (0..N)
-        .find(|&i| crate::harness::node(name, i) == node)
-        .expect("a member's node id")
 }
 
 /// A counter or gauge of `b`'s `/metrics` (0 when absent).
@@ -240,8 +208,10 @@ async fn new_backup_catches_up_then_serves_everything(
 ) {
     let (mut members, _ports, _secret) = start_cluster_with(name, extra_yaml);
     let queue = "big";
-    let first_backup = declare_with_one_backup(&members[0], queue).await;
-    let b = member_of(name, &first_backup);
+    let first_backup = declare_replicated(&members[0], queue, 1, LIMIT)
+        .await
+        .remove(0);
+    let b = member_of(name, N, &first_backup);
     let c = (1..N).find(|&i| i != b).unwrap();
     let new_backup = crate::harness::node(name, c);
     let initial: Vec<String> = (0..MESSAGES).map(|i| format!("m{i}")).collect();
@@ -407,8 +377,10 @@ async fn a_purge_during_the_image_leaves_the_new_backup_with_exactly_the_primary
     );
     let (mut members, _ports, _secret) = start_cluster_with(name, &extra);
     let queue = "purged";
-    let first_backup = declare_with_one_backup(&members[0], queue).await;
-    let b = member_of(name, &first_backup);
+    let first_backup = declare_replicated(&members[0], queue, 1, LIMIT)
+        .await
+        .remove(0);
+    let b = member_of(name, N, &first_backup);
     let c = (1..N).find(|&i| i != b).unwrap();
     let new_backup = crate::harness::node(name, c);
     // ~20 MiB, nearly all of it paged out: an image of ~300 chunks.
@@ -481,8 +453,10 @@ async fn a_catch_up_over_its_time_limit_is_abandoned_retried_and_counted() {
     );
     let (mut members, _ports, _secret) = start_cluster_with(name, &extra);
     let queue = "slow";
-    let first_backup = declare_with_one_backup(&members[0], queue).await;
-    let b = member_of(name, &first_backup);
+    let first_backup = declare_replicated(&members[0], queue, 1, LIMIT)
+        .await
+        .remove(0);
+    let b = member_of(name, N, &first_backup);
     let c = (1..N).find(|&i| i != b).unwrap();
     let new_backup = crate::harness::node(name, c);
     let initial: Vec<String> = (0..20_000).map(|i| format!("m{i}")).collect();

@@ -8,9 +8,8 @@ use futures_lite::StreamExt;
 use lapin::BasicProperties;
 use lapin::options::{
     BasicConsumeOptions, BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions,
-    QueueDeclareOptions,
 };
-use lapin::types::{AMQPValue, FieldTable};
+use lapin::types::FieldTable;
 use std::time::{Duration, Instant};
 
 /// Confirmed publishes before the crash.
@@ -19,37 +18,6 @@ const MESSAGES: usize = 2_000;
 const UNACKED: u16 = 10;
 /// Longest wait for a backup to be in sync, and for the election.
 const ROLE_LIMIT: Duration = Duration::from_secs(30);
-
-/// Declares durable `queue` with `backups` backups through `b` (its primary), waits until
-/// `backups` of them are in sync, and returns their node ids in ring order.
-async fn declare_replicated(b: &ringmq_tests::Broker, queue: &str, backups: i32) -> Vec<String> {
-    let mut args = FieldTable::default();
-    args.insert("qpid.cluster.backups".into(), AMQPValue::LongInt(backups));
-    let (conn, ch) = b.channel().await;
-    ch.queue_declare(
-        queue.into(),
-        QueueDeclareOptions {
-            durable: true,
-            ..Default::default()
-        },
-        args,
-    )
-    .await
-    .expect("declare on its primary");
-    let _ = conn.close(200, "declared".into()).await;
-    let want = usize::try_from(backups).unwrap();
-    let view = wait_queue_view(b, queue, ROLE_LIMIT, "the backups in sync", |v| {
-        v["in_sync_backup_nodes"]
-            .as_array()
-            .is_some_and(|a| a.len() == want)
-    });
-    view["in_sync_backup_nodes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|n| n.as_str().unwrap().to_owned())
-        .collect()
-}
 
 /// Publishes `m0`, `m1`, … persistent to `queue` through `b`, each confirmed.
 async fn publish_confirmed(b: &ringmq_tests::Broker, queue: &str, count: usize) {
@@ -103,19 +71,12 @@ async fn drain(ch: &lapin::Channel, queue: &str, count: usize) -> Vec<(String, b
     got
 }
 
-/// The index of the member whose node id is `node`.
-fn member_of(name: &str, n: usize, node: &str) -> usize {
-    (0..n)
-        .find(|&i| crate::harness::node(name, i) == node)
-        .expect("a member's node id")
-}
-
 #[tokio::test]
 async fn a_killed_primary_is_replaced_by_its_in_sync_backup_with_nothing_confirmed_lost() {
     let name = "repl-failover";
     let (mut members, _ports, _secret) = start_cluster(name);
     let queue = "orders";
-    let backups = declare_replicated(&members[0], queue, 1).await;
+    let backups = declare_replicated(&members[0], queue, 1, ROLE_LIMIT).await;
     let backup = backups[0].clone();
     let b = member_of(name, N, &backup);
     assert_ne!(b, 0, "the primary is not its own backup");
@@ -192,7 +153,7 @@ async fn five_members_and_two_backups_survive_the_primary_and_its_first_backup_d
     let n = 5;
     let (mut members, _ports, _secret) = start_cluster_of(name, n);
     let queue = "ledger";
-    let backups = declare_replicated(&members[0], queue, 2).await;
+    let backups = declare_replicated(&members[0], queue, 2, ROLE_LIMIT).await;
     let (first, second) = (
         member_of(name, n, &backups[0]),
         member_of(name, n, &backups[1]),

@@ -6,11 +6,8 @@
 use crate::harness::*;
 use futures_lite::StreamExt;
 use lapin::BasicProperties;
-use lapin::options::{
-    BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions,
-};
-use lapin::types::{AMQPValue, FieldTable};
-use serde_json::Value;
+use lapin::options::{BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions};
+use lapin::types::FieldTable;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -24,31 +21,6 @@ const ACKED: usize = 100;
 const LOAD_MAX: usize = 50_000;
 /// Publishes in flight at once during the load.
 const WINDOW: usize = 64;
-
-/// Declares durable `queue` with `backups` backups on `b` (its primary) and waits until they
-/// are all in sync; returns the queue's view.
-async fn declare_replicated(b: &ringmq_tests::Broker, queue: &str, backups: i32) -> Value {
-    let mut args = FieldTable::default();
-    args.insert("qpid.cluster.backups".into(), AMQPValue::LongInt(backups));
-    let (conn, ch) = b.channel().await;
-    ch.queue_declare(
-        queue.into(),
-        QueueDeclareOptions {
-            durable: true,
-            ..Default::default()
-        },
-        args,
-    )
-    .await
-    .expect("declare on its primary");
-    let _ = conn.close(200, "declared".into()).await;
-    let want = usize::try_from(backups).unwrap();
-    wait_queue_view(b, queue, READY_LIMIT, "the backups in sync", |v| {
-        v["in_sync_backup_nodes"]
-            .as_array()
-            .is_some_and(|a| a.len() == want)
-    })
-}
 
 /// Publishes `m<first>`, `m<first+1>`, … persistent through `uri`, `WINDOW` in flight, until
 /// the connection fails, `stop` is set or `LOAD_MAX` were sent; returns the confirmed ones.
@@ -197,13 +169,6 @@ fn audit(
     assert!(twice.is_empty(), "{name}: in the queue twice: {twice:?}");
 }
 
-/// The member holding node id `node`.
-fn member_of(name: &str, node: &str) -> usize {
-    (0..N)
-        .find(|&i| crate::harness::node(name, i) == node)
-        .expect("a member's node id")
-}
-
 /// Runs the load through member `through` and kills the members `kill` names in that order
 /// (40 ms apart) while it runs; returns what the load got confirmed.
 async fn load_and_kill(
@@ -242,7 +207,7 @@ async fn a_whole_cluster_killed_under_load_keeps_every_confirmed_message_two_bac
     let name = "repl-full-k2";
     let (mut members, _ports, _secret) = start_cluster(name);
     let queue = "kept";
-    declare_replicated(&members[0], queue, 2).await;
+    declare_replicated(&members[0], queue, 2, READY_LIMIT).await;
     let confirmed: BTreeSet<usize> = publish_range(&members[1], queue, 0..BEFORE)
         .await
         .into_iter()
@@ -279,8 +244,8 @@ async fn a_stale_backup_back_first_does_not_serve_until_the_primary_returns() {
     let name = "repl-full-stale";
     let (mut members, _ports, _secret) = start_cluster(name);
     let queue = "kept";
-    let view = declare_replicated(&members[0], queue, 1).await;
-    let backup = member_of(name, view["in_sync_backup_nodes"][0].as_str().unwrap());
+    let backups = declare_replicated(&members[0], queue, 1, READY_LIMIT).await;
+    let backup = member_of(name, N, &backups[0]);
     let other = 3 - backup;
     let mut confirmed: BTreeSet<usize> = publish_range(&members[other], queue, 0..BEFORE)
         .await
