@@ -166,7 +166,10 @@ pub struct Config {
     /// Host name or address other members and clients use to reach this broker, when the
     /// listeners bind a wildcard address (a pod's DNS name in Kubernetes).
     pub advertise_host: Option<String>,
-    /// How long a silent member stays in the cluster before the others remove it.
+    /// How long a silent member stays in the cluster before the others remove it: about the
+    /// failover time of a replicated queue. Must exceed 2 × the quorum lease (300 ms) + the
+    /// heartbeat (50 ms), so that a member's lease has run out when it is removed
+    /// (`docs/cpg.md`).
     pub cluster_failure_timeout_ms: u64,
     /// Node id of the member that founds the cluster when no seed admits it within
     /// `cluster_join_timeout_ms` (the operator names pod 0). Every other member only joins.
@@ -248,7 +251,7 @@ impl Default for Config {
             cluster_seeds: Vec::new(),
             cluster_secret_file: None,
             advertise_host: None,
-            cluster_failure_timeout_ms: 1_200,
+            cluster_failure_timeout_ms: 700,
             cluster_join_timeout_ms: 30_000,
             cluster_founder: None,
             queue_primary_locator: Default::default(),

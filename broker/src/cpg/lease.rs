@@ -5,8 +5,13 @@
 //!   answers a ping with what is left of its lease, and the follower counts that from when it
 //!   *sent* the ping. So a member cut off with (or from) the leader loses quorum within
 //!   `lease_ms` of the cut.
-//! * The leader declares a member failed only after `failure_timeout_ms` without a ping from it
-//!   (counted from when it became leader, since it knows nothing older). Any lease the member
+//! * The leader declares a member failed only after `failure_timeout_ms` without a ping from it.
+//!   For a member it has not heard from in its term the silence counts from when it became
+//!   leader, or earlier by what a majority proves: every member but that one reported when it
+//!   last acknowledged an earlier term ([`TermAcks`]), and no lease of an earlier term outlives
+//!   the latest such acknowledgement by more than a lease; that credit is capped at one
+//!   failure timeout, which keeps the rule's tolerance of clock-rate differences
+//!   (docs/cpg.md, *A new leader's failure clock*). Any lease the member
 //!   still holds was granted at most `lease_ms` after a ping this or an earlier leader received,
 //!   so with `failure_timeout_ms > 2 * lease_ms + heartbeat_ms` it has expired first.
 //! * A follower whose log lags by more than `max_lag_entries` for `failure_timeout_ms` is also
@@ -19,6 +24,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use super::term_acks::TermAcks;
 use super::types::MemberId;
 
 /// Lease and failure-detector state of one member.
@@ -36,7 +42,21 @@ pub(crate) struct Lease {
     confirms: Vec<(Instant, u64)>,
     leader_until: Option<Instant>,
     leading_term: Option<u64>,
+    /// When each voter was last heard in this term; a voter never heard counts from this
+    /// leader's first look for failed members (its first tick with quorum).
     last_heard: BTreeMap<MemberId, Instant>,
+    /// Voters that did ping in this term (the others are in `last_heard` from that first
+    /// look only).
+    pinged: BTreeSet<MemberId>,
+    /// The voters at this leader's first look for failed members in this term (`None`
+    /// before it): only they may be credited with silence from before it — a voter added
+    /// since has had no chance to ping yet.
+    first_voters: Option<BTreeSet<MemberId>>,
+    /// Members' reports in this term (this leader's own included): the latest moment each
+    /// may have acknowledged a leader of an earlier term, on this leader's clock.
+    older_acks: BTreeMap<MemberId, Instant>,
+    /// This member's own acknowledgements of each term.
+    pub(crate) acks: TermAcks,
     lagging_since: BTreeMap<MemberId, Instant>,
     /// Lagging members no longer granted a lease, and since when.
     withheld: BTreeMap<MemberId, Instant>,
@@ -56,6 +76,10 @@ impl Lease {
             leader_until: None,
             leading_term: None,
             last_heard: BTreeMap::new(),
+            pinged: BTreeSet::new(),
+            first_voters: None,
+            older_acks: BTreeMap::new(),
+            acks: TermAcks::new(Instant::now()),
             lagging_since: BTreeMap::new(),
             withheld: BTreeMap::new(),
             removing: BTreeSet::new(),
@@ -94,6 +118,8 @@ impl Lease {
             self.leader_until = Some(until);
         }
         remember(&mut self.confirms, until, read_index);
+        // A leader's round is its own acknowledgement of its term, from when it was sent.
+        self.acks.acked(term, sent_at);
     }
 
     /// When this member's lease ends, for a member that has applied up to `applied`: the
@@ -127,16 +153,76 @@ impl Lease {
     /// A ping from `member` reached the leader at `now`.
     pub fn heard(&mut self, member: MemberId, now: Instant) {
         self.last_heard.insert(member, now);
+        self.pinged.insert(member);
     }
 
-    /// Called on every leader tick; starts the failure clocks afresh in a new term, because a
-    /// new leader cannot know when the previous one last heard from anybody.
+    /// `member`, whose vote is this leader's `term`, reported that it last acknowledged a leader
+    /// of an earlier term `since_ms` of its clock before `now` (or this leader's own record,
+    /// with `member` = itself). Ignored unless this member leads `term`; never moves a report
+    /// earlier.
+    pub fn reported(&mut self, member: MemberId, term: u64, since_ms: u64, now: Instant) {
+        if self.leading_term != Some(term) {
+            return;
+        }
+        let at = now
+            .checked_sub(Duration::from_millis(since_ms))
+            .unwrap_or(now);
+        let e = self.older_acks.entry(member).or_insert(at);
+        if *e < at {
+            *e = at;
+        }
+    }
+
+    /// Since when `member`, not heard from in this term, counts as silent: the start of this
+    /// term, or earlier when every other voter reported when it last acknowledged an earlier
+    /// term (`settled`: the membership is committed and not joint, so that they are a
+    /// majority of every configuration an earlier leader used — CPG changes one voter at a
+    /// time). The credit is capped at one failure timeout: the reports are durations on the
+    /// reporters' clocks, and with the cap a fast reporter clock costs no more margin than
+    /// the rule `failure_timeout > 2 × lease + heartbeat` already holds for clock rates
+    /// (docs/cpg.md).
+    fn silent_since(
+        &self,
+        member: MemberId,
+        voters: &BTreeSet<MemberId>,
+        settled: bool,
+        start: Instant,
+    ) -> Instant {
+        let was_voter = self
+            .first_voters
+            .as_ref()
+            .is_some_and(|v| v.contains(&member));
+        if !settled || voters.len() < 3 || !was_voter {
+            return start;
+        }
+        let mut latest: Option<Instant> = None;
+        for v in voters.iter().filter(|&&v| v != member) {
+            match self.older_acks.get(v) {
+                Some(&at) => latest = latest.max(Some(at)),
+                None => return start,
+            }
+        }
+        // Never declared before `fresh` (three heartbeats) after the first look: a live
+        // member that knows the new leader has pinged it by then.
+        let earliest = (start + self.fresh)
+            .checked_sub(self.failure_timeout)
+            .unwrap_or(start);
+        latest.map_or(start, |l| l.clamp(earliest, start))
+    }
+
+    /// Called on every leader tick; starts the failure clocks afresh in a new term,
+    /// because a new leader cannot know when the previous one last heard from anybody — only,
+    /// from the members' reports, when the earlier terms' leases ran out
+    /// ([`Lease::reported`]).
     pub fn leading(&mut self, term: u64) {
         if self.leading_term != Some(term) {
             self.leading_term = Some(term);
+            self.pinged.clear();
+            self.first_voters = None;
             self.leader_until = None;
             self.confirms.clear();
             self.last_heard.clear();
+            self.older_acks.clear();
             self.lagging_since.clear();
             self.withheld.clear();
             self.removing.clear();
@@ -171,18 +257,26 @@ impl Lease {
     }
 
     /// Members of `voters` (other than the leader) to declare failed at `now`: silent for
-    /// `failure_timeout_ms`, or lagging more than `max_lag_entries` for as long.
+    /// `failure_timeout_ms`, or lagging more than `max_lag_entries` for as long. `settled`:
+    /// the membership is committed and not joint (see [`Lease::silent_since`]).
     pub fn suspects(
         &mut self,
         now: Instant,
         leader: MemberId,
         voters: &BTreeSet<MemberId>,
+        settled: bool,
         lag_entries: &BTreeMap<MemberId, u64>,
         max_lag_entries: u64,
     ) -> BTreeSet<MemberId> {
         let mut out = BTreeSet::new();
+        self.first_voters.get_or_insert_with(|| voters.clone());
         for &id in voters.iter().filter(|&&id| id != leader) {
-            let heard = *self.last_heard.entry(id).or_insert(now);
+            let first = *self.last_heard.entry(id).or_insert(now);
+            let heard = if self.pinged.contains(&id) {
+                first
+            } else {
+                self.silent_since(id, voters, settled, first)
+            };
             if now.duration_since(heard) > self.failure_timeout {
                 out.insert(id);
             }
@@ -205,6 +299,7 @@ impl Lease {
             }
         }
         self.last_heard.retain(|id, _| voters.contains(id));
+        self.pinged.retain(|id| voters.contains(id));
         out
     }
 
@@ -299,21 +394,184 @@ mod tests {
         let voters = BTreeSet::from([1, 2, 3]);
         l.leading(7);
         let none = BTreeMap::new();
-        assert!(l.suspects(Instant::now(), 1, &voters, &none, 10).is_empty());
+        assert!(
+            l.suspects(Instant::now(), 1, &voters, true, &none, 10)
+                .is_empty()
+        );
         l.heard(2, Instant::now());
         tokio::time::advance(Duration::from_millis(1_000)).await;
         l.heard(2, Instant::now());
         tokio::time::advance(Duration::from_millis(199)).await;
-        assert!(l.suspects(Instant::now(), 1, &voters, &none, 10).is_empty());
+        assert!(
+            l.suspects(Instant::now(), 1, &voters, true, &none, 10)
+                .is_empty()
+        );
         tokio::time::advance(Duration::from_millis(2)).await;
         assert!(!l.all_fresh(Instant::now(), 1, &BTreeSet::from([2])));
         l.heard(2, Instant::now());
         assert!(l.all_fresh(Instant::now(), 1, &BTreeSet::from([1, 2])));
         assert_eq!(
-            l.suspects(Instant::now(), 1, &voters, &none, 10),
+            l.suspects(Instant::now(), 1, &voters, true, &none, 10),
             BTreeSet::from([3])
         );
         assert_eq!(l.stalest(&BTreeSet::from([2, 3])), Some(3));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_new_leader_counts_a_silent_member_from_the_majoritys_last_acknowledgement_of_earlier_terms()
+     {
+        // Failure timeout 1200, lease 500, heartbeat 50.
+        let voters = BTreeSet::from([1, 2, 3]);
+        let none = BTreeMap::new();
+        // Members 1 and 2 last acknowledged the old leader 3 900 ms before 1 leads term 8;
+        // 2 reports its silence in its first ping.
+        let mut l = Lease::new(500, 1_200, 50);
+        let start = Instant::now();
+        l.leading(8);
+        l.reported(1, 8, 900, start);
+        // A report for another term, or before this member leads it, counts for nothing.
+        l.reported(2, 7, 900, start);
+        assert!(l.suspects(start, 1, &voters, true, &none, 10).is_empty());
+        l.reported(2, 8, 900, start);
+        l.heard(2, start);
+        // 3's leases ended within a lease of that acknowledgement; it is declared failed a
+        // failure timeout after it: start + 300.
+        tokio::time::advance(Duration::from_millis(299)).await;
+        l.heard(2, Instant::now());
+        assert!(
+            l.suspects(Instant::now(), 1, &voters, true, &none, 10)
+                .is_empty()
+        );
+        tokio::time::advance(Duration::from_millis(2)).await;
+        l.heard(2, Instant::now());
+        assert_eq!(
+            l.suspects(Instant::now(), 1, &voters, true, &none, 10),
+            BTreeSet::from([3])
+        );
+        // Not while the membership may be changing: then the term's start counts.
+        assert!(
+            l.suspects(Instant::now(), 1, &voters, false, &none, 10)
+                .is_empty()
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_short_silence_report_is_credited_as_is_and_a_missing_one_gives_no_credit() {
+        let voters = BTreeSet::from([1, 2, 3, 4, 5]);
+        let none = BTreeMap::new();
+        let mut l = Lease::new(500, 1_200, 50);
+        let start = Instant::now();
+        l.leading(3);
+        // The latest acknowledgement of the old term among the others was 150 ms before the
+        // term began: 3 is declared failed 1050 ms into the term.
+        l.reported(1, 3, 200, start);
+        l.reported(2, 3, 150, start);
+        l.reported(4, 3, 250, start);
+        l.reported(5, 3, 400, start);
+        for id in [2, 4, 5] {
+            l.heard(id, start);
+        }
+        // The leader's first look for failed members (its first tick with quorum).
+        assert!(l.suspects(start, 1, &voters, true, &none, 10).is_empty());
+        tokio::time::advance(Duration::from_millis(1_049)).await;
+        for id in [2, 4, 5] {
+            l.heard(id, Instant::now());
+        }
+        assert!(
+            l.suspects(Instant::now(), 1, &voters, true, &none, 10)
+                .is_empty()
+        );
+        tokio::time::advance(Duration::from_millis(2)).await;
+        for id in [2, 4, 5] {
+            l.heard(id, Instant::now());
+        }
+        assert_eq!(
+            l.suspects(Instant::now(), 1, &voters, true, &none, 10),
+            BTreeSet::from([3])
+        );
+        // A member still handling an append of the old term reports 0: no credit at all. And
+        // no credit beyond a failure timeout (a report of 5 s): declared at the term's start,
+        // not before it.
+        let mut l = Lease::new(500, 1_200, 50);
+        let start = Instant::now();
+        l.leading(5);
+        for id in [1, 2, 4, 5] {
+            l.reported(id, 5, if id == 4 { 0 } else { 1_000 }, start);
+            l.heard(id, start);
+        }
+        assert!(l.suspects(start, 1, &voters, true, &none, 10).is_empty());
+        tokio::time::advance(Duration::from_millis(1_199)).await;
+        for id in [2, 4, 5] {
+            l.heard(id, Instant::now());
+        }
+        assert!(
+            l.suspects(Instant::now(), 1, &voters, true, &none, 10)
+                .is_empty()
+        );
+        let mut l = Lease::new(500, 1_200, 50);
+        let start = Instant::now();
+        l.leading(9);
+        for id in [1, 2, 4, 5] {
+            l.reported(id, 9, 5_000, start);
+            l.heard(id, start);
+        }
+        assert!(l.suspects(start, 1, &voters, true, &none, 10).is_empty());
+        // Three heartbeats after the first look at the earliest: a live member would have
+        // pinged by then.
+        tokio::time::advance(Duration::from_millis(149)).await;
+        for id in [2, 4, 5] {
+            l.heard(id, Instant::now());
+        }
+        assert!(
+            l.suspects(Instant::now(), 1, &voters, true, &none, 10)
+                .is_empty()
+        );
+        tokio::time::advance(Duration::from_millis(2)).await;
+        for id in [2, 4, 5] {
+            l.heard(id, Instant::now());
+        }
+        // A voter added after the first look (6) gets no credit, having had no chance to
+        // ping; and while it has not reported, nobody else gets any either.
+        let grown = BTreeSet::from([1, 2, 3, 4, 5, 6]);
+        assert!(
+            l.suspects(Instant::now(), 1, &grown, true, &none, 10)
+                .is_empty()
+        );
+        l.reported(6, 9, 5_000, Instant::now());
+        assert!(
+            l.suspects(Instant::now(), 1, &grown, true, &none, 10)
+                .contains(&3)
+        );
+        assert!(
+            !l.suspects(Instant::now(), 1, &grown, true, &none, 10)
+                .contains(&6)
+        );
+        // Two silent members: neither has a report from every other voter, so each waits a
+        // full failure timeout from the term's start.
+        let mut l = Lease::new(500, 1_200, 50);
+        let start = Instant::now();
+        l.leading(6);
+        for id in [1, 2, 5] {
+            l.reported(id, 6, 1_000, start);
+            l.heard(id, start);
+        }
+        assert!(l.suspects(start, 1, &voters, true, &none, 10).is_empty());
+        tokio::time::advance(Duration::from_millis(1_199)).await;
+        for id in [2, 5] {
+            l.heard(id, Instant::now());
+        }
+        assert!(
+            l.suspects(Instant::now(), 1, &voters, true, &none, 10)
+                .is_empty()
+        );
+        tokio::time::advance(Duration::from_millis(2)).await;
+        for id in [2, 5] {
+            l.heard(id, Instant::now());
+        }
+        assert_eq!(
+            l.suspects(Instant::now(), 1, &voters, true, &none, 10),
+            BTreeSet::from([3, 4])
+        );
     }
 
     #[tokio::test(start_paused = true)]
@@ -324,7 +582,10 @@ mod tests {
         let lag = BTreeMap::from([(2, 100)]);
         for _ in 0..11 {
             l.heard(2, Instant::now());
-            assert!(l.suspects(Instant::now(), 1, &voters, &lag, 10).is_empty());
+            assert!(
+                l.suspects(Instant::now(), 1, &voters, true, &lag, 10)
+                    .is_empty()
+            );
             tokio::time::advance(Duration::from_millis(100)).await;
         }
         l.heard(2, Instant::now());
@@ -332,18 +593,24 @@ mod tests {
         l.heard(2, Instant::now());
         l.leader_confirmed(1, Instant::now(), 0);
         // Lagging for the failure timeout: no more lease, but it may still hold one.
-        assert!(l.suspects(Instant::now(), 1, &voters, &lag, 10).is_empty());
+        assert!(
+            l.suspects(Instant::now(), 1, &voters, true, &lag, 10)
+                .is_empty()
+        );
         assert_eq!(l.grant_ms(2, Instant::now()), 0);
         // Declared failed a failure timeout after its grants stopped, not before.
         for _ in 0..12 {
             tokio::time::advance(Duration::from_millis(100)).await;
             l.heard(2, Instant::now());
-            assert!(l.suspects(Instant::now(), 1, &voters, &lag, 10).is_empty());
+            assert!(
+                l.suspects(Instant::now(), 1, &voters, true, &lag, 10)
+                    .is_empty()
+            );
         }
         tokio::time::advance(Duration::from_millis(1)).await;
         l.heard(2, Instant::now());
         assert_eq!(
-            l.suspects(Instant::now(), 1, &voters, &lag, 10),
+            l.suspects(Instant::now(), 1, &voters, true, &lag, 10),
             BTreeSet::from([2])
         );
     }

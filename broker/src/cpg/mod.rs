@@ -25,6 +25,7 @@ mod runtime;
 mod service;
 mod state_machine;
 mod tcp;
+mod term_acks;
 mod transport;
 mod types;
 mod wire;

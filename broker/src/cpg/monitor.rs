@@ -82,12 +82,15 @@ impl Cpg {
         let inner = &self.inner;
         let now = Instant::now();
         let stopped = self.stop_reason().is_some();
-        let (state, term, membership_index, leader, voters, joint, addrs, lag, applied) = {
+        let (state, term, membership_index, leader, voters, joint, settled, addrs, lag, applied) = {
             let m = inner.raft.metrics();
             let m = m.borrow();
             let membership = m.membership_config.membership();
             let voters: BTreeSet<MemberId> = membership.voter_ids().collect();
             let joint = membership.get_joint_config().len() > 1;
+            // Committed and not joint: the voters every earlier leader's majority met.
+            let settled = !joint
+                && m.membership_config.log_id().map(|l| l.index) <= m.last_applied.map(|l| l.index);
             let addrs: BTreeMap<MemberId, String> = membership
                 .nodes()
                 .map(|(id, n)| (*id, n.addr.clone()))
@@ -112,6 +115,7 @@ impl Cpg {
                 m.current_leader,
                 voters,
                 joint,
+                settled,
                 addrs,
                 lag,
                 m.last_applied.map_or(0, |l| l.index),
@@ -121,6 +125,10 @@ impl Cpg {
             let failed = inner.failed.lock().clone();
             let mut lease = inner.lease.lock();
             lease.leading(term);
+            // This leader's own report: when it last acknowledged an earlier term.
+            let own = lease.acks.last_below(term, now);
+            let own_ms = u64::try_from(now.duration_since(own).as_millis()).unwrap_or(u64::MAX);
+            lease.reported(inner.id, term, own_ms, now);
             lease.removals_applied(&failed);
             if monitor.confirm.as_ref().is_none_or(JoinHandle::is_finished) {
                 monitor.confirm = Some(self.spawn_confirm(term));
@@ -128,8 +136,14 @@ impl Cpg {
             let q = lease.deadline_at(applied).is_some_and(|d| now < d);
             // Only a leader with quorum declares failures or removes voters.
             if q {
-                let suspects =
-                    lease.suspects(now, inner.id, &voters, &lag, inner.config.max_lag_entries);
+                let suspects = lease.suspects(
+                    now,
+                    inner.id,
+                    &voters,
+                    settled,
+                    &lag,
+                    inner.config.max_lag_entries,
+                );
                 let fail: BTreeSet<MemberId> = suspects
                     .iter()
                     .filter(|id| !failed.contains(id) && !lease.being_removed().contains(id))
@@ -197,6 +211,7 @@ impl Cpg {
                 if let Some(addr) = target {
                     monitor.ping = Some(self.spawn_ping(
                         addr,
+                        term,
                         membership_index,
                         Arc::clone(&monitor.hint),
                         Arc::clone(&monitor.removed),
@@ -239,9 +254,13 @@ impl Cpg {
         })
     }
 
+    /// Pings the leader at `addr`: renews this member's lease, proves it alive, and reports
+    /// when it last acknowledged a term below its own `term` (a new leader of `term` counts
+    /// the failure clocks of silent members from there, see [`Lease::suspects`]).
     fn spawn_ping(
         &self,
         addr: String,
+        term: u64,
         known_membership_index: u64,
         hint: Arc<Mutex<Option<String>>>,
         removed: Arc<AtomicBool>,
@@ -252,9 +271,17 @@ impl Cpg {
         let timeout = Duration::from_millis(self.inner.config.rpc_timeout_ms);
         tokio::spawn(async move {
             let sent_at = Instant::now();
+            let Some(inner) = weak.upgrade() else { return };
+            let older = inner.lease.lock().acks.last_below(term, sent_at);
+            drop(inner);
             let env = Envelope {
                 to: None,
-                req: Request::Ping { from: id },
+                req: Request::Ping {
+                    from: id,
+                    term,
+                    since_older_ms: u64::try_from(sent_at.duration_since(older).as_millis())
+                        .unwrap_or(u64::MAX),
+                },
             };
             let resp = transport.call(&addr, env, timeout).await;
             let Some(inner) = weak.upgrade() else { return };

@@ -168,6 +168,13 @@ fn raft_config(c: &CpgConfig) -> Result<Arc<openraft::Config>, CpgError> {
         .map_err(|e| CpgError::Config(e.to_string()))
 }
 
+/// How long a restarted process calls no election: openraft's leader lease plus its longest
+/// election timeout (`2 × election_timeout_ms` each), what a follower that has just heard a
+/// leader waits before it calls one.
+fn quiet_after_restart(c: &CpgConfig) -> Duration {
+    Duration::from_millis(c.election_timeout_ms.saturating_mul(4))
+}
+
 /// How long a join, leave or multicast may wait for its commit.
 pub(super) fn write_timeout(c: &CpgConfig) -> Duration {
     Duration::from_millis(c.failure_timeout_ms.saturating_mul(2))
@@ -310,6 +317,15 @@ impl Cpg {
         let raft = Raft::new(id, raft_config, network, log, sm)
             .await
             .map_err(|e| storage_err(format!("openraft refused to start on it: {e}")))?;
+        if restarted {
+            // openraft lets a process that found a vote on disk, but has heard no leader yet,
+            // call an election at its first tick; its higher term then deposes a healthy
+            // leader through the others' answers (its append responses carry the higher
+            // vote), and every member's lease lapses until the next leader grants one. So it
+            // waits as long as a follower that just heard a leader would (see
+            // `quiet_after_restart`); by then it has heard the leader, if there is one.
+            raft.runtime_config().elect(false);
+        }
         let lease = Arc::new(Mutex::new(Lease::new(
             config.lease_ms,
             config.failure_timeout_ms,
@@ -352,6 +368,15 @@ impl Cpg {
                 paused: AtomicBool::new(false),
             }),
         };
+        if restarted {
+            let raft = cpg.inner.raft.clone();
+            let quiet = quiet_after_restart(&cpg.inner.config);
+            let task = tokio::spawn(async move {
+                tokio::time::sleep(quiet).await;
+                raft.runtime_config().elect(true);
+            });
+            cpg.inner.tasks.lock().push(task);
+        }
         Ok(Launched {
             cpg,
             events,

@@ -52,19 +52,33 @@ impl Service {
             return Response::WrongTarget;
         }
         match env.req {
-            Request::Append(r) => match self.raft.append_entries(r).await {
-                Ok(r) => Response::Append(r),
-                Err(e) => Response::Failed(e.to_string()),
-            },
+            Request::Append(r) => {
+                // Recorded whatever the answer, even if this task is dropped mid-way: a new
+                // leader counts earlier terms' leases as over only from this member's last
+                // acknowledgement of one (`TermAcks`).
+                let _appending = Appending::new(&self.lease, r.vote.leader_id().get_term());
+                match self.raft.append_entries(r).await {
+                    Ok(r) => Response::Append(r),
+                    Err(e) => Response::Failed(e.to_string()),
+                }
+            }
             Request::Vote(r) => match self.raft.vote(r).await {
                 Ok(r) => Response::Vote(r),
                 Err(e) => Response::Failed(e.to_string()),
             },
-            Request::Snapshot(r) => match self.raft.install_snapshot(r).await {
-                Ok(r) => Response::Snapshot(r),
-                Err(e) => Response::Failed(e.to_string()),
-            },
-            Request::Ping { from } => self.ping(from),
+            Request::Snapshot(r) => {
+                // From a leader too: recorded as an acknowledgement of its term, like an append.
+                let _appending = Appending::new(&self.lease, r.vote.leader_id().get_term());
+                match self.raft.install_snapshot(r).await {
+                    Ok(r) => Response::Snapshot(r),
+                    Err(e) => Response::Failed(e.to_string()),
+                }
+            }
+            Request::Ping {
+                from,
+                term,
+                since_older_ms,
+            } => self.ping(from, term, since_older_ms),
             Request::Join { id, addr } => self.admit(id, addr).await,
             Request::Write(cmd) => self.write(cmd).await,
             Request::ReadIndex => self.read_index().await,
@@ -83,8 +97,8 @@ impl Service {
         Response::NotLeader { leader }
     }
 
-    fn ping(&self, from: MemberId) -> Response {
-        let (is_leader, membership_index, in_newest, removed, caught_up, committed) = {
+    fn ping(&self, from: MemberId, term: u64, since_older_ms: u64) -> Response {
+        let (is_leader, current_term, membership_index, in_newest, removed, caught_up, committed) = {
             let m = self.raft.metrics();
             let m = m.borrow();
             let membership = m.membership_config.membership();
@@ -107,6 +121,7 @@ impl Service {
                 .is_some_and(|l| l.leader_id.term == m.current_term);
             (
                 m.state == ServerState::Leader,
+                m.current_term,
                 index,
                 in_newest,
                 removed,
@@ -122,6 +137,9 @@ impl Service {
             let mut lease = self.lease.lock();
             if !removed {
                 lease.heard(from, now);
+                if term == current_term {
+                    lease.reported(from, term, since_older_ms, now);
+                }
             }
             if in_newest && caught_up && !self.failed.lock().contains(&from) {
                 lease.grant_ms(from, now)
@@ -214,5 +232,25 @@ impl Service {
             Ok(Err(e)) => Response::Failed(e.to_string()),
             Err(_) => Response::Failed("write timed out".into()),
         }
+    }
+}
+
+/// An append being handled: announced to the member's [`super::term_acks::TermAcks`] when it
+/// arrives, recorded as acknowledged when it is answered or abandoned.
+struct Appending<'a> {
+    lease: &'a Mutex<Lease>,
+    term: u64,
+}
+
+impl<'a> Appending<'a> {
+    fn new(lease: &'a Mutex<Lease>, term: u64) -> Self {
+        lease.lock().acks.appending(term);
+        Self { lease, term }
+    }
+}
+
+impl Drop for Appending<'_> {
+    fn drop(&mut self) {
+        self.lease.lock().acks.appended(self.term, Instant::now());
     }
 }

@@ -36,6 +36,12 @@ pub(crate) enum Request {
     Ping {
         /// Member renewing its lease.
         from: MemberId,
+        /// The pinger's current term (its vote).
+        term: u64,
+        /// How long ago, on the pinger's clock, it last acknowledged a leader of a term below
+        /// `term` (0 while such an append is still being handled). A new leader of `term`
+        /// counts silent members' failure clocks from there (`Lease::suspects`).
+        since_older_ms: u64,
     },
     /// A member asks to be admitted as a voter (or, already one, to have its address updated).
     Join {

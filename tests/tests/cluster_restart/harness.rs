@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 /// `cluster_failure_timeout_ms` (the default, written out in every member's YAML).
-pub(crate) const FAILURE_TIMEOUT: Duration = Duration::from_millis(1200);
+pub(crate) const FAILURE_TIMEOUT: Duration = Duration::from_millis(700);
 /// How long a cluster whose majority is back may take to be ready again.
 pub(crate) const READY_LIMIT: Duration = Duration::from_secs(30);
 /// Members per cluster.

@@ -29,7 +29,7 @@ use tokio::sync::oneshot;
 
 use crate::cpg::service::Service;
 use crate::cpg::transport::{BoxFuture, Transport, TransportError};
-use crate::cpg::wire::{Envelope, Response};
+use crate::cpg::wire::{Envelope, Request, Response};
 
 /// The side of a bridge member: it talks to every side.
 pub(crate) const BRIDGE: u8 = u8::MAX;
@@ -211,6 +211,7 @@ impl SimNet {
             return;
         };
         self.held_at(&to).await;
+        let env = self.report_across_clocks(env, &from, &to);
         let resp = self.across_clocks(service.handle(env).await, &to, &from);
         if !self.travel(&to, &from).await {
             return;
@@ -232,6 +233,18 @@ impl SimNet {
             *granted_ms = (granted_ms.saturating_mul(l) + p / 2) / p;
         }
         resp
+    }
+
+    /// A ping's report (`since_older_ms`) is a number of ms on the pinger's clock that the
+    /// leader counts on its own (`Lease::reported`): restated as for a grant, the other way.
+    fn report_across_clocks(&self, mut env: Envelope, pinger: &str, leader: &str) -> Envelope {
+        if let Request::Ping { since_older_ms, .. } = &mut env.req {
+            let st = self.state.lock();
+            let rate = |addr: &str| st.clocks.get(addr).copied().unwrap_or(1000);
+            let (p, l) = (rate(pinger), rate(leader));
+            *since_older_ms = since_older_ms.saturating_mul(p) / l;
+        }
+        env
     }
 
     /// A transport for the member at `from`, whose clock runs at `clock_per_mille` ms per
