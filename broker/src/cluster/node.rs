@@ -60,6 +60,14 @@ const CHECKPOINT_FILE: &str = "map.json";
 /// How often, at most, a member saves its map checkpoint.
 const CHECKPOINT_EVERY: Duration = Duration::from_millis(200);
 
+/// How often [`Cluster::ready_within_grace`] looks again.
+const READY_POLL: Duration = Duration::from_millis(10);
+
+/// [`Cluster::serving_grace`] of a member running with `config`.
+fn serving_grace(config: &CpgConfig) -> Duration {
+    Duration::from_millis(config.failure_timeout_ms.saturating_sub(config.lease_ms) / 2)
+}
+
 /// Why a broker could not become a cluster member.
 #[derive(Debug, thiserror::Error)]
 pub enum ClusterError {
@@ -100,6 +108,9 @@ pub struct Cluster {
     roles: RwLock<Roles>,
     progress: Mutex<Progress>,
     link_password: String,
+    /// How long a lapse of readiness is ridden out before clients are turned away
+    /// ([`Cluster::serving_grace`]).
+    serving_grace: Duration,
 }
 
 /// How far this member is on its way to serving: its incarnation started, it holds the map,
@@ -144,6 +155,7 @@ impl Cluster {
             resume_after: checkpoint.as_ref().map_or(0, |c| c.through),
             ..CpgConfig::default()
         };
+        let grace = serving_grace(&config);
         let mut founding = config.seeds.is_empty();
         let (cpg, events) = match Cpg::start(config.clone()).await {
             Err(CpgError::JoinTimeout { timeout_ms })
@@ -178,6 +190,7 @@ impl Cluster {
             roles: RwLock::new(Roles::default()),
             progress: Mutex::new(Progress::default()),
             link_password: crate::proxy::link::link_password(&settings.secret),
+            serving_grace: grace,
         });
         let applier = Applier {
             map,
@@ -250,6 +263,43 @@ impl Cluster {
         }
     }
 
+    /// How long this member rides out a lapse of its readiness (the majority's lease, most
+    /// often, missing a renewal under a stall of the machine) before it closes its clients and
+    /// refuses wiring changes: half of what is left of the failure timeout after the lease,
+    /// so the clients are gone well before the others may declare this member failed and
+    /// hand its queues over. Meanwhile nothing is confirmed (the confirm gate asks for the
+    /// lease) and wiring changes wait, so a lapse shorter than this costs latency, not
+    /// connections.
+    pub fn serving_grace(&self) -> Duration {
+        self.serving_grace
+    }
+
+    /// When this member's lease ran out, if it held one and it has: the start of a lapse.
+    pub fn lease_ended_at(&self) -> Option<tokio::time::Instant> {
+        self.cpg
+            .lease_deadline()
+            .filter(|d| *d <= tokio::time::Instant::now())
+    }
+
+    /// Notifies changes of the majority's lease, within a heartbeat (see [`Cpg::quorum`]);
+    /// decide with [`Cluster::has_quorum`].
+    pub fn quorum(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.cpg.quorum()
+    }
+
+    /// Waits up to [`Cluster::serving_grace`] for this member to be ready; the reason it
+    /// is not when the grace runs out.
+    pub async fn ready_within_grace(&self) -> Option<String> {
+        let deadline = tokio::time::Instant::now() + self.serving_grace;
+        loop {
+            let reason = self.not_ready_reason()?;
+            if tokio::time::Instant::now() >= deadline {
+                return Some(reason);
+            }
+            tokio::time::sleep(READY_POLL).await;
+        }
+    }
+
     /// Address of the cluster port (useful with port 0).
     pub fn addr(&self) -> &str {
         self.cpg.addr()
@@ -318,15 +368,6 @@ impl Cluster {
     /// member applied it (or an error if it could not be committed in time).
     pub fn submit(self: &Arc<Self>, vhost: &str, op: WiringOp) -> oneshot::Receiver<OpOutcome> {
         let (tx, rx) = oneshot::channel();
-        if let Some(reason) = self.not_ready_reason() {
-            // Refused at once rather than after a commit timeout: this member is not part of
-            // the majority's cluster now.
-            let _ = tx.send(Err(AmqpError::new(
-                crate::amqp::codes::RESOURCE_ERROR,
-                format!("this cluster member cannot change the wiring now: {reason}"),
-            )));
-            return rx;
-        }
         let request = self.next_request.fetch_add(1, Ordering::Relaxed);
         self.pending.lock().insert(request, tx);
         let msg = ClusterMsg::Op {
@@ -337,6 +378,17 @@ impl Cluster {
         };
         let cluster = self.clone();
         tokio::spawn(async move {
+            if let Some(reason) = cluster.ready_within_grace().await {
+                // Refused rather than after a commit timeout: this member is not part of the
+                // majority's cluster now, and has not been for a whole grace.
+                if let Some(tx) = cluster.pending.lock().remove(&request) {
+                    let _ = tx.send(Err(AmqpError::new(
+                        crate::amqp::codes::RESOURCE_ERROR,
+                        format!("this cluster member cannot change the wiring now: {reason}"),
+                    )));
+                }
+                return;
+            }
             let sent = tokio::time::timeout(COMMIT_TIMEOUT, cluster.mcast(&msg)).await;
             let error = match sent {
                 Ok(Ok(())) => return,

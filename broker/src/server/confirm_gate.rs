@@ -28,6 +28,8 @@ pub struct Conditions {
     /// The replication stamp every in-sync backup must have acknowledged
     /// ([`crate::replication::ledger`]).
     pub replicated: u64,
+    /// The member must hold the majority's lease when the output leaves (a cluster member).
+    pub lease: bool,
 }
 
 /// How far the guarantees have come, as the connection last heard.
@@ -39,6 +41,9 @@ pub struct Progress {
     pub forwards_confirmed: u64,
     /// Every replicated batch up to this stamp is acknowledged by its in-sync backups.
     pub replicas_acked: u64,
+    /// The member holds the majority's lease now (asked only while output waits for it:
+    /// see [`ConfirmGate::waits_for_lease`]).
+    pub lease_held: bool,
 }
 
 impl Conditions {
@@ -47,6 +52,7 @@ impl Conditions {
         progress.journal_synced >= self.journal_seq
             && progress.forwards_confirmed >= self.forwards
             && progress.replicas_acked >= self.replicated
+            && (progress.lease_held || !self.lease)
     }
 }
 
@@ -91,6 +97,11 @@ impl ConfirmGate {
         self.releasable
     }
 
+    /// Whether some held output needs the lease: only then is it worth asking for.
+    pub fn waits_for_lease(&self) -> bool {
+        self.held.iter().any(|(_, c)| c.lease)
+    }
+
     /// Forgets every held stretch: the connection drops the output they cover (see
     /// `Connection::abandon_unconfirmed`) and writes only what it may release now.
     pub fn abandon(&mut self) {
@@ -121,6 +132,7 @@ mod tests {
             journal_synced,
             forwards_confirmed: 0,
             replicas_acked: 0,
+            lease_held: true,
         }
     }
 
@@ -129,6 +141,7 @@ mod tests {
             journal_seq,
             forwards: 0,
             replicated: 0,
+            lease: false,
         })
     }
 
@@ -141,12 +154,14 @@ mod tests {
                 journal_seq: 1,
                 forwards: 3,
                 replicated: 0,
+                lease: false,
             }),
         );
         let progress = |forwards_confirmed| Progress {
             journal_synced: 1,
             forwards_confirmed,
             replicas_acked: 0,
+            lease_held: true,
         };
         assert_eq!(gate.release(10, progress(2)), 0);
         assert_eq!(gate.release(10, progress(3)), 10);
@@ -161,12 +176,14 @@ mod tests {
                 journal_seq: 4,
                 forwards: 0,
                 replicated: 7,
+                lease: true,
             }),
         );
         let progress = |journal_synced, replicas_acked| Progress {
             journal_synced,
             forwards_confirmed: 0,
             replicas_acked,
+            lease_held: true,
         };
         assert_eq!(
             gate.release(10, progress(4, 6)),
@@ -175,6 +192,32 @@ mod tests {
         );
         assert_eq!(gate.release(10, progress(3, 7)), 0, "not yet on this disk");
         assert_eq!(gate.release(10, progress(4, 7)), 10);
+    }
+
+    #[test]
+    fn a_cluster_member_confirms_only_while_it_holds_the_lease() {
+        let mut gate = ConfirmGate::default();
+        let conditions = Conditions {
+            journal_seq: 4,
+            forwards: 0,
+            replicated: 7,
+            lease: true,
+        };
+        gate.hold(10, Some(conditions));
+        assert!(gate.waits_for_lease());
+        let lapsed = Progress {
+            journal_synced: 4,
+            forwards_confirmed: 0,
+            replicas_acked: 7,
+            lease_held: false,
+        };
+        assert_eq!(gate.release(10, lapsed), 0, "everything durable, no lease");
+        let renewed = Progress {
+            lease_held: true,
+            ..lapsed
+        };
+        assert_eq!(gate.release(10, renewed), 10);
+        assert!(!gate.waits_for_lease());
     }
 
     #[test]

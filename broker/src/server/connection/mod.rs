@@ -288,6 +288,7 @@ impl Connection {
         let mut heartbeat_armed = false;
         let mut synced = self.broker.journal.synced();
         let mut replicated = self.broker.replicator().acked();
+        let mut lease = self.broker.cluster().map(|c| c.quorum());
         let stall = Duration::from_secs(self.broker.config.write_stall_timeout_s);
         let mut more_input = false;
         loop {
@@ -305,6 +306,7 @@ impl Connection {
                 journal_synced: *synced.borrow(),
                 forwards_confirmed: forwards.answered_through,
                 replicas_acked: *replicated.borrow(),
+                lease_held: self.gate.waits_for_lease() && self.lease_held_now(),
             };
             let buffered = self.writer.len();
             let writable = self.gate.release(buffered, progress);
@@ -393,6 +395,7 @@ impl Connection {
                         return Ok(Finish::Drop);
                     }
                 }
+                _ = lease_renewed(&mut lease), if held => {}
                 _ = self.outbox.notified() => self.drain_outbox(),
                 _ = self.forwards.changed(), if forwarding || held => {}
                 answer = proxied::answered(&mut self.remote_wait) => {
@@ -531,6 +534,18 @@ impl Connection {
         self.remote_consumers.clear();
         self.held.clear();
     }
+}
+
+/// Resolves when the cluster member's lease changes (held output may be waiting for it);
+/// never without a cluster, nor once the cluster layer is gone.
+async fn lease_renewed(lease: &mut Option<tokio::sync::watch::Receiver<bool>>) {
+    if let Some(rx) = lease {
+        if rx.changed().await.is_ok() {
+            return;
+        }
+        *lease = None;
+    }
+    std::future::pending::<()>().await
 }
 
 /// Writes `buf` and flushes (a no-op on TCP; it pushes the records rustls still holds).

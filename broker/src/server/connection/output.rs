@@ -232,12 +232,19 @@ impl Connection {
                     journal_seq: journal_seq.unwrap_or(0),
                     forwards,
                     replicated: replicated.unwrap_or(0),
+                    lease: self.broker.cluster().is_some(),
                 })
             } else {
                 None
             };
         self.forwards_held = forwards;
         self.gate.hold(self.writer.len(), conditions);
+    }
+
+    /// Whether this broker may release output that waits for the lease now: it holds the
+    /// majority's lease, or it is no cluster member.
+    pub(super) fn lease_held_now(&self) -> bool {
+        self.broker.cluster().is_none_or(|c| c.has_quorum())
     }
 
     /// A forwarded publish was not confirmed by its primary (`failed` is its number): what
@@ -249,6 +256,7 @@ impl Connection {
             journal_synced: u64::MAX,
             forwards_confirmed: failed - 1,
             replicas_acked: u64::MAX,
+            lease_held: self.lease_held_now(),
         };
         let keep = self.gate.release(self.writer.len(), progress);
         self.gate.abandon();
