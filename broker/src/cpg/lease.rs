@@ -244,6 +244,17 @@ impl Lease {
         self.removing.retain(|m| !failed.contains(m));
     }
 
+    /// The declaration of `members` this leader proposed is applied here (its write
+    /// answered). The applied set alone cannot say so: a member restarted on its data may
+    /// have started again right after the declaration, and its start cleared the mark before
+    /// the monitor looked — it would then have been denied a lease for the rest of the term.
+    /// Ignored unless this member still leads `term`, the term of the proposal.
+    pub fn removal_done(&mut self, term: u64, members: &BTreeSet<MemberId>) {
+        if self.leading_term == Some(term) {
+            self.removing.retain(|m| !members.contains(m));
+        }
+    }
+
     /// Members this leader proposed declaring failed in this term.
     pub fn being_removed(&self) -> &BTreeSet<MemberId> {
         &self.removing
@@ -386,6 +397,29 @@ mod tests {
         leader.removing(&BTreeSet::from([2]));
         assert_eq!(leader.grant_ms(2, Instant::now()), 0);
         assert!(leader.grant_ms(4, Instant::now()) > 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_member_restarted_right_after_its_declaration_gets_a_lease_again() {
+        let mut leader = Lease::new(500, 1_200, 50);
+        leader.leading(3);
+        leader.leader_confirmed(3, Instant::now(), 0);
+        leader.removing(&BTreeSet::from([2]));
+        // Its restart's start cleared the applied mark before the monitor saw it set.
+        leader.removals_applied(&BTreeSet::new());
+        assert_eq!(
+            leader.grant_ms(2, Instant::now()),
+            0,
+            "the entry may commit"
+        );
+        leader.removal_done(2, &BTreeSet::from([2]));
+        assert_eq!(
+            leader.grant_ms(2, Instant::now()),
+            0,
+            "another term's answer"
+        );
+        leader.removal_done(3, &BTreeSet::from([2]));
+        assert!(leader.grant_ms(2, Instant::now()) > 0);
     }
 
     #[tokio::test(start_paused = true)]

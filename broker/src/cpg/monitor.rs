@@ -153,13 +153,20 @@ impl Cpg {
                     lease.removing(&fail);
                     tracing::warn!(member = inner.id, ?fail, "declaring CPG members failed");
                     let raft = inner.raft.clone();
+                    let lease = Arc::clone(&inner.lease);
                     let timeout = write_timeout(&inner.config);
                     let cmd = Command::Fail {
-                        members: fail.into_iter().collect(),
+                        members: fail.iter().copied().collect(),
                     };
                     monitor.fail = Some(tokio::spawn(async move {
-                        // Not committed in time: proposed again on a later tick.
-                        let _ = tokio::time::timeout(timeout, raft.client_write(cmd)).await;
+                        // Not committed in time: proposed again on a later tick, and until
+                        // this term ends or the applied set shows it, the members stay denied
+                        // a lease (the entry may still commit).
+                        if let Ok(Ok(_)) =
+                            tokio::time::timeout(timeout, raft.client_write(cmd)).await
+                        {
+                            lease.lock().removal_done(term, &fail);
+                        }
                     }));
                 }
                 // With a disk, a failed voter comes back as the same voter: removing it would
