@@ -186,6 +186,12 @@ pub struct Config {
     /// keeps: its primary's next members in the ring, each a full copy that can take over.
     /// 0: proxied from every member but lost with its primary. Exclusive queues have none.
     pub default_backups: u8,
+    /// The longest a resumable session outlives a lost connection, in seconds: a client's
+    /// `qpid.session.timeout` is cut to it, and `connection.start` advertises it
+    /// (`docs/sessions.md`).
+    pub session_max_timeout_s: u64,
+    /// The timeout a session gets when its client asks for none, in seconds.
+    pub session_default_timeout_s: u64,
     /// Bytes of message bodies one queue keeps in memory (flow-to-disk): bodies beyond it
     /// live only in the journal and are read back on delivery. 0 keeps every body in memory.
     pub queue_memory_budget_bytes: u64,
@@ -256,6 +262,8 @@ impl Default for Config {
             cluster_founder: None,
             queue_primary_locator: Default::default(),
             default_backups: crate::cluster::roles::DEFAULT_BACKUPS,
+            session_max_timeout_s: 300,
+            session_default_timeout_s: 60,
             queue_memory_budget_bytes: 64 * 1024 * 1024,
             replication_catch_up_timeout_ms: 120_000,
             replication_catch_up_held_bytes: 64 * 1024 * 1024,
@@ -450,6 +458,14 @@ impl Config {
                 self.default_backups,
                 crate::cluster::roles::MAX_BACKUPS,
                 crate::cluster::roles::MAX_BACKUPS
+            )));
+        }
+        if self.session_default_timeout_s == 0
+            || self.session_default_timeout_s > self.session_max_timeout_s
+        {
+            return Err(ConfigError::Invalid(format!(
+                "session_default_timeout_s {} must be between 1 and session_max_timeout_s ({})",
+                self.session_default_timeout_s, self.session_max_timeout_s
             )));
         }
         if self.vhosts.is_empty() {

@@ -22,4 +22,5 @@ pub mod cpg;
 pub mod proxy;
 pub mod replication;
 pub mod server;
+pub mod session;
 pub mod store;

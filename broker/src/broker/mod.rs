@@ -61,6 +61,8 @@ pub struct Broker {
     pub registry: connections::Registry,
     vhosts: RwLock<HashMap<String, Arc<Mutex<VHost>>>>,
     outboxes: RwLock<HashMap<u64, Arc<Outbox>>>,
+    /// Resumable sessions (`docs/sessions.md`).
+    sessions: crate::session::Sessions,
     next_conn_id: AtomicU64,
     blocked: AtomicBool,
     blocked_reason: Mutex<&'static str>,
@@ -119,6 +121,10 @@ impl Broker {
             proxies.links.clone(),
             config.catch_up_limits(),
         ));
+        let sessions = crate::session::Sessions::new(crate::session::TimeoutLimits {
+            default: Duration::from_secs(config.session_default_timeout_s),
+            max: Duration::from_secs(config.session_max_timeout_s),
+        });
         Ok(Arc::new(Self {
             users: UserStore::new(
                 config.users.clone(),
@@ -134,6 +140,7 @@ impl Broker {
             config,
             vhosts: RwLock::new(recovered.vhosts),
             outboxes: RwLock::new(HashMap::new()),
+            sessions,
             next_conn_id: AtomicU64::new(1),
             blocked: AtomicBool::new(false),
             blocked_reason: Mutex::new(""),
@@ -322,9 +329,24 @@ impl Broker {
         (id, outbox)
     }
 
-    /// Whether connection `id` is open (registered and not yet forgotten).
+    /// Whether connection `id` is open (registered and not yet forgotten), or a session with
+    /// that owner id lives (what it owns must stay while it waits for a resume).
     pub fn has_connection(&self, id: u64) -> bool {
-        self.outboxes.read().contains_key(&id)
+        self.outboxes.read().contains_key(&id) || self.sessions.owns(id)
+    }
+
+    /// The broker's sessions.
+    pub fn sessions(&self) -> &crate::session::Sessions {
+        &self.sessions
+    }
+
+    /// Connection `id` resumed a session whose owner id is `owner`: from now on it is
+    /// connection `owner`, so that what the vhosts keep by connection finds it.
+    pub fn rekey_connection(&self, id: u64, owner: u64) {
+        let mut outboxes = self.outboxes.write();
+        if let Some(outbox) = outboxes.remove(&id) {
+            outboxes.insert(owner, outbox);
+        }
     }
 
     /// Forgets a closed connection.

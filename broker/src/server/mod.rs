@@ -159,10 +159,25 @@ async fn tick_loop(broker: Arc<Broker>) {
     let mut fx = Effects::default();
     loop {
         interval.tick().await;
+        end_expired_sessions(&broker, &mut fx);
         for (_, vhost) in broker.vhosts() {
             let mut v = vhost.lock();
             v.tick(now_ms(), &mut fx);
             broker.finish_batch(0, &mut v, &mut fx);
         }
+    }
+}
+
+/// Sessions whose timeout ran out without a resume end: what they owned (exclusive queues)
+/// goes, as when a connection without a session closes.
+fn end_expired_sessions(broker: &Broker, fx: &mut Effects) {
+    for ended in broker.sessions().expire(std::time::Instant::now()) {
+        tracing::info!(owner = ended.owner, "session expired without a resume");
+        let Some(vhost) = ended.vhost.as_deref().and_then(|name| broker.vhost(name)) else {
+            continue;
+        };
+        let mut v = vhost.lock();
+        v.connection_closed(ended.owner, fx);
+        broker.finish_batch(ended.owner, &mut v, fx);
     }
 }

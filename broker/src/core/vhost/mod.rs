@@ -360,6 +360,13 @@ impl VHost {
         );
     }
 
+    /// The next delivery tag of channel `key`, for a message the broker makes up and delivers
+    /// there without a queue (a session's status, `docs/sessions.md`), so that the channel's
+    /// tags stay one increasing sequence. `None` for a channel that is not open.
+    pub fn take_delivery_tag(&mut self, key: ChannelKey) -> Option<u64> {
+        self.channels.get_mut(&key).map(|ch| ch.next_tag())
+    }
+
     /// channel.close (or the connection went away): unacked messages go back to their
     /// queues in their original places, consumers are removed.
     pub fn channel_close(&mut self, key: ChannelKey, now_ms: u64, fx: &mut Effects) {

@@ -109,6 +109,9 @@ impl Connection {
                     );
                 }
             }
+            basic::AMQPMethod::Get(g) if Self::is_session_status(g.queue.as_str()) => {
+                self.get_session_status(id, g.no_ack, v)?;
+            }
             basic::AMQPMethod::Get(g) => {
                 let q = need_queue(g.queue.as_str())?;
                 permit(&self.perms, Access::Read, Resource::Queue(&q))?;

@@ -58,6 +58,9 @@ impl Connection {
     pub(super) fn connection_error(&mut self, e: ConnError) {
         tracing::warn!(conn = self.id, peer = %self.peer, code = e.code, text = %e.text, "closing connection on error");
         self.close_reason = format!("{} {}", e.code, e.text);
+        // 320 (drain, lost majority, shutdown, an operator) asks the client to go elsewhere
+        // and resume; any other error the client caused ends its session with it.
+        self.keep_session = e.code == codes::CONNECTION_FORCED;
         self.writer.method(
             0,
             AMQPClass::Connection(connection::AMQPMethod::Close(connection::Close {
@@ -146,9 +149,13 @@ impl Connection {
                 self.close_reason =
                     format!("client closed: {} {}", close.reply_code, close.reply_text);
                 self.close_all_channels(v);
+                self.keep_session = close.reply_code == crate::session::KEEP_SESSION;
                 // Exclusive queues go before close-ok, so a client that saw close-ok finds
-                // them gone (RabbitMQ's order; a test relies on it).
-                v.get().connection_closed(self.id, &mut self.fx);
+                // them gone (RabbitMQ's order; a test relies on it) — unless the client keeps
+                // its session, which owns them.
+                if self.session.is_none() || !self.keep_session {
+                    v.get().connection_closed(self.id, &mut self.fx);
+                }
                 self.writer.method(
                     0,
                     AMQPClass::Connection(connection::AMQPMethod::CloseOk(connection::CloseOk {})),

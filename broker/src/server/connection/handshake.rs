@@ -22,6 +22,7 @@ impl Connection {
             "connection.blocked",
             "authentication_failure_close",
             "per_consumer_qos",
+            crate::session::CAPABILITY,
         ] {
             caps.insert(cap.into(), AMQPValue::Boolean(true));
         }
@@ -32,6 +33,11 @@ impl Connection {
         props.insert("platform".into(), s("Rust"));
         props.insert("information".into(), s("A clustered AMQP 0-9-1 broker"));
         props.insert("capabilities".into(), AMQPValue::FieldTable(caps));
+        let max_timeout = self.broker.sessions().max_timeout().as_secs();
+        props.insert(
+            crate::session::TIMEOUT_PROPERTY.into(),
+            AMQPValue::LongLongInt(i64::try_from(max_timeout).unwrap_or(i64::MAX)),
+        );
         self.writer.method(
             0,
             AMQPClass::Connection(connection::AMQPMethod::Start(connection::Start {
@@ -140,6 +146,9 @@ impl Connection {
                 return Ok(());
             }
         }
+        if !self.link {
+            self.attach_session(&ok.client_properties)?;
+        }
         let c = &self.broker.config;
         self.writer.method(
             0,
@@ -150,6 +159,40 @@ impl Connection {
             })),
         );
         self.phase = Phase::Tune;
+        Ok(())
+    }
+
+    /// Starts or resumes the session the client-properties name (`docs/sessions.md`); a
+    /// resumed session's connection takes its owner id. Refused with the code the session
+    /// contract names (530 malformed, 404 unknown, 405 attached elsewhere or id taken, 403
+    /// another user's).
+    fn attach_session(&mut self, props: &crate::amqp::FieldTable) -> Result<(), ConnError> {
+        let refused = |e: crate::session::SessionError| ConnError::new(e.code, e.text);
+        let Some(request) = crate::session::parse_request(props).map_err(refused)? else {
+            return Ok(());
+        };
+        let user = self
+            .user
+            .as_ref()
+            .expect("authenticated first")
+            .name
+            .clone();
+        let sessions = self.broker.sessions();
+        let attached = match request {
+            crate::session::SessionRequest::Start { id, timeout_s } => {
+                sessions.start(id, timeout_s, &user, self.id)
+            }
+            crate::session::SessionRequest::Resume { id } => {
+                sessions.resume(id, &user, std::time::Instant::now())
+            }
+        }
+        .map_err(refused)?;
+        if attached.owner != self.id {
+            self.broker.rekey_connection(self.id, attached.owner);
+            self.id = attached.owner;
+        }
+        tracing::info!(conn = self.id, session = %attached.id, resumed = attached.resumed, timeout_s = attached.timeout.as_secs(), "session attached");
+        self.session = Some(attached);
         Ok(())
     }
 
@@ -239,6 +282,12 @@ impl Connection {
                 format!("vhost {name} not found"),
             ));
         };
+        if let Some(session) = &self.session {
+            self.broker
+                .sessions()
+                .open_vhost(session.id, name)
+                .map_err(|e| ConnError::new(e.code, e.text))?;
+        }
         self.broker
             .connection_opened(self.id, self.peer, &user.name, name)
             .map_err(|limit| ConnError::new(codes::NOT_ALLOWED, limit))?;

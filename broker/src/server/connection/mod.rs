@@ -21,6 +21,7 @@ mod output;
 mod proxied;
 mod publish;
 mod replica;
+mod session_status;
 mod tx;
 mod wiring;
 
@@ -115,7 +116,15 @@ pub struct TlsPeer {
 }
 
 struct Connection {
+    /// The connection's id; a connection that resumed a session takes the session's owner
+    /// id instead (`session.rs`), so that what the vhosts keep by connection follows it.
     id: u64,
+    /// The resumable session this connection is attached to, if it asked for one.
+    session: Option<crate::session::Attached>,
+    /// Whether the session outlives this connection when it ends: yes after an abrupt end,
+    /// a client's close with 330 (KEEP_SESSION) or the broker's close with 320; no after any
+    /// other close.
+    keep_session: bool,
     /// Set for connections that came through the TLS listener.
     tls: Option<TlsPeer>,
     broker: Arc<Broker>,
@@ -194,6 +203,8 @@ where
     let (id, outbox) = broker.register();
     let mut conn = Connection {
         id,
+        session: None,
+        keep_session: true,
         tls,
         frame_max: broker.config.frame_max,
         channel_max: broker.config.channel_max,
@@ -236,8 +247,13 @@ where
     // deleted, the connection no longer counted — and only then does the socket wait for
     // the client to close its side.
     conn.release();
-    broker.unregister(id);
-    conn.stats.closed(&broker.stats, id); // metrics
+    broker.unregister(conn.id);
+    if let Some(session) = conn.session {
+        broker
+            .sessions()
+            .detach(session.id, conn.keep_session, std::time::Instant::now());
+    }
+    conn.stats.closed(&broker.stats, conn.id); // metrics
     let user = conn.user.as_ref().map(|u| u.name.as_str()).unwrap_or("-");
     match result {
         Ok(finish) => {
@@ -524,7 +540,9 @@ impl Connection {
         for ch in self.channels.values() {
             v.channel_close(ch.key, now, &mut self.fx);
         }
-        v.connection_closed(self.id, &mut self.fx);
+        if self.session.is_none() || !self.keep_session {
+            v.connection_closed(self.id, &mut self.fx);
+        }
         self.fx.deliveries.retain(|d| d.channel.conn != self.id);
         self.fx.cancelled.retain(|c| c.channel.conn != self.id);
         self.fx.remote_settles.clear();

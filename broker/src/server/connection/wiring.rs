@@ -47,6 +47,11 @@ impl Connection {
             AMQPClass::Exchange(exchange::AMQPMethod::Declare(d)) if d.passive => {
                 return self.exchange_declare_passive(id, d, v);
             }
+            AMQPClass::Queue(queue::AMQPMethod::Declare(d))
+                if d.passive && Self::is_session_status(d.queue.as_str()) =>
+            {
+                return self.declare_session_status(id, d.nowait);
+            }
             AMQPClass::Queue(queue::AMQPMethod::Declare(d)) if d.passive => {
                 return self.queue_declare_passive(id, d, v);
             }

@@ -1,0 +1,561 @@
+//! Resumable sessions (`docs/sessions.md`): a client names a session in its `start-ok`
+//! client-properties, and the session outlives a lost connection for its granted timeout, so
+//! that the client can resume it and find what the session owns — its exclusive and
+//! auto-delete queues, with their content — still there.
+//!
+//! The registry is the broker's record of its sessions; it holds no sockets and reads no
+//! clock (the caller passes the time), so its rules are tested without I/O. A session's
+//! *owner id* is the connection id of the connection that started it: every connection
+//! attached to the session takes that id, so that what the vhost core keys by connection
+//! (exclusive queues, channels, deliveries' mailboxes) follows the session, not the socket.
+
+use crate::amqp::{AMQPValue, FieldTable, Properties, ShortString, codes};
+use crate::core::Message;
+use bytes::Bytes;
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+use uuid::Uuid;
+
+/// Client property that opens a new session.
+pub const START_PROPERTY: &str = "qpid.session.start";
+/// Client property that resumes a session.
+pub const RESUME_PROPERTY: &str = "qpid.session.resume";
+/// Client property asking for a timeout (seconds); server property with the maximum.
+pub const TIMEOUT_PROPERTY: &str = "qpid.session.timeout";
+/// The capability a broker that offers sessions advertises.
+pub const CAPABILITY: &str = "qpid.session";
+/// `connection.close` reply code with which a client closes its connection and keeps its
+/// session (the design note's new code).
+pub const KEEP_SESSION: u16 = 330;
+/// The pseudo-queue from which a session's connection reads its status (`docs/sessions.md`).
+pub const STATUS_QUEUE: &str = "amq.session";
+
+/// Why a session could not be opened or resumed: the `connection.close` reply code and text.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{text}")]
+pub struct SessionError {
+    /// The AMQP reply code.
+    pub code: u16,
+    /// What to fix, naming the session.
+    pub text: String,
+}
+
+impl SessionError {
+    fn new(code: u16, text: impl Into<String>) -> SessionError {
+        SessionError {
+            code,
+            text: text.into(),
+        }
+    }
+}
+
+/// What a client asked for in its client-properties.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SessionRequest {
+    /// Open session `id`, kept `timeout_s` seconds after a lost connection (`None`: the
+    /// broker's default).
+    Start {
+        /// The session id the client generated.
+        id: Uuid,
+        /// The timeout it asked for.
+        timeout_s: Option<u64>,
+    },
+    /// Resume session `id`.
+    Resume {
+        /// The session id.
+        id: Uuid,
+    },
+}
+
+/// Reads the session properties of a `start-ok`: `None` for a client that asks for no session.
+pub fn parse_request(props: &FieldTable) -> Result<Option<SessionRequest>, SessionError> {
+    let get = |name: &str| props.inner().get(name);
+    let id = |name: &str, value: &AMQPValue| -> Result<Uuid, SessionError> {
+        let text = match value {
+            AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
+            AMQPValue::ShortString(s) => s.as_str().to_owned(),
+            other => {
+                return Err(SessionError::new(
+                    codes::NOT_ALLOWED,
+                    format!(
+                        "client property {name} must be a string holding a UUID, not {other:?}"
+                    ),
+                ));
+            }
+        };
+        Uuid::parse_str(text.trim()).map_err(|e| {
+            SessionError::new(
+                codes::NOT_ALLOWED,
+                format!("client property {name} '{text}' is not a UUID: {e}"),
+            )
+        })
+    };
+    match (get(START_PROPERTY), get(RESUME_PROPERTY)) {
+        (Some(_), Some(_)) => Err(SessionError::new(
+            codes::NOT_ALLOWED,
+            format!(
+                "client properties {START_PROPERTY} and {RESUME_PROPERTY} exclude each other: send one"
+            ),
+        )),
+        (Some(start), None) => {
+            let timeout_s = match get(TIMEOUT_PROPERTY) {
+                None => None,
+                Some(v) => Some(integer(v).ok_or_else(|| {
+                    SessionError::new(
+                        codes::NOT_ALLOWED,
+                        format!("client property {TIMEOUT_PROPERTY} must be an integer number of seconds >= 0, not {v:?}"),
+                    )
+                })?),
+            };
+            Ok(Some(SessionRequest::Start {
+                id: id(START_PROPERTY, start)?,
+                timeout_s,
+            }))
+        }
+        (None, Some(resume)) => Ok(Some(SessionRequest::Resume {
+            id: id(RESUME_PROPERTY, resume)?,
+        })),
+        (None, None) => Ok(None),
+    }
+}
+
+/// A non-negative integer of any AMQP integer type, or a string of decimal digits (some
+/// client libraries, lapin among them, set only string client-properties).
+fn integer(v: &AMQPValue) -> Option<u64> {
+    match v {
+        AMQPValue::LongString(s) => {
+            return std::str::from_utf8(s.as_bytes()).ok()?.trim().parse().ok();
+        }
+        AMQPValue::ShortString(s) => return s.as_str().trim().parse().ok(),
+        _ => {}
+    }
+    match *v {
+        AMQPValue::ShortShortInt(n) => u64::try_from(n).ok(),
+        AMQPValue::ShortShortUInt(n) => Some(n.into()),
+        AMQPValue::ShortInt(n) => u64::try_from(n).ok(),
+        AMQPValue::ShortUInt(n) => Some(n.into()),
+        AMQPValue::LongInt(n) => u64::try_from(n).ok(),
+        AMQPValue::LongUInt(n) => Some(n.into()),
+        AMQPValue::LongLongInt(n) => u64::try_from(n).ok(),
+        AMQPValue::Timestamp(n) => Some(n),
+        _ => None,
+    }
+}
+
+/// The broker's limits on session timeouts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TimeoutLimits {
+    /// Granted to a client that asks for none (or for 0).
+    pub default: Duration,
+    /// The most granted, advertised in `connection.start`.
+    pub max: Duration,
+}
+
+/// A session the connection is attached to, as the connection keeps it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Attached {
+    /// The session id.
+    pub id: Uuid,
+    /// The session's owner id: the connection's id from now on.
+    pub owner: u64,
+    /// The timeout granted.
+    pub timeout: Duration,
+    /// Whether this attachment resumed the session (false: it started it).
+    pub resumed: bool,
+}
+
+impl Attached {
+    /// The message the [`STATUS_QUEUE`] pseudo-queue holds for this attachment: the granted
+    /// timeout and whether it resumed, as JSON (`content-type: application/json`) and as the
+    /// same fields in headers, for clients that do not parse JSON.
+    pub fn status_message(&self) -> Message {
+        let timeout_s = self.timeout.as_secs();
+        let body = serde_json::json!({
+            "session": self.id.to_string(),
+            "timeout_s": timeout_s,
+            "resumed": self.resumed,
+        });
+        let mut headers = FieldTable::default();
+        headers.insert(
+            "qpid.session".into(),
+            AMQPValue::LongString(self.id.to_string().as_str().into()),
+        );
+        headers.insert(
+            TIMEOUT_PROPERTY.into(),
+            AMQPValue::LongLongInt(i64::try_from(timeout_s).unwrap_or(i64::MAX)),
+        );
+        headers.insert(
+            "qpid.session.resumed".into(),
+            AMQPValue::Boolean(self.resumed),
+        );
+        Message::authored(
+            ShortString::from(""),
+            ShortString::from(STATUS_QUEUE),
+            Properties::default()
+                .with_content_type(ShortString::from("application/json"))
+                .with_headers(headers),
+            Bytes::from(body.to_string()),
+        )
+    }
+}
+
+/// A session that ended: what it owned goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Ended {
+    /// The session's owner id.
+    pub owner: u64,
+    /// The vhost its connections used (none if none opened one).
+    pub vhost: Option<String>,
+}
+
+#[derive(Debug)]
+struct Session {
+    owner: u64,
+    user: String,
+    vhost: Option<String>,
+    timeout: Duration,
+    /// `None` while a connection is attached.
+    detached_since: Option<Instant>,
+}
+
+impl Session {
+    fn expired(&self, now: Instant) -> bool {
+        self.detached_since
+            .is_some_and(|since| now.saturating_duration_since(since) >= self.timeout)
+    }
+}
+
+/// Every session of this broker, attached or waiting for a resume.
+#[derive(Debug)]
+pub struct Sessions {
+    limits: TimeoutLimits,
+    sessions: Mutex<HashMap<Uuid, Session>>,
+}
+
+impl Sessions {
+    /// An empty registry granting timeouts within `limits`.
+    pub fn new(limits: TimeoutLimits) -> Sessions {
+        Sessions {
+            limits,
+            sessions: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The most this broker grants (advertised in `connection.start`).
+    pub fn max_timeout(&self) -> Duration {
+        self.limits.max
+    }
+
+    /// Opens session `id` for `user` on connection `conn` (its owner id from now on).
+    pub fn start(
+        &self,
+        id: Uuid,
+        timeout_s: Option<u64>,
+        user: &str,
+        conn: u64,
+    ) -> Result<Attached, SessionError> {
+        let mut sessions = self.sessions.lock();
+        if sessions.contains_key(&id) {
+            return Err(SessionError::new(
+                codes::RESOURCE_LOCKED,
+                format!(
+                    "session {id} exists already: resume it with {RESUME_PROPERTY}, or start one with a new id"
+                ),
+            ));
+        }
+        let timeout = match timeout_s {
+            None | Some(0) => self.limits.default,
+            Some(s) => Duration::from_secs(s),
+        }
+        .min(self.limits.max);
+        sessions.insert(
+            id,
+            Session {
+                owner: conn,
+                user: user.to_owned(),
+                vhost: None,
+                timeout,
+                detached_since: None,
+            },
+        );
+        Ok(Attached {
+            id,
+            owner: conn,
+            timeout,
+            resumed: false,
+        })
+    }
+
+    /// Resumes session `id` for `user` at `now`: the connection takes the session's owner id.
+    pub fn resume(&self, id: Uuid, user: &str, now: Instant) -> Result<Attached, SessionError> {
+        let mut sessions = self.sessions.lock();
+        let Some(s) = sessions.get_mut(&id).filter(|s| !s.expired(now)) else {
+            return Err(SessionError::new(
+                codes::NOT_FOUND,
+                format!("no session {id} on this broker: it never existed here, ended, or expired"),
+            ));
+        };
+        if s.user != user {
+            return Err(SessionError::new(
+                codes::ACCESS_REFUSED,
+                format!("session {id} belongs to another user"),
+            ));
+        }
+        if s.detached_since.is_none() {
+            return Err(SessionError::new(
+                codes::RESOURCE_LOCKED,
+                format!("session {id} is attached to another connection"),
+            ));
+        }
+        s.detached_since = None;
+        Ok(Attached {
+            id,
+            owner: s.owner,
+            timeout: s.timeout,
+            resumed: true,
+        })
+    }
+
+    /// The session's connection opens `vhost`: a session lives in one vhost, so a resume
+    /// that opens another is refused (`Err` with the session's).
+    pub fn open_vhost(&self, id: Uuid, vhost: &str) -> Result<(), SessionError> {
+        let mut sessions = self.sessions.lock();
+        let Some(s) = sessions.get_mut(&id) else {
+            return Ok(());
+        };
+        match &s.vhost {
+            Some(v) if v != vhost => Err(SessionError::new(
+                codes::NOT_ALLOWED,
+                format!("session {id} lives in vhost '{v}', not '{vhost}'"),
+            )),
+            Some(_) => Ok(()),
+            None => {
+                s.vhost = Some(vhost.to_owned());
+                Ok(())
+            }
+        }
+    }
+
+    /// The session's connection is gone at `now`: kept for its timeout when `keep`, else
+    /// ended (returned, for the caller to release what it owned).
+    pub fn detach(&self, id: Uuid, keep: bool, now: Instant) -> Option<Ended> {
+        let mut sessions = self.sessions.lock();
+        if keep {
+            if let Some(s) = sessions.get_mut(&id) {
+                s.detached_since = Some(now);
+            }
+            return None;
+        }
+        sessions.remove(&id).map(|s| Ended {
+            owner: s.owner,
+            vhost: s.vhost,
+        })
+    }
+
+    /// Removes and returns the sessions whose timeout ran out by `now` without a resume.
+    pub fn expire(&self, now: Instant) -> Vec<Ended> {
+        let mut sessions = self.sessions.lock();
+        let expired: Vec<Uuid> = sessions
+            .iter()
+            .filter(|(_, s)| s.expired(now))
+            .map(|(id, _)| *id)
+            .collect();
+        expired
+            .into_iter()
+            .filter_map(|id| sessions.remove(&id))
+            .map(|s| Ended {
+                owner: s.owner,
+                vhost: s.vhost,
+            })
+            .collect()
+    }
+
+    /// Whether a session with owner id `owner` exists (attached or not): what it owns lives.
+    pub fn owns(&self, owner: u64) -> bool {
+        self.sessions.lock().values().any(|s| s.owner == owner)
+    }
+
+    /// How many sessions exist, and how many of them wait without a connection.
+    pub fn counts(&self) -> (usize, usize) {
+        let sessions = self.sessions.lock();
+        let detached = sessions
+            .values()
+            .filter(|s| s.detached_since.is_some())
+            .count();
+        (sessions.len(), detached)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits() -> TimeoutLimits {
+        TimeoutLimits {
+            default: Duration::from_secs(60),
+            max: Duration::from_secs(300),
+        }
+    }
+
+    fn props(pairs: &[(&str, AMQPValue)]) -> FieldTable {
+        let mut t = FieldTable::default();
+        for (k, v) in pairs {
+            t.insert((*k).into(), v.clone());
+        }
+        t
+    }
+
+    const ID: &str = "6f1c4f9e-2b7d-4c53-9a51-0d2f1e3b8a77";
+
+    #[test]
+    fn client_properties_name_a_start_a_resume_or_nothing() {
+        let id = Uuid::parse_str(ID).unwrap();
+        assert_eq!(parse_request(&FieldTable::default()), Ok(None));
+        assert_eq!(
+            parse_request(&props(&[
+                (START_PROPERTY, AMQPValue::LongString(ID.into())),
+                (TIMEOUT_PROPERTY, AMQPValue::ShortInt(30)),
+            ])),
+            Ok(Some(SessionRequest::Start {
+                id,
+                timeout_s: Some(30)
+            }))
+        );
+        assert_eq!(
+            parse_request(&props(&[
+                (START_PROPERTY, AMQPValue::LongString(ID.into())),
+                (TIMEOUT_PROPERTY, AMQPValue::LongString("45".into())),
+            ])),
+            Ok(Some(SessionRequest::Start {
+                id,
+                timeout_s: Some(45)
+            })),
+            "lapin sends only strings"
+        );
+        assert_eq!(
+            parse_request(&props(&[(
+                RESUME_PROPERTY,
+                AMQPValue::LongString(ID.into())
+            )])),
+            Ok(Some(SessionRequest::Resume { id }))
+        );
+    }
+
+    #[test]
+    fn malformed_session_properties_are_refused_with_530_saying_what_is_wrong() {
+        let refused = |p: FieldTable, says: &str| {
+            let e = parse_request(&p).unwrap_err();
+            assert_eq!(e.code, codes::NOT_ALLOWED);
+            assert!(e.text.contains(says), "{e}");
+        };
+        refused(
+            props(&[(START_PROPERTY, AMQPValue::LongString("nope".into()))]),
+            "is not a UUID",
+        );
+        refused(
+            props(&[
+                (START_PROPERTY, AMQPValue::LongString(ID.into())),
+                (RESUME_PROPERTY, AMQPValue::LongString(ID.into())),
+            ]),
+            "exclude each other",
+        );
+        refused(
+            props(&[
+                (START_PROPERTY, AMQPValue::LongString(ID.into())),
+                (TIMEOUT_PROPERTY, AMQPValue::LongInt(-1)),
+            ]),
+            "integer number of seconds",
+        );
+        refused(
+            props(&[(RESUME_PROPERTY, AMQPValue::Boolean(true))]),
+            "must be a string",
+        );
+    }
+
+    #[test]
+    fn a_session_is_granted_at_most_the_maximum_and_the_default_when_it_asks_none() {
+        let s = Sessions::new(limits());
+        let a = |n: u128| Uuid::from_u128(n);
+        assert_eq!(
+            s.start(a(1), Some(3600), "u", 1).unwrap().timeout,
+            limits().max
+        );
+        assert_eq!(
+            s.start(a(2), None, "u", 2).unwrap().timeout,
+            limits().default
+        );
+        assert_eq!(
+            s.start(a(3), Some(0), "u", 3).unwrap().timeout,
+            limits().default
+        );
+        assert_eq!(
+            s.start(a(4), Some(5), "u", 4).unwrap().timeout,
+            Duration::from_secs(5)
+        );
+        assert_eq!(
+            s.start(a(4), None, "u", 5).unwrap_err().code,
+            codes::RESOURCE_LOCKED,
+            "an id is never reused"
+        );
+    }
+
+    #[test]
+    fn a_kept_session_resumes_once_with_its_owner_until_its_timeout() {
+        let s = Sessions::new(limits());
+        let id = Uuid::from_u128(7);
+        let t0 = Instant::now();
+        s.start(id, Some(10), "alice", 42).unwrap();
+        assert_eq!(
+            s.resume(id, "alice", t0).unwrap_err().code,
+            codes::RESOURCE_LOCKED,
+            "attached to a live connection"
+        );
+        assert_eq!(s.detach(id, true, t0), None);
+        assert!(s.owns(42));
+        assert_eq!(
+            s.resume(id, "bob", t0).unwrap_err().code,
+            codes::ACCESS_REFUSED
+        );
+        let back = s.resume(id, "alice", t0 + Duration::from_secs(9)).unwrap();
+        assert_eq!((back.owner, back.resumed), (42, true));
+        s.detach(id, true, t0 + Duration::from_secs(9));
+        let late = t0 + Duration::from_secs(19);
+        assert_eq!(
+            s.resume(id, "alice", late).unwrap_err().code,
+            codes::NOT_FOUND
+        );
+        assert_eq!(
+            s.expire(late),
+            vec![Ended {
+                owner: 42,
+                vhost: None
+            }]
+        );
+        assert!(!s.owns(42));
+    }
+
+    #[test]
+    fn a_session_not_kept_ends_at_once_with_its_vhost() {
+        let s = Sessions::new(limits());
+        let id = Uuid::from_u128(8);
+        s.start(id, None, "u", 5).unwrap();
+        s.open_vhost(id, "/").unwrap();
+        assert_eq!(
+            s.open_vhost(id, "other").unwrap_err().code,
+            codes::NOT_ALLOWED
+        );
+        assert_eq!(
+            s.detach(id, false, Instant::now()),
+            Some(Ended {
+                owner: 5,
+                vhost: Some("/".into())
+            })
+        );
+        assert_eq!(s.counts(), (0, 0));
+        assert_eq!(
+            s.resume(id, "u", Instant::now()).unwrap_err().code,
+            codes::NOT_FOUND
+        );
+    }
+}
