@@ -31,12 +31,12 @@ mod catch_up_pump;
 mod link_watch;
 mod stats;
 
-pub use stats::ReplicationStats;
+pub use stats::{BackupReplication, CatchUpProgress, QueueReplication, ReplicationStats};
 
 use stats::Counters;
 
 use super::REPLICATION_EXCHANGE;
-use super::catch_up::{CatchUp, CatchUpLimits, Phase};
+use super::catch_up::{CatchUp, CatchUpLimits, OpsFrame, Phase};
 use super::codec::{Frame, op_len};
 use super::ledger::Ledger;
 use crate::core::VHost;
@@ -88,16 +88,31 @@ pub trait ReplicationHost: Send + Sync + std::fmt::Debug + 'static {
     fn read_paged(&self, keys: &[DiskBody]) -> Result<Vec<Option<Bytes>>, String>;
 }
 
-/// A frame on its way to one backup, for the watcher of that backup's link.
+/// What a frame about to go to one backup is, for the watcher of that backup's link.
+#[derive(Debug)]
+struct Outgoing {
+    /// The queue whose ops or image it carries.
+    queue: Arc<str>,
+    /// Its queue ops (an image chunk: its messages), for the lag `/metrics` reports.
+    ops: u32,
+    /// The batch it belongs to.
+    stamp: u64,
+    /// The last frame of a catch-up (its attempt): once confirmed, the backup is in sync for
+    /// the queue — if that attempt is still the current one.
+    image: Option<u64>,
+}
+
+/// A frame on its way to one backup, until the backup answers it. The per-queue lag on
+/// `/metrics` is summed from these at scrape time, so the replicate path keeps no counter
+/// of its own.
 #[derive(Debug)]
 struct Sent {
     /// The tracker's number for it.
     id: u64,
-    /// The batch it belongs to.
-    stamp: u64,
-    /// The last frame of a catch-up (queue, attempt): once confirmed, the backup is in sync
-    /// for this queue — if that attempt is still the current one.
-    image: Option<(Arc<str>, u64)>,
+    /// Its encoded bytes.
+    bytes: u64,
+    /// What it is.
+    what: Outgoing,
 }
 
 /// One backup's link for one vhost.
@@ -231,14 +246,15 @@ impl Replicator {
         let after_index = host.applied_index();
         let now = Instant::now();
         for (roles, frame) in frames {
-            let Frame::Ops { queue, .. } = &frame else {
+            let Frame::Ops { queue, ops, .. } = &frame else {
                 unreachable!("replicate builds ops frames only");
             };
             let queue = queue.clone();
+            let ops = u32::try_from(ops.len()).unwrap_or(u32::MAX);
             // An enqueue carries the message as published, in memory; should one not, the
             // backups miss these ops, refuse the next ones, and are caught up again.
             let message = match encode(&frame) {
-                Ok(m) => m,
+                Ok(message) => OpsFrame { message, ops },
                 Err(e) => {
                     tracing::error!(vhost, error = %e, "replication frame not sent");
                     continue;
@@ -248,13 +264,18 @@ impl Replicator {
                 if self.divert(&mut state, vhost, backup, &queue, &message, now) {
                     continue;
                 }
+                let what = Outgoing {
+                    queue: queue.clone(),
+                    ops,
+                    stamp,
+                    image: None,
+                };
                 if let Some(job) = self.frame_job(
                     &mut state,
                     vhost,
                     backup,
-                    &message,
-                    stamp,
-                    None,
+                    &message.message,
+                    what,
                     after_index,
                 ) {
                     batches.entry(backup.clone()).or_default().push(job);
@@ -275,7 +296,7 @@ impl Replicator {
         vhost: &str,
         backup: &str,
         queue: &Arc<str>,
-        message: &Arc<Message>,
+        message: &OpsFrame,
         now: Instant,
     ) -> bool {
         let Some(link) = state.links.get_mut(&(backup.to_owned(), vhost.to_owned())) else {
@@ -377,17 +398,14 @@ impl Replicator {
     }
 
     /// A job carrying `frame` (encoded by [`encode`]) to `backup`, registered with its link
-    /// (`None` when the link is broken: its catch-up will send an image instead). `image`
-    /// marks the last frame of a catch-up (queue, attempt).
-    #[allow(clippy::too_many_arguments)]
+    /// as `what` (`None` when the link is broken: its catch-up will send an image instead).
     fn frame_job(
         &self,
         state: &mut State,
         vhost: &str,
         backup: &str,
         frame: &Arc<Message>,
-        stamp: u64,
-        image: Option<(Arc<str>, u64)>,
+        what: Outgoing,
         after_index: u64,
     ) -> Option<Job> {
         let link = state
@@ -398,11 +416,10 @@ impl Replicator {
             return None;
         }
         let id = link.tracker.issue();
+        let bytes = frame.body_len() as u64;
         self.counters.frames.fetch_add(1, Ordering::Relaxed);
-        self.counters
-            .bytes
-            .fetch_add(frame.body_len() as u64, Ordering::Relaxed);
-        link.sent.push_back(Sent { id, stamp, image });
+        self.counters.bytes.fetch_add(bytes, Ordering::Relaxed);
+        link.sent.push_back(Sent { id, bytes, what });
         Some(Job {
             exchange: REPLICATION_EXCHANGE.into(),
             routing_key: "".into(),

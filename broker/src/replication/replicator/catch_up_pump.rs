@@ -4,7 +4,7 @@
 //! backup's acknowledgements; abandoned ones start over after their retry delay. The state of
 //! one catch-up is [`crate::replication::catch_up::CatchUp`]; this is its I/O.
 
-use super::{ReplicationHost, Replicator, State, encode};
+use super::{Outgoing, ReplicationHost, Replicator, State, encode};
 use crate::core::VHost;
 use crate::core::message::{DiskBody, Message};
 use crate::core::queue::ImageChunk;
@@ -251,17 +251,15 @@ impl Replicator {
                 return;
             };
             let after_index = host2.applied_index();
-            let mark = |last_frame: bool| (last && last_frame).then(|| (queue.clone(), attempt));
-            let stamp = state.ledger.issue([]);
-            let Some(job) = me.frame_job(
-                &mut state,
-                vhost,
-                backup,
-                &frame,
-                stamp,
-                mark(nothing_held),
-                after_index,
-            ) else {
+            let mark = |last_frame: bool| (last && last_frame).then_some(attempt);
+            let what = Outgoing {
+                queue: queue.clone(),
+                ops: u32::try_from(messages.0).unwrap_or(u32::MAX),
+                stamp: state.ledger.issue([]),
+                image: mark(nothing_held),
+            };
+            let Some(job) = me.frame_job(&mut state, vhost, backup, &frame, what, after_index)
+            else {
                 return;
             };
             let id = job.ticket.as_ref().map_or(0, |(_, id)| *id);
@@ -281,16 +279,15 @@ impl Replicator {
             }
             let n = held.len();
             for (i, ops) in held.into_iter().enumerate() {
-                let stamp = state.ledger.issue([]);
-                if let Some(job) = me.frame_job(
-                    &mut state,
-                    vhost,
-                    backup,
-                    &ops,
-                    stamp,
-                    mark(i + 1 == n),
-                    after_index,
-                ) {
+                let what = Outgoing {
+                    queue: queue.clone(),
+                    ops: ops.ops,
+                    stamp: state.ledger.issue([]),
+                    image: mark(i + 1 == n),
+                };
+                if let Some(job) =
+                    me.frame_job(&mut state, vhost, backup, &ops.message, what, after_index)
+                {
                     jobs.push(job);
                 }
             }

@@ -11,6 +11,15 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
+/// A catch-up whose last frame the backup confirmed: the backup is committed in sync next.
+#[derive(Debug)]
+struct Confirmed {
+    queue: Arc<str>,
+    incarnation: u64,
+    /// When its image was taken: its duration is measured up to the in-sync commit.
+    started: Instant,
+}
+
 impl Replicator {
     /// Starts the watcher of `backup`'s link for `vhost` unless one runs.
     pub(super) fn watch_link(
@@ -45,7 +54,12 @@ impl Replicator {
             let changed = tracker.changed();
             let kicked = kick.notified();
             let (in_sync, broken) = self.take_answers(&key, &tracker);
-            for (queue, incarnation) in in_sync {
+            for Confirmed {
+                queue,
+                incarnation,
+                started,
+            } in in_sync
+            {
                 let committed = host.commit_sync(&vhost, &queue, incarnation, &backup, true);
                 let outcome = committed.await;
                 {
@@ -60,6 +74,9 @@ impl Replicator {
                         self.counters
                             .catch_ups_completed
                             .fetch_add(1, Ordering::Relaxed);
+                        self.counters
+                            .catch_up_seconds
+                            .observe(started.elapsed().as_secs_f64());
                         tracing::info!(%backup, %vhost, %queue, "catch-up done: the backup is in sync");
                     }
                     Err(e) => {
@@ -91,13 +108,12 @@ impl Replicator {
     }
 
     /// Reads what the link's tracker answered: the ledger advances and the catch-ups'
-    /// windows open; returns the catch-ups the backup confirmed (queue, incarnation) and
-    /// whether the link broke.
+    /// windows open; returns the catch-ups the backup confirmed and whether the link broke.
     fn take_answers(
         &self,
         key: &(String, String),
         tracker: &ForwardTracker,
-    ) -> (Vec<(Arc<str>, u64)>, bool) {
+    ) -> (Vec<Confirmed>, bool) {
         let status = tracker.status();
         let mut state = self.state.lock();
         let State {
@@ -117,9 +133,11 @@ impl Replicator {
             .front()
             .filter(|s| s.id <= status.answered_through)
         {
-            last = Some(s.stamp);
+            last = Some(s.what.stamp);
             let s = link.sent.pop_front().expect("front exists");
-            images.extend(s.image);
+            if let Some(attempt) = s.what.image {
+                images.push((s.what.queue, attempt));
+            }
         }
         let answered = status.answered_through;
         let refused = answered > 0 && tracker.refused(1, answered);
@@ -152,11 +170,15 @@ impl Replicator {
                 .is_some_and(|c| c.attempt == attempt && c.phase == Phase::Confirming);
             if done && let Some(c) = link.catch_ups.remove(&queue) {
                 tracing::info!(backup = %key.0, vhost = %key.1, %queue, attempt, messages = c.messages_total, bytes = c.bytes_sent, stand_ins = c.stand_ins, elapsed_ms = c.started.elapsed().as_millis() as u64, "catch-up confirmed by the backup");
-                in_sync.push((queue, c.incarnation));
+                in_sync.push(Confirmed {
+                    queue,
+                    incarnation: c.incarnation,
+                    started: c.started,
+                });
             }
         }
         if let Some(last) = last {
-            let through = link.sent.front().map_or(last, |next| next.stamp - 1);
+            let through = link.sent.front().map_or(last, |next| next.what.stamp - 1);
             ledger.acked(&owed_key(&key.0, &key.1), through);
             self.acked.send_replace(ledger.acked_through());
         }
