@@ -12,6 +12,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
+mod replication;
+
 /// The content type of the exposition.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
@@ -59,15 +61,17 @@ fn gauge(reg: &mut Registry, name: &str, help: &str, value: u64) {
 }
 
 /// The exposition text. `per_queue` adds the labelled per-queue gauges. Series appear in the
-/// order they are registered: counters, the journal's, gauges, then per-queue gauges.
+/// order they are registered: counters, the journal's, gauges, replication's, then per-queue
+/// gauges (replication's last).
 pub fn render(broker: &Broker, per_queue: bool) -> String {
     let mut reg = Registry::with_prefix("ringmq");
     register_client_counters(&mut reg, broker);
     register_journal(&mut reg, broker);
     register_gauges(&mut reg, broker);
-    register_replication(&mut reg, broker);
+    replication::register(&mut reg, broker);
     if per_queue {
         register_per_queue(&mut reg, broker);
+        replication::register_per_queue(&mut reg, broker);
     }
     let mut out = String::new();
     // Writing into a String cannot fail.
@@ -189,111 +193,6 @@ fn register_journal(reg: &mut Registry, broker: &Broker) {
         "Duration of the journal's fdatasync calls",
         j.fsync_seconds.clone(),
     );
-}
-
-/// Replication of this member's primaries: totals, catch-ups, and the lag now.
-fn register_replication(reg: &mut Registry, broker: &Broker) {
-    let r = broker.replicator().stats();
-    for (name, help, value) in [
-        (
-            "replication_frames_sent",
-            "Replication frames (a queue's ops of one batch, or a catch-up image) sent to backups",
-            r.frames_sent,
-        ),
-        (
-            "replication_sent_bytes",
-            "Bytes of replication frames sent to backups",
-            r.bytes_sent,
-        ),
-        (
-            "replication_catch_ups_started",
-            "Catch-ups begun: an image of a queue sent to a backup new to it or after a failure",
-            r.catch_ups_started,
-        ),
-        (
-            "replication_catch_ups_completed",
-            "Catch-ups that ended with the backup committed in sync",
-            r.catch_ups_completed,
-        ),
-        (
-            "replication_catch_ups_abandoned",
-            "Catch-ups given up (not done within replication_catch_up_timeout_ms, too many ops held back, a link failure) and retried from a new image",
-            r.catch_ups_abandoned,
-        ),
-        (
-            "replication_link_failures",
-            "Links to backups that failed or refused a frame (each starts a catch-up)",
-            r.links_failed,
-        ),
-        (
-            "replication_elections_won",
-            "Queues whose replica on this member was promoted to primary by an election",
-            broker.elections_won(),
-        ),
-    ] {
-        let c: prometheus_client::metrics::counter::Counter = Default::default();
-        c.inc_by(value);
-        reg.register(name, help, c);
-    }
-    gauge(
-        reg,
-        "replication_frames_unacked",
-        "Replication frames sent and not yet acknowledged by their backups (the lag)",
-        r.frames_unacked,
-    );
-    gauge(
-        reg,
-        "replication_batches_waiting",
-        "Batches whose confirms wait for an in-sync backup's acknowledgement",
-        r.batches_waiting,
-    );
-    gauge(
-        reg,
-        "replicated_queues",
-        "Replicated queues this member is the primary of",
-        r.queues,
-    );
-    gauge(
-        reg,
-        "replication_backups_in_sync",
-        "Backups (per queue this member is primary of) that are in sync",
-        r.in_sync_backups,
-    );
-    gauge(
-        reg,
-        "replication_backups_catching_up",
-        "Backups (per queue this member is primary of) that are catching up",
-        r.catching_up_backups,
-    );
-    for (name, help, value) in [
-        (
-            "replication_catch_ups_running",
-            "Catch-ups under way (a backup receiving a queue's image in chunks, or confirming it)",
-            r.catch_ups_running,
-        ),
-        (
-            "replication_catch_up_messages",
-            "Messages in the images of the catch-ups under way",
-            r.catch_up_messages_total,
-        ),
-        (
-            "replication_catch_up_messages_sent",
-            "Of the messages in the images of the catch-ups under way, those sent so far",
-            r.catch_up_messages_sent,
-        ),
-        (
-            "replication_catch_up_sent_bytes",
-            "Image chunk bytes the catch-ups under way sent so far",
-            r.catch_up_bytes_sent,
-        ),
-        (
-            "replication_catch_up_held_bytes",
-            "Bytes of ops held back by catch-ups under way until their image's last chunk is out",
-            r.catch_up_held_bytes,
-        ),
-    ] {
-        gauge(reg, name, help, value);
-    }
 }
 
 /// Gauges of what the broker holds now, computed at scrape time.

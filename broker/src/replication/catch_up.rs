@@ -83,6 +83,16 @@ pub struct ChunkWork {
     pub next_id: u64,
 }
 
+/// An encoded ops frame of one queue, as a catch-up holds it back until the image's last
+/// chunk is out.
+#[derive(Debug, Clone)]
+pub struct OpsFrame {
+    /// The frame, encoded once for every backup.
+    pub message: Arc<Message>,
+    /// How many queue ops it carries: the primary reports each backup's lag in ops.
+    pub ops: u32,
+}
+
 /// One backup's catch-up of one queue, on its primary.
 #[derive(Debug)]
 pub struct CatchUp {
@@ -106,7 +116,7 @@ pub struct CatchUp {
     /// Tracker ids of chunks sent and not yet answered.
     in_flight: VecDeque<u64>,
     /// Ops frames of the queue produced since the image, to send after its last chunk.
-    held: Vec<Arc<Message>>,
+    held: Vec<OpsFrame>,
     held_bytes: usize,
     /// Messages in the image.
     pub messages_total: u64,
@@ -161,11 +171,11 @@ impl CatchUp {
     /// Holds an ops frame until the last chunk is out. Returns false (and abandons the
     /// catch-up) when that would take what is held over the limit; an abandoned catch-up
     /// drops the frame.
-    pub fn hold(&mut self, frame: &Arc<Message>, limits: &CatchUpLimits, now: Instant) -> bool {
+    pub fn hold(&mut self, frame: &OpsFrame, limits: &CatchUpLimits, now: Instant) -> bool {
         if self.phase != Phase::Sending {
             return false;
         }
-        let len = frame.body_len();
+        let len = frame.message.body_len();
         if self.held_bytes + len > limits.held_bytes {
             self.abandon(
                 "the ops held back during the image outgrew their limit",
@@ -236,7 +246,7 @@ impl CatchUp {
         (messages, stand_ins): (usize, usize),
         bytes: usize,
         last: bool,
-    ) -> Vec<Arc<Message>> {
+    ) -> Vec<OpsFrame> {
         self.building = false;
         self.stand_ins += stand_ins as u64;
         self.in_flight.push_back(id);
@@ -320,13 +330,16 @@ mod tests {
         }
     }
 
-    fn frame(len: usize) -> Arc<Message> {
-        Arc::new(Message::authored(
-            "".into(),
-            "".into(),
-            Properties::default(),
-            Bytes::from(vec![1u8; len]),
-        ))
+    fn frame(len: usize) -> OpsFrame {
+        OpsFrame {
+            message: Arc::new(Message::authored(
+                "".into(),
+                "".into(),
+                Properties::default(),
+                Bytes::from(vec![1u8; len]),
+            )),
+            ops: 1,
+        }
     }
 
     #[test]

@@ -22,15 +22,26 @@
 //! from a new image. A failed in-sync backup is first committed out of sync — until that
 //! commit, confirms that need it wait — so that no confirm goes out without every backup
 //! the map counts on.
+//!
+//! **Layout.** This file is the replicator's public face, its state and the replicate path;
+//! `link_watch` follows each backup's link (answers, failures, recovery), `catch_up_pump`
+//! starts catch-ups and sends their chunks, and `stats` is what `/metrics` reads.
+
+mod catch_up_pump;
+mod link_watch;
+mod stats;
+
+pub use stats::{BackupReplication, CatchUpProgress, QueueReplication, ReplicationStats};
+
+use stats::Counters;
 
 use super::REPLICATION_EXCHANGE;
-use super::catch_up::{CatchUp, CatchUpLimits, ChunkWork, Phase};
+use super::catch_up::{CatchUp, CatchUpLimits, OpsFrame, Phase};
 use super::codec::{Frame, op_len};
 use super::ledger::Ledger;
 use crate::core::VHost;
 use crate::core::message::{DiskBody, Message};
 use crate::core::ops::QueueOp;
-use crate::core::queue::ImageChunk;
 use crate::proxy::forward::{ForwardTracker, Forwarders, Job};
 use crate::proxy::link::Links;
 use bytes::Bytes;
@@ -38,7 +49,7 @@ use futures::future::BoxFuture;
 use parking_lot::Mutex;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Instant;
 use tokio::sync::{Notify, watch};
 
@@ -77,16 +88,31 @@ pub trait ReplicationHost: Send + Sync + std::fmt::Debug + 'static {
     fn read_paged(&self, keys: &[DiskBody]) -> Result<Vec<Option<Bytes>>, String>;
 }
 
-/// A frame on its way to one backup, for the watcher of that backup's link.
+/// What a frame about to go to one backup is, for the watcher of that backup's link.
+#[derive(Debug)]
+struct Outgoing {
+    /// The queue whose ops or image it carries.
+    queue: Arc<str>,
+    /// Its queue ops (an image chunk: its messages), for the lag `/metrics` reports.
+    ops: u32,
+    /// The batch it belongs to.
+    stamp: u64,
+    /// The last frame of a catch-up (its attempt): once confirmed, the backup is in sync for
+    /// the queue — if that attempt is still the current one.
+    image: Option<u64>,
+}
+
+/// A frame on its way to one backup, until the backup answers it. The per-queue lag on
+/// `/metrics` is summed from these at scrape time, so the replicate path keeps no counter
+/// of its own.
 #[derive(Debug)]
 struct Sent {
     /// The tracker's number for it.
     id: u64,
-    /// The batch it belongs to.
-    stamp: u64,
-    /// The last frame of a catch-up (queue, attempt): once confirmed, the backup is in sync
-    /// for this queue — if that attempt is still the current one.
-    image: Option<(Arc<str>, u64)>,
+    /// Its encoded bytes.
+    bytes: u64,
+    /// What it is.
+    what: Outgoing,
 }
 
 /// One backup's link for one vhost.
@@ -130,58 +156,6 @@ pub struct Replicator {
     limits: CatchUpLimits,
 }
 
-/// Most chunks one pass of a link's watcher builds before it looks at the answers again.
-const CHUNKS_PER_PASS: usize = 16;
-
-/// Running totals for `/metrics`.
-#[derive(Debug, Default)]
-struct Counters {
-    frames: AtomicU64,
-    bytes: AtomicU64,
-    catch_ups_started: AtomicU64,
-    catch_ups_completed: AtomicU64,
-    catch_ups_abandoned: AtomicU64,
-    links_failed: AtomicU64,
-}
-
-/// What the replicator has done and where it stands, for `/metrics`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct ReplicationStats {
-    /// Frames handed to backup links (one per queue per batch per backup, and images).
-    pub frames_sent: u64,
-    /// Their bytes.
-    pub bytes_sent: u64,
-    /// Frames sent and not yet acknowledged, over every backup: the replication lag.
-    pub frames_unacked: u64,
-    /// Batches whose confirms still wait for an in-sync backup.
-    pub batches_waiting: u64,
-    /// Catch-ups begun (an image sent to a backup new to a queue, or after a failure).
-    pub catch_ups_started: u64,
-    /// Catch-ups that ended with the backup committed in sync.
-    pub catch_ups_completed: u64,
-    /// Catch-ups given up (not done within the time limit, too many ops held back, a link
-    /// failure, a body that could not be read) and retried from a new image.
-    pub catch_ups_abandoned: u64,
-    /// Catch-ups under way now.
-    pub catch_ups_running: u64,
-    /// Messages in the images of the catch-ups under way.
-    pub catch_up_messages_total: u64,
-    /// Of those, sent so far.
-    pub catch_up_messages_sent: u64,
-    /// Image chunk bytes the catch-ups under way sent so far.
-    pub catch_up_bytes_sent: u64,
-    /// Encoded ops held back by catch-ups under way until their last chunk is out.
-    pub catch_up_held_bytes: u64,
-    /// Backup links that failed or refused a frame.
-    pub links_failed: u64,
-    /// Replicated queues this member is primary of.
-    pub queues: u64,
-    /// Of their backups (counted per queue), how many are in sync.
-    pub in_sync_backups: u64,
-    /// And how many are not (catching up).
-    pub catching_up_backups: u64,
-}
-
 impl std::fmt::Debug for Replicator {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Replicator").finish_non_exhaustive()
@@ -203,42 +177,6 @@ impl Replicator {
             acked: watch::Sender::new(0),
             counters: Counters::default(),
             limits,
-        }
-    }
-
-    /// Totals and the current lag.
-    pub fn stats(&self) -> ReplicationStats {
-        let state = self.state.lock();
-        let c = &self.counters;
-        let (mut in_sync, mut catching_up) = (0, 0);
-        for r in state.roles.values() {
-            in_sync += r.in_sync.len() as u64;
-            catching_up += (r.backups.len() - r.in_sync.len()) as u64;
-        }
-        let running = || {
-            state
-                .links
-                .values()
-                .flat_map(|l| l.catch_ups.values())
-                .filter(|c| !matches!(c.phase, Phase::Abandoned(_)))
-        };
-        ReplicationStats {
-            frames_sent: c.frames.load(Ordering::Relaxed),
-            bytes_sent: c.bytes.load(Ordering::Relaxed),
-            frames_unacked: state.links.values().map(|l| l.sent.len() as u64).sum(),
-            batches_waiting: state.ledger.waiting(),
-            catch_ups_started: c.catch_ups_started.load(Ordering::Relaxed),
-            catch_ups_completed: c.catch_ups_completed.load(Ordering::Relaxed),
-            catch_ups_abandoned: c.catch_ups_abandoned.load(Ordering::Relaxed),
-            catch_ups_running: running().count() as u64,
-            catch_up_messages_total: running().map(|c| c.messages_total).sum(),
-            catch_up_messages_sent: running().map(|c| c.messages_sent).sum(),
-            catch_up_bytes_sent: running().map(|c| c.bytes_sent).sum(),
-            catch_up_held_bytes: running().map(|c| c.held_bytes() as u64).sum(),
-            links_failed: c.links_failed.load(Ordering::Relaxed),
-            queues: state.roles.len() as u64,
-            in_sync_backups: in_sync,
-            catching_up_backups: catching_up,
         }
     }
 
@@ -308,14 +246,15 @@ impl Replicator {
         let after_index = host.applied_index();
         let now = Instant::now();
         for (roles, frame) in frames {
-            let Frame::Ops { queue, .. } = &frame else {
+            let Frame::Ops { queue, ops, .. } = &frame else {
                 unreachable!("replicate builds ops frames only");
             };
             let queue = queue.clone();
+            let ops = u32::try_from(ops.len()).unwrap_or(u32::MAX);
             // An enqueue carries the message as published, in memory; should one not, the
             // backups miss these ops, refuse the next ones, and are caught up again.
             let message = match encode(&frame) {
-                Ok(m) => m,
+                Ok(message) => OpsFrame { message, ops },
                 Err(e) => {
                     tracing::error!(vhost, error = %e, "replication frame not sent");
                     continue;
@@ -325,13 +264,18 @@ impl Replicator {
                 if self.divert(&mut state, vhost, backup, &queue, &message, now) {
                     continue;
                 }
+                let what = Outgoing {
+                    queue: queue.clone(),
+                    ops,
+                    stamp,
+                    image: None,
+                };
                 if let Some(job) = self.frame_job(
                     &mut state,
                     vhost,
                     backup,
-                    &message,
-                    stamp,
-                    None,
+                    &message.message,
+                    what,
                     after_index,
                 ) {
                     batches.entry(backup.clone()).or_default().push(job);
@@ -352,7 +296,7 @@ impl Replicator {
         vhost: &str,
         backup: &str,
         queue: &Arc<str>,
-        message: &Arc<Message>,
+        message: &OpsFrame,
         now: Instant,
     ) -> bool {
         let Some(link) = state.links.get_mut(&(backup.to_owned(), vhost.to_owned())) else {
@@ -453,62 +397,15 @@ impl Replicator {
         self.acked.send_replace(state.ledger.acked_through());
     }
 
-    /// Starts (or starts over) a catch-up of `backup` for `queue` from an image taken now —
-    /// refcounted handles, no body copied. Call it under `v`'s lock, so that the image is
-    /// the queue at a batch boundary and the ops after it reach [`Self::replicate`] after
-    /// this. Returns whether it started (the link's watcher must be running).
-    fn start_catch_up(
-        &self,
-        state: &mut State,
-        v: &VHost,
-        backup: &str,
-        queue: &str,
-        incarnation: u64,
-        now: Instant,
-    ) -> bool {
-        let Some(image) = v.queue_image(queue) else {
-            return false;
-        };
-        state.attempts += 1;
-        let attempt = state.attempts;
-        let link = state
-            .links
-            .entry((backup.to_owned(), v.name().to_owned()))
-            .or_default();
-        if link.broken {
-            // Its watcher starts every catch-up of this backup again on a new link.
-            return false;
-        }
-        tracing::info!(
-            backup,
-            vhost = v.name(),
-            queue,
-            attempt,
-            messages = image.entries.len(),
-            last_seq = image.last_seq,
-            "catch-up started: sending the queue's image in chunks"
-        );
-        let c = CatchUp::new(incarnation, attempt, image, now, &self.limits);
-        link.catch_ups.insert(queue.into(), c);
-        link.kick.notify_one();
-        self.counters
-            .catch_ups_started
-            .fetch_add(1, Ordering::Relaxed);
-        true
-    }
-
     /// A job carrying `frame` (encoded by [`encode`]) to `backup`, registered with its link
-    /// (`None` when the link is broken: its catch-up will send an image instead). `image`
-    /// marks the last frame of a catch-up (queue, attempt).
-    #[allow(clippy::too_many_arguments)]
+    /// as `what` (`None` when the link is broken: its catch-up will send an image instead).
     fn frame_job(
         &self,
         state: &mut State,
         vhost: &str,
         backup: &str,
         frame: &Arc<Message>,
-        stamp: u64,
-        image: Option<(Arc<str>, u64)>,
+        what: Outgoing,
         after_index: u64,
     ) -> Option<Job> {
         let link = state
@@ -519,11 +416,10 @@ impl Replicator {
             return None;
         }
         let id = link.tracker.issue();
+        let bytes = frame.body_len() as u64;
         self.counters.frames.fetch_add(1, Ordering::Relaxed);
-        self.counters
-            .bytes
-            .fetch_add(frame.body_len() as u64, Ordering::Relaxed);
-        link.sent.push_back(Sent { id, stamp, image });
+        self.counters.bytes.fetch_add(bytes, Ordering::Relaxed);
+        link.sent.push_back(Sent { id, bytes, what });
         Some(Job {
             exchange: REPLICATION_EXCHANGE.into(),
             routing_key: "".into(),
@@ -554,455 +450,6 @@ impl Replicator {
                 .collect(),
         );
     }
-
-    /// Starts the watcher of `backup`'s link for `vhost` unless one runs.
-    fn watch_link(self: &Arc<Self>, host: &Arc<dyn ReplicationHost>, backup: &str, vhost: &str) {
-        let mut state = self.state.lock();
-        if let Some(link) = state.links.get_mut(&(backup.to_owned(), vhost.to_owned()))
-            && !link.watched
-        {
-            link.watched = true;
-            tokio::spawn(
-                self.clone()
-                    .watch(host.clone(), backup.to_owned(), vhost.to_owned()),
-            );
-        }
-    }
-
-    /// Follows one backup's link: acknowledgements advance the ledger and open the
-    /// catch-ups' windows, confirmed catch-ups commit the backup in sync, a failure commits
-    /// it out of sync and catches it up again, and the catch-ups' chunks are built and sent
-    /// here, outside the vhost lock.
-    async fn watch(self: Arc<Self>, host: Arc<dyn ReplicationHost>, backup: String, vhost: String) {
-        let key = (backup.clone(), vhost.clone());
-        loop {
-            let (tracker, kick) = match self.state.lock().links.get(&key) {
-                Some(link) => (link.tracker.clone(), link.kick.clone()),
-                None => return,
-            };
-            let changed = tracker.changed();
-            let kicked = kick.notified();
-            let (in_sync, broken) = self.take_answers(&key, &tracker);
-            for (queue, incarnation) in in_sync {
-                let committed = host.commit_sync(&vhost, &queue, incarnation, &backup, true);
-                let outcome = committed.await;
-                {
-                    let mut state = self.state.lock();
-                    state
-                        .pending
-                        .remove(&(vhost.clone(), queue.clone(), backup.clone()));
-                    self.settle_forgiven(&mut state, &vhost);
-                }
-                match outcome {
-                    Ok(()) => {
-                        self.counters
-                            .catch_ups_completed
-                            .fetch_add(1, Ordering::Relaxed);
-                        tracing::info!(%backup, %vhost, %queue, "catch-up done: the backup is in sync");
-                    }
-                    Err(e) => {
-                        tracing::warn!(%backup, %queue, error = %e, "backup caught up, but its in-sync mark was not committed");
-                    }
-                }
-            }
-            if broken {
-                self.recover(&host, &backup, &vhost).await;
-                continue;
-            }
-            self.pump(&host, &key).await;
-            let wake = self.next_wake(&key);
-            let far = Instant::now() + std::time::Duration::from_secs(3600);
-            let sleep = tokio::time::sleep_until(wake.unwrap_or(far).into());
-            tokio::select! {
-                () = changed => {}
-                () = kicked => {}
-                () = sleep => {}
-            }
-        }
-    }
-
-    /// When the watcher of link `key` must look at its catch-ups again at the latest.
-    fn next_wake(&self, key: &(String, String)) -> Option<Instant> {
-        let state = self.state.lock();
-        let link = state.links.get(key)?;
-        link.catch_ups.values().map(CatchUp::next_wake).min()
-    }
-
-    /// Moves the catch-ups of link `key` on: those past their deadline are abandoned, those
-    /// abandoned a while ago start over from a new image, and chunks are sent while their
-    /// windows have room.
-    async fn pump(self: &Arc<Self>, host: &Arc<dyn ReplicationHost>, key: &(String, String)) {
-        let (backup, vhost) = (key.0.as_str(), key.1.as_str());
-        let now = Instant::now();
-        let due: Vec<(Arc<str>, u64, u64)> = {
-            let mut state = self.state.lock();
-            let Some(link) = state.links.get_mut(key).filter(|l| !l.broken) else {
-                return;
-            };
-            let mut due = Vec::new();
-            for (queue, c) in link.catch_ups.iter_mut() {
-                if c.expired(now) {
-                    c.abandon("not done in time", now, &self.limits);
-                    self.counters
-                        .catch_ups_abandoned
-                        .fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(backup, vhost, %queue, attempt = c.attempt, timeout_ms = self.limits.timeout.as_millis() as u64, messages_sent = c.messages_sent, messages = c.messages_total, "catch-up abandoned: not done within replication_catch_up_timeout_ms; retrying from a new image");
-                }
-                if c.due_for_retry(now) {
-                    // Looked at again after another delay, should this retry not happen
-                    // (the vhost is gone).
-                    c.retry_at = Some(now + self.limits.retry_delay);
-                    due.push((queue.clone(), c.incarnation, c.attempt));
-                }
-            }
-            due
-        };
-        if !due.is_empty() {
-            let me = self.clone();
-            host.with_vhost(vhost, &mut |v: &mut VHost| {
-                let mut state = me.state.lock();
-                let now = Instant::now();
-                for (queue, incarnation, attempt) in &due {
-                    let wanted = state
-                        .roles
-                        .get(&(vhost.to_owned(), queue.clone()))
-                        .is_some_and(|r| {
-                            r.incarnation == *incarnation
-                                && r.backups.iter().any(|b| b == backup)
-                                && !r.in_sync.iter().any(|b| b == backup)
-                        });
-                    let Some(link) = state.links.get_mut(key) else {
-                        return;
-                    };
-                    let still_abandoned = link.catch_ups.get(queue).is_some_and(|c| {
-                        c.attempt == *attempt && matches!(c.phase, Phase::Abandoned(_))
-                    });
-                    if !still_abandoned {
-                        continue;
-                    }
-                    link.catch_ups.remove(queue);
-                    if wanted {
-                        me.start_catch_up(&mut state, v, backup, queue, *incarnation, now);
-                    }
-                }
-            });
-        }
-        for _ in 0..CHUNKS_PER_PASS {
-            let work = {
-                let mut state = self.state.lock();
-                let Some(link) = state.links.get_mut(key).filter(|l| !l.broken) else {
-                    return;
-                };
-                link.catch_ups.iter_mut().find_map(|(queue, c)| {
-                    let w = c.next_chunk(queue, &self.limits)?;
-                    Some((queue.clone(), c.incarnation, w))
-                })
-            };
-            let Some((queue, incarnation, work)) = work else {
-                return;
-            };
-            self.send_chunk(host, key, queue, incarnation, work).await;
-        }
-        // More may be due: look again after the answers.
-        if let Some(link) = self.state.lock().links.get(key) {
-            link.kick.notify_one();
-        }
-    }
-
-    /// Builds one chunk of a catch-up — paged-out bodies read back from the journal, the
-    /// frame encoded, all outside every lock — and sends it under the vhost lock (so that it
-    /// is ordered with the batches' frames on the link). After the last chunk, the ops held
-    /// back go out behind it, and the last frame carries the catch-up's mark.
-    async fn send_chunk(
-        self: &Arc<Self>,
-        host: &Arc<dyn ReplicationHost>,
-        key: &(String, String),
-        queue: Arc<str>,
-        incarnation: u64,
-        work: ChunkWork,
-    ) {
-        let (backup, vhost) = (key.0.as_str(), key.1.as_str());
-        let ChunkWork {
-            attempt,
-            mut entries,
-            first,
-            last,
-            last_seq,
-            next_id,
-        } = work;
-        let built = async {
-            let mut stand_ins = 0;
-            let paged: Vec<(usize, DiskBody)> = entries
-                .iter()
-                .enumerate()
-                .filter_map(|(i, e)| e.message.body.on_disk().map(|k| (i, k)))
-                .collect();
-            if !paged.is_empty() {
-                let keys: Vec<DiskBody> = paged.iter().map(|(_, k)| *k).collect();
-                let reader = host.clone();
-                let bodies = tokio::task::spawn_blocking(move || reader.read_paged(&keys))
-                    .await
-                    .map_err(|e| e.to_string())??;
-                for ((i, _), body) in paged.into_iter().zip(bodies) {
-                    let m = &entries[i].message;
-                    // Gone: the message left the queue after the image, so an op held
-                    // back behind the last chunk removes it before the backup counts as
-                    // in sync; the backup never serves this stand-in.
-                    let resolved = match body {
-                        Some(body) => m.with_body(body),
-                        None => {
-                            stand_ins += 1;
-                            stand_in(m)
-                        }
-                    };
-                    entries[i].message = Arc::new(resolved);
-                }
-            }
-            let messages = entries.len();
-            let frame = Frame::Image {
-                incarnation,
-                queue: queue.clone(),
-                chunk: ImageChunk {
-                    first,
-                    last,
-                    last_seq,
-                    next_id,
-                    entries,
-                },
-            };
-            encode(&frame)
-                .map(|m| (m, (messages, stand_ins)))
-                .map_err(|e| e.to_string())
-        };
-        let (frame, messages) = match built.await {
-            Ok(built) => built,
-            Err(e) => {
-                let mut state = self.state.lock();
-                if let Some(c) = state
-                    .links
-                    .get_mut(key)
-                    .and_then(|l| l.catch_ups.get_mut(&queue))
-                    .filter(|c| c.attempt == attempt)
-                {
-                    c.chunk_failed(Instant::now(), &self.limits);
-                    self.counters
-                        .catch_ups_abandoned
-                        .fetch_add(1, Ordering::Relaxed);
-                }
-                tracing::error!(backup, vhost, %queue, error = %e, "catch-up abandoned: a chunk of the image could not be built; retrying");
-                return;
-            }
-        };
-        let bytes = frame.body_len();
-        let me = self.clone();
-        let host2 = host.clone();
-        host.with_vhost(vhost, &mut |_v: &mut VHost| {
-            let mut state = me.state.lock();
-            let current = |state: &mut State| {
-                state
-                    .links
-                    .get_mut(key)
-                    .filter(|l| !l.broken)
-                    .and_then(|l| l.catch_ups.get_mut(&queue))
-                    .filter(|c| c.attempt == attempt && c.phase == Phase::Sending)
-                    .map(|c| c.held_bytes() == 0)
-            };
-            // Abandoned or replaced meanwhile: this chunk is not wanted any more.
-            let Some(nothing_held) = current(&mut state) else {
-                return;
-            };
-            let after_index = host2.applied_index();
-            let mark = |last_frame: bool| (last && last_frame).then(|| (queue.clone(), attempt));
-            let stamp = state.ledger.issue([]);
-            let Some(job) = me.frame_job(
-                &mut state,
-                vhost,
-                backup,
-                &frame,
-                stamp,
-                mark(nothing_held),
-                after_index,
-            ) else {
-                return;
-            };
-            let id = job.ticket.as_ref().map_or(0, |(_, id)| *id);
-            let mut jobs = vec![job];
-            let held = match state
-                .links
-                .get_mut(key)
-                .and_then(|l| l.catch_ups.get_mut(&queue))
-            {
-                Some(c) => c.chunk_sent(id, messages, bytes, last),
-                None => Vec::new(),
-            };
-            if last {
-                state
-                    .pending
-                    .insert((vhost.to_owned(), queue.clone(), backup.to_owned()));
-            }
-            let n = held.len();
-            for (i, ops) in held.into_iter().enumerate() {
-                let stamp = state.ledger.issue([]);
-                if let Some(job) = me.frame_job(
-                    &mut state,
-                    vhost,
-                    backup,
-                    &ops,
-                    stamp,
-                    mark(i + 1 == n),
-                    after_index,
-                ) {
-                    jobs.push(job);
-                }
-            }
-            drop(state);
-            me.forwarders.send(vhost, vec![(Arc::from(backup), jobs)]);
-        });
-    }
-
-    /// Reads what the link's tracker answered: the ledger advances and the catch-ups'
-    /// windows open; returns the catch-ups the backup confirmed (queue, incarnation) and
-    /// whether the link broke.
-    fn take_answers(
-        &self,
-        key: &(String, String),
-        tracker: &ForwardTracker,
-    ) -> (Vec<(Arc<str>, u64)>, bool) {
-        let status = tracker.status();
-        let mut state = self.state.lock();
-        let State {
-            ledger,
-            links,
-            pending,
-            roles,
-            ..
-        } = &mut *state;
-        let Some(link) = links.get_mut(key) else {
-            return (Vec::new(), false);
-        };
-        let mut images = Vec::new();
-        let mut last = None;
-        while let Some(s) = link
-            .sent
-            .front()
-            .filter(|s| s.id <= status.answered_through)
-        {
-            last = Some(s.stamp);
-            let s = link.sent.pop_front().expect("front exists");
-            images.extend(s.image);
-        }
-        let answered = status.answered_through;
-        let refused = answered > 0 && tracker.refused(1, answered);
-        if refused || status.failure.is_some() {
-            link.broken = true;
-            // A backup counted only until its mark commits is no longer awaited; one the map
-            // counts stays awaited until `recover` commits it out of sync.
-            pending.retain(|(v, _, b)| !(*v == key.1 && *b == key.0));
-            let counted = roles
-                .iter()
-                .any(|((v, _), r)| *v == key.1 && r.in_sync.contains(&key.0));
-            if !counted {
-                ledger.forgive(&owed_key(&key.0, &key.1));
-                self.acked.send_replace(ledger.acked_through());
-            }
-            self.counters.links_failed.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(backup = %key.0, vhost = %key.1, refused, failure = ?status.failure, "replication link to a backup failed: catching it up again");
-            return (Vec::new(), true);
-        }
-        for c in link.catch_ups.values_mut() {
-            c.answered(answered);
-        }
-        // A catch-up's last frame confirmed: done, if that attempt is still the current one
-        // (a later attempt's first chunk resets the replica again).
-        let mut in_sync = Vec::new();
-        for (queue, attempt) in images {
-            let done = link
-                .catch_ups
-                .get(&queue)
-                .is_some_and(|c| c.attempt == attempt && c.phase == Phase::Confirming);
-            if done && let Some(c) = link.catch_ups.remove(&queue) {
-                tracing::info!(backup = %key.0, vhost = %key.1, %queue, attempt, messages = c.messages_total, bytes = c.bytes_sent, stand_ins = c.stand_ins, elapsed_ms = c.started.elapsed().as_millis() as u64, "catch-up confirmed by the backup");
-                in_sync.push((queue, c.incarnation));
-            }
-        }
-        if let Some(last) = last {
-            let through = link.sent.front().map_or(last, |next| next.stamp - 1);
-            ledger.acked(&owed_key(&key.0, &key.1), through);
-            self.acked.send_replace(ledger.acked_through());
-        }
-        (in_sync, false)
-    }
-
-    /// The link to `backup` broke: commit it out of sync wherever it was in sync (confirms
-    /// that count on it wait until then), then start over on a new link, every queue from a
-    /// new image.
-    async fn recover(self: &Arc<Self>, host: &Arc<dyn ReplicationHost>, backup: &str, vhost: &str) {
-        let counted: Vec<(Arc<str>, u64)> = {
-            let state = self.state.lock();
-            state
-                .roles
-                .iter()
-                .filter(|((v, _), r)| v == vhost && r.in_sync.iter().any(|b| b == backup))
-                .map(|((_, q), r)| (q.clone(), r.incarnation))
-                .collect()
-        };
-        for (queue, incarnation) in counted {
-            // Until this commits, the confirms that need this backup stay held: retry.
-            while let Err(e) = host
-                .commit_sync(vhost, &queue, incarnation, backup, false)
-                .await
-            {
-                tracing::warn!(backup, %queue, error = %e, "cannot commit the backup out of sync yet; retrying");
-                tokio::time::sleep(std::time::Duration::from_millis(500)).await;
-            }
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-        let me = self.clone();
-        let backup = backup.to_owned();
-        let vhost_name = vhost.to_owned();
-        host.with_vhost(vhost, &mut |v: &mut VHost| {
-            let mut state = me.state.lock();
-            let key = (backup.clone(), vhost_name.clone());
-            let old = state.links.insert(
-                key,
-                Link {
-                    watched: true,
-                    ..Link::default()
-                },
-            );
-            let dropped = old.map_or(0, |l| {
-                l.catch_ups
-                    .values()
-                    .filter(|c| !matches!(c.phase, Phase::Abandoned(_)))
-                    .count()
-            });
-            me.counters
-                .catch_ups_abandoned
-                .fetch_add(dropped as u64, Ordering::Relaxed);
-            let queues: Vec<(Arc<str>, u64)> = state
-                .roles
-                .iter()
-                .filter(|((vn, _), r)| *vn == vhost_name && r.backups.contains(&backup))
-                .map(|((_, q), r)| (q.clone(), r.incarnation))
-                .collect();
-            let now = Instant::now();
-            for (queue, incarnation) in queues {
-                me.start_catch_up(&mut state, v, &backup, &queue, incarnation, now);
-            }
-        });
-    }
-}
-
-/// What a catch-up sends for an image entry whose paged-out body is gone from the journal
-/// (its message left the queue after the image was taken): an empty, transient message of
-/// the same priority, which the op that removed the original removes from the backup too.
-fn stand_in(m: &Message) -> Message {
-    Message::authored(
-        "".into(),
-        "".into(),
-        crate::amqp::Properties::default().with_priority(m.priority),
-        Bytes::new(),
-    )
 }
 
 /// A frame as the message that carries it (encoded once, whatever number of backups it goes

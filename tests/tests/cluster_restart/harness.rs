@@ -533,3 +533,18 @@ pub(crate) fn member_of(name: &str, n: usize, node: &str) -> usize {
         .find(|&i| crate::harness::node(name, i) == node)
         .expect("a member's node id")
 }
+
+/// The value of `series` — its name and labels as exposed, e.g.
+/// `ringmq_replication_queue_backups{vhost="/",queue="q"}` — on `b`'s `/metrics/detailed`
+/// (which has the per-queue series too); `None` while it is absent or `b` does not answer.
+pub(crate) fn detailed_metric(b: &Broker, series: &str) -> Option<f64> {
+    let a = b.admin_client().get("/metrics/detailed").ok()?;
+    a.body
+        .as_str()?
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| {
+            let (name, value) = l.rsplit_once(' ')?;
+            (name == series).then(|| value.parse().ok())?
+        })
+}

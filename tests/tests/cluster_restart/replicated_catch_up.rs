@@ -225,6 +225,10 @@ async fn new_backup_catches_up_then_serves_everything(
         "{name}: the first backup kept up with the publishes"
     );
     let completed_before = metric(&members[0], "ringmq_replication_catch_ups_completed_total");
+    let timed_before = metric(
+        &members[0],
+        "ringmq_replication_catch_up_duration_seconds_count",
+    );
 
     // The first backup dies: the third member takes its role and catches up, while the
     // primary keeps taking publishes (and acks).
@@ -280,6 +284,53 @@ async fn new_backup_catches_up_then_serves_everything(
     assert!(
         completed > completed_before,
         "{name}: the catch-up counted ({completed_before} → {completed})"
+    );
+    // Each completed catch-up's duration is observed once, and it took some time.
+    let timed = metric(
+        &members[0],
+        "ringmq_replication_catch_up_duration_seconds_count",
+    );
+    assert_eq!(
+        timed - timed_before,
+        completed - completed_before,
+        "{name}: one duration per completed catch-up"
+    );
+    let seconds = metric(
+        &members[0],
+        "ringmq_replication_catch_up_duration_seconds_sum",
+    );
+    assert!(
+        seconds > 0.0 && seconds < LIMIT.as_secs_f64() * timed,
+        "{name}: catch-ups took {seconds} s in all"
+    );
+    // The per-queue series agree with the view: the one backup, in sync, its lag drained
+    // once the publisher stopped.
+    let q = format!("vhost=\"/\",queue=\"{queue}\"");
+    let primary = &members[0];
+    let deadline = Instant::now() + LIMIT;
+    loop {
+        let series = |s: &str| detailed_metric(primary, &format!("ringmq_replication_{s}"));
+        let counts = (
+            series(&format!("queue_backups{{{q}}}")),
+            series(&format!("queue_backups_in_sync{{{q}}}")),
+            series(&format!("queue_lag_ops{{{q},backup=\"{new_backup}\"}}")),
+        );
+        if counts == (Some(1.0), Some(1.0), Some(0.0)) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{name}: per-queue series (backups, in sync, lag ops) {counts:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        detailed_metric(
+            primary,
+            &format!("ringmq_replication_queue_catch_up_messages{{{q},backup=\"{new_backup}\"}}")
+        ),
+        None,
+        "{name}: no catch-up under way once the backup is in sync"
     );
     let chunks_sent = metric(&members[0], "ringmq_replication_frames_sent_total");
     eprintln!(
