@@ -23,4 +23,5 @@ mod replicated_catch_up;
 mod replicated_cycles;
 mod replicated_failover;
 mod replicated_full_restart;
+mod replicated_paging;
 mod sigstop;
