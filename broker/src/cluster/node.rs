@@ -591,8 +591,12 @@ impl<H: ClusterHost> Applier<H> {
             match action {
                 Action::SendHello => self.announce(),
                 Action::SendSnapshot { to, through } => {
+                    // Retried like the hello: the joiner waits for nothing else, and no later
+                    // event asks again (found by the roles simulation, seed 30087: a lost
+                    // snapshot left a new member without the map for good). A copy that
+                    // committed twice is harmless: the joiner installs the first.
                     let msg = self.map.snapshot(to, through, &mut self.host);
-                    self.multicast(msg);
+                    self.multicast_until_committed(msg, "sending the cluster map to a joiner");
                 }
                 Action::Answer { request, outcome } => self.cluster.answer(request, outcome),
                 Action::HostsChanged => {
@@ -655,26 +659,22 @@ impl<H: ClusterHost> Applier<H> {
     /// that committed after all makes a second hello, which the others take for a restart in
     /// place: this member's backups catch up again — extra work, never a lost op.)
     fn announce(&self) {
-        let cluster = self.cluster.clone();
         let msg = ClusterMsg::Hello(self.info.clone());
+        self.multicast_until_committed(msg, "announcing this member to the cluster");
+    }
+
+    /// Multicasts `msg` again after every failure until it commits or this member stops.
+    fn multicast_until_committed(&self, msg: ClusterMsg, what: &'static str) {
+        let cluster = self.cluster.clone();
         tokio::spawn(async move {
             loop {
                 match cluster.mcast(&msg).await {
                     Ok(()) | Err(CpgError::Stopped(_)) => return,
                     Err(e) => {
-                        tracing::warn!(error = %e, "announcing this member to the cluster; retrying");
+                        tracing::warn!(error = %e, "{what}; retrying");
                         tokio::time::sleep(Duration::from_millis(500)).await;
                     }
                 }
-            }
-        });
-    }
-
-    fn multicast(&self, msg: ClusterMsg) {
-        let cluster = self.cluster.clone();
-        tokio::spawn(async move {
-            if let Err(e) = cluster.mcast(&msg).await {
-                tracing::warn!(error = %e, "cluster multicast failed");
             }
         });
     }

@@ -110,6 +110,10 @@ fn queues_declare_get_list_purge_delete_and_errors() {
         ("backup_nodes", json!([])),
         ("in_sync_backup_nodes", json!([])),
         ("unavailable", json!(false)),
+        (
+            "local_copy",
+            json!({"role": "primary", "messages": 0, "message_bytes_ram": 0}),
+        ),
     ] {
         assert_eq!(q[k], v, "{k} in {q}");
     }

@@ -90,15 +90,23 @@ pub(crate) fn start_cluster(name: &str) -> (Vec<Broker>, Vec<Ports>, Secret) {
 
 /// `n` members on fixed ports, as [`start_cluster`] starts three.
 pub(crate) fn start_cluster_of(name: &str, n: usize) -> (Vec<Broker>, Vec<Ports>, Secret) {
+    start_cluster_with(name, n, "")
+}
+
+/// `n` members on fixed ports, as [`start_cluster_of`] starts them, each with `extra_yaml`
+/// (whole lines) added to its configuration.
+pub(crate) fn start_cluster_with(
+    name: &str,
+    n: usize,
+    extra_yaml: &str,
+) -> (Vec<Broker>, Vec<Ports>, Secret) {
     let secret = secret(name);
     let ports: Vec<Ports> = (0..n).map(|_| Ports::allocate()).collect();
     let mut members: Vec<Broker> = Vec::new();
     for i in 0..n {
         let seeds = if i == 0 { Seeds::None } else { Seeds::Others };
-        members.push(Broker::start_on_ports(
-            &member_yaml(name, i, &ports, &secret.0, seeds, 60_000),
-            ports[i],
-        ));
+        let yaml = member_yaml(name, i, &ports, &secret.0, seeds, 60_000) + extra_yaml;
+        members.push(Broker::start_on_ports(&yaml, ports[i]));
         let started: Vec<usize> = (0..=i).collect();
         wait_ready(
             &mut members,

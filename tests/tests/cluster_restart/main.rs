@@ -24,4 +24,5 @@ mod replicated_cycles;
 mod replicated_failover;
 mod replicated_full_restart;
 mod replicated_metrics;
+mod replicated_paging;
 mod sigstop;

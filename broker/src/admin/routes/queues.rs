@@ -237,6 +237,7 @@ fn queue_json(b: &Broker, vh: &str, q: &Queue) -> Value {
         Some(r) => (r.backups, r.in_sync, r.unavailable),
         None => (Vec::new(), Vec::new(), false),
     };
+    let local_copy = local_copy_json(b, node, &backups, q);
     json!({
         "name": q.name.as_ref(),
         "vhost": vh,
@@ -253,8 +254,29 @@ fn queue_json(b: &Broker, vh: &str, q: &Queue) -> Value {
         "backup_nodes": backups,
         "in_sync_backup_nodes": in_sync,
         "unavailable": unavailable,
+        "local_copy": local_copy,
         "type": "classic",
         "state": "running",
+    })
+}
+
+/// What this member itself holds of queue `q`, whose primary is `node`: the counts above
+/// are the primary's wherever the API is asked, so a backup's own memory use — bounded by
+/// `queue_memory_budget_bytes` like its primary's — would show nowhere else. `role` is
+/// `primary`, `backup`, or `none` (a member that only proxies the queue holds nothing).
+fn local_copy_json(b: &Broker, node: &str, backups: &[String], q: &Queue) -> Value {
+    let me = b.config.node_id.as_str();
+    let role = if node == me {
+        "primary"
+    } else if backups.iter().any(|n| n == me) {
+        "backup"
+    } else {
+        "none"
+    };
+    json!({
+        "role": role,
+        "messages": q.ready_count() + q.unacked_count(),
+        "message_bytes_ram": q.resident_bytes(),
     })
 }
 

@@ -338,7 +338,7 @@ impl World {
             }
             Action::SendSnapshot { to, through } => {
                 let msg = m.map.snapshot(to, through, &mut s.store);
-                spawn_mcast(world, slot, m, None, msg);
+                spawn_announce(m.cpg.clone(), msg);
             }
             Action::Answer { request, outcome } => {
                 if let Some(mark) = m.marks.remove(&request)
@@ -802,7 +802,8 @@ fn spawn_mcast(
     });
 }
 
-/// Multicasts this member's hello, retrying on errors as `cluster::node` does.
+/// Multicasts this member's hello or a snapshot for a joiner, retrying on errors as
+/// `cluster::node` does.
 fn spawn_announce(cpg: Cpg, msg: ClusterMsg) {
     tokio::spawn(async move {
         for _ in 0..50 {

@@ -18,7 +18,7 @@
 //! [`Queue::apply`]'s assertions.
 
 use super::{Entry, Queue};
-use crate::core::message::Message;
+use crate::core::message::{DiskBody, Message};
 use crate::core::ops::{OpKind, QueueOp};
 use std::sync::Arc;
 use thiserror::Error;
@@ -165,7 +165,20 @@ impl Queue {
     /// the chunk before it (same image, higher ids). After the last chunk the queue holds the
     /// image and the ops after `chunk.last_seq` apply next; before it, [`Queue::fits`]
     /// refuses every op. A chunk that does not fit changes nothing.
-    pub fn install_chunk(&mut self, chunk: ImageChunk) -> Result<(), ReplicaError> {
+    ///
+    /// Flow-to-disk holds for an image as for enqueues: with a `budget_bytes`, a message
+    /// whose body would take the queue's resident bytes over it keeps only its key, so a
+    /// backup catching up with a long queue holds the first budget's worth of bodies (the
+    /// head, in id order), not all of them. Its body is in its `Enqueued` record when the
+    /// message is persistent and `journals_persistent` (this member journals the queue's
+    /// persistent messages); otherwise the entry owns a page record, and the message, body
+    /// included, is returned with its id for the caller to write that record.
+    pub fn install_chunk(
+        &mut self,
+        chunk: ImageChunk,
+        budget_bytes: Option<usize>,
+        journals_persistent: bool,
+    ) -> Result<Vec<(u64, Arc<Message>)>, ReplicaError> {
         let mut last_id = if chunk.first {
             if self.ready_count > 0 || !self.unacked.is_empty() || !self.consumers.is_empty() {
                 return Err(ReplicaError::NotEmpty(self.name.to_string()));
@@ -187,14 +200,33 @@ impl Queue {
             }
             last_id = e.id;
         }
+        let mut own_pages = Vec::new();
         for e in chunk.entries {
-            self.add_resident(&e.message);
+            let len = e.message.body_len();
+            let over = budget_bytes.is_some_and(|budget| self.resident_bytes + len > budget);
+            let mut message = e.message;
+            let mut owns_page = false;
+            if over && message.body.in_memory().is_some() {
+                let key = DiskBody {
+                    uid: self.uid,
+                    id: e.id,
+                    len,
+                };
+                let paged = Arc::new(message.paged(key));
+                let full = std::mem::replace(&mut message, paged);
+                owns_page = !(journals_persistent && full.persistent);
+                if owns_page {
+                    own_pages.push((e.id, full));
+                }
+            }
+            self.add_resident(&message);
+            self.owned_pages += usize::from(owns_page);
             let entry = Entry {
                 id: e.id,
-                message: e.message,
+                message,
                 expires_at_ms: e.expires_at_ms,
                 redelivered: e.redelivered,
-                owns_page: false,
+                owns_page,
             };
             if e.unacked {
                 self.unacked.insert(entry.id, entry);
@@ -213,13 +245,13 @@ impl Queue {
                 last_id,
             });
         }
-        Ok(())
+        Ok(own_pages)
     }
 
-    /// Makes this empty queue hold `image` at once (one chunk).
+    /// Makes this empty queue hold `image` at once (one chunk), every body in memory.
     pub fn install_image(&mut self, image: QueueImage) -> Result<(), ReplicaError> {
         for chunk in image.into_chunks(usize::MAX) {
-            self.install_chunk(chunk)?;
+            self.install_chunk(chunk, None, false)?;
         }
         Ok(())
     }
@@ -374,7 +406,7 @@ mod tests {
                     let probe = primary.op(OpKind::Deliver { id: 0 });
                     for chunk in primary.image().into_chunks(chunk_entries) {
                         let last = chunk.last;
-                        b.install_chunk(chunk).unwrap();
+                        b.install_chunk(chunk, None, false).unwrap();
                         prop_assert_eq!(b.is_installing(), !last);
                         if !last {
                             prop_assert_eq!(b.fits(&probe), Err(ReplicaError::Installing("q".into())));
@@ -494,17 +526,17 @@ mod tests {
 
         let mut q = queue();
         assert_eq!(
-            q.install_chunk(chunks[1].clone()),
+            q.install_chunk(chunks[1].clone(), None, false).map(drop),
             Err(ReplicaError::Chunk("q".into())),
             "a later chunk without the first"
         );
-        q.install_chunk(chunks[0].clone()).unwrap();
+        q.install_chunk(chunks[0].clone(), None, false).unwrap();
         let other_image = ImageChunk {
             last_seq: 10,
             ..chunks[1].clone()
         };
         assert_eq!(
-            q.install_chunk(other_image),
+            q.install_chunk(other_image, None, false).map(drop),
             Err(ReplicaError::Chunk("q".into())),
             "a chunk of another image"
         );
@@ -513,11 +545,11 @@ mod tests {
             ..chunks[1].clone()
         };
         assert!(matches!(
-            q.install_chunk(going_back),
+            q.install_chunk(going_back, None, false),
             Err(ReplicaError::Message { id: 2, .. })
         ));
         assert_eq!(q.ready_count(), 2, "refused chunks changed nothing");
-        q.install_chunk(chunks[1].clone()).unwrap();
+        q.install_chunk(chunks[1].clone(), None, false).unwrap();
         assert!(!q.is_installing());
         assert_eq!((q.last_seq(), q.next_id()), (9, 7));
         assert_eq!((q.ready_count(), q.unacked_count()), (3, 1));
@@ -526,7 +558,7 @@ mod tests {
 
         // A first chunk again (a retried catch-up) needs the queue emptied first.
         assert_eq!(
-            q.install_chunk(chunks[0].clone()),
+            q.install_chunk(chunks[0].clone(), None, false).map(drop),
             Err(ReplicaError::NotEmpty("q".into()))
         );
         let empty = QueueImage::default().into_chunks(3);

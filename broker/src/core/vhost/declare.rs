@@ -2,14 +2,13 @@
 //! what exists and how it is connected, never where a message is; each marks the durable wiring
 //! changed when it touches a durable object, so that the server saves it before it answers.
 
-use super::effects::apply;
+use super::effects::purge;
 use super::{Cancelled, Effects, VHost};
 use crate::amqp::{FieldTable, codes};
 use crate::core::args::QueueArgs;
 use crate::core::error::{AmqpError, CoreResult};
 use crate::core::exchange::{Binding, Destination, Exchange, ExchangeKind};
 use crate::core::is_foreign;
-use crate::core::ops::OpKind;
 use crate::core::queue::Queue;
 use std::sync::Arc;
 
@@ -475,12 +474,7 @@ impl VHost {
         let q = self.queues.get_mut(queue).expect("checked above");
         let count = q.ready_count() as u32;
         let ids = q.ready().map(|e| e.id).collect();
-        if q.owned_pages() > 0 {
-            let uid = q.uid;
-            fx.page_released
-                .extend(q.ready().filter(|e| e.owns_page).map(|e| (uid, e.id)));
-        }
-        apply(q, OpKind::Purge { ids }, record, fx);
+        purge(q, ids, record, fx);
         Ok(count)
     }
 

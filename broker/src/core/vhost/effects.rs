@@ -141,8 +141,10 @@ pub struct PageOut {
 
 /// Applies `kind` to `q` as its next op, recording the op when asked and the queue is
 /// durable or replicated (only those have anyone to read their ops: the journal, the
-/// backups). An entry that
-/// leaves with a page record of its own has that record released.
+/// backups). An entry that leaves with a page record of its own has that record released
+/// — whoever sent the op (a client, the expiry tick, a primary's replication stream), so a
+/// replica releases its page records exactly as its primary does. A purge is the exception:
+/// use [`purge`], which releases the page records of everything it removes.
 pub(super) fn apply(q: &mut Queue, kind: OpKind, record: bool, fx: &mut Effects) -> Option<Entry> {
     let leaves = matches!(
         kind,
@@ -157,4 +159,51 @@ pub(super) fn apply(q: &mut Queue, kind: OpKind, record: bool, fx: &mut Effects)
         fx.ops.push(op);
     }
     out
+}
+
+/// Applies a purge of every ready message of `q` (`ids`, as [`apply`] would), releasing the
+/// page records the purged entries own: on a primary (queue.purge) and on a replica (a
+/// replicated purge, or a catch-up resetting a stale copy) alike.
+pub(super) fn purge(q: &mut Queue, ids: Vec<u64>, record: bool, fx: &mut Effects) {
+    if q.owned_pages() > 0 {
+        let uid = q.uid;
+        fx.page_released
+            .extend(q.ready().filter(|e| e.owns_page).map(|e| (uid, e.id)));
+    }
+    apply(q, OpKind::Purge { ids }, record, fx);
+}
+
+/// Whether this member's journal holds the `Enqueued` record of a persistent message of `q`
+/// (its ops are recorded, it is durable and not exclusive): a body paged out of such a
+/// message needs no record of its own.
+pub(super) fn journals_persistent(q: &Queue, record: bool) -> bool {
+    record && q.durable && q.exclusive_owner.is_none()
+}
+
+/// Flow-to-disk after message `id` entered `q` (its newest): when the bodies `q` holds in
+/// memory exceed `budget_bytes`, this one leaves memory — to its `Enqueued` record when the
+/// journal has one, else to a page record of its own that `fx` asks the server to write.
+/// The one decision for a primary's enqueue and a replica's replicated enqueue alike, so a
+/// backup holds no more in memory than its primary would.
+pub(super) fn page_out(
+    q: &mut Queue,
+    id: u64,
+    message: &Message,
+    budget_bytes: Option<usize>,
+    record: bool,
+    fx: &mut Effects,
+) {
+    let Some(budget) = budget_bytes else {
+        return;
+    };
+    let journaled = journals_persistent(q, record) && message.persistent;
+    if let Some(full) = q.page_out(id, budget, journaled)
+        && !journaled
+    {
+        fx.page_out.push(PageOut {
+            uid: q.uid,
+            id,
+            message: full,
+        });
+    }
 }

@@ -8,9 +8,18 @@
 //! cluster map makes this member the primary (an election), [`VHost::promote_replica`]
 //! requeues what the old primary had delivered and not seen acked, in its original order and
 //! marked redelivered, and the queue serves from where the old primary stopped.
+//!
+//! A replica obeys the vhost's memory budget as its primary does (flow-to-disk): after each
+//! replicated enqueue, and for each message an image installs, a body that takes the
+//! queue's resident bytes over the budget leaves memory — for the `Enqueued` record this
+//! member journals, or a page record of its own (a transient message, a queue that is not
+//! durable) — through the same [`page_out`] decision and the same page records as the
+//! primary's. The entry keeps the key of this member's record, so when the replica is
+//! promoted its deliveries, and the images it sends as a catch-up source, read the bodies
+//! back from this member's journal like any primary's.
 
 use super::VHost;
-use super::effects::{Effects, apply};
+use super::effects::{Effects, PageOut, apply, journals_persistent, page_out, purge};
 use crate::core::ops::{OpKind, QueueOp};
 use crate::core::queue::{ImageChunk, Queue, QueueImage, ReplicaError};
 
@@ -25,10 +34,20 @@ impl VHost {
         fx: &mut Effects,
     ) -> Result<u64, ReplicaError> {
         let record = self.record_ops;
+        let budget = self.limits.queue_memory_budget_bytes;
         let q = self.replica_mut(queue)?;
         for op in ops {
             q.fits(op)?;
-            apply(q, op.kind.clone(), record, fx);
+            match &op.kind {
+                OpKind::Enqueue { id, message, .. } => {
+                    apply(q, op.kind.clone(), record, fx);
+                    page_out(q, *id, message, budget, record, fx);
+                }
+                OpKind::Purge { ids } => purge(q, ids.clone(), record, fx),
+                kind => {
+                    apply(q, kind.clone(), record, fx);
+                }
+            }
         }
         Ok(q.last_seq())
     }
@@ -38,7 +57,8 @@ impl VHost {
     /// [`VHost::apply_replicated`]. The first chunk drops what a stale replica held (from
     /// before this member lost its place in the stream, or a catch-up that was abandoned
     /// half way) first, as removals; every chunk's messages are recorded as enqueues, so that
-    /// this member's journal holds exactly what the replica holds.
+    /// this member's journal holds exactly what the replica holds. Bodies beyond the memory
+    /// budget stay only on disk ([`Queue::install_chunk`]).
     pub fn install_replica(
         &mut self,
         queue: &str,
@@ -46,6 +66,7 @@ impl VHost {
         fx: &mut Effects,
     ) -> Result<(), ReplicaError> {
         let record = self.record_ops;
+        let budget = self.limits.queue_memory_budget_bytes;
         let q = self.replica_mut(queue)?;
         if chunk.first {
             for id in q.unacked_in_order() {
@@ -53,7 +74,7 @@ impl VHost {
             }
             if q.ready_count() > 0 {
                 let ids = q.ready().map(|e| e.id).collect();
-                apply(q, OpKind::Purge { ids }, record, fx);
+                purge(q, ids, record, fx);
             }
         }
         let enqueues: Vec<QueueOp> = chunk
@@ -71,8 +92,15 @@ impl VHost {
                 },
             })
             .collect();
-        q.install_chunk(chunk)?;
-        if record && q.durable && q.exclusive_owner.is_none() {
+        let journals = journals_persistent(q, record);
+        let own_pages = q.install_chunk(chunk, budget, journals)?;
+        let uid = q.uid;
+        fx.page_out.extend(
+            own_pages
+                .into_iter()
+                .map(|(id, message)| PageOut { uid, id, message }),
+        );
+        if journals {
             fx.ops.extend(enqueues);
         }
         Ok(())
@@ -120,6 +148,8 @@ impl VHost {
 
 #[cfg(test)]
 mod tests {
+    mod paging;
+
     use crate::amqp::Properties;
     use crate::core::vhost::{Consume, Effects, QueueDeclare, VHost};
     use crate::core::{ChannelKey, Message, OpKind, QueueOp};

@@ -2,9 +2,9 @@
 //! exchanges followed, each queue once) and putting it on them, with their length limits,
 //! TTLs and flow-to-disk applied on the way in. Dead-lettering routes through here too.
 
-use super::effects::apply;
+use super::effects::{apply, page_out};
 use super::expiry::expire_head;
-use super::{DeadLetter, Effects, PageOut, VHost};
+use super::{DeadLetter, Effects, VHost};
 use crate::core::args::Overflow;
 use crate::core::error::{AmqpError, CoreResult};
 use crate::core::exchange::Destination;
@@ -309,19 +309,14 @@ impl VHost {
             );
             self.dispatch_collect(name, now_ms, fx, dead);
             let q = self.queues.get_mut(name).expect("dispatch keeps the queue");
-            if let Some(budget) = self.limits.queue_memory_budget_bytes {
-                let journaled =
-                    record && q.durable && q.exclusive_owner.is_none() && message.persistent;
-                if let Some(full) = q.page_out(id, budget, journaled)
-                    && !journaled
-                {
-                    fx.page_out.push(PageOut {
-                        uid: q.uid,
-                        id,
-                        message: full,
-                    });
-                }
-            }
+            page_out(
+                q,
+                id,
+                message,
+                self.limits.queue_memory_budget_bytes,
+                record,
+                fx,
+            );
             while q
                 .args
                 .max_length
