@@ -246,13 +246,7 @@ impl World {
 
     /// Feeds `ev` to slot `slot`'s map (process `proc`), carries out its actions and checks
     /// what it decided. Returns the index of the checkpoint it saved, if it saved one.
-    fn event(
-        &mut self,
-        world: &Arc<Mutex<World>>,
-        slot: usize,
-        proc: Proc,
-        ev: CpgEvent,
-    ) -> Option<u64> {
+    fn event(&mut self, slot: usize, proc: Proc, ev: CpgEvent) -> Option<u64> {
         if self.slots[slot]
             .member
             .as_ref()
@@ -286,7 +280,7 @@ impl World {
             self.views.insert(index);
         }
         for a in actions {
-            self.act(world, slot, a);
+            self.act(slot, a);
         }
         let s = &mut self.slots[slot];
         let m = s.member.as_ref().expect("acting keeps the member");
@@ -320,7 +314,7 @@ impl World {
     }
 
     /// Carries out one of slot `slot`'s map actions, as `cluster::node` does.
-    fn act(&mut self, world: &Arc<Mutex<World>>, slot: usize, action: Action) {
+    fn act(&mut self, slot: usize, action: Action) {
         let s = &mut self.slots[slot];
         let node = s.node.clone();
         let m = s.member.as_mut().expect("a running member acts");
@@ -848,7 +842,7 @@ impl App for MapApp {
     }
 
     fn event(&self, slot: usize, proc: Proc, ev: CpgEvent) -> Option<u64> {
-        self.world.lock().event(&self.world, slot, proc, ev)
+        self.world.lock().event(slot, proc, ev)
     }
 
     fn gone(&self, slot: usize) {
