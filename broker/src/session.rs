@@ -167,14 +167,26 @@ pub struct Attached {
 
 impl Attached {
     /// The message the [`STATUS_QUEUE`] pseudo-queue holds for this attachment: the granted
-    /// timeout and whether it resumed, as JSON (`content-type: application/json`) and as the
-    /// same fields in headers, for clients that do not parse JSON.
-    pub fn status_message(&self) -> Message {
+    /// timeout, whether it resumed, and per channel of the session (number, next delivery
+    /// tag, unacknowledged tags) what a resumed client finds there — as JSON
+    /// (`content-type: application/json`), and the first three as headers for clients that
+    /// do not parse JSON.
+    pub fn status_message(&self, channels: &[(u16, u64, Vec<u64>)]) -> Message {
         let timeout_s = self.timeout.as_secs();
+        let channels: serde_json::Map<String, serde_json::Value> = channels
+            .iter()
+            .map(|(channel, next_tag, unacked)| {
+                (
+                    channel.to_string(),
+                    serde_json::json!({ "next_delivery_tag": next_tag, "unacked": unacked }),
+                )
+            })
+            .collect();
         let body = serde_json::json!({
             "session": self.id.to_string(),
             "timeout_s": timeout_s,
             "resumed": self.resumed,
+            "channels": channels,
         });
         let mut headers = FieldTable::default();
         headers.insert(

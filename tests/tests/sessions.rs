@@ -421,3 +421,140 @@ async fn amq_session_is_only_for_session_connections_and_only_with_no_ack() {
         .unwrap_err();
     assert_eq!(reply_code(&e), Some(406));
 }
+
+/// Reads one basic.deliver (method, header, body) from a raw client: its delivery tag.
+async fn raw_delivery_tag(c: &mut RawClient) -> u64 {
+    loop {
+        let frame = c.read_frame().await.expect("a delivery");
+        if let Some(tag) = ringmq::client::deliver_tag(&frame.payload) {
+            c.read_frame().await.expect("its header");
+            c.read_frame().await.expect("its body");
+            return tag;
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_resumed_session_acks_the_deliveries_of_its_lost_connection_by_their_tags() {
+    use ringmq::amqp::basic;
+    use tokio::io::AsyncWriteExt;
+    let b = Broker::start();
+    let (_c, plain) = b.channel().await;
+    plain
+        .queue_declare(
+            "work".into(),
+            QueueDeclareOptions::default(),
+            LapinTable::default(),
+        )
+        .await
+        .unwrap();
+    publish(&plain, "work", &["m1", "m2", "m3"]).await;
+
+    let id = new_session_id();
+    let mut first = raw_session(
+        &b,
+        props(&[("qpid.session.start", &id), ("qpid.session.timeout", "30")]),
+    )
+    .await
+    .unwrap();
+    first
+        .call(
+            AMQPClass::Basic(basic::AMQPMethod::Qos(basic::Qos {
+                prefetch_count: 3,
+                ..Default::default()
+            })),
+            |m| matches!(m, AMQPClass::Basic(basic::AMQPMethod::QosOk(_))),
+            "basic.qos-ok",
+        )
+        .await
+        .unwrap();
+    first
+        .call(
+            AMQPClass::Basic(basic::AMQPMethod::Consume(basic::Consume {
+                queue: "work".into(),
+                consumer_tag: "c1".into(),
+                ..Default::default()
+            })),
+            |m| matches!(m, AMQPClass::Basic(basic::AMQPMethod::ConsumeOk(_))),
+            "basic.consume-ok",
+        )
+        .await
+        .unwrap();
+    let mut tags = Vec::new();
+    for _ in 0..3 {
+        tags.push(raw_delivery_tag(&mut first).await);
+    }
+    assert_eq!(tags, [1, 2, 3]);
+    let mut ack = Vec::new();
+    ringmq::client::encode_ack(&mut ack, 1, 1, false);
+    first.stream.write_all(&ack).await.unwrap();
+    // A round trip, so the ack was processed before the socket goes.
+    first
+        .call(
+            AMQPClass::Basic(basic::AMQPMethod::Qos(basic::Qos {
+                prefetch_count: 3,
+                ..Default::default()
+            })),
+            |m| matches!(m, AMQPClass::Basic(basic::AMQPMethod::QosOk(_))),
+            "basic.qos-ok",
+        )
+        .await
+        .unwrap();
+    drop(first);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    publish(&plain, "work", &["m4"]).await;
+    // Detached, not requeued: m2 and m3 wait for the session, m4 is ready.
+    let q = plain
+        .queue_declare(
+            "work".into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            LapinTable::default(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(q.message_count(), 1, "only m4 is ready");
+
+    let resumed = lapin_session(&b, &id, true, None).await.unwrap();
+    let ch = resumed.create_channel().await.unwrap();
+    assert_eq!(ch.id(), 1);
+    let st = status(&ch).await;
+    assert_eq!(st["channels"]["1"]["unacked"], serde_json::json!([2, 3]));
+    // The status read took tag 4; the lost connection's tags are acked on the resumed channel.
+    assert_eq!(st["channels"]["1"]["next_delivery_tag"], 5);
+    ch.basic_ack(2, lapin::options::BasicAckOptions::default())
+        .await
+        .unwrap();
+    let got = ch
+        .basic_get("work".into(), BasicGetOptions { no_ack: false })
+        .await
+        .unwrap()
+        .expect("m4");
+    assert_eq!(got.delivery.data, b"m4");
+    assert_eq!(
+        got.delivery.delivery_tag, 5,
+        "tags go on from where the session was"
+    );
+    got.ack(lapin::options::BasicAckOptions::default())
+        .await
+        .unwrap();
+    // Closing the channel ends it: m3, never acked, goes back marked redelivered.
+    ch.close(200, "done".into()).await.unwrap();
+    let again = plain
+        .basic_get("work".into(), BasicGetOptions { no_ack: true })
+        .await
+        .unwrap()
+        .expect("m3 back in its queue");
+    assert_eq!(again.delivery.data, b"m3");
+    assert!(again.delivery.redelivered);
+    assert!(
+        plain
+            .basic_get("work".into(), BasicGetOptions { no_ack: true })
+            .await
+            .unwrap()
+            .is_none(),
+        "m1, m2 and m4 were acked"
+    );
+}

@@ -407,3 +407,35 @@ fn foreign_exchanges_refuse_exchange_bindings_and_foreign_queues() {
         .unwrap_err();
     assert_eq!(e.code, crate::amqp::codes::NOT_IMPLEMENTED);
 }
+
+#[test]
+fn a_detached_channel_keeps_its_unacked_deliveries_for_the_sessions_next_connection() {
+    let mut v = vhost_with_queue();
+    let mut fx = Effects::default();
+    for body in ["a", "b", "c"] {
+        v.publish("", "q", msg(body), 0, &mut fx).unwrap();
+    }
+    consume(&mut v, &mut fx, "c1", 0);
+    assert_eq!(fx.deliveries.len(), 3);
+    v.channel_detach(CH, 0, &mut fx);
+    let q = v.queue("q").unwrap();
+    assert_eq!(
+        (q.ready_count(), q.unacked_count()),
+        (0, 3),
+        "kept, not requeued"
+    );
+    assert!(
+        q.consumers.is_empty(),
+        "the consumer went with the connection"
+    );
+    v.channel_open(CH);
+    assert_eq!(v.channel_summaries(CH.conn), vec![(1, 4, vec![1, 2, 3])]);
+    v.basic_ack(CH, 2, false, 0, &mut fx).unwrap();
+    v.close_channels_of(CH.conn, 0, &mut fx);
+    let q = v.queue("q").unwrap();
+    assert_eq!(
+        (q.ready_count(), q.unacked_count()),
+        (2, 0),
+        "the session's end requeues what was never acked"
+    );
+}

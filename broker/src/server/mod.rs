@@ -177,6 +177,7 @@ fn end_expired_sessions(broker: &Broker, fx: &mut Effects) {
             continue;
         };
         let mut v = vhost.lock();
+        v.close_channels_of(ended.owner, now_ms(), fx);
         v.connection_closed(ended.owner, fx);
         broker.finish_batch(ended.owner, &mut v, fx);
     }

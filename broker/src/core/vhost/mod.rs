@@ -351,6 +351,20 @@ impl VHost {
 
     /// channel.open.
     pub fn channel_open(&mut self, key: ChannelKey) {
+        if let Some(kept) = self.channels.get_mut(&key) {
+            // A session's channel, detached when its connection went (see
+            // [`VHost::channel_detach`]), resumed by the session's next connection: its
+            // unacked deliveries and its tag sequence go on; qos starts afresh (the client
+            // sets it again before it consumes).
+            *kept = ChannelState {
+                last_delivery_tag: kept.last_delivery_tag,
+                unacked: std::mem::take(&mut kept.unacked),
+                unacked_bytes: kept.unacked_bytes,
+                max_unacked: self.limits.max_unacked_per_channel,
+                ..ChannelState::default()
+            };
+            return;
+        }
         self.channels.insert(
             key,
             ChannelState {
@@ -358,6 +372,59 @@ impl VHost {
                 ..ChannelState::default()
             },
         );
+    }
+
+    /// The connection of a session that is kept went away (`docs/sessions.md`): the
+    /// channel's consumers go, as on a close, but its unacked deliveries stay with it, under
+    /// their tags, for the session's next connection to acknowledge after it reopens the
+    /// channel — or back to their queues when the session ends
+    /// ([`VHost::close_channels_of`]). Deliveries proxied from another member go back with
+    /// their upstream channels, as on a close.
+    pub fn channel_detach(&mut self, key: ChannelKey, now_ms: u64, fx: &mut Effects) {
+        let Some(ch) = self.channels.get_mut(&key) else {
+            return;
+        };
+        let consumers: Vec<Consumer> = ch.consumers.drain().map(|(_, c)| c).collect();
+        ch.unacked.retain(|u| u.upstream.is_none());
+        ch.unacked_bytes = ch.unacked.iter().map(|u| u.bytes).sum();
+        ch.unwritten = 0;
+        ch.unwritten_bytes = 0;
+        let mut touched: Vec<Arc<str>> = Vec::new();
+        for c in consumers {
+            self.detach_consumer(key, &c.queue, &c.tag, fx);
+            touched.push(c.queue);
+        }
+        self.dispatch_all(touched, now_ms, fx);
+    }
+
+    /// Closes every channel of connection (or session owner) `conn`, open or detached: the
+    /// end of a session, whose detached channels no connection holds.
+    pub fn close_channels_of(&mut self, conn: u64, now_ms: u64, fx: &mut Effects) {
+        let keys: Vec<ChannelKey> = self
+            .channels
+            .keys()
+            .filter(|k| k.conn == conn)
+            .copied()
+            .collect();
+        for key in keys {
+            self.channel_close(key, now_ms, fx);
+        }
+    }
+
+    /// What a session's status tells about its channels: per channel of `conn`, the next
+    /// delivery tag and the tags still unacknowledged, in channel order.
+    pub fn channel_summaries(&self, conn: u64) -> Vec<(u16, u64, Vec<u64>)> {
+        let mut out: Vec<(u16, u64, Vec<u64>)> = self
+            .channels
+            .iter()
+            .filter(|(k, _)| k.conn == conn)
+            .map(|(k, ch)| {
+                let unacked = ch.unacked.iter().map(|u| u.tag).collect();
+                (k.channel, ch.last_delivery_tag + 1, unacked)
+            })
+            .collect();
+        out.sort_by_key(|(channel, ..)| *channel);
+        out
     }
 
     /// The next delivery tag of channel `key`, for a message the broker makes up and delivers

@@ -148,12 +148,15 @@ impl Connection {
             AMQPClass::Connection(connection::AMQPMethod::Close(close)) => {
                 self.close_reason =
                     format!("client closed: {} {}", close.reply_code, close.reply_text);
-                self.close_all_channels(v);
                 self.keep_session = close.reply_code == crate::session::KEEP_SESSION;
-                // Exclusive queues go before close-ok, so a client that saw close-ok finds
-                // them gone (RabbitMQ's order; a test relies on it) — unless the client keeps
-                // its session, which owns them.
-                if self.session.is_none() || !self.keep_session {
+                if self.session_kept() {
+                    self.detach_all_channels(v);
+                } else {
+                    self.close_all_channels(v);
+                    // Exclusive queues go before close-ok, so a client that saw close-ok
+                    // finds them gone (RabbitMQ's order; a test relies on it); a session's
+                    // channels this connection never reopened end with it.
+                    v.get().close_channels_of(self.id, now_ms(), &mut self.fx);
                     v.get().connection_closed(self.id, &mut self.fx);
                 }
                 self.writer.method(
@@ -191,6 +194,26 @@ impl Connection {
                 method_id: m.get_amqp_method_id(),
             }),
         }
+    }
+
+    /// Whether this connection's end keeps its session (and so its channels' unacked
+    /// deliveries and its exclusive queues).
+    pub(super) fn session_kept(&self) -> bool {
+        self.session.is_some() && self.keep_session
+    }
+
+    /// [`Connection::close_all_channels`] for a session that is kept: the channels are
+    /// detached in the vhost, their unacked deliveries kept for the next connection.
+    pub(super) fn detach_all_channels(&mut self, v: &mut Lazy) {
+        let now = now_ms();
+        let ids: Vec<u16> = self.channels.keys().copied().collect();
+        for id in ids {
+            if let Some(ch) = self.channels.remove(&id) {
+                v.get().channel_detach(ch.key, now, &mut self.fx);
+                self.drop_upstreams(id);
+            }
+        }
+        self.fx.deliveries.clear();
     }
 
     pub(super) fn close_all_channels(&mut self, v: &mut Lazy) {

@@ -530,17 +530,25 @@ impl Connection {
     }
 
     /// The connection is gone: its channels close in the vhost (unacked messages requeued),
-    /// its exclusive queues are deleted.
+    /// its exclusive queues are deleted — or, for a session that is kept, its channels are
+    /// detached (unacked deliveries stay for the next connection) and what it owns stays.
     fn release(&mut self) {
         let Some(vhost) = self.vhost.clone() else {
             return;
         };
         let now = now_ms();
+        let kept = self.session_kept();
         let mut v = vhost.lock();
         for ch in self.channels.values() {
-            v.channel_close(ch.key, now, &mut self.fx);
+            if kept {
+                v.channel_detach(ch.key, now, &mut self.fx);
+            } else {
+                v.channel_close(ch.key, now, &mut self.fx);
+            }
         }
-        if self.session.is_none() || !self.keep_session {
+        if !kept {
+            // A session's channels that this connection never reopened end with it too.
+            v.close_channels_of(self.id, now, &mut self.fx);
             v.connection_closed(self.id, &mut self.fx);
         }
         self.fx.deliveries.retain(|d| d.channel.conn != self.id);

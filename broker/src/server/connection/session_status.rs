@@ -63,7 +63,8 @@ impl Connection {
             .get()
             .take_delivery_tag(key)
             .expect("the channel is open in the vhost");
-        let message = session.status_message();
+        let channels = v.get().channel_summaries(self.id);
+        let message = session.status_message(&channels);
         self.writer.method(
             id,
             AMQPClass::Basic(basic::AMQPMethod::GetOk(basic::GetOk {
