@@ -351,6 +351,32 @@ pub fn encode_publish(
     body: &[u8],
     frame_max: u32,
 ) {
+    encode_publish_numbered(
+        out,
+        channel,
+        exchange,
+        routing_key,
+        persistent,
+        None,
+        body,
+        frame_max,
+    );
+}
+
+/// [`encode_publish`] with the publish's number on its channel in the
+/// [`crate::session::PUBLISH_SEQ_HEADER`] header (a session's resent publish, which the
+/// broker drops if it processed it already) when `seq` is given.
+#[allow(clippy::too_many_arguments)]
+pub fn encode_publish_numbered(
+    out: &mut Vec<u8>,
+    channel: u16,
+    exchange: &str,
+    routing_key: &str,
+    persistent: bool,
+    seq: Option<u64>,
+    body: &[u8],
+    frame_max: u32,
+) {
     let method_size = 4 + 2 + 1 + exchange.len() + 1 + routing_key.len() + 1;
     put_frame_header(out, FRAME_METHOD, channel, method_size);
     out.extend_from_slice(&[0, 60, 0, 40, 0, 0]);
@@ -360,14 +386,26 @@ pub fn encode_publish(
     out.extend_from_slice(routing_key.as_bytes());
     out.push(0);
     out.push(FRAME_END);
-    let header_size = 2 + 2 + 8 + 2 + usize::from(persistent);
+    let name = crate::session::PUBLISH_SEQ_HEADER.as_bytes();
+    // The headers table: one entry, the name and a signed 64-bit integer ('l').
+    let table = 1 + name.len() + 1 + 8;
+    let headers_size = if seq.is_some() { 4 + table } else { 0 };
+    let header_size = 2 + 2 + 8 + 2 + headers_size + usize::from(persistent);
     put_frame_header(out, FRAME_HEADER, channel, header_size);
     out.extend_from_slice(&[0, 60, 0, 0]);
     out.extend_from_slice(&(body.len() as u64).to_be_bytes());
+    // Property flags: headers is bit 13, delivery-mode bit 12; values in that order.
+    let flags = (u16::from(seq.is_some()) << 13) | (u16::from(persistent) << 12);
+    out.extend_from_slice(&flags.to_be_bytes());
+    if let Some(seq) = seq {
+        out.extend_from_slice(&(table as u32).to_be_bytes());
+        out.push(name.len() as u8);
+        out.extend_from_slice(name);
+        out.push(b'l');
+        out.extend_from_slice(&seq.to_be_bytes());
+    }
     if persistent {
-        out.extend_from_slice(&[0x10, 0x00, 2]);
-    } else {
-        out.extend_from_slice(&[0, 0]);
+        out.push(2);
     }
     out.push(FRAME_END);
     let chunk = frame_max as usize - frame::FRAME_OVERHEAD;
@@ -436,6 +474,27 @@ mod tests {
         let (rest, b) = parse_frame(rest).unwrap();
         assert!(matches!(b, AMQPFrame::Body(1, ref v) if v.len() == 10));
         assert!(rest.is_empty());
+    }
+
+    #[test]
+    fn a_numbered_publish_carries_its_number_in_the_header_amq_protocol_decodes() {
+        for persistent in [false, true] {
+            let mut out = Vec::new();
+            encode_publish_numbered(&mut out, 2, "", "q", persistent, Some(41), b"x", 4096);
+            let (rest, _) = parse_frame(out.as_slice()).unwrap();
+            let (_, h) = parse_frame(rest).unwrap();
+            let AMQPFrame::Header(2, h) = h else { panic!() };
+            let headers = h.properties.headers().clone().expect("headers");
+            assert_eq!(
+                headers.inner().get(crate::session::PUBLISH_SEQ_HEADER),
+                Some(&crate::amqp::AMQPValue::LongLongInt(41))
+            );
+            assert_eq!(
+                *h.properties.delivery_mode(),
+                persistent.then_some(2),
+                "delivery mode after headers"
+            );
+        }
     }
 
     #[test]

@@ -13,7 +13,7 @@ use crate::amqp::{AMQPValue, FieldTable, Properties, ShortString, codes};
 use crate::core::Message;
 use bytes::Bytes;
 use parking_lot::Mutex;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 use uuid::Uuid;
 
@@ -30,6 +30,15 @@ pub const CAPABILITY: &str = "qpid.session";
 pub const KEEP_SESSION: u16 = 330;
 /// The pseudo-queue from which a session's connection reads its status (`docs/sessions.md`).
 pub const STATUS_QUEUE: &str = "amq.session";
+/// Message header with which a client resending a publish after a resume names its number
+/// on the channel (1-based, counting every `basic.publish` since the channel was first
+/// opened): the broker drops a publish it already processed — and confirms it again, with
+/// its first outcome, in confirm mode.
+pub const PUBLISH_SEQ_HEADER: &str = "x-ringmq-publish-seq";
+/// How many of a channel's most recent nacked confirm numbers it remembers, to answer a
+/// resent duplicate with the outcome it first had. Nacks are rare (a refused publish, an
+/// unavailable queue); a resent publish is one of the client's in-flight window, far newer.
+pub const NACK_MEMORY: usize = 4096;
 
 /// Why a session could not be opened or resumed: the `connection.close` reply code and text.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -122,7 +131,7 @@ pub fn parse_request(props: &FieldTable) -> Result<Option<SessionRequest>, Sessi
 
 /// A non-negative integer of any AMQP integer type, or a string of decimal digits (some
 /// client libraries, lapin among them, set only string client-properties).
-fn integer(v: &AMQPValue) -> Option<u64> {
+pub fn integer(v: &AMQPValue) -> Option<u64> {
     match v {
         AMQPValue::LongString(s) => {
             return std::str::from_utf8(s.as_bytes()).ok()?.trim().parse().ok();
@@ -141,6 +150,86 @@ fn integer(v: &AMQPValue) -> Option<u64> {
         AMQPValue::Timestamp(n) => Some(n),
         _ => None,
     }
+}
+
+/// What a session's channel keeps of its publishing across connections, so that a resumed
+/// channel goes on where it stopped: its publish count (which resent publishes are
+/// duplicates), its mode, and the outcomes a resent duplicate is confirmed with.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PublishState {
+    /// `basic.publish` commands the channel processed since it was first opened: routed, or
+    /// discarded by a transaction's commit or rollback (an open transaction's publishes are
+    /// not counted until then — lost with a connection, they are sent again).
+    pub published: u64,
+    /// `published` when `confirm.select` came (`None`: not in confirm mode): a publish's
+    /// confirm number is its number less this.
+    pub confirm_base: Option<u64>,
+    /// The most recent confirm numbers that were nacked (at most [`NACK_MEMORY`]), ascending.
+    pub nacks: VecDeque<u64>,
+    /// `tx.select` came.
+    pub transactional: bool,
+    /// `tx.commit`s applied: a client that lost its connection during a commit learns
+    /// whether it went through (and so whether to send the transaction again).
+    pub commits: u64,
+}
+
+impl PublishState {
+    /// Remembers that confirm number `n` was nacked.
+    pub fn record_nack(&mut self, n: u64) {
+        if self.nacks.len() == NACK_MEMORY {
+            self.nacks.pop_front();
+        }
+        self.nacks.push_back(n);
+    }
+
+    /// Whether the publish numbered `seq` on the channel was processed already: a resent
+    /// duplicate, to be dropped.
+    pub fn is_duplicate(&self, seq: u64) -> bool {
+        seq <= self.published
+    }
+
+    /// The confirm a resent duplicate numbered `seq` gets: its confirm number and whether it
+    /// is an ack (the outcome it first had). `None` outside confirm mode, or for a publish
+    /// sent before `confirm.select`.
+    pub fn confirm_of(&self, seq: u64) -> Option<(u64, bool)> {
+        let base = self.confirm_base?;
+        let n = seq.checked_sub(base).filter(|&n| n > 0)?;
+        Some((n, !self.nacks.contains(&n)))
+    }
+}
+
+/// What the confirms a session's last connection could not send any more waited for: a
+/// resent duplicate's confirm, which stands for one of them, waits for it too. Both only
+/// grow (a journal sequence number, a replication stamp).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Barrier {
+    /// The journal sequence number that must be durable.
+    pub journal_seq: u64,
+    /// The replication stamp every in-sync backup must have acknowledged.
+    pub replicated: u64,
+}
+
+impl Barrier {
+    /// The later of two barriers.
+    pub fn max(self, other: Barrier) -> Barrier {
+        Barrier {
+            journal_seq: self.journal_seq.max(other.journal_seq),
+            replicated: self.replicated.max(other.replicated),
+        }
+    }
+}
+
+/// One channel of a session as its status lists it (`docs/sessions.md`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChannelStatus {
+    /// The channel number.
+    pub channel: u16,
+    /// The delivery tag its next delivery gets.
+    pub next_delivery_tag: u64,
+    /// Its deliveries not yet acknowledged, by tag.
+    pub unacked: Vec<u64>,
+    /// Its publishing (default for a channel that never published).
+    pub publishing: PublishState,
 }
 
 /// The broker's limits on session timeouts.
@@ -163,22 +252,33 @@ pub struct Attached {
     pub timeout: Duration,
     /// Whether this attachment resumed the session (false: it started it).
     pub resumed: bool,
+    /// What the confirms the previous connection left unsent waited for (default for a new
+    /// session): a resent duplicate's confirm waits for it too.
+    pub barrier: Barrier,
 }
 
 impl Attached {
     /// The message the [`STATUS_QUEUE`] pseudo-queue holds for this attachment: the granted
-    /// timeout, whether it resumed, and per channel of the session (number, next delivery
-    /// tag, unacknowledged tags) what a resumed client finds there — as JSON
-    /// (`content-type: application/json`), and the first three as headers for clients that
-    /// do not parse JSON.
-    pub fn status_message(&self, channels: &[(u16, u64, Vec<u64>)]) -> Message {
+    /// timeout, whether it resumed, and per channel of the session what a resumed client
+    /// finds there — next delivery tag, unacknowledged tags, publishes processed, confirm and
+    /// transactional mode, commits — as JSON (`content-type: application/json`), and the
+    /// first three as headers for clients that do not parse JSON.
+    pub fn status_message(&self, channels: &[ChannelStatus]) -> Message {
         let timeout_s = self.timeout.as_secs();
         let channels: serde_json::Map<String, serde_json::Value> = channels
             .iter()
-            .map(|(channel, next_tag, unacked)| {
+            .map(|c| {
+                let p = &c.publishing;
                 (
-                    channel.to_string(),
-                    serde_json::json!({ "next_delivery_tag": next_tag, "unacked": unacked }),
+                    c.channel.to_string(),
+                    serde_json::json!({
+                        "next_delivery_tag": c.next_delivery_tag,
+                        "unacked": c.unacked,
+                        "publishes_processed": p.published,
+                        "confirm": p.confirm_base.is_some(),
+                        "transactional": p.transactional,
+                        "commits": p.commits,
+                    }),
                 )
             })
             .collect();
@@ -229,6 +329,10 @@ struct Session {
     timeout: Duration,
     /// `None` while a connection is attached.
     detached_since: Option<Instant>,
+    /// The publishing of its channels that no connection has open.
+    publishing: HashMap<u16, PublishState>,
+    /// What its last connection's unsent confirms waited for.
+    barrier: Barrier,
 }
 
 impl Session {
@@ -289,6 +393,8 @@ impl Sessions {
                 vhost: None,
                 timeout,
                 detached_since: None,
+                publishing: HashMap::new(),
+                barrier: Barrier::default(),
             },
         );
         Ok(Attached {
@@ -296,6 +402,7 @@ impl Sessions {
             owner: conn,
             timeout,
             resumed: false,
+            barrier: Barrier::default(),
         })
     }
 
@@ -326,6 +433,7 @@ impl Sessions {
             owner: s.owner,
             timeout: s.timeout,
             resumed: true,
+            barrier: s.barrier,
         })
     }
 
@@ -350,12 +458,14 @@ impl Sessions {
     }
 
     /// The session's connection is gone at `now`: kept for its timeout when `keep`, else
-    /// ended (returned, for the caller to release what it owned).
-    pub fn detach(&self, id: Uuid, keep: bool, now: Instant) -> Option<Ended> {
+    /// ended (returned, for the caller to release what it owned). `barrier` is what the
+    /// confirms it could not send waited for.
+    pub fn detach(&self, id: Uuid, keep: bool, now: Instant, barrier: Barrier) -> Option<Ended> {
         let mut sessions = self.sessions.lock();
         if keep {
             if let Some(s) = sessions.get_mut(&id) {
                 s.detached_since = Some(now);
+                s.barrier = s.barrier.max(barrier);
             }
             return None;
         }
@@ -363,6 +473,33 @@ impl Sessions {
             owner: s.owner,
             vhost: s.vhost,
         })
+    }
+
+    /// Channel `channel` of session `id` leaves its connection open in the session (the
+    /// connection is going, the session stays): its publishing waits for the next one.
+    pub fn keep_channel(&self, id: Uuid, channel: u16, publishing: PublishState) {
+        if let Some(s) = self.sessions.lock().get_mut(&id) {
+            s.publishing.insert(channel, publishing);
+        }
+    }
+
+    /// Channel `channel` of session `id` is opened again: its publishing as it was left
+    /// (default for a channel the session never had).
+    pub fn take_channel(&self, id: Uuid, channel: u16) -> PublishState {
+        self.sessions
+            .lock()
+            .get_mut(&id)
+            .and_then(|s| s.publishing.remove(&channel))
+            .unwrap_or_default()
+    }
+
+    /// The publishing of session `id`'s channels that no connection has open, by channel.
+    pub fn kept_channels(&self, id: Uuid) -> Vec<(u16, PublishState)> {
+        self.sessions
+            .lock()
+            .get(&id)
+            .map(|s| s.publishing.iter().map(|(c, p)| (*c, p.clone())).collect())
+            .unwrap_or_default()
     }
 
     /// Removes and returns the sessions whose timeout ran out by `now` without a resume.
@@ -523,7 +660,7 @@ mod tests {
             codes::RESOURCE_LOCKED,
             "attached to a live connection"
         );
-        assert_eq!(s.detach(id, true, t0), None);
+        assert_eq!(s.detach(id, true, t0, Barrier::default()), None);
         assert!(s.owns(42));
         assert_eq!(
             s.resume(id, "bob", t0).unwrap_err().code,
@@ -531,7 +668,7 @@ mod tests {
         );
         let back = s.resume(id, "alice", t0 + Duration::from_secs(9)).unwrap();
         assert_eq!((back.owner, back.resumed), (42, true));
-        s.detach(id, true, t0 + Duration::from_secs(9));
+        s.detach(id, true, t0 + Duration::from_secs(9), Barrier::default());
         let late = t0 + Duration::from_secs(19);
         assert_eq!(
             s.resume(id, "alice", late).unwrap_err().code,
@@ -558,7 +695,7 @@ mod tests {
             codes::NOT_ALLOWED
         );
         assert_eq!(
-            s.detach(id, false, Instant::now()),
+            s.detach(id, false, Instant::now(), Barrier::default()),
             Some(Ended {
                 owner: 5,
                 vhost: Some("/".into())
@@ -569,5 +706,54 @@ mod tests {
             s.resume(id, "u", Instant::now()).unwrap_err().code,
             codes::NOT_FOUND
         );
+    }
+
+    #[test]
+    fn a_kept_channels_publishing_and_the_latest_barrier_wait_for_the_next_connection() {
+        let s = Sessions::new(limits());
+        let id = Uuid::from_u128(9);
+        let t0 = Instant::now();
+        s.start(id, None, "u", 1).unwrap();
+        let mut p = PublishState {
+            published: 5,
+            confirm_base: Some(1),
+            ..PublishState::default()
+        };
+        p.record_nack(3);
+        s.keep_channel(id, 2, p.clone());
+        let at = |journal_seq, replicated| Barrier {
+            journal_seq,
+            replicated,
+        };
+        s.detach(id, true, t0, at(10, 4));
+        let back = s.resume(id, "u", t0).unwrap();
+        assert_eq!(back.barrier, at(10, 4));
+        assert_eq!(s.kept_channels(id), vec![(2, p.clone())]);
+        let taken = s.take_channel(id, 2);
+        assert_eq!(taken, p);
+        assert_eq!(
+            taken.confirm_of(4),
+            Some((3, false)),
+            "nacked the first time"
+        );
+        assert_eq!(taken.confirm_of(5), Some((4, true)));
+        assert!(taken.is_duplicate(5) && !taken.is_duplicate(6));
+        assert_eq!(s.take_channel(id, 2), PublishState::default(), "taken once");
+        s.detach(id, true, t0, at(7, 9));
+        assert_eq!(
+            s.resume(id, "u", t0).unwrap().barrier,
+            at(10, 9),
+            "a barrier only grows"
+        );
+    }
+
+    #[test]
+    fn a_channel_remembers_only_its_most_recent_nacks() {
+        let mut p = PublishState::default();
+        for n in 1..=(NACK_MEMORY as u64 + 10) {
+            p.record_nack(n);
+        }
+        assert_eq!(p.nacks.len(), NACK_MEMORY);
+        assert_eq!(p.nacks.front(), Some(&11));
     }
 }

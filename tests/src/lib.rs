@@ -264,7 +264,7 @@ impl Broker {
         let stdout = child.stdout.take().expect("piped");
         let sink = log.clone();
         std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            for line in lossy_lines(stdout) {
                 sink.lock()
                     .expect("log lock")
                     .push(format!("stdout: {line}"));
@@ -462,11 +462,40 @@ fn capture_stderr(child: &mut Child) -> std::sync::Arc<std::sync::Mutex<Vec<Stri
     let stderr = child.stderr.take().expect("piped");
     let sink = log.clone();
     std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+        for line in lossy_lines(stderr) {
             sink.lock().expect("log lock").push(line);
         }
     });
     log
+}
+
+/// The lines of `pipe` until it closes or fails, bytes that are not UTF-8 replaced: a log
+/// line the strict reader would reject must not end the capture and leave a failure message
+/// without the broker's last words. A read error ends the lines with a line saying so.
+fn lossy_lines(pipe: impl std::io::Read) -> impl Iterator<Item = String> {
+    let mut reader = BufReader::new(pipe);
+    let mut failed = false;
+    std::iter::from_fn(move || {
+        if failed {
+            return None;
+        }
+        let mut line = Vec::new();
+        match reader.read_until(b'\n', &mut line) {
+            Ok(0) => None,
+            Ok(_) => {
+                if line.last() == Some(&b'\n') {
+                    line.pop();
+                }
+                Some(String::from_utf8_lossy(&line).into_owned())
+            }
+            Err(e) => {
+                failed = true;
+                Some(format!(
+                    "(the test harness could not read this pipe further: {e})"
+                ))
+            }
+        }
+    })
 }
 
 /// The AMQP reply code inside a lapin error, if the broker sent one.

@@ -119,6 +119,11 @@ fn register_client_counters(reg: &mut Registry, broker: &Broker) {
             &s.confirmed,
         ),
         (
+            "session_duplicates_dropped",
+            "Publishes resent after a session resume that had been processed already, dropped",
+            &s.duplicates_dropped,
+        ),
+        (
             "received_bytes",
             "Bytes read from AMQP clients",
             &s.bytes_in,

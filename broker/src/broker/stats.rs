@@ -26,6 +26,9 @@ pub struct BrokerStats {
     pub acked: Counter,
     /// Publisher confirms (ack or nack) issued, one per message.
     pub confirmed: Counter,
+    /// Publishes a session's client resent after a resume that the broker had processed
+    /// already, dropped (`docs/sessions.md`).
+    pub duplicates_dropped: Counter,
     /// Bytes read from AMQP sockets.
     pub bytes_in: Counter,
     /// Bytes written to AMQP sockets.
@@ -55,6 +58,8 @@ pub struct ConnStats {
     pub acked: u64,
     /// See [`BrokerStats::confirmed`].
     pub confirmed: u64,
+    /// See [`BrokerStats::duplicates_dropped`].
+    pub duplicates_dropped: u64,
     /// See [`BrokerStats::bytes_in`].
     pub bytes_in: u64,
     /// See [`BrokerStats::bytes_out`].
@@ -74,6 +79,7 @@ impl ConnStats {
             (&mut self.redelivered, &to.redelivered),
             (&mut self.acked, &to.acked),
             (&mut self.confirmed, &to.confirmed),
+            (&mut self.duplicates_dropped, &to.duplicates_dropped),
             (&mut self.bytes_in, &to.bytes_in),
             (&mut self.bytes_out, &to.bytes_out),
         ] {

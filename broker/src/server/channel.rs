@@ -2,6 +2,7 @@
 //! publisher confirms and transactions. Consumer state lives in the vhost core.
 
 use crate::core::{ChannelKey, Message};
+use crate::session::PublishState;
 use bytes::{Bytes, BytesMut};
 use std::sync::Arc;
 
@@ -144,6 +145,9 @@ pub struct ChannelCtx {
     pub tx: Option<Transaction>,
     /// Name of the queue declared last on this channel (the spec's empty-name shortcut).
     pub last_queue: Option<String>,
+    /// Its publish count, mode and recent nacks: what a session keeps of the channel when
+    /// the connection goes (`docs/sessions.md`).
+    pub publishing: PublishState,
 }
 
 impl ChannelCtx {
@@ -160,7 +164,40 @@ impl ChannelCtx {
             awaiting: std::collections::VecDeque::new(),
             tx: None,
             last_queue: None,
+            publishing: PublishState::default(),
         }
+    }
+
+    /// A session's channel opened again on a new connection, with the publishing it had:
+    /// still in confirm mode (numbering on) or transactional.
+    pub fn resumed(key: ChannelKey, publishing: PublishState) -> Self {
+        let mut ch = Self::new(key);
+        if let Some(base) = publishing.confirm_base {
+            ch.confirm = true;
+            ch.publish_seq = publishing.published - base;
+        }
+        if publishing.transactional {
+            ch.tx = Some(Transaction::default());
+        }
+        ch.publishing = publishing;
+        ch
+    }
+
+    /// The publishing a session keeps of this channel as its connection goes: confirms
+    /// decided but never written count with their outcome, and any still waiting for a
+    /// primary count as nacks (their outcome is unknown here; a nack makes the client send
+    /// the message again rather than lose it). An open transaction is dropped uncounted.
+    pub fn publish_state(&self) -> PublishState {
+        let mut p = self.publishing.clone();
+        for &(seq, ack) in &self.confirms {
+            if !ack {
+                p.record_nack(seq);
+            }
+        }
+        for waiting in &self.awaiting {
+            p.record_nack(waiting.seq);
+        }
+        p
     }
 
     /// Resolves the spec's shortcut: an empty queue name means the last declared one.
@@ -210,12 +247,18 @@ impl ChannelCtx {
     }
 
     /// Takes the confirms decided so far as (delivery-tag, multiple, ack?) frames: runs of
-    /// acks collapse into one `multiple` ack.
+    /// acks on consecutive numbers collapse into one `multiple` ack (a resent duplicate's
+    /// confirm, out of the sequence, stands alone). Nacks are remembered for a session.
     pub fn take_confirms(&mut self, out: &mut Vec<(u64, bool, bool)>) {
         let mut run_end: Option<u64> = None;
         let mut run_len = 0;
         for &(seq, ack) in &self.confirms {
             if ack {
+                if run_end.is_some_and(|end| end + 1 != seq) {
+                    let end = run_end.take().expect("checked");
+                    out.push((end, run_len > 1, true));
+                    run_len = 0;
+                }
                 run_end = Some(seq);
                 run_len += 1;
             } else {
@@ -224,6 +267,7 @@ impl ChannelCtx {
                 }
                 run_len = 0;
                 out.push((seq, false, false));
+                self.publishing.record_nack(seq);
             }
         }
         if let Some(end) = run_end {
@@ -300,6 +344,60 @@ mod tests {
         out.clear();
         ch.take_confirms(&mut out);
         assert_eq!(out, vec![(7, false, true)]);
+        assert_eq!(ch.publishing.nacks, [3], "the nack is remembered");
+    }
+
+    #[test]
+    fn a_resent_duplicates_confirm_out_of_sequence_stands_alone() {
+        let mut ch = ChannelCtx::new(ChannelKey {
+            conn: 1,
+            channel: 1,
+        });
+        ch.confirms = vec![(2, true), (9, true), (10, true)];
+        let mut out = Vec::new();
+        ch.take_confirms(&mut out);
+        assert_eq!(
+            out,
+            vec![(2, false, true), (10, true, true)],
+            "an ack of 9 and 10 as one multiple ack of 10 would also cover 3..=8"
+        );
+    }
+
+    #[test]
+    fn a_resumed_channel_goes_on_numbering_and_a_kept_state_counts_unsent_nacks() {
+        let key = ChannelKey {
+            conn: 1,
+            channel: 3,
+        };
+        let mut ch = ChannelCtx::resumed(
+            key,
+            PublishState {
+                published: 12,
+                confirm_base: Some(2),
+                ..PublishState::default()
+            },
+        );
+        assert!(ch.confirm && ch.tx.is_none());
+        assert_eq!(ch.publish_seq, 10, "confirm numbers go on from 10");
+        ch.confirms = vec![(11, false)];
+        ch.awaiting.push_back(AwaitingConfirm {
+            seq: 12,
+            accepted: true,
+            forwards: Some((1, 1)),
+        });
+        let kept = ch.publish_state();
+        assert_eq!(kept.nacks, [11, 12], "unsent and undecided count as nacks");
+        assert_eq!(kept.confirm_of(13), Some((11, false)));
+        assert_eq!(kept.confirm_of(9), Some((7, true)));
+        assert_eq!(kept.confirm_of(2), None, "sent before confirm.select");
+        let tx = ChannelCtx::resumed(
+            key,
+            PublishState {
+                transactional: true,
+                ..PublishState::default()
+            },
+        );
+        assert!(tx.tx.is_some() && !tx.confirm);
     }
 
     #[test]

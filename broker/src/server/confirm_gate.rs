@@ -97,6 +97,13 @@ impl ConfirmGate {
         self.releasable
     }
 
+    /// The conditions of the last held stretch: what everything held waits for (conditions
+    /// only grow along a connection's output). What a session remembers when its connection
+    /// goes with output still held.
+    pub fn last_held(&self) -> Option<Conditions> {
+        self.held.back().map(|&(_, c)| c)
+    }
+
     /// Whether some held output needs the lease: only then is it worth asking for.
     pub fn waits_for_lease(&self) -> bool {
         self.held.iter().any(|(_, c)| c.lease)

@@ -166,6 +166,15 @@ pub(crate) fn wait_ready(members: &mut [Broker], which: &[usize], limit: Duratio
         if ready {
             return;
         }
+        // A member that exited will not become ready: say so now, with its log, instead of
+        // waiting out the limit (give its last lines a moment to reach the log).
+        if which.iter().any(|&i| members[i].exit_status().is_some()) {
+            std::thread::sleep(Duration::from_millis(200));
+            panic!(
+                "{what}: a member of {which:?} exited while the test waited for it to be ready:{}",
+                describe(members)
+            );
+        }
         if Instant::now() > deadline {
             panic!(
                 "{what}: members {which:?} not all ready within {limit:?}:{}",

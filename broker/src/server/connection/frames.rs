@@ -211,6 +211,11 @@ impl Connection {
             if let Some(ch) = self.channels.remove(&id) {
                 v.get().channel_detach(ch.key, now, &mut self.fx);
                 self.drop_upstreams(id);
+                if let Some(session) = self.session {
+                    self.broker
+                        .sessions()
+                        .keep_channel(session.id, id, ch.publish_state());
+                }
             }
         }
         self.fx.deliveries.clear();
@@ -428,7 +433,13 @@ impl Connection {
             channel: id,
         };
         v.get().channel_open(key);
-        self.channels.insert(id, ChannelCtx::new(key));
+        let ch = match self.session {
+            Some(session) => {
+                ChannelCtx::resumed(key, self.broker.sessions().take_channel(session.id, id))
+            }
+            None => ChannelCtx::new(key),
+        };
+        self.channels.insert(id, ch);
         self.writer.method(
             id,
             AMQPClass::Channel(channel::AMQPMethod::OpenOk(channel::OpenOk {})),

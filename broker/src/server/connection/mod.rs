@@ -69,6 +69,10 @@ const MAX_DRAIN_BYTES: usize = 64 * 1024;
 /// Most publishes of one connection forwarded to other members and not yet confirmed by
 /// them: past it the connection stops reading (a slow link pushes back on its publishers).
 const MAX_FORWARDS_IN_FLIGHT: usize = 8192;
+/// Longest wait, after a session's connection is lost, for the primaries its last forwarded
+/// publishes went to: their confirms are decided before the session keeps the channel
+/// (undecided ones count as nacks). A resume waits that long at most (405 until then).
+const FORWARD_SETTLE_LIMIT: Duration = Duration::from_secs(5);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
@@ -181,6 +185,9 @@ struct Connection {
     next_serial: u64,
     /// A proxied method in flight: no further frames are read until it is answered.
     remote_wait: Option<proxied::RemoteWait>,
+    /// This batch confirmed a resent duplicate: its output also waits for the session's
+    /// barrier (what the first confirm of that publish waited for).
+    resent_confirmed: bool,
 }
 
 /// How a connection's task ends with its socket.
@@ -241,17 +248,31 @@ where
         held: HashMap::new(),
         next_serial: 0,
         remote_wait: None,
+        resent_confirmed: false,
     };
     let result = conn.run(&mut stream).await;
     // The connection's state goes first — unacked messages requeued, exclusive queues
     // deleted, the connection no longer counted — and only then does the socket wait for
     // the client to close its side.
     conn.release();
+    if conn.session_kept() {
+        conn.keep_publishing().await;
+    }
     broker.unregister(conn.id);
     if let Some(session) = conn.session {
-        broker
-            .sessions()
-            .detach(session.id, conn.keep_session, std::time::Instant::now());
+        let barrier =
+            conn.gate
+                .last_held()
+                .map_or_else(Default::default, |c| crate::session::Barrier {
+                    journal_seq: c.journal_seq,
+                    replicated: c.replicated,
+                });
+        broker.sessions().detach(
+            session.id,
+            conn.keep_session,
+            std::time::Instant::now(),
+            barrier,
+        );
     }
     conn.stats.closed(&broker.stats, conn.id); // metrics
     let user = conn.user.as_ref().map(|u| u.name.as_str()).unwrap_or("-");
@@ -526,6 +547,36 @@ impl Connection {
                 .broker
                 .users
                 .permissions_for(&user.name, &self.vhost_name);
+        }
+    }
+
+    /// The connection of a session that is kept is gone: the confirms of publishes forwarded
+    /// to other members' primaries are decided as their answers come (for at most
+    /// [`FORWARD_SETTLE_LIMIT`]), so that a resent duplicate gets the outcome its publish had;
+    /// then each open channel's publishing is kept in the session for the next connection.
+    async fn keep_publishing(&mut self) {
+        let deadline = Instant::now() + FORWARD_SETTLE_LIMIT;
+        while self.awaiting_confirms {
+            let status = self.forwards.status();
+            if status.failure.is_some() {
+                break;
+            }
+            self.decide_awaiting(status.answered_through);
+            if !self.awaiting_confirms
+                || tokio::time::timeout_at(deadline.into(), self.forwards.changed())
+                    .await
+                    .is_err()
+            {
+                break;
+            }
+        }
+        let Some(session) = self.session else {
+            return;
+        };
+        for (&id, ch) in &self.channels {
+            self.broker
+                .sessions()
+                .keep_channel(session.id, id, ch.publish_state());
         }
     }
 

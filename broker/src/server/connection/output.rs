@@ -226,7 +226,7 @@ impl Connection {
     pub(super) fn hold_output(&mut self, journal_seq: Option<u64>) {
         let forwards = self.forwards.issued();
         let replicated = self.fx.replica_stamp.take();
-        let conditions =
+        let mut conditions =
             if journal_seq.is_some() || forwards > self.forwards_held || replicated.is_some() {
                 Some(Conditions {
                     journal_seq: journal_seq.unwrap_or(0),
@@ -237,6 +237,20 @@ impl Connection {
             } else {
                 None
             };
+        if std::mem::take(&mut self.resent_confirmed)
+            && let Some(session) = self.session
+        {
+            // A resent duplicate's confirm stands for the first one, which waited for this.
+            let b = session.barrier;
+            let c = conditions.get_or_insert(Conditions {
+                journal_seq: 0,
+                forwards,
+                replicated: 0,
+                lease: self.broker.cluster().is_some(),
+            });
+            c.journal_seq = c.journal_seq.max(b.journal_seq);
+            c.replicated = c.replicated.max(b.replicated);
+        }
         self.forwards_held = forwards;
         self.gate.hold(self.writer.len(), conditions);
     }

@@ -12,6 +12,7 @@ use crate::amqp::{AMQPClass, basic, codes};
 use crate::clock::now_ms;
 use crate::core::{AmqpError, Message, PublishOutcome};
 use crate::server::channel::{HeldPublish, PendingPublish};
+use crate::session::PUBLISH_SEQ_HEADER;
 use std::sync::Arc;
 
 impl Connection {
@@ -148,6 +149,9 @@ impl Connection {
                 return;
             }
         };
+        if self.session.is_some() && self.drop_resent(id, &message) {
+            return;
+        }
         self.stats.published += 1; // metrics
         if self.broker.publishers_blocked() && self.caps.connection_blocked {
             // Stop reading this publisher's socket until the watermark clears.
@@ -175,6 +179,7 @@ impl Connection {
             });
             return;
         }
+        ch.publishing.published += 1;
         if self.is_replication(&p.exchange) {
             let applied = self.apply_replication(&message, v);
             let ch = self
@@ -239,6 +244,39 @@ impl Connection {
                 }
             }
         }
+    }
+
+    /// A session's publish that names its number on the channel ([`PUBLISH_SEQ_HEADER`]) and
+    /// that the channel processed already — a client resending what it had no confirm for
+    /// after a resume: dropped, and in confirm mode confirmed again with the outcome it first
+    /// had, once what that confirm waited for holds (the session's barrier). A publish held
+    /// by a transaction is compared with what the channel committed. Returns whether it was
+    /// dropped.
+    fn drop_resent(&mut self, id: u16, message: &Message) -> bool {
+        let Some(seq) = message
+            .properties
+            .headers()
+            .as_ref()
+            .and_then(|h| h.inner().get(PUBLISH_SEQ_HEADER))
+            .and_then(crate::session::integer)
+        else {
+            return false;
+        };
+        let ch = self
+            .channels
+            .get_mut(&id)
+            .expect("publishing channel is open");
+        if !ch.publishing.is_duplicate(seq) {
+            return false;
+        }
+        self.stats.duplicates_dropped += 1; // metrics
+        if ch.confirm
+            && let Some((n, ack)) = ch.publishing.confirm_of(seq)
+        {
+            ch.confirm_publish(n, ack, None);
+            self.resent_confirmed = true;
+        }
+        true
     }
 
     pub(super) fn send_return(&mut self, id: u16, message: &Message) {

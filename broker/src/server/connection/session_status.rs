@@ -7,7 +7,7 @@
 use super::{Connection, Lazy};
 use crate::amqp::{AMQPClass, basic, queue};
 use crate::core::AmqpError;
-use crate::session::STATUS_QUEUE;
+use crate::session::{ChannelStatus, PublishState, STATUS_QUEUE};
 
 impl Connection {
     /// Whether `name` is the status pseudo-queue: answered here, not by the vhost.
@@ -63,7 +63,26 @@ impl Connection {
             .get()
             .take_delivery_tag(key)
             .expect("the channel is open in the vhost");
-        let channels = v.get().channel_summaries(self.id);
+        let kept: std::collections::HashMap<u16, PublishState> = self
+            .broker
+            .sessions()
+            .kept_channels(session.id)
+            .into_iter()
+            .collect();
+        let channels: Vec<ChannelStatus> = v
+            .get()
+            .channel_summaries(self.id)
+            .into_iter()
+            .map(|(channel, next_delivery_tag, unacked)| ChannelStatus {
+                channel,
+                next_delivery_tag,
+                unacked,
+                publishing: match self.channels.get(&channel) {
+                    Some(open) => open.publishing.clone(),
+                    None => kept.get(&channel).cloned().unwrap_or_default(),
+                },
+            })
+            .collect();
         let message = session.status_message(&channels);
         self.writer.method(
             id,

@@ -23,6 +23,8 @@ impl Connection {
             ));
         }
         ch.confirm = true;
+        let published = ch.publishing.published;
+        ch.publishing.confirm_base.get_or_insert(published);
         if !s.nowait {
             self.writer.method(
                 id,
@@ -48,12 +50,15 @@ impl Connection {
                     ));
                 }
                 ch.tx.get_or_insert_with(Transaction::default);
+                ch.publishing.transactional = true;
                 tx::AMQPMethod::SelectOk(tx::SelectOk {})
             }
             tx::AMQPMethod::Commit(_) => {
                 let Some(held) = ch.tx.replace(Transaction::default()) else {
                     return Err(AmqpError::precondition("channel is not transactional"));
                 };
+                ch.publishing.published += held.publishes.len() as u64;
+                ch.publishing.commits += 1;
                 self.commit(id, held, v)?;
                 if self.commit_remote_settles(id) {
                     return Ok(());
@@ -61,9 +66,11 @@ impl Connection {
                 tx::AMQPMethod::CommitOk(tx::CommitOk {})
             }
             tx::AMQPMethod::Rollback(_) => {
-                if ch.tx.replace(Transaction::default()).is_none() {
+                let Some(discarded) = ch.tx.replace(Transaction::default()) else {
                     return Err(AmqpError::precondition("channel is not transactional"));
-                }
+                };
+                // Rolled back, but processed: a resent copy is still a duplicate.
+                ch.publishing.published += discarded.publishes.len() as u64;
                 tx::AMQPMethod::RollbackOk(tx::RollbackOk {})
             }
             _ => {
@@ -115,7 +122,7 @@ impl Connection {
 
     /// Decides the confirms of forwarded publishes whose primaries all answered (through
     /// forward `answered`), on every channel, in publish order.
-    fn decide_awaiting(&mut self, answered: u64) {
+    pub(super) fn decide_awaiting(&mut self, answered: u64) {
         let tracker = &self.forwards;
         let mut waiting = false;
         for ch in self.channels.values_mut() {

@@ -1,6 +1,6 @@
-//! Resumable sessions on one broker (`docs/sessions.md`): the wire contract with plain
-//! clients — start, abrupt disconnect, resume, the status pseudo-queue, KEEP_SESSION, normal
-//! close, timeout, and the refusals (404, 405, 530).
+//! The wire contract with plain clients — start, abrupt disconnect, resume, the status
+//! pseudo-queue, KEEP_SESSION, normal close, timeout, and the refusals (404, 405, 530) —
+//! and the deliveries a resumed session acknowledges.
 
 use lapin::options::{BasicGetOptions, BasicPublishOptions, QueueDeclareOptions};
 use lapin::types::{FieldTable as LapinTable, LongString};
@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 /// A fresh UUID in its text form (no generator needed: unique per process and call).
-fn new_session_id() -> String {
+pub(crate) fn new_session_id() -> String {
     static NEXT: AtomicU64 = AtomicU64::new(1);
     let n = NEXT.fetch_add(1, Ordering::Relaxed);
     let nanos = std::time::SystemTime::now()
@@ -52,7 +52,7 @@ async fn lapin_session(
 
 /// A raw client that starts or resumes a session, with `extra` client properties; the
 /// server's refusal comes back as [`ClientError::Closed`].
-async fn raw_session(b: &Broker, props: FieldTable) -> Result<RawClient, ClientError> {
+pub(crate) async fn raw_session(b: &Broker, props: FieldTable) -> Result<RawClient, ClientError> {
     let target = Target::parse(&b.uri()).unwrap();
     let stream = tokio::net::TcpStream::connect(&target.addr).await?;
     RawClient::open_presenting(
@@ -68,7 +68,7 @@ async fn raw_session(b: &Broker, props: FieldTable) -> Result<RawClient, ClientE
     .await
 }
 
-fn props(pairs: &[(&str, &str)]) -> FieldTable {
+pub(crate) fn props(pairs: &[(&str, &str)]) -> FieldTable {
     let mut t = FieldTable::default();
     for (k, v) in pairs {
         t.insert((*k).into(), AMQPValue::LongString((*v).into()));
@@ -85,7 +85,7 @@ fn closed_code(r: Result<RawClient, ClientError>) -> (u16, String) {
 }
 
 /// The session status read from `amq.session` as a plain client reads it.
-async fn status(ch: &lapin::Channel) -> serde_json::Value {
+pub(crate) async fn status(ch: &lapin::Channel) -> serde_json::Value {
     let got = ch
         .basic_get("amq.session".into(), BasicGetOptions { no_ack: true })
         .await
@@ -115,7 +115,7 @@ async fn declare_exclusive(ch: &lapin::Channel, name: &str) {
     .expect("declaring the session's exclusive queue");
 }
 
-async fn publish(ch: &lapin::Channel, queue: &str, bodies: &[&str]) {
+pub(crate) async fn publish(ch: &lapin::Channel, queue: &str, bodies: &[&str]) {
     for body in bodies {
         ch.basic_publish(
             "".into(),

@@ -1,0 +1,5 @@
+//! Resumable sessions on one broker (`docs/sessions.md`), with real clients over real
+//! sockets. One file per concept.
+
+mod publishing;
+mod wire;
