@@ -59,6 +59,9 @@ pub struct Broker {
     fixed: Option<Ports>,
 }
 
+/// How long [`Broker::connect`] keeps asking a cluster member that says it is not ready.
+pub const NOT_READY_PATIENCE: Duration = Duration::from_secs(10);
+
 /// Ports a broker listens on, chosen before it starts so that a restarted cluster member
 /// comes back at the same addresses (its consensus peers know it by them).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -366,11 +369,28 @@ impl Broker {
         format!("amqp://guest:guest@{}/%2f", self.addr)
     }
 
-    /// A lapin connection as guest.
+    /// A lapin connection as guest. A cluster member that is not ready (its lease lapsed
+    /// while a failure is being settled: it refuses with 320 "not ready") is asked again for
+    /// up to [`NOT_READY_PATIENCE`], as a client would; any other refusal fails at once.
     pub async fn connect(&self) -> lapin::Connection {
-        lapin::Connection::connect(&self.uri(), lapin::ConnectionProperties::default())
-            .await
-            .expect("connecting to the test broker")
+        let deadline = std::time::Instant::now() + NOT_READY_PATIENCE;
+        loop {
+            match lapin::Connection::connect(&self.uri(), lapin::ConnectionProperties::default())
+                .await
+            {
+                Ok(c) => return c,
+                Err(e)
+                    if self.cluster.is_some()
+                        && reply_code(&e) == Some(320)
+                        && e.to_string().contains("not ready")
+                        && std::time::Instant::now() < deadline =>
+                {
+                    eprintln!("{}: {e}; asking again", self.addr);
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(e) => panic!("connecting to the test broker: {e:?}"),
+            }
+        }
     }
 
     /// A lapin connection and one channel.

@@ -45,6 +45,9 @@ pub struct Unacked {
     pub id: u64,
     /// The consumer it went to (`None` for basic.get).
     pub consumer: Option<Arc<str>>,
+    /// The `redelivered` flag it went out with (sent again as it was by
+    /// [`crate::core::VHost::basic_resend`]).
+    pub redelivered: bool,
     /// Body size, for byte windows.
     pub bytes: u64,
     /// For a delivery proxied from another cluster member: that member's node id, and `id`
@@ -210,6 +213,7 @@ mod tests {
                 queue: "q".into(),
                 id: tag,
                 consumer: None,
+                redelivered: false,
                 bytes: 10,
                 upstream: None,
             });
@@ -253,6 +257,7 @@ mod tests {
                 queue: "q".into(),
                 id: tag,
                 consumer: Some("c".into()),
+                redelivered: false,
                 bytes: 10,
                 upstream: None,
             });

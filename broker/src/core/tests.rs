@@ -439,3 +439,48 @@ fn a_detached_channel_keeps_its_unacked_deliveries_for_the_sessions_next_connect
         "the session's end requeues what was never acked"
     );
 }
+
+#[test]
+fn a_consumer_created_again_after_a_resume_takes_its_predecessors_unacked_and_gets_them_resent() {
+    let mut v = vhost_with_queue();
+    let mut fx = Effects::default();
+    for body in ["a", "b", "c"] {
+        v.publish("", "q", msg(body), 0, &mut fx).unwrap();
+    }
+    consume(&mut v, &mut fx, "c1", 2);
+    assert_eq!(fx.deliveries.len(), 2, "prefetch 2");
+    v.channel_detach(CH, 0, &mut fx);
+    v.channel_open(CH);
+    fx.deliveries.clear();
+    consume(&mut v, &mut fx, "c1", 2);
+    assert!(
+        fx.deliveries.is_empty(),
+        "tags 1 and 2 are still the consumer's: its prefetch is full"
+    );
+    v.basic_resend(CH, true, &mut fx);
+    let resent: Vec<(u64, bool, String)> = fx
+        .deliveries
+        .iter()
+        .map(|d| {
+            (
+                d.delivery_tag,
+                d.redelivered,
+                String::from_utf8(d.message.body.bytes().to_vec()).unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        resent,
+        [(1, false, "a".into()), (2, false, "b".into())],
+        "the same deliveries under their tags, as they first went"
+    );
+    fx.deliveries.clear();
+    v.basic_ack(CH, 1, false, 0, &mut fx).unwrap();
+    assert_eq!(fx.deliveries.len(), 1, "the ack opens the window: c");
+    assert_eq!(fx.deliveries[0].delivery_tag, 3);
+    v.basic_ack(CH, 3, true, 0, &mut fx).unwrap();
+    assert_eq!(v.queue("q").unwrap().unacked_count(), 0);
+    fx.deliveries.clear();
+    v.basic_resend(CH, false, &mut fx);
+    assert!(fx.deliveries.is_empty(), "nothing left to send again");
+}

@@ -292,6 +292,11 @@ impl Cpg {
             None => false,
         };
         let incarnation = CpgRng.next_u64();
+        let lease = Arc::new(Mutex::new(Lease::new(
+            config.lease_ms,
+            config.failure_timeout_ms,
+            config.heartbeat_ms,
+        )));
         let started = Arc::new(AtomicU64::new(0));
         let events_sent = Arc::new(AtomicU64::new(0));
         let sm = StateMachine::new(
@@ -300,6 +305,7 @@ impl Cpg {
                 tx,
                 stop: Arc::clone(&stop),
                 failed: Arc::clone(&failed),
+                lease: Arc::clone(&lease),
                 resume_after: config.resume_after,
                 incarnation,
                 started: Arc::clone(&started),
@@ -326,11 +332,6 @@ impl Cpg {
             // `quiet_after_restart`); by then it has heard the leader, if there is one.
             raft.runtime_config().elect(false);
         }
-        let lease = Arc::new(Mutex::new(Lease::new(
-            config.lease_ms,
-            config.failure_timeout_ms,
-            config.heartbeat_ms,
-        )));
         let (quorum_tx, _) = watch::channel(false);
         let service = Arc::new(Service::new(
             id,

@@ -20,6 +20,7 @@ use super::disk::{Disk, StoredSnapshot};
 use super::error::StopReason;
 use super::event::CpgEvent;
 use super::groups::{Emitted, Groups};
+use super::lease::Lease;
 use super::types::{Command, CpgTypes, MemberId, Outcome};
 
 type Membership = StoredMembership<MemberId, openraft::BasicNode>;
@@ -43,6 +44,9 @@ pub(crate) struct EventSink {
     /// The voters declared failed as of the applied log, for the lease (a leader grants them
     /// nothing).
     pub failed: Arc<Mutex<BTreeSet<MemberId>>>,
+    /// This member's lease and failure clocks: another member's [`Command::Start`] applied
+    /// here is word from its new process ([`StateMachine`]'s apply).
+    pub lease: Arc<Mutex<Lease>>,
     /// Events up to this index reached the application before a restart: a replay skips them.
     pub resume_after: u64,
     /// This process's incarnation: random per start, so that a restart replaying the log
@@ -325,6 +329,20 @@ impl RaftStateMachine<CpgTypes> for StateMachine {
                                 self.sink.started.store(index, Ordering::Release);
                             }
                             !mine
+                        }
+                        Command::Start { member, .. } => {
+                            // Another member's new process wrote this a moment ago: on the
+                            // leader its failure clock starts here, not at its previous
+                            // process's last ping — else a restart that lands just after (or
+                            // just before) that process was declared failed is declared failed
+                            // again at once, its start clearing the mark before its first ping
+                            // (the new process is quiet for a while after a restart), and the
+                            // new process is evicted.
+                            self.sink
+                                .lease
+                                .lock()
+                                .heard(*member, tokio::time::Instant::now());
+                            false
                         }
                         _ => false,
                     };

@@ -1,5 +1,6 @@
 //! Resumable sessions on one broker (`docs/sessions.md`), with real clients over real
 //! sockets. One file per concept.
 
+mod failover_client;
 mod publishing;
 mod wire;

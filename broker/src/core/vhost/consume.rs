@@ -144,6 +144,14 @@ impl VHost {
             c.tag.into()
         };
         let ch = self.channels.get_mut(&key).expect("checked above");
+        // A session's consumer created again after a resume, with its tag: the deliveries its
+        // predecessor left unacked on the channel are its own again — they count against its
+        // prefetch, and their acks against its count.
+        let (unacked, unacked_bytes) = ch
+            .unacked
+            .iter()
+            .filter(|u| u.consumer.as_deref() == Some(&*tag))
+            .fold((0u32, 0u64), |(n, b), u| (n + 1, b + u.bytes));
         ch.consumers.insert(
             tag.clone(),
             Consumer {
@@ -153,8 +161,8 @@ impl VHost {
                 exclusive: c.exclusive,
                 prefetch_count: ch.consumer_prefetch_count,
                 prefetch_bytes: ch.consumer_prefetch_bytes,
-                unacked: 0,
-                unacked_bytes: 0,
+                unacked,
+                unacked_bytes,
             },
         );
         let q = self.queues.get_mut(&qname).expect("checked above");
@@ -217,6 +225,7 @@ impl VHost {
                 queue: queue.into(),
                 id: upstream_tag,
                 consumer: None,
+                redelivered: false,
                 bytes,
                 upstream: Some(primary.clone()),
             });
@@ -283,6 +292,7 @@ impl VHost {
                         queue: qname,
                         id,
                         consumer: None,
+                        redelivered: entry.redelivered,
                         bytes: entry.message.body_len() as u64,
                         upstream: None,
                     });
@@ -389,6 +399,7 @@ impl VHost {
                     queue: q.name.clone(),
                     id,
                     consumer: Some(r.tag.clone()),
+                    redelivered: entry.redelivered,
                     bytes,
                     upstream: None,
                 });

@@ -4,7 +4,7 @@
 
 use super::consume::consumer_queues;
 use super::effects::apply;
-use super::{DeadLetter, Effects, RemoteSettle, Settlement, VHost};
+use super::{DeadLetter, Delivery, Effects, RemoteSettle, Settlement, VHost};
 use crate::amqp::codes;
 use crate::core::channel::{ChannelKey, Unacked};
 use crate::core::error::{AmqpError, CoreResult};
@@ -118,6 +118,44 @@ impl VHost {
         let mut touched = consumer_queues(ch);
         self.requeue(unacked, &mut touched, fx);
         self.dispatch_all(touched, now_ms, fx);
+    }
+
+    /// basic.recover with requeue=false (the spec's "redeliver to the original recipient"):
+    /// the channel's unacknowledged deliveries that went to a consumer the channel has now
+    /// (by its tag) are sent again, in tag order, under the tags they had — a resumed
+    /// session's client gets what its lost connection never received, and drops by tag what
+    /// it had (`docs/sessions.md`). On a session's channel (`as_sent`) they go with the
+    /// `redelivered` flag they first had, being the same deliveries; elsewhere flagged
+    /// redelivered, as the spec says of a recover. Deliveries from basic.get, to consumers
+    /// gone, or proxied from another member stay unacknowledged as they are.
+    pub fn basic_resend(&mut self, key: ChannelKey, as_sent: bool, fx: &mut Effects) {
+        let Some(ch) = self.channels.get_mut(&key) else {
+            return;
+        };
+        for u in &ch.unacked {
+            let Some(consumer) = u
+                .consumer
+                .as_ref()
+                .filter(|t| ch.consumers.contains_key(*t))
+            else {
+                continue;
+            };
+            if u.upstream.is_some() {
+                continue;
+            }
+            let Some(entry) = self.queues.get(&u.queue).and_then(|q| q.unacked(u.id)) else {
+                continue;
+            };
+            ch.unwritten += 1;
+            ch.unwritten_bytes += u.bytes;
+            fx.deliveries.push(Delivery {
+                channel: key,
+                consumer_tag: consumer.clone(),
+                delivery_tag: u.tag,
+                redelivered: !as_sent || u.redelivered,
+                message: entry.message.clone(),
+            });
+        }
     }
 
     fn settle(&mut self, key: ChannelKey, tag: u64, multiple: bool) -> CoreResult<Vec<Unacked>> {

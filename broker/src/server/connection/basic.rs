@@ -147,21 +147,25 @@ impl Connection {
                 v,
             )?,
             basic::AMQPMethod::Recover(r) => {
-                if !r.requeue {
-                    return Err(AmqpError::new(codes::NOT_IMPLEMENTED, "requeue=false"));
+                if r.requeue {
+                    v.get().basic_recover(key, now, &mut self.fx);
+                    self.send_remote_settles();
+                } else {
+                    v.get()
+                        .basic_resend(key, self.session.is_some(), &mut self.fx);
                 }
-                v.get().basic_recover(key, now, &mut self.fx);
-                self.send_remote_settles();
                 self.writer.method(
                     id,
                     AMQPClass::Basic(basic::AMQPMethod::RecoverOk(basic::RecoverOk {})),
                 );
             }
             basic::AMQPMethod::RecoverAsync(r) => {
-                if !r.requeue {
-                    return Err(AmqpError::new(codes::NOT_IMPLEMENTED, "requeue=false"));
+                if r.requeue {
+                    v.get().basic_recover(key, now, &mut self.fx);
+                } else {
+                    v.get()
+                        .basic_resend(key, self.session.is_some(), &mut self.fx);
                 }
-                v.get().basic_recover(key, now, &mut self.fx);
             }
             _ => {
                 return Err(AmqpError::new(

@@ -573,11 +573,13 @@ impl Connection {
         let Some(session) = self.session else {
             return;
         };
+        let mut kept = Vec::new();
         for (&id, ch) in &self.channels {
-            self.broker
-                .sessions()
-                .keep_channel(session.id, id, ch.publish_state());
+            let state = ch.publish_state();
+            kept.push((id, state.published));
+            self.broker.sessions().keep_channel(session.id, id, state);
         }
+        tracing::debug!(conn = self.id, session = %session.id, ?kept, "session kept: channel, publishes processed");
     }
 
     /// The connection is gone: its channels close in the vhost (unacked messages requeued),

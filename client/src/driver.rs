@@ -1,0 +1,871 @@
+//! The task that owns the connection: it carries out what the handles ask, hands incoming
+//! deliveries and confirms to them, and when the connection breaks moves the session to a
+//! new one (the failover the crate documentation describes).
+
+use crate::Error;
+use crate::book::{ChannelBook, ConsumerSpec, Logged, Settle, Settled};
+use crate::wire::{Incoming, Target, Wire};
+use amq_protocol::protocol::basic::AMQPProperties;
+use amq_protocol::protocol::{AMQPClass, basic, channel, connection};
+use amq_protocol::types::{AMQPValue, FieldTable};
+use bytes::{Bytes, BytesMut};
+use rand08::seq::SliceRandom;
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
+use uuid::Uuid;
+
+/// The ringmq header naming a resent publish's number on its channel.
+const PUBLISH_SEQ_HEADER: &str = "x-ringmq-publish-seq";
+/// Reply code of a broker's close that keeps the session (drain, lost quorum, shutdown).
+const CONNECTION_FORCED: u16 = 320;
+/// How long one connection attempt may take during a failover.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// What the handles and the driver share.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub session: Uuid,
+    pub failovers: AtomicU64,
+    /// Why the session ended, once it did.
+    ended: Mutex<Option<String>>,
+}
+
+impl Shared {
+    /// The error an operation gets once the session ended.
+    pub fn ended(&self) -> Error {
+        let why = self
+            .ended
+            .lock()
+            .expect("never poisoned: no panics while held")
+            .clone()
+            .unwrap_or_else(|| "the client was dropped".into());
+        Error::Ended(why)
+    }
+}
+
+/// What a handle asks of the driver.
+#[derive(Debug)]
+pub(crate) enum Cmd {
+    OpenChannel {
+        reply: oneshot::Sender<Result<u16, Error>>,
+    },
+    Call {
+        channel: u16,
+        method: AMQPClass,
+        consumer: Option<ConsumerSpec>,
+        reply: oneshot::Sender<Result<AMQPClass, Error>>,
+    },
+    Publish {
+        channel: u16,
+        exchange: String,
+        routing_key: String,
+        properties: AMQPProperties,
+        body: Bytes,
+        outcome: oneshot::Sender<bool>,
+    },
+    Settle {
+        channel: u16,
+        settle: Settle,
+    },
+    Close {
+        reply: oneshot::Sender<Result<(), Error>>,
+    },
+}
+
+/// A synchronous method sent and not yet answered.
+#[derive(Debug)]
+struct Pending {
+    method: AMQPClass,
+    consumer: Option<ConsumerSpec>,
+    reply: Option<oneshot::Sender<Result<AMQPClass, Error>>>,
+    /// `channel.open` of a channel the application opens (answered with its number).
+    open: Option<oneshot::Sender<Result<u16, Error>>>,
+}
+
+/// A message whose content frames are still arriving.
+#[derive(Debug)]
+struct Assembling {
+    channel: u16,
+    deliver: Option<basic::Deliver>,
+    size: u64,
+    properties: AMQPProperties,
+    body: BytesMut,
+}
+
+/// How serving a connection ended.
+enum Ended {
+    /// The application closed the client.
+    Closed,
+    /// The connection broke: fail over.
+    Broken(String),
+    /// The session cannot go on.
+    Fatal(String),
+}
+
+struct Driver {
+    config: crate::Config,
+    first: Target,
+    /// Failover candidates by address: the configured URIs, then the members named in
+    /// known-hosts.
+    candidates: Vec<Target>,
+    shared: Arc<Shared>,
+    cmds: mpsc::UnboundedReceiver<Cmd>,
+    wire: Wire,
+    channel_max: u16,
+    books: BTreeMap<u16, ChannelBook>,
+    pending: HashMap<u16, VecDeque<Pending>>,
+    assembling: Option<Assembling>,
+    next_channel: u16,
+}
+
+/// Connects, opens the session and starts the driver.
+pub(crate) async fn start(
+    config: crate::Config,
+) -> Result<(mpsc::UnboundedSender<Cmd>, Arc<Shared>), Error> {
+    let targets = config
+        .uris
+        .iter()
+        .map(|u| Target::parse(u))
+        .collect::<Result<Vec<_>, _>>()?;
+    let Some(first) = targets.first().cloned() else {
+        return Err(Error::Uri("no URI given".into()));
+    };
+    let session = uuid::Builder::from_random_bytes(rand08::random()).into_uuid();
+    let mut props = FieldTable::default();
+    props.insert(
+        "qpid.session.start".into(),
+        AMQPValue::LongString(session.to_string().as_str().into()),
+    );
+    props.insert(
+        "qpid.session.timeout".into(),
+        AMQPValue::LongLongInt(i64::try_from(config.session_timeout_s).unwrap_or(i64::MAX)),
+    );
+    let mut last = None;
+    let mut opened = None;
+    for t in &targets {
+        match Wire::open(t, props.clone(), config.heartbeat_s).await {
+            Ok(w) => {
+                opened = Some(w);
+                break;
+            }
+            Err(e) => last = Some(e),
+        }
+    }
+    let Some((wire, known_hosts)) = opened else {
+        return Err(last.unwrap_or_else(|| Error::Uri("no URI given".into())));
+    };
+    let shared = Arc::new(Shared {
+        session,
+        failovers: AtomicU64::new(0),
+        ended: Mutex::new(None),
+    });
+    let (tx, cmds) = mpsc::unbounded_channel();
+    let mut driver = Driver {
+        config,
+        first: first.clone(),
+        candidates: targets,
+        shared: shared.clone(),
+        cmds,
+        channel_max: wire.channel_max,
+        wire,
+        books: BTreeMap::new(),
+        pending: HashMap::new(),
+        assembling: None,
+        next_channel: 1,
+    };
+    driver.learn(&known_hosts);
+    tokio::spawn(driver.run());
+    Ok((tx, shared))
+}
+
+/// The `basic.consume` that creates `spec` (again).
+pub(crate) fn consume_method(spec: &ConsumerSpec) -> basic::Consume {
+    basic::Consume {
+        queue: spec.queue.as_str().into(),
+        consumer_tag: spec.tag.as_str().into(),
+        no_local: false,
+        no_ack: spec.no_ack,
+        exclusive: spec.exclusive,
+        nowait: false,
+        arguments: spec.arguments.clone(),
+    }
+}
+
+impl Driver {
+    async fn run(mut self) {
+        loop {
+            let ended = self.serve().await;
+            match ended {
+                Ended::Closed => return,
+                Ended::Fatal(why) => return self.end(why),
+                Ended::Broken(why) => {
+                    if let Err(why) = self.failover(&why).await {
+                        return self.end(why);
+                    }
+                }
+            }
+        }
+    }
+
+    /// The session is over: every waiter learns why.
+    fn end(mut self, why: String) {
+        tracing::warn!(session = %self.shared.session, reason = %why, "session ended");
+        *self
+            .shared
+            .ended
+            .lock()
+            .expect("never poisoned: no panics while held") = Some(why);
+        self.books.clear();
+        self.pending.clear();
+        self.cmds.close();
+    }
+
+    /// Adds the members of `known_hosts` (comma-separated host:port) to the candidates.
+    fn learn(&mut self, known_hosts: &str) {
+        for addr in known_hosts
+            .split(',')
+            .map(str::trim)
+            .filter(|a| !a.is_empty())
+        {
+            if !self.candidates.iter().any(|t| t.addr == addr) {
+                self.candidates.push(self.first.at(addr));
+            }
+        }
+    }
+
+    /// Serves the current connection until it ends.
+    async fn serve(&mut self) -> Ended {
+        let period = match self.wire.heartbeat_s {
+            0 => Duration::from_secs(3600),
+            s => Duration::from_millis(u64::from(s) * 500),
+        };
+        let silence = Duration::from_secs(u64::from(self.wire.heartbeat_s.max(1)) * 2);
+        let mut tick = tokio::time::interval(period);
+        let mut last_heard = Instant::now();
+        loop {
+            tokio::select! {
+                frame = self.wire.read() => match frame {
+                    Ok(frame) => {
+                        last_heard = Instant::now();
+                        if let Some(ended) = self.on_frame(frame) {
+                            let _ = self.wire.flush().await;
+                            return ended;
+                        }
+                    }
+                    Err(e) => return Ended::Broken(e.to_string()),
+                },
+                cmd = self.cmds.recv() => match cmd {
+                    Some(cmd) => {
+                        if let Some(ended) = self.on_cmd(cmd) {
+                            let _ = self.wire.flush().await;
+                            return ended;
+                        }
+                    }
+                    None => {
+                        // Every handle is gone: end the session as a close would.
+                        self.close_connection();
+                        let _ = self.wire.flush().await;
+                        return Ended::Closed;
+                    }
+                },
+                _ = tick.tick() => {
+                    if self.wire.heartbeat_s > 0 {
+                        if last_heard.elapsed() > silence {
+                            return Ended::Broken(format!("no frame from the broker for {silence:?}"));
+                        }
+                        self.wire.heartbeat();
+                    }
+                }
+            }
+            if let Err(e) = self.wire.flush().await {
+                return Ended::Broken(e.to_string());
+            }
+        }
+    }
+
+    fn on_cmd(&mut self, cmd: Cmd) -> Option<Ended> {
+        match cmd {
+            Cmd::OpenChannel { reply } => {
+                let Some(id) =
+                    (self.next_channel..=self.channel_max).find(|id| !self.books.contains_key(id))
+                else {
+                    let _ = reply.send(Err(Error::Protocol("no channel number left".into())));
+                    return None;
+                };
+                self.next_channel = id + 1;
+                self.books.insert(id, ChannelBook::default());
+                let method = AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {}));
+                self.wire.method(id, method.clone());
+                self.pending.entry(id).or_default().push_back(Pending {
+                    method,
+                    consumer: None,
+                    reply: None,
+                    open: Some(reply),
+                });
+            }
+            Cmd::Call {
+                channel,
+                method,
+                consumer,
+                reply,
+            } => {
+                let Some(book) = self.books.get_mut(&channel) else {
+                    let _ = reply.send(Err(Error::ChannelClosed {
+                        channel,
+                        code: 0,
+                        text: "the channel is closed".into(),
+                    }));
+                    return None;
+                };
+                if matches!(method, AMQPClass::Confirm(_)) {
+                    book.select_confirms();
+                }
+                self.wire.method(channel, method.clone());
+                self.pending.entry(channel).or_default().push_back(Pending {
+                    method,
+                    consumer,
+                    reply: Some(reply),
+                    open: None,
+                });
+            }
+            Cmd::Publish {
+                channel,
+                exchange,
+                routing_key,
+                properties,
+                body,
+                outcome,
+            } => {
+                // On a channel the broker closed: dropped, and its confirmation fails.
+                let book = self.books.get_mut(&channel)?;
+                let confirm = book.confirm_base.is_some();
+                let logged = Logged {
+                    seq: 0,
+                    exchange,
+                    routing_key,
+                    mandatory: false,
+                    properties,
+                    body,
+                    outcome: None,
+                };
+                self.wire.publish(
+                    channel,
+                    publish_method(&logged),
+                    &logged.properties,
+                    &logged.body,
+                );
+                if confirm {
+                    book.record_publish(Logged {
+                        outcome: Some(outcome),
+                        ..logged
+                    });
+                } else {
+                    book.record_publish(logged);
+                    let _ = outcome.send(true);
+                }
+            }
+            Cmd::Settle { channel, settle } => {
+                if let Some(book) = self.books.get_mut(&channel) {
+                    book.settle(settle);
+                    self.wire
+                        .method(channel, AMQPClass::Basic(settle_method(settle)));
+                }
+            }
+            Cmd::Close { reply } => {
+                self.close_connection();
+                let _ = reply.send(Ok(()));
+                return Some(Ended::Closed);
+            }
+        }
+        None
+    }
+
+    fn close_connection(&mut self) {
+        self.wire.method(
+            0,
+            AMQPClass::Connection(connection::AMQPMethod::Close(connection::Close {
+                reply_code: 200,
+                reply_text: "bye".into(),
+                class_id: 0,
+                method_id: 0,
+            })),
+        );
+    }
+
+    fn on_frame(&mut self, frame: Incoming) -> Option<Ended> {
+        match frame {
+            Incoming::Heartbeat => {}
+            Incoming::Header(ch, size, properties) => {
+                if let Some(a) = self.assembling.as_mut().filter(|a| a.channel == ch) {
+                    a.size = size;
+                    a.properties = properties;
+                    if size == 0 {
+                        self.delivered();
+                    }
+                }
+            }
+            Incoming::Body(ch, part) => {
+                if let Some(a) = self.assembling.as_mut().filter(|a| a.channel == ch) {
+                    a.body.extend_from_slice(&part);
+                    if a.body.len() as u64 >= a.size {
+                        self.delivered();
+                    }
+                }
+            }
+            Incoming::Method(ch, m) => return self.on_method(ch, m),
+        }
+        None
+    }
+
+    fn on_method(&mut self, ch: u16, m: AMQPClass) -> Option<Ended> {
+        match m {
+            AMQPClass::Basic(basic::AMQPMethod::Deliver(d)) => {
+                self.assembling = Some(Assembling {
+                    channel: ch,
+                    deliver: Some(d),
+                    size: 0,
+                    properties: AMQPProperties::default(),
+                    body: BytesMut::new(),
+                });
+            }
+            AMQPClass::Basic(basic::AMQPMethod::Return(_)) => {
+                // Returned messages are not offered: their content is read and dropped.
+                self.assembling = Some(Assembling {
+                    channel: ch,
+                    deliver: None,
+                    size: 0,
+                    properties: AMQPProperties::default(),
+                    body: BytesMut::new(),
+                });
+            }
+            AMQPClass::Basic(basic::AMQPMethod::Ack(a)) => {
+                tracing::trace!(
+                    channel = ch,
+                    tag = a.delivery_tag,
+                    multiple = a.multiple,
+                    "ack"
+                );
+                if let Some(book) = self.books.get_mut(&ch) {
+                    book.confirmed(a.delivery_tag, a.multiple, true);
+                }
+            }
+            AMQPClass::Basic(basic::AMQPMethod::Nack(n)) => {
+                if let Some(book) = self.books.get_mut(&ch) {
+                    book.confirmed(n.delivery_tag, n.multiple, false);
+                }
+            }
+            AMQPClass::Basic(basic::AMQPMethod::Cancel(c)) => {
+                if let Some(book) = self.books.get_mut(&ch) {
+                    book.consumers.retain(|s| s.tag != c.consumer_tag.as_str());
+                }
+            }
+            AMQPClass::Channel(channel::AMQPMethod::Close(c)) => {
+                self.wire.method(
+                    ch,
+                    AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {})),
+                );
+                self.books.remove(&ch);
+                for p in self.pending.remove(&ch).unwrap_or_default() {
+                    let err = || Error::ChannelClosed {
+                        channel: ch,
+                        code: c.reply_code,
+                        text: c.reply_text.to_string(),
+                    };
+                    if let Some(r) = p.reply {
+                        let _ = r.send(Err(err()));
+                    }
+                    if let Some(r) = p.open {
+                        let _ = r.send(Err(err()));
+                    }
+                }
+            }
+            AMQPClass::Connection(connection::AMQPMethod::Close(c)) => {
+                self.wire.method(
+                    0,
+                    AMQPClass::Connection(connection::AMQPMethod::CloseOk(connection::CloseOk {})),
+                );
+                let why = format!(
+                    "the broker closed the connection: {} {}",
+                    c.reply_code, c.reply_text
+                );
+                return Some(if c.reply_code == CONNECTION_FORCED {
+                    Ended::Broken(why)
+                } else {
+                    Ended::Fatal(why)
+                });
+            }
+            AMQPClass::Connection(connection::AMQPMethod::CloseOk(_)) => {
+                return Some(Ended::Closed);
+            }
+            AMQPClass::Connection(_) => {}
+            reply => self.answered(ch, reply),
+        }
+        None
+    }
+
+    /// The reply to the oldest synchronous method sent on `ch`.
+    fn answered(&mut self, ch: u16, reply: AMQPClass) {
+        let Some(p) = self.pending.get_mut(&ch).and_then(VecDeque::pop_front) else {
+            tracing::debug!(channel = ch, ?reply, "a reply nobody waits for");
+            return;
+        };
+        if let Some(book) = self.books.get_mut(&ch) {
+            if let Some(spec) = p.consumer {
+                book.consumers.push(spec);
+            }
+            if let AMQPClass::Basic(basic::AMQPMethod::Qos(q)) = &p.method {
+                book.prefetch = Some((q.prefetch_count, q.global));
+            }
+        }
+        if let Some(r) = p.open {
+            let _ = r.send(Ok(ch));
+        }
+        if let Some(r) = p.reply {
+            let _ = r.send(Ok(reply));
+        }
+    }
+
+    /// A delivery's content is complete: to its consumer, unless the application had it.
+    fn delivered(&mut self) {
+        let Some(a) = self.assembling.take() else {
+            return;
+        };
+        let Some(d) = a.deliver else {
+            return;
+        };
+        let Some(book) = self.books.get_mut(&a.channel) else {
+            return;
+        };
+        if !book.fresh_delivery(d.delivery_tag) {
+            return;
+        }
+        let Some(spec) = book
+            .consumers
+            .iter()
+            .find(|s| s.tag == d.consumer_tag.as_str())
+        else {
+            return;
+        };
+        if !spec.no_ack {
+            book.outstanding.insert(d.delivery_tag);
+        }
+        let _ = spec.deliveries.send(crate::Delivery {
+            delivery_tag: d.delivery_tag,
+            redelivered: d.redelivered,
+            exchange: d.exchange.to_string(),
+            routing_key: d.routing_key.to_string(),
+            consumer_tag: d.consumer_tag.to_string(),
+            properties: a.properties,
+            body: a.body.freeze(),
+        });
+    }
+
+    /// Moves the session to a new connection: a candidate at random, again and again until
+    /// one takes it or the failover timeout passes.
+    async fn failover(&mut self, why: &str) -> Result<(), String> {
+        let n = self.shared.failovers.fetch_add(1, Ordering::AcqRel) + 1;
+        tracing::info!(session = %self.shared.session, failover = n, reason = why, "connection lost: failing over");
+        self.assembling = None;
+        let deadline = Instant::now() + self.config.failover_timeout;
+        let mut props = FieldTable::default();
+        props.insert(
+            "qpid.session.resume".into(),
+            AMQPValue::LongString(self.shared.session.to_string().as_str().into()),
+        );
+        let mut pause = Duration::from_millis(20);
+        let mut last = why.to_owned();
+        while Instant::now() < deadline {
+            let mut order = self.candidates.clone();
+            order.shuffle(&mut rand08::thread_rng());
+            for target in order {
+                let attempt = tokio::time::timeout(
+                    CONNECT_TIMEOUT,
+                    Wire::open(&target, props.clone(), self.config.heartbeat_s),
+                )
+                .await;
+                match attempt {
+                    Ok(Ok((wire, known_hosts))) => {
+                        self.channel_max = wire.channel_max;
+                        self.wire = wire;
+                        self.learn(&known_hosts);
+                        match self.restore().await {
+                            Ok(()) => {
+                                tracing::info!(session = %self.shared.session, at = %target.addr, "session resumed");
+                                return Ok(());
+                            }
+                            Err(e) => last = format!("resuming at {}: {e}", target.addr),
+                        }
+                    }
+                    Ok(Err(Error::Refused { code: 404, text })) => {
+                        return Err(format!("the session is gone: {text}"));
+                    }
+                    Ok(Err(e)) => last = format!("{}: {e}", target.addr),
+                    Err(_) => {
+                        last = format!("{}: no answer within {CONNECT_TIMEOUT:?}", target.addr)
+                    }
+                }
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_millis(500));
+        }
+        Err(format!(
+            "no member took the session back within {:?}; last: {last}",
+            self.config.failover_timeout
+        ))
+    }
+
+    /// Puts the session's channels back on the new connection (see the crate documentation),
+    /// then sends again what the application asked and got no answer for.
+    async fn restore(&mut self) -> Result<(), Error> {
+        let unacked = self.broker_unacked().await?;
+        let ids: Vec<u16> = self.books.keys().copied().collect();
+        for id in ids {
+            // A channel.open the application is still waiting for is answered by this one.
+            let queue = self.pending.remove(&id).unwrap_or_default();
+            let mut queue: VecDeque<Pending> = queue;
+            let open_waiting = queue
+                .front()
+                .is_some_and(|p| matches!(p.method, AMQPClass::Channel(_)));
+            let open = open_waiting.then(|| queue.pop_front()).flatten();
+            self.rpc(
+                id,
+                AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
+            )
+            .await?;
+            if let Some(r) = open.and_then(|p| p.open) {
+                let _ = r.send(Ok(id));
+            }
+            let book = self.books.get_mut(&id).expect("listed above");
+            let prefetch = book.prefetch;
+            let consumers = book.consumers.clone();
+            let again = book.settle_again(unacked.get(&id).unwrap_or(&BTreeSet::new()));
+            if let Some((prefetch_count, global)) = prefetch {
+                self.rpc(
+                    id,
+                    AMQPClass::Basic(basic::AMQPMethod::Qos(basic::Qos {
+                        prefetch_count,
+                        global,
+                    })),
+                )
+                .await?;
+            }
+            for spec in &consumers {
+                self.rpc(
+                    id,
+                    AMQPClass::Basic(basic::AMQPMethod::Consume(consume_method(spec))),
+                )
+                .await?;
+            }
+            for (tag, how) in again {
+                let settle = match how {
+                    Settled::Ack => Settle::Ack {
+                        tag,
+                        multiple: false,
+                    },
+                    Settled::Nack { requeue } => Settle::Nack {
+                        tag,
+                        multiple: false,
+                        requeue,
+                    },
+                };
+                self.wire
+                    .method(id, AMQPClass::Basic(settle_method(settle)));
+            }
+            if !consumers.is_empty() {
+                self.rpc(
+                    id,
+                    AMQPClass::Basic(basic::AMQPMethod::Recover(basic::Recover {
+                        requeue: false,
+                    })),
+                )
+                .await?;
+            }
+            // What the application asked before the publishes it sent after (a
+            // confirm.select before the publishes it numbers), then the publishes.
+            for p in &queue {
+                self.wire.method(id, p.method.clone());
+            }
+            let book = self.books.get(&id).expect("listed above");
+            tracing::debug!(
+                channel = id,
+                resent = book.log.len(),
+                first = book.log.front().map(|p| p.seq),
+                last = book.log.back().map(|p| p.seq),
+                base = book.confirm_base,
+                pending = queue.len(),
+                "restoring the channel"
+            );
+            for p in &book.log {
+                let mut properties = p.properties.clone();
+                let mut headers = properties.headers().clone().unwrap_or_default();
+                headers.insert(
+                    PUBLISH_SEQ_HEADER.into(),
+                    AMQPValue::LongLongInt(i64::try_from(p.seq).unwrap_or(i64::MAX)),
+                );
+                properties = properties.with_headers(headers);
+                self.wire
+                    .publish(id, publish_method(p), &properties, &p.body);
+            }
+            self.pending.insert(id, queue);
+            self.wire.flush().await?;
+        }
+        Ok(())
+    }
+
+    /// Reads the session's status (`amq.session`) on a channel of its own — so that the
+    /// application's channels keep their delivery tags — and returns, per channel, the tags
+    /// the broker counts unacknowledged.
+    async fn broker_unacked(&mut self) -> Result<BTreeMap<u16, BTreeSet<u64>>, Error> {
+        let scratch = (1..=self.channel_max)
+            .rev()
+            .find(|id| !self.books.contains_key(id))
+            .ok_or_else(|| Error::Protocol("no channel number left for the status".into()))?;
+        self.rpc(
+            scratch,
+            AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
+        )
+        .await?;
+        self.wire.method(
+            scratch,
+            AMQPClass::Basic(basic::AMQPMethod::Get(basic::Get {
+                queue: "amq.session".into(),
+                no_ack: true,
+            })),
+        );
+        self.wire.flush().await?;
+        let body = loop {
+            match self.wire.read().await? {
+                Incoming::Method(ch, AMQPClass::Basic(basic::AMQPMethod::GetOk(_)))
+                    if ch == scratch => {}
+                Incoming::Header(ch, 0, _) if ch == scratch => break Bytes::new(),
+                Incoming::Body(ch, body) if ch == scratch => break body,
+                Incoming::Method(ch, m) if ch == scratch => {
+                    return Err(Error::Protocol(format!(
+                        "reading the session status: {m:?}"
+                    )));
+                }
+                other => self.unexpected(other)?,
+            }
+        };
+        self.rpc(
+            scratch,
+            AMQPClass::Channel(channel::AMQPMethod::Close(channel::Close {
+                reply_code: 200,
+                reply_text: "status read".into(),
+                class_id: 0,
+                method_id: 0,
+            })),
+        )
+        .await?;
+        tracing::debug!(status = %String::from_utf8_lossy(&body), "session status");
+        Ok(parse_unacked(&body))
+    }
+
+    /// Sends `method` on `ch` and reads until its reply.
+    async fn rpc(&mut self, ch: u16, method: AMQPClass) -> Result<AMQPClass, Error> {
+        self.wire.method(ch, method);
+        self.wire.flush().await?;
+        loop {
+            match self.wire.read().await? {
+                Incoming::Method(c, AMQPClass::Channel(channel::AMQPMethod::Close(close)))
+                    if c == ch =>
+                {
+                    return Err(Error::ChannelClosed {
+                        channel: ch,
+                        code: close.reply_code,
+                        text: close.reply_text.to_string(),
+                    });
+                }
+                Incoming::Method(c, m)
+                    if c == ch
+                        && !matches!(
+                            m,
+                            AMQPClass::Basic(
+                                basic::AMQPMethod::Deliver(_)
+                                    | basic::AMQPMethod::Ack(_)
+                                    | basic::AMQPMethod::Nack(_)
+                                    | basic::AMQPMethod::Return(_)
+                                    | basic::AMQPMethod::Cancel(_)
+                            )
+                        ) =>
+                {
+                    return Ok(m);
+                }
+                other => self.unexpected(other)?,
+            }
+        }
+    }
+
+    /// A frame that arrived while the restore waited for something else: handled as usual.
+    fn unexpected(&mut self, frame: Incoming) -> Result<(), Error> {
+        match self.on_frame(frame) {
+            None | Some(Ended::Closed) => Ok(()),
+            Some(Ended::Broken(why) | Ended::Fatal(why)) => Err(Error::Protocol(why)),
+        }
+    }
+}
+
+fn publish_method(p: &Logged) -> AMQPClass {
+    AMQPClass::Basic(basic::AMQPMethod::Publish(basic::Publish {
+        exchange: p.exchange.as_str().into(),
+        routing_key: p.routing_key.as_str().into(),
+        mandatory: p.mandatory,
+        immediate: false,
+    }))
+}
+
+fn settle_method(settle: Settle) -> basic::AMQPMethod {
+    match settle {
+        Settle::Ack { tag, multiple } => basic::AMQPMethod::Ack(basic::Ack {
+            delivery_tag: tag,
+            multiple,
+        }),
+        Settle::Nack {
+            tag,
+            multiple,
+            requeue,
+        } => basic::AMQPMethod::Nack(basic::Nack {
+            delivery_tag: tag,
+            multiple,
+            requeue,
+        }),
+    }
+}
+
+/// The per-channel `unacked` lists of a session status (`docs/sessions.md`).
+fn parse_unacked(status: &[u8]) -> BTreeMap<u16, BTreeSet<u64>> {
+    let Ok(v) = serde_json::from_slice::<serde_json::Value>(status) else {
+        return BTreeMap::new();
+    };
+    let Some(channels) = v.get("channels").and_then(|c| c.as_object()) else {
+        return BTreeMap::new();
+    };
+    channels
+        .iter()
+        .filter_map(|(id, c)| {
+            let tags = c.get("unacked")?.as_array()?;
+            Some((
+                id.parse().ok()?,
+                tags.iter().filter_map(serde_json::Value::as_u64).collect(),
+            ))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_unacked_tags_of_each_channel_are_read_from_the_status() {
+        let status = br#"{"session":"x","timeout_s":60,"resumed":true,"channels":{"1":{"next_delivery_tag":9,"unacked":[3, 5],"publishes_processed":4,"confirm":true,"transactional":false,"commits":0},"12":{"next_delivery_tag":1,"unacked":[],"publishes_processed":0,"confirm":false,"transactional":false,"commits":0}}}"#;
+        let got = parse_unacked(status);
+        assert_eq!(got.get(&1), Some(&BTreeSet::from([3, 5])));
+        assert_eq!(got.get(&12), Some(&BTreeSet::new()));
+        assert_eq!(got.len(), 2);
+    }
+}
