@@ -74,9 +74,12 @@ pub(crate) struct ChannelBook {
     pub confirm_base: Option<u64>,
     /// Unconfirmed publishes in confirm mode; the most recent ones otherwise. By number.
     pub log: VecDeque<Logged>,
-    /// The highest delivery tag handed to the application: a delivery at or below it after
-    /// a failover is one the application has (deliveries arrive in tag order).
-    pub max_seen_tag: u64,
+    /// Every delivery tag up to this one was handed to the application (or never used).
+    pub seen_through: u64,
+    /// Tags above `seen_through` handed to the application: after a failover the broker's
+    /// new deliveries (new tags) can come before the ones it sends again (old tags), so what
+    /// the application has is a prefix and a few beyond it.
+    pub seen_above: BTreeSet<u64>,
     /// `basic.qos` as last set (prefetch count, global).
     pub prefetch: Option<(u16, bool)>,
     /// Consumers as created, in order.
@@ -171,10 +174,19 @@ impl ChannelBook {
 
     /// Whether a delivery with `tag` is new to the application (and, if so, remembers it).
     pub fn fresh_delivery(&mut self, tag: u64) -> bool {
-        if tag <= self.max_seen_tag {
+        if tag <= self.seen_through || !self.seen_above.insert(tag) {
             return false;
         }
-        self.max_seen_tag = tag;
+        while self.seen_above.remove(&(self.seen_through + 1)) {
+            self.seen_through += 1;
+        }
+        // A tag that never comes (used by something else) must not let the set grow without
+        // bound: past the limit, the oldest gap is taken as closed.
+        while self.seen_above.len() > RECENT_SETTLEMENTS {
+            if let Some(first) = self.seen_above.pop_first() {
+                self.seen_through = first;
+            }
+        }
         true
     }
 }
@@ -255,10 +267,16 @@ mod tests {
     }
 
     #[test]
-    fn deliveries_at_or_below_the_highest_tag_seen_are_hidden() {
+    fn a_delivery_the_application_had_is_hidden_and_one_it_missed_is_not_whatever_the_order() {
         let mut b = ChannelBook::default();
         assert!(b.fresh_delivery(1) && b.fresh_delivery(2));
         assert!(!b.fresh_delivery(2) && !b.fresh_delivery(1));
+        // After a failover: a new delivery (7) before the resent ones (3..=6, 3 seen).
         assert!(b.fresh_delivery(3));
+        assert!(b.fresh_delivery(7));
+        assert!(!b.fresh_delivery(3), "seen before the failover");
+        assert!(b.fresh_delivery(4) && b.fresh_delivery(5) && b.fresh_delivery(6));
+        assert!(!b.fresh_delivery(7));
+        assert_eq!((b.seen_through, b.seen_above.len()), (7, 0));
     }
 }

@@ -653,13 +653,8 @@ impl Driver {
                 )
                 .await?;
             }
-            for spec in &consumers {
-                self.rpc(
-                    id,
-                    AMQPClass::Basic(basic::AMQPMethod::Consume(consume_method(spec))),
-                )
-                .await?;
-            }
+            // Settlements first, so that the consumers created again below are not sent
+            // what the application settled already.
             for (tag, how) in again {
                 let settle = match how {
                     Settled::Ack => Settle::Ack {
@@ -675,12 +670,13 @@ impl Driver {
                 self.wire
                     .method(id, AMQPClass::Basic(settle_method(settle)));
             }
-            if !consumers.is_empty() {
+            // On a resumed session the broker sends each consumer created again what its
+            // predecessor left unacknowledged, under the old tags, before anything new; the
+            // book lets through only what the application has not had.
+            for spec in &consumers {
                 self.rpc(
                     id,
-                    AMQPClass::Basic(basic::AMQPMethod::Recover(basic::Recover {
-                        requeue: false,
-                    })),
+                    AMQPClass::Basic(basic::AMQPMethod::Consume(consume_method(spec))),
                 )
                 .await?;
             }

@@ -168,6 +168,12 @@ impl Consumer {
     pub async fn next(&mut self) -> Option<Delivery> {
         self.rx.recv().await
     }
+
+    /// The next delivery if one has arrived: a consumer that acknowledges in batches reads
+    /// what is there, then acks once.
+    pub fn try_next(&mut self) -> Option<Delivery> {
+        self.rx.try_recv().ok()
+    }
 }
 
 /// A connection to the cluster that survives the loss of its member. Cheap to clone.

@@ -458,19 +458,20 @@ fn a_consumer_created_again_after_a_resume_takes_its_predecessors_unacked_and_ge
         "tags 1 and 2 are still the consumer's: its prefetch is full"
     );
     v.basic_resend(CH, true, &mut fx);
-    let resent: Vec<(u64, bool, String)> = fx
-        .deliveries
-        .iter()
-        .map(|d| {
-            (
-                d.delivery_tag,
-                d.redelivered,
-                String::from_utf8(d.message.body.bytes().to_vec()).unwrap(),
-            )
-        })
-        .collect();
+    let sent = |fx: &Effects| -> Vec<(u64, bool, String)> {
+        fx.deliveries
+            .iter()
+            .map(|d| {
+                (
+                    d.delivery_tag,
+                    d.redelivered,
+                    String::from_utf8(d.message.body.bytes().to_vec()).unwrap(),
+                )
+            })
+            .collect()
+    };
     assert_eq!(
-        resent,
+        sent(&fx),
         [(1, false, "a".into()), (2, false, "b".into())],
         "the same deliveries under their tags, as they first went"
     );
@@ -483,4 +484,36 @@ fn a_consumer_created_again_after_a_resume_takes_its_predecessors_unacked_and_ge
     fx.deliveries.clear();
     v.basic_resend(CH, false, &mut fx);
     assert!(fx.deliveries.is_empty(), "nothing left to send again");
+}
+
+#[test]
+fn a_resumed_sessions_consumer_gets_its_unacked_again_before_anything_new() {
+    let mut v = vhost_with_queue();
+    let mut fx = Effects::default();
+    for body in ["a", "b", "c", "d"] {
+        v.publish("", "q", msg(body), 0, &mut fx).unwrap();
+    }
+    consume(&mut v, &mut fx, "c1", 2);
+    v.channel_detach(CH, 0, &mut fx);
+    v.channel_open(CH);
+    fx.deliveries.clear();
+    v.basic_qos(CH, 0, 4, false, 0, &mut fx);
+    v.basic_consume(
+        CH,
+        Consume {
+            queue: "q".into(),
+            tag: "c1".into(),
+            resend_unacked: true,
+            ..Default::default()
+        },
+        0,
+        &mut fx,
+    )
+    .unwrap();
+    let tags: Vec<u64> = fx.deliveries.iter().map(|d| d.delivery_tag).collect();
+    assert_eq!(
+        tags,
+        [1, 2, 3, 4],
+        "the lost connection's deliveries first, under their tags, then c and d"
+    );
 }

@@ -201,10 +201,13 @@ fn assert_cut_off_waits(members: &mut [Member], what: &str, window: Duration) {
         let waiting = ready
             .as_ref()
             .is_ok_and(|a| a.status == 503 && a.reason().to_lowercase().contains("waiting"));
+        // A member still trying its seeds has no cluster view yet (`cluster: null`): it
+        // claims neither quorum nor a leader either.
         let no_claims = view.as_ref().is_ok_and(|a| {
             a.status == 200
-                && a.body["cluster"]["quorum"] == false
-                && a.body["cluster"]["leader"].is_null()
+                && (a.body["cluster"].is_null()
+                    || (a.body["cluster"]["quorum"] == false
+                        && a.body["cluster"]["leader"].is_null()))
         });
         if !(waiting && no_claims) {
             let state = m.state();

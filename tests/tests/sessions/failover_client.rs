@@ -249,3 +249,53 @@ async fn the_application_sees_the_same_commands_with_its_connection_cut_again_an
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bench_failover_counts_failovers_and_loses_or_repeats_nothing_through_cuts() {
+    let b = Broker::start();
+    let cutter = Arc::new(Cutter::start(b.addr).await);
+    let uri = format!("amqp://guest:guest@{}/%2f", cutter.addr);
+    let bench = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(ringmq_tests::binary("ringmqctl"))
+            .args([
+                "bench",
+                "--failover",
+                "--uri",
+                &uri,
+                "--seconds",
+                "3",
+                "--size",
+                "64",
+                "--confirm",
+                "64",
+                "--prefetch",
+                "100",
+                "--json",
+            ])
+            .output()
+            .unwrap()
+    });
+    // Cut every connection four times during the load (bounded).
+    for _ in 0..4 {
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        cutter.cut();
+    }
+    let out = bench.await.unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    eprintln!("{v}");
+    assert!(v["published"].as_u64().unwrap() > 0, "{v}");
+    assert!(
+        v["failovers"].as_u64().unwrap() >= 4,
+        "every client failed over: {v}"
+    );
+    assert_eq!(v["lost"], 0, "{v}");
+    assert_eq!(v["duplicates"], 0, "{v}");
+    assert_eq!(v["out_of_order"], 0, "{v}");
+    assert_eq!(v["consumed"], v["published"], "{v}");
+}

@@ -16,52 +16,59 @@ use tokio::io::AsyncWriteExt;
 /// Options of `ringmqctl bench`.
 #[derive(Debug, Clone, Args)]
 pub struct BenchArgs {
-    /// Broker to load (producers connect here).
+    /// Broker to load (producers connect here). With --failover, one or more, comma-separated:
+    /// the clients connect to the first and fail over to the others (and the members the
+    /// cluster names).
     #[arg(long, default_value = "amqp://guest:guest@127.0.0.1:5672/%2f")]
-    uri: String,
+    pub(crate) uri: String,
     /// Where the consumers connect (default: --uri). With another cluster member than the
     /// queue's, they consume through a proxy.
     #[arg(long, value_name = "URI")]
-    consumer_uri: Option<String>,
+    pub(crate) consumer_uri: Option<String>,
     /// Where the queue is declared (default: --uri): on a cluster, the member that becomes
     /// its primary.
     #[arg(long, value_name = "URI")]
-    queue_uri: Option<String>,
+    pub(crate) queue_uri: Option<String>,
     /// Publishing connections.
     #[arg(long, default_value_t = 1)]
-    producers: u32,
+    pub(crate) producers: u32,
     /// Consuming connections.
     #[arg(long, default_value_t = 1)]
-    consumers: u32,
+    pub(crate) consumers: u32,
     /// Message body size in bytes (the first 8 carry the send time when it is at least 8).
     #[arg(long, default_value_t = 1000)]
-    size: usize,
+    pub(crate) size: usize,
     /// How long to publish, in seconds.
     #[arg(long, default_value_t = 10)]
-    seconds: u64,
+    pub(crate) seconds: u64,
     /// Stop each producer after this many messages (default: publish until --seconds ends).
     #[arg(long, value_name = "N")]
-    count: Option<u64>,
+    pub(crate) count: Option<u64>,
     /// Use publisher confirms with at most this many unconfirmed messages per producer.
     #[arg(long, value_name = "WINDOW")]
-    confirm: Option<u32>,
+    pub(crate) confirm: Option<u32>,
     /// Publish persistent messages (delivery-mode 2) to a durable queue.
     #[arg(long)]
-    persistent: bool,
+    pub(crate) persistent: bool,
     /// Queue to use (declared if missing); default: a fresh one, deleted afterwards.
     #[arg(long)]
-    queue: Option<String>,
+    pub(crate) queue: Option<String>,
     /// Arguments the queue is declared with, as a JSON object — e.g.
     /// '{"qpid.cluster.backups": 2}' for ringmq, '{"x-queue-type": "quorum"}' for RabbitMQ —
     /// so that one tool drives both (integers are sent as signed 64-bit).
     #[arg(long, value_name = "JSON")]
-    queue_args: Option<String>,
+    pub(crate) queue_args: Option<String>,
     /// Consumer prefetch (basic.qos); consumers ack once per read batch with multiple=true.
     #[arg(long, default_value_t = 1000)]
-    prefetch: u16,
+    pub(crate) prefetch: u16,
     /// Print a JSON object as the last line of output.
     #[arg(long)]
-    json: bool,
+    pub(crate) json: bool,
+    /// Run the load on the failover client (ringmq-client): every message numbered by its
+    /// producer, and the report counts failovers, lost (confirmed, never delivered),
+    /// duplicates and out-of-order deliveries. Confirms are on (window: --confirm, or 256).
+    #[arg(long)]
+    pub(crate) failover: bool,
 }
 
 /// Publish batches: at most this many messages per write.
@@ -83,19 +90,27 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
+    if args.failover {
+        return runtime.block_on(crate::bench_failover::bench(args));
+    }
     runtime.block_on(bench(args))
 }
 
-async fn bench(args: BenchArgs) -> anyhow::Result<()> {
-    let queue_args = match &args.queue_args {
-        None => FieldTable::default(),
+/// The queue arguments `--queue-args` gives, as a field table.
+pub(crate) fn queue_arguments(args: &BenchArgs) -> anyhow::Result<FieldTable> {
+    match &args.queue_args {
+        None => Ok(FieldTable::default()),
         Some(text) => {
             let json: serde_json::Value = serde_json::from_str(text)
                 .with_context(|| format!("--queue-args is not JSON: {text}"))?;
             ringmq::admin::json::table_from_json(&json)
-                .map_err(|e| anyhow::anyhow!("--queue-args: {e}"))?
+                .map_err(|e| anyhow::anyhow!("--queue-args: {e}"))
         }
-    };
+    }
+}
+
+async fn bench(args: BenchArgs) -> anyhow::Result<()> {
+    let queue_args = queue_arguments(&args)?;
     let target = Target::parse(&args.uri)?;
     let consumer_target = Target::parse(args.consumer_uri.as_deref().unwrap_or(&args.uri))?;
     let queue_target = Target::parse(args.queue_uri.as_deref().unwrap_or(&args.uri))?;

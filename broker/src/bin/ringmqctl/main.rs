@@ -6,6 +6,7 @@
 
 mod admin;
 mod bench;
+mod bench_failover;
 mod local_cluster;
 mod sink;
 

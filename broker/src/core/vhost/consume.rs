@@ -24,6 +24,11 @@ pub struct Consume {
     pub no_ack: bool,
     /// No other consumer may use the queue meanwhile.
     pub exclusive: bool,
+    /// A resumed session's consumer, created again under its tag: the deliveries its
+    /// predecessor left unacknowledged on the channel go to it again first, under their tags
+    /// and as first sent, before anything new — so that its client gets what the lost
+    /// connection never delivered, in tag order (`docs/sessions.md`).
+    pub resend_unacked: bool,
 }
 
 /// Reply to basic.get with a message.
@@ -172,6 +177,9 @@ impl VHost {
         });
         q.had_consumer = true;
         q.last_used_ms = now_ms;
+        if c.resend_unacked {
+            self.resend(key, Some(&tag), true, fx);
+        }
         self.dispatch(&qname, now_ms, fx);
         Ok(tag)
     }

@@ -129,6 +129,17 @@ impl VHost {
     /// redelivered, as the spec says of a recover. Deliveries from basic.get, to consumers
     /// gone, or proxied from another member stay unacknowledged as they are.
     pub fn basic_resend(&mut self, key: ChannelKey, as_sent: bool, fx: &mut Effects) {
+        self.resend(key, None, as_sent, fx);
+    }
+
+    /// [`VHost::basic_resend`] for the consumer `only` (all of the channel's when `None`).
+    pub(super) fn resend(
+        &mut self,
+        key: ChannelKey,
+        only: Option<&str>,
+        as_sent: bool,
+        fx: &mut Effects,
+    ) {
         let Some(ch) = self.channels.get_mut(&key) else {
             return;
         };
@@ -136,7 +147,7 @@ impl VHost {
             let Some(consumer) = u
                 .consumer
                 .as_ref()
-                .filter(|t| ch.consumers.contains_key(*t))
+                .filter(|t| ch.consumers.contains_key(*t) && only.is_none_or(|o| o == &***t))
             else {
                 continue;
             };

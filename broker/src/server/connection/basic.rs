@@ -81,6 +81,7 @@ impl Connection {
                     tag: c.consumer_tag.to_string(),
                     no_ack: c.no_ack,
                     exclusive: c.exclusive,
+                    resend_unacked: self.session.is_some_and(|s| s.resumed),
                 };
                 let tag = v.get().basic_consume(key, consume, now, &mut self.fx)?;
                 if !nowait {
