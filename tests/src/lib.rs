@@ -369,9 +369,10 @@ impl Broker {
         format!("amqp://guest:guest@{}/%2f", self.addr)
     }
 
-    /// A lapin connection as guest. A cluster member that is not ready (its lease lapsed
-    /// while a failure is being settled: it refuses with 320 "not ready") is asked again for
-    /// up to [`NOT_READY_PATIENCE`], as a client would; any other refusal fails at once.
+    /// A lapin connection as guest. A cluster member that is not ready or stopped serving
+    /// (its lease lapsed while a failure is being settled, or on a loaded machine: it refuses
+    /// with 320) is asked again for up to [`NOT_READY_PATIENCE`], as a client would; any other
+    /// refusal fails at once.
     pub async fn connect(&self) -> lapin::Connection {
         let deadline = std::time::Instant::now() + NOT_READY_PATIENCE;
         loop {
@@ -382,7 +383,9 @@ impl Broker {
                 Err(e)
                     if self.cluster.is_some()
                         && reply_code(&e) == Some(320)
-                        && e.to_string().contains("not ready")
+                        && ["not ready", "stopped serving"]
+                            .iter()
+                            .any(|why| e.to_string().contains(why))
                         && std::time::Instant::now() < deadline =>
                 {
                     eprintln!("{}: {e}; asking again", self.addr);

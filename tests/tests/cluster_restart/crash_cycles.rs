@@ -42,7 +42,22 @@ async fn one_crash_at_a_time_twenty_times_never_gets_stuck() {
     }
     for cycle in 0..CYCLES {
         for (i, m) in members.iter().enumerate() {
-            let found = passive(m, &format!("cycle-{cycle}")).await;
+            // A proxied passive declare on a member just restarted can be slow under load
+            // (docs/replication.md, known issues): three tries of 15 s each.
+            let asked = Instant::now();
+            let mut found = passive(m, &format!("cycle-{cycle}")).await;
+            for _ in 0..2 {
+                if found.is_ok() {
+                    break;
+                }
+                found = passive(m, &format!("cycle-{cycle}")).await;
+            }
+            if asked.elapsed() > std::time::Duration::from_secs(2) {
+                eprintln!(
+                    "queue cycle-{cycle} on member {i}: answered in {:?}",
+                    asked.elapsed()
+                );
+            }
             assert!(
                 found.is_ok(),
                 "queue cycle-{cycle} on member {i} after {CYCLES} cycles: {found:?}"

@@ -517,18 +517,31 @@ pub(crate) async fn declare_replicated(
         "qpid.cluster.backups".into(),
         lapin::types::AMQPValue::LongInt(backups),
     );
-    let (conn, ch) = b.channel().await;
-    ch.queue_declare(
-        queue.into(),
-        QueueDeclareOptions {
-            durable: true,
-            ..Default::default()
-        },
-        args,
-    )
-    .await
-    .expect("declare on its primary");
-    let _ = conn.close(200, "declared".into()).await;
+    // A member whose lease lapsed for a moment (a loaded machine) closes its clients with
+    // 320 and says so; the declare is idempotent and asked again, for at most 10 s.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (conn, ch) = b.channel().await;
+        let declared = ch
+            .queue_declare(
+                queue.into(),
+                QueueDeclareOptions {
+                    durable: true,
+                    ..Default::default()
+                },
+                args.clone(),
+            )
+            .await;
+        let _ = conn.close(200, "declared".into()).await;
+        match declared {
+            Ok(_) => break,
+            Err(e) if reply_code(&e) == Some(320) && Instant::now() < deadline => {
+                eprintln!("declare on its primary: {e}; asking again");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("declare on its primary: {e:?}"),
+        }
+    }
     let want = usize::try_from(backups).expect("backups >= 0");
     let view = wait_queue_view(b, queue, limit, "the backups in sync", |v| {
         v["in_sync_backup_nodes"]
