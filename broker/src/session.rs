@@ -174,6 +174,17 @@ pub struct PublishState {
 }
 
 impl PublishState {
+    /// Whether the channel is in confirm mode.
+    pub fn confirming(&self) -> bool {
+        self.confirm_base.is_some()
+    }
+
+    /// Counts a publish the channel processes now; in confirm mode its confirm number.
+    pub fn count_publish(&mut self) -> Option<u64> {
+        self.published += 1;
+        self.confirm_base.map(|base| self.published - base)
+    }
+
     /// Remembers that confirm number `n` was nacked.
     pub fn record_nack(&mut self, n: u64) {
         if self.nacks.len() == NACK_MEMORY {
@@ -275,7 +286,7 @@ impl Attached {
                         "next_delivery_tag": c.next_delivery_tag,
                         "unacked": c.unacked,
                         "publishes_processed": p.published,
-                        "confirm": p.confirm_base.is_some(),
+                        "confirm": p.confirming(),
                         "transactional": p.transactional,
                         "commits": p.commits,
                     }),

@@ -4,7 +4,6 @@
 //! clock — the driver feeds it and asks it.
 
 use amq_protocol::protocol::basic::AMQPProperties;
-use amq_protocol::types::FieldTable;
 use bytes::Bytes;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use tokio::sync::{mpsc, oneshot};
@@ -46,7 +45,6 @@ pub(crate) struct Logged {
     pub seq: u64,
     pub exchange: String,
     pub routing_key: String,
-    pub mandatory: bool,
     pub properties: AMQPProperties,
     pub body: Bytes,
     /// Told the outcome (ack: true) in confirm mode.
@@ -59,8 +57,6 @@ pub(crate) struct ConsumerSpec {
     pub tag: String,
     pub queue: String,
     pub no_ack: bool,
-    pub exclusive: bool,
-    pub arguments: FieldTable,
     pub deliveries: mpsc::UnboundedSender<crate::Delivery>,
 }
 
@@ -200,7 +196,6 @@ mod tests {
             seq: 0,
             exchange: String::new(),
             routing_key: "q".into(),
-            mandatory: false,
             properties: AMQPProperties::default(),
             body: Bytes::from_static(b"x"),
             outcome,

@@ -189,9 +189,9 @@ pub(crate) fn consume_method(spec: &ConsumerSpec) -> basic::Consume {
         consumer_tag: spec.tag.as_str().into(),
         no_local: false,
         no_ack: spec.no_ack,
-        exclusive: spec.exclusive,
+        exclusive: false,
         nowait: false,
-        arguments: spec.arguments.clone(),
+        arguments: FieldTable::default(),
     }
 }
 
@@ -347,7 +347,6 @@ impl Driver {
                     seq: 0,
                     exchange,
                     routing_key,
-                    mandatory: false,
                     properties,
                     body,
                     outcome: None,
@@ -809,7 +808,7 @@ fn publish_method(p: &Logged) -> AMQPClass {
     AMQPClass::Basic(basic::AMQPMethod::Publish(basic::Publish {
         exchange: p.exchange.as_str().into(),
         routing_key: p.routing_key.as_str().into(),
-        mandatory: p.mandatory,
+        mandatory: false,
         immediate: false,
     }))
 }

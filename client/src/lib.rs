@@ -343,8 +343,6 @@ impl Channel {
             tag: tag.clone(),
             queue: queue.to_owned(),
             no_ack,
-            exclusive: false,
-            arguments: FieldTable::default(),
             deliveries,
         };
         self.call(

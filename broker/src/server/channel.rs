@@ -131,10 +131,6 @@ pub struct ChannelCtx {
     pub crossing_close_answered: bool,
     /// Content being assembled.
     pub pending: Option<PendingPublish>,
-    /// confirm.select was sent.
-    pub confirm: bool,
-    /// Sequence number of the last publish under confirms.
-    pub publish_seq: u64,
     /// Confirms decided since the last flush: (sequence number, ack?).
     pub confirms: Vec<(u64, bool)>,
     /// Publishes whose confirm waits for the primaries they were forwarded to, and every
@@ -145,8 +141,9 @@ pub struct ChannelCtx {
     pub tx: Option<Transaction>,
     /// Name of the queue declared last on this channel (the spec's empty-name shortcut).
     pub last_queue: Option<String>,
-    /// Its publish count, mode and recent nacks: what a session keeps of the channel when
-    /// the connection goes (`docs/sessions.md`).
+    /// Its publish count, confirm mode (and so confirm numbers), transactional mode and recent
+    /// nacks: what a session keeps of the channel when the connection goes
+    /// (`docs/sessions.md`).
     pub publishing: PublishState,
 }
 
@@ -158,8 +155,6 @@ impl ChannelCtx {
             closing: false,
             crossing_close_answered: false,
             pending: None,
-            confirm: false,
-            publish_seq: 0,
             confirms: Vec::new(),
             awaiting: std::collections::VecDeque::new(),
             tx: None,
@@ -169,13 +164,9 @@ impl ChannelCtx {
     }
 
     /// A session's channel opened again on a new connection, with the publishing it had:
-    /// still in confirm mode (numbering on) or transactional.
+    /// still in confirm mode (numbering on: it is the publish count's) or transactional.
     pub fn resumed(key: ChannelKey, publishing: PublishState) -> Self {
         let mut ch = Self::new(key);
-        if let Some(base) = publishing.confirm_base {
-            ch.confirm = true;
-            ch.publish_seq = publishing.published - base;
-        }
         if publishing.transactional {
             ch.tx = Some(Transaction::default());
         }
@@ -377,8 +368,13 @@ mod tests {
                 ..PublishState::default()
             },
         );
-        assert!(ch.confirm && ch.tx.is_none());
-        assert_eq!(ch.publish_seq, 10, "confirm numbers go on from 10");
+        assert!(ch.publishing.confirming() && ch.tx.is_none());
+        let mut next = ch.publishing.clone();
+        assert_eq!(
+            next.count_publish(),
+            Some(11),
+            "confirm numbers go on from 10"
+        );
         ch.confirms = vec![(11, false)];
         ch.awaiting.push_back(AwaitingConfirm {
             seq: 12,
@@ -397,7 +393,7 @@ mod tests {
                 ..PublishState::default()
             },
         );
-        assert!(tx.tx.is_some() && !tx.confirm);
+        assert!(tx.tx.is_some() && !tx.publishing.confirming());
     }
 
     #[test]

@@ -182,16 +182,14 @@ impl Connection {
             });
             return;
         }
-        ch.publishing.published += 1;
+        let confirm_number = ch.publishing.count_publish();
         if self.is_replication(&p.exchange) {
             let applied = self.apply_replication(&message, v);
-            let ch = self
-                .channels
-                .get_mut(&id)
-                .expect("publishing channel is open");
-            if ch.confirm {
-                ch.publish_seq += 1;
-                ch.confirm_publish(ch.publish_seq, applied, None);
+            if let Some(n) = confirm_number {
+                self.channels
+                    .get_mut(&id)
+                    .expect("publishing channel is open")
+                    .confirm_publish(n, applied, None);
             }
             return;
         }
@@ -224,12 +222,7 @@ impl Connection {
                 if p.mandatory && outcome == PublishOutcome::Unroutable {
                     self.send_return(id, &message);
                 }
-                let ch = self
-                    .channels
-                    .get_mut(&id)
-                    .expect("publishing channel is open");
-                if ch.confirm {
-                    ch.publish_seq += 1;
+                if let Some(n) = confirm_number {
                     // Forwards are numbered in the tracker in the order the batch hands
                     // them over: this publish's are the ones it added to the effects.
                     let issued = self.forwards.issued();
@@ -238,11 +231,10 @@ impl Connection {
                         let first = issued + forwards_before as u64 + 1;
                         (first, first + added as u64 - 1)
                     });
-                    ch.confirm_publish(
-                        ch.publish_seq,
-                        outcome != PublishOutcome::Rejected,
-                        forwards,
-                    );
+                    self.channels
+                        .get_mut(&id)
+                        .expect("publishing channel is open")
+                        .confirm_publish(n, outcome != PublishOutcome::Rejected, forwards);
                     self.awaiting_confirms |= forwards.is_some();
                 }
             }
@@ -273,9 +265,7 @@ impl Connection {
             return false;
         }
         self.stats.duplicates_dropped += 1; // metrics
-        if ch.confirm
-            && let Some((n, ack)) = ch.publishing.confirm_of(seq)
-        {
+        if let Some((n, ack)) = ch.publishing.confirm_of(seq) {
             ch.confirm_publish(n, ack, None);
             self.resent_confirmed = true;
         }

@@ -22,7 +22,6 @@ impl Connection {
                 "cannot switch from tx to confirm mode",
             ));
         }
-        ch.confirm = true;
         let published = ch.publishing.published;
         ch.publishing.confirm_base.get_or_insert(published);
         if !s.nowait {
@@ -44,7 +43,7 @@ impl Connection {
         let ch = self.channels.get_mut(&id).expect("checked by the caller");
         let reply = match m {
             tx::AMQPMethod::Select(_) => {
-                if ch.confirm {
+                if ch.publishing.confirming() {
                     return Err(AmqpError::precondition(
                         "cannot switch from confirm to tx mode",
                     ));
