@@ -17,6 +17,8 @@ use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 use uuid::Uuid;
 
+pub mod directory;
+
 /// Client property that opens a new session.
 pub const START_PROPERTY: &str = "qpid.session.start";
 /// Client property that resumes a session.
@@ -199,6 +201,17 @@ impl PublishState {
         seq <= self.published
     }
 
+    /// A publish numbered `seq` by its client that the channel has not processed: a channel
+    /// that knows less of the client's numbering than the client — one resumed on a member
+    /// that took the session over, which starts with none of its channels' state — takes
+    /// the client's, so that its confirm numbers are the ones the client expects. (Inside a
+    /// transaction publishes are counted at the commit; the numbering stays.)
+    pub fn number_from(&mut self, seq: u64) {
+        if !self.transactional && seq > self.published + 1 {
+            self.published = seq - 1;
+        }
+    }
+
     /// The confirm a resent duplicate numbered `seq` gets: its confirm number and whether it
     /// is an ack (the outcome it first had). `None` outside confirm mode, or for a publish
     /// sent before `confirm.select`.
@@ -326,10 +339,39 @@ impl Attached {
 /// A session that ended: what it owned goes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Ended {
+    /// The session id.
+    pub id: Uuid,
     /// The session's owner id.
     pub owner: u64,
     /// The vhost its connections used (none if none opened one).
     pub vhost: Option<String>,
+}
+
+/// A session as the admin API lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SessionInfo {
+    /// The session id.
+    pub id: Uuid,
+    /// Its user.
+    pub user: String,
+    /// Its granted timeout.
+    pub timeout: Duration,
+    /// A connection is attached to it.
+    pub attached: bool,
+}
+
+/// A session this member let go of ([`Sessions::leave`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Left {
+    /// It waited for a resume: what it owned goes now.
+    Detached(Ended),
+    /// A connection is still attached to it (the cluster moved it while this member had not
+    /// yet seen that connection's end committed): the connection is closed, and its end
+    /// releases what the session owned.
+    Attached {
+        /// The session's owner id, the connection's id.
+        owner: u64,
+    },
 }
 
 #[derive(Debug)]
@@ -374,6 +416,16 @@ impl Sessions {
         self.limits.max
     }
 
+    /// The timeout granted to a client that asks for `timeout_s` seconds (`None` or 0: the
+    /// default), within the maximum.
+    pub fn grant(&self, timeout_s: Option<u64>) -> Duration {
+        match timeout_s {
+            None | Some(0) => self.limits.default,
+            Some(s) => Duration::from_secs(s),
+        }
+        .min(self.limits.max)
+    }
+
     /// Opens session `id` for `user` on connection `conn` (its owner id from now on).
     pub fn start(
         &self,
@@ -391,11 +443,7 @@ impl Sessions {
                 ),
             ));
         }
-        let timeout = match timeout_s {
-            None | Some(0) => self.limits.default,
-            Some(s) => Duration::from_secs(s),
-        }
-        .min(self.limits.max);
+        let timeout = self.grant(timeout_s);
         sessions.insert(
             id,
             Session {
@@ -448,6 +496,66 @@ impl Sessions {
         })
     }
 
+    /// Takes over session `id` that another cluster member held (or this member before a
+    /// restart), as the cluster's session directory committed it to this member: its
+    /// identity and timeout carry over, the state the other member kept does not — the
+    /// resumed session starts with no channels (`docs/sessions.md` §2). Connection `conn`
+    /// is its owner id from now on.
+    pub fn adopt(&self, id: Uuid, user: &str, timeout: Duration, conn: u64) -> Attached {
+        self.sessions.lock().insert(
+            id,
+            Session {
+                owner: conn,
+                user: user.to_owned(),
+                vhost: None,
+                timeout,
+                detached_since: None,
+                publishing: HashMap::new(),
+                barrier: Barrier::default(),
+            },
+        );
+        Attached {
+            id,
+            owner: conn,
+            timeout,
+            resumed: true,
+            barrier: Barrier::default(),
+        }
+    }
+
+    /// Every session of this broker, for the admin API.
+    pub fn list(&self) -> Vec<SessionInfo> {
+        self.sessions
+            .lock()
+            .iter()
+            .map(|(id, s)| SessionInfo {
+                id: *id,
+                user: s.user.clone(),
+                timeout: s.timeout,
+                attached: s.detached_since.is_none(),
+            })
+            .collect()
+    }
+
+    /// Whether this broker holds session `id`'s state.
+    pub fn contains(&self, id: Uuid) -> bool {
+        self.sessions.lock().contains_key(&id)
+    }
+
+    /// Session `id` is no longer this member's (another took it over, or the cluster ended
+    /// it): removed, and returned for the caller to release what it owned.
+    pub fn leave(&self, id: Uuid) -> Option<Left> {
+        let s = self.sessions.lock().remove(&id)?;
+        Some(match s.detached_since {
+            Some(_) => Left::Detached(Ended {
+                id,
+                owner: s.owner,
+                vhost: s.vhost,
+            }),
+            None => Left::Attached { owner: s.owner },
+        })
+    }
+
     /// The session's connection opens `vhost`: a session lives in one vhost, so a resume
     /// that opens another is refused (`Err` with the session's).
     pub fn open_vhost(&self, id: Uuid, vhost: &str) -> Result<(), SessionError> {
@@ -481,6 +589,7 @@ impl Sessions {
             return None;
         }
         sessions.remove(&id).map(|s| Ended {
+            id,
             owner: s.owner,
             vhost: s.vhost,
         })
@@ -523,8 +632,9 @@ impl Sessions {
             .collect();
         expired
             .into_iter()
-            .filter_map(|id| sessions.remove(&id))
-            .map(|s| Ended {
+            .filter_map(|id| sessions.remove(&id).map(|s| (id, s)))
+            .map(|(id, s)| Ended {
+                id,
                 owner: s.owner,
                 vhost: s.vhost,
             })
@@ -688,6 +798,7 @@ mod tests {
         assert_eq!(
             s.expire(late),
             vec![Ended {
+                id,
                 owner: 42,
                 vhost: None
             }]
@@ -708,6 +819,7 @@ mod tests {
         assert_eq!(
             s.detach(id, false, Instant::now(), Barrier::default()),
             Some(Ended {
+                id,
                 owner: 5,
                 vhost: Some("/".into())
             })

@@ -85,6 +85,14 @@ pub(crate) struct ChannelBook {
     /// Deliveries the application settled, the most recent ones: sent again after a
     /// failover if the broker still counts them unacknowledged.
     pub settled: BTreeMap<u64, Settled>,
+    /// The application's delivery tag for the broker's tag `t` is `t + tag_offset`: zero
+    /// until the channel resumes on a member that took the session over and numbers its
+    /// deliveries from 1 again ([`ChannelBook::start_over`]); the application's tags go on.
+    /// Every tag above is the application's.
+    pub tag_offset: u64,
+    /// Number every publish (`x-ringmq-publish-seq`), not only the resent ones: a channel
+    /// started over on another member takes its numbering from the client's.
+    pub number_all: bool,
 }
 
 impl ChannelBook {
@@ -166,6 +174,55 @@ impl ChannelBook {
     pub fn settle_again(&mut self, unacked_at_broker: &BTreeSet<u64>) -> Vec<(u64, Settled)> {
         self.settled.retain(|t, _| unacked_at_broker.contains(t));
         self.settled.iter().map(|(t, s)| (*t, *s)).collect()
+    }
+
+    /// The channel resumed on a member that took the session over, where it starts with
+    /// none of its state (`docs/sessions.md` §2): deliveries are numbered from 1 again (the
+    /// application's tags go on above the highest it had), what the application had not
+    /// settled is no longer the broker's to settle (it went back to its queue and comes again,
+    /// redelivered), confirms count from the client's numbering, which every publish carries
+    /// from now on.
+    pub fn start_over(&mut self) {
+        let highest = [
+            self.tag_offset,
+            self.seen_through,
+            self.seen_above.last().copied().unwrap_or(0),
+            self.outstanding.last().copied().unwrap_or(0),
+            self.settled.last_key_value().map_or(0, |(t, _)| *t),
+        ]
+        .into_iter()
+        .max()
+        .unwrap_or(0);
+        self.tag_offset = highest;
+        self.seen_through = highest;
+        self.seen_above.clear();
+        self.settled.clear();
+        if self.confirm_base.is_some() {
+            // The member numbers confirms from its confirm.select, at count 0, by the
+            // client's numbers: the n-th confirm is publish n.
+            self.confirm_base = Some(0);
+        }
+        self.number_all = true;
+    }
+
+    /// The broker's form of an application's settlement: its tag less the offset; `None` for
+    /// one that names only deliveries from before the channel started over (their broker
+    /// lost them to their queues).
+    pub fn to_broker(&self, settle: Settle) -> Option<Settle> {
+        let tag = match settle {
+            Settle::Ack { tag, .. } | Settle::Nack { tag, .. } => tag,
+        };
+        let tag = tag.checked_sub(self.tag_offset).filter(|&t| t > 0)?;
+        Some(match settle {
+            Settle::Ack { multiple, .. } => Settle::Ack { tag, multiple },
+            Settle::Nack {
+                multiple, requeue, ..
+            } => Settle::Nack {
+                tag,
+                multiple,
+                requeue,
+            },
+        })
     }
 
     /// Whether a delivery with `tag` is new to the application (and, if so, remembers it).
@@ -273,5 +330,46 @@ mod tests {
         assert!(b.fresh_delivery(4) && b.fresh_delivery(5) && b.fresh_delivery(6));
         assert!(!b.fresh_delivery(7));
         assert_eq!((b.seen_through, b.seen_above.len()), (7, 0));
+    }
+
+    #[test]
+    fn a_channel_started_over_keeps_the_application_tags_going_and_confirms_by_client_numbers() {
+        let mut b = ChannelBook::default();
+        b.select_confirms();
+        for tag in 1..=5 {
+            assert!(b.fresh_delivery(tag));
+        }
+        b.outstanding.extend([4, 5]);
+        b.settle(Settle::Ack {
+            tag: 3,
+            multiple: false,
+        });
+        b.start_over();
+        assert_eq!(b.tag_offset, 5);
+        assert!(b.settled.is_empty(), "nothing of before is the broker's");
+        assert_eq!(
+            b.to_broker(Settle::Ack {
+                tag: 4,
+                multiple: false
+            }),
+            None,
+            "a delivery the broker gave back to its queue"
+        );
+        assert_eq!(
+            b.to_broker(Settle::Ack {
+                tag: 7,
+                multiple: true
+            }),
+            Some(Settle::Ack {
+                tag: 2,
+                multiple: true
+            })
+        );
+        assert!(b.fresh_delivery(1 + b.tag_offset), "the broker's tag 1");
+        let (tx, mut rx) = oneshot::channel();
+        let seq = b.record_publish(logged(Some(tx)));
+        b.confirmed(seq, false, true);
+        assert_eq!(rx.try_recv(), Ok(true), "confirm n is publish n");
+        assert!(b.number_all);
     }
 }

@@ -6,7 +6,7 @@ use crate::Error;
 use crate::book::{ChannelBook, ConsumerSpec, Logged, Settle, Settled};
 use crate::wire::{Incoming, Target, Wire};
 use amq_protocol::protocol::basic::AMQPProperties;
-use amq_protocol::protocol::{AMQPClass, basic, channel, connection};
+use amq_protocol::protocol::{AMQPClass, basic, channel, confirm, connection};
 use amq_protocol::types::{AMQPValue, FieldTable};
 use bytes::{Bytes, BytesMut};
 use rand08::seq::SliceRandom;
@@ -343,6 +343,11 @@ impl Driver {
                 // On a channel the broker closed: dropped, and its confirmation fails.
                 let book = self.books.get_mut(&channel)?;
                 let confirm = book.confirm_base.is_some();
+                let properties = if book.number_all {
+                    numbered(properties, book.published + 1)
+                } else {
+                    properties
+                };
                 let logged = Logged {
                     seq: 0,
                     exchange,
@@ -370,8 +375,10 @@ impl Driver {
             Cmd::Settle { channel, settle } => {
                 if let Some(book) = self.books.get_mut(&channel) {
                     book.settle(settle);
-                    self.wire
-                        .method(channel, AMQPClass::Basic(settle_method(settle)));
+                    if let Some(settle) = book.to_broker(settle) {
+                        self.wire
+                            .method(channel, AMQPClass::Basic(settle_method(settle)));
+                    }
                 }
             }
             Cmd::Close { reply } => {
@@ -539,7 +546,8 @@ impl Driver {
         let Some(book) = self.books.get_mut(&a.channel) else {
             return;
         };
-        if !book.fresh_delivery(d.delivery_tag) {
+        let tag = d.delivery_tag + book.tag_offset;
+        if !book.fresh_delivery(tag) {
             return;
         }
         let Some(spec) = book
@@ -550,10 +558,10 @@ impl Driver {
             return;
         };
         if !spec.no_ack {
-            book.outstanding.insert(d.delivery_tag);
+            book.outstanding.insert(tag);
         }
         let _ = spec.deliveries.send(crate::Delivery {
-            delivery_tag: d.delivery_tag,
+            delivery_tag: tag,
             redelivered: d.redelivered,
             exchange: d.exchange.to_string(),
             routing_key: d.routing_key.to_string(),
@@ -639,9 +647,33 @@ impl Driver {
                 let _ = r.send(Ok(id));
             }
             let book = self.books.get_mut(&id).expect("listed above");
+            // A channel the status does not list: the session was taken over from another
+            // member, and the channel starts over here.
+            let started_over = !unacked.contains_key(&id);
+            if started_over {
+                book.start_over();
+            }
             let prefetch = book.prefetch;
             let consumers = book.consumers.clone();
-            let again = book.settle_again(unacked.get(&id).unwrap_or(&BTreeSet::new()));
+            let confirming = book.confirm_base.is_some();
+            let at_broker: BTreeSet<u64> = unacked
+                .get(&id)
+                .map(|tags| tags.iter().map(|t| t + book.tag_offset).collect())
+                .unwrap_or_default();
+            let again: Vec<(u64, Settled)> = book
+                .settle_again(&at_broker)
+                .into_iter()
+                .map(|(tag, how)| (tag - book.tag_offset, how))
+                .collect();
+            if started_over && confirming {
+                self.rpc(
+                    id,
+                    AMQPClass::Confirm(confirm::AMQPMethod::Select(confirm::Select {
+                        nowait: false,
+                    })),
+                )
+                .await?;
+            }
             if let Some((prefetch_count, global)) = prefetch {
                 self.rpc(
                     id,
@@ -695,13 +727,7 @@ impl Driver {
                 "restoring the channel"
             );
             for p in &book.log {
-                let mut properties = p.properties.clone();
-                let mut headers = properties.headers().clone().unwrap_or_default();
-                headers.insert(
-                    PUBLISH_SEQ_HEADER.into(),
-                    AMQPValue::LongLongInt(i64::try_from(p.seq).unwrap_or(i64::MAX)),
-                );
-                properties = properties.with_headers(headers);
+                let properties = numbered(p.properties.clone(), p.seq);
                 self.wire
                     .publish(id, publish_method(p), &properties, &p.body);
             }
@@ -811,6 +837,17 @@ fn publish_method(p: &Logged) -> AMQPClass {
         mandatory: false,
         immediate: false,
     }))
+}
+
+/// A publish's properties with its number on the channel in `x-ringmq-publish-seq`, by
+/// which the broker drops a resent duplicate (`docs/sessions.md` §3).
+fn numbered(properties: AMQPProperties, seq: u64) -> AMQPProperties {
+    let mut headers = properties.headers().clone().unwrap_or_default();
+    headers.insert(
+        PUBLISH_SEQ_HEADER.into(),
+        AMQPValue::LongLongInt(i64::try_from(seq).unwrap_or(i64::MAX)),
+    );
+    properties.with_headers(headers)
 }
 
 fn settle_method(settle: Settle) -> basic::AMQPMethod {

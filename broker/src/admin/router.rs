@@ -322,6 +322,7 @@ mod tests {
             "overview",
             "permissions",
             "queues",
+            "sessions",
             "users",
             "vhosts",
             "whoami",

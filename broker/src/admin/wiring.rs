@@ -226,7 +226,8 @@ fn check(op: &WiringOp, v: &VHost, vh: &str) -> Result<Checked> {
         // properties key and changes the vhost itself.
         WiringOp::UnbindQueue { .. } | WiringOp::UnbindExchange { .. } => {}
         // The cluster's own ops: no route makes them.
-        WiringOp::BackupInSync { .. } | WiringOp::BackupOutOfSync { .. } => {}
+        WiringOp::BackupInSync { .. } | WiringOp::BackupOutOfSync { .. } | WiringOp::Session(_) => {
+        }
     }
     Ok(checked)
 }

@@ -116,6 +116,10 @@ impl ClusterHost for BrokerHost {
         self.broker.apply_roles(vhost, queue, roles);
     }
 
+    fn session_left(&mut self, id: &str) {
+        self.broker.session_left(id);
+    }
+
     fn shutdown(&mut self) {
         self.broker.journal.shutdown();
     }

@@ -16,6 +16,7 @@ pub mod outbox;
 mod persist;
 mod replication;
 pub mod resources;
+mod sessions;
 pub mod stats;
 mod vhosts;
 

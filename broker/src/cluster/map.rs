@@ -13,6 +13,7 @@ use crate::core::args::QueueArgs;
 use crate::core::wiring::Wiring;
 use crate::core::{OpReply, WiringOp, is_foreign};
 use crate::cpg::{CpgEvent, MemberId};
+use crate::session::directory::{SessionChange, SessionDirectory, SessionRecord};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -48,6 +49,10 @@ pub struct Checkpoint {
     /// existed).
     #[serde(default)]
     pub roles: Roles,
+    /// Every session of the cluster as of then (none in a checkpoint written before the
+    /// session directory existed).
+    #[serde(default)]
+    pub sessions: SessionDirectory,
 }
 
 /// What the node must do after an event.
@@ -61,6 +66,18 @@ pub enum Action {
         to: MemberId,
         /// Index of the event the snapshot reflects.
         through: u64,
+    },
+    /// A session's record changed at this point of the agreed order (every member emits the
+    /// same): it started, was attached or detached, moved to another member, or ended
+    /// (`now` is `None`). The node keeps its copy for the members' handshakes, and the member
+    /// that held it and no longer does lets go of what it kept.
+    SessionChanged {
+        /// The session id.
+        id: String,
+        /// Its record before.
+        was: Option<SessionRecord>,
+        /// Its record now.
+        now: Option<SessionRecord>,
     },
     /// Answer this member's client request.
     Answer {
@@ -136,6 +153,8 @@ pub struct ClusterMap {
     through: u64,
     /// Every clustered queue's primary, backups and in-sync set.
     roles: Roles,
+    /// Every resumable session: where it lives, whether attached.
+    sessions: SessionDirectory,
     /// This process's own hello has been applied: the others know it is back (for a member
     /// restarted in place, that hello is what hands its primaries over to in-sync backups;
     /// see [`ClusterMap::is_announced`]).
@@ -155,6 +174,7 @@ impl ClusterMap {
             may_found,
             through: 0,
             roles: Roles::default(),
+            sessions: SessionDirectory::default(),
             announced: false,
         }
     }
@@ -172,6 +192,7 @@ impl ClusterMap {
             may_found: false,
             through: checkpoint.through,
             roles: checkpoint.roles,
+            sessions: checkpoint.sessions,
             announced: false,
         }
     }
@@ -183,6 +204,7 @@ impl ClusterMap {
             through: self.through,
             membership: self.membership.clone(),
             roles: self.roles.clone(),
+            sessions: self.sessions.clone(),
         })
     }
 
@@ -214,6 +236,11 @@ impl ClusterMap {
     /// Every clustered queue's roles as this member sees them.
     pub fn roles(&self) -> &Roles {
         &self.roles
+    }
+
+    /// Every session of the cluster as this member sees them.
+    pub fn sessions(&self) -> &SessionDirectory {
+        &self.sessions
     }
 
     /// Handles one event of the cluster group.
@@ -321,6 +348,7 @@ impl ClusterMap {
         self.buffered.clear();
         self.membership = Membership::default();
         self.roles = Roles::default();
+        self.sessions = SessionDirectory::default();
     }
 
     /// Whether `ev` ends this member's membership of the group (a failure the others declared).
@@ -354,6 +382,7 @@ impl ClusterMap {
             through,
             membership: self.membership.clone(),
             vhosts,
+            sessions: self.sessions.clone(),
         }))
     }
 
@@ -386,6 +415,7 @@ impl ClusterMap {
                 });
             }
         }
+        self.sessions = s.sessions;
         store.install(s.vhosts, s.through);
         self.membership.install(s.membership);
         self.membership.on_snapshot(self.me);
@@ -420,6 +450,8 @@ impl ClusterMap {
                 self.membership.on_conf_change(&ids);
                 let ring = roles::ring(&self.membership);
                 self.update_roles(actions, |r| r.reconcile(&ring));
+                let lost = self.sessions.members_are(&ring);
+                push_session_changes(actions, lost);
                 for to in self.membership.snapshot_duty(self.me) {
                     actions.push(Action::SendSnapshot { to, through: index });
                 }
@@ -451,7 +483,11 @@ impl ClusterMap {
                     }
                     let ring = roles::ring(&self.membership);
                     match restarted {
-                        Some(node) => self.update_roles(actions, |r| r.restarted(&node, &ring)),
+                        Some(node) => {
+                            self.update_roles(actions, |r| r.restarted(&node, &ring));
+                            let lost = self.sessions.restarted(&node);
+                            push_session_changes(actions, lost);
+                        }
                         None => self.update_roles(actions, |r| r.reconcile(&ring)),
                     }
                     actions.push(Action::HostsChanged);
@@ -462,6 +498,19 @@ impl ClusterMap {
                     vhost,
                     op,
                 }) => {
+                    if let WiringOp::Session(op) = &op {
+                        let outcome = self.sessions.apply(op);
+                        if let Ok(change) = &outcome {
+                            push_session_changes(actions, change.clone());
+                        }
+                        if origin == self.me {
+                            actions.push(Action::Answer {
+                                request,
+                                outcome: outcome.map(|_| (OpReply::default(), None)),
+                            });
+                        }
+                        return Ok(());
+                    }
                     if let Some(outcome) = self.apply_sync_op(sender, &vhost, &op, actions) {
                         if origin == self.me {
                             actions.push(Action::Answer {
@@ -641,6 +690,16 @@ impl ClusterMap {
             }
             _ => {}
         }
+    }
+}
+
+/// Reports each session change as an action, in order.
+fn push_session_changes(
+    actions: &mut Vec<Action>,
+    changes: impl IntoIterator<Item = SessionChange>,
+) {
+    for (id, was, now) in changes {
+        actions.push(Action::SessionChanged { id, was, now });
     }
 }
 

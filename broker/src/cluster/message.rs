@@ -38,6 +38,9 @@ pub struct Snapshot {
     pub membership: Membership,
     /// Shared wiring per vhost.
     pub vhosts: BTreeMap<String, Wiring>,
+    /// Every session of the cluster (none from a member before the session directory).
+    #[serde(default)]
+    pub sessions: crate::session::directory::SessionDirectory,
 }
 
 impl ClusterMsg {

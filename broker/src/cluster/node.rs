@@ -9,6 +9,7 @@ use super::roles::{QueueRoles, Roles};
 use crate::core::AmqpError;
 use crate::core::{OpReply, WiringOp};
 use crate::cpg::{Cpg, CpgConfig, CpgError, CpgEvent, CpgEvents, MemberId, SyncPoint};
+use crate::session::directory::{SessionDirectory, SessionRecord};
 use bytes::Bytes;
 use parking_lot::{Mutex, RwLock};
 use std::collections::HashMap;
@@ -106,6 +107,8 @@ pub struct Cluster {
     membership: RwLock<Membership>,
     /// Every clustered queue's roles, as of the newest event applied.
     roles: RwLock<Roles>,
+    /// Every resumable session, as of the newest cluster event applied.
+    sessions: RwLock<SessionDirectory>,
     progress: Mutex<Progress>,
     link_password: String,
     /// How long a lapse of readiness is ridden out before clients are turned away
@@ -188,6 +191,7 @@ impl Cluster {
             next_request: AtomicU64::new(1),
             membership: RwLock::new(Membership::default()),
             roles: RwLock::new(Roles::default()),
+            sessions: RwLock::new(SessionDirectory::default()),
             progress: Mutex::new(Progress::default()),
             link_password: crate::proxy::link::link_password(&settings.secret),
             serving_grace: grace,
@@ -327,6 +331,22 @@ impl Cluster {
         self.roles.read().get(vhost, queue).cloned()
     }
 
+    /// Session `id`'s record — which member holds it, for whom, whether attached — as of
+    /// the newest cluster event applied here.
+    pub fn session(&self, id: &str) -> Option<SessionRecord> {
+        self.sessions.read().get(id).cloned()
+    }
+
+    /// Every session of the cluster, as of the newest cluster event applied here.
+    pub fn sessions(&self) -> SessionDirectory {
+        self.sessions.read().clone()
+    }
+
+    /// Node ids of the members that announced themselves, in ring order.
+    pub fn ring(&self) -> Vec<String> {
+        super::roles::ring(&self.membership.read())
+    }
+
     /// AMQP addresses of the live members (`known-hosts`).
     pub fn known_hosts(&self) -> Vec<String> {
         self.membership.read().known_hosts()
@@ -431,6 +451,11 @@ pub trait ClusterHost: WiringStore + Send + 'static {
     /// Queue `queue` of `vhost` has new roles (`None`: it has none any more): its primary,
     /// where its messages live, is `roles.primary`.
     fn roles_changed(&mut self, vhost: &str, queue: &str, roles: Option<&QueueRoles>);
+    /// Session `id` was held by this member and no longer is (another member took it over
+    /// from the directory, or it ended): what this member kept of it — its channels'
+    /// publishing, unacked deliveries, exclusive queues — goes, and a connection still
+    /// attached to it here is closed.
+    fn session_left(&mut self, id: &str);
     /// Saves what must survive before the process exits (the journal).
     fn shutdown(&mut self);
     /// The newest journal sequence number handed to the journal, and a watch of the newest
@@ -611,6 +636,7 @@ impl<H: ClusterHost> Applier<H> {
                         self.host.roles_changed(vhost, queue, Some(r));
                     }
                     *self.cluster.roles.write() = roles;
+                    *self.cluster.sessions.write() = self.map.sessions().clone();
                     self.cluster.progress.lock().synced = true;
                 }
                 Action::RolesChanged {
@@ -622,6 +648,18 @@ impl<H: ClusterHost> Applier<H> {
                     log_roles_change(&vhost, &queue, was.as_ref(), now.as_ref());
                     self.cluster.roles.write().set(&vhost, &queue, now.clone());
                     self.host.roles_changed(&vhost, &queue, now.as_ref());
+                }
+                Action::SessionChanged { id, was, now } => {
+                    tracing::debug!(session = %id, ?was, ?now, "session directory changed");
+                    let me = self.cluster.node_id.as_str();
+                    let mine =
+                        |r: &Option<SessionRecord>| r.as_ref().is_some_and(|r| r.member == me);
+                    // Restarted in place, this member held nothing of a session the
+                    // directory still named it for; ended here, it let go already.
+                    if mine(&was) && !mine(&now) {
+                        self.host.session_left(&id);
+                    }
+                    self.cluster.sessions.write().set(&id, now);
                 }
                 Action::Join => self.join(false),
                 Action::Rejoin => self.join(true),

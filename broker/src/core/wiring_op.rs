@@ -150,6 +150,10 @@ pub enum WiringOp {
         /// Node id of the backup.
         node: String,
     },
+    /// A change to the cluster's session directory (`crate::session::directory`): where
+    /// each resumable session lives and whether a connection holds it. The cluster map's,
+    /// not the vhost's wiring (the vhost named is the connection's, or empty before open).
+    Session(crate::session::directory::SessionOp),
 }
 
 /// What applying an op answers, for the broker whose client asked.
@@ -394,9 +398,9 @@ impl WiringOp {
                 .queue_unbind(conn, &queue, &exchange, &routing_key, arguments)
                 .map(|()| OpReply::default()),
             // The cluster map's roles, not the vhost's wiring (a single broker has none).
-            WiringOp::BackupInSync { .. } | WiringOp::BackupOutOfSync { .. } => {
-                Ok(OpReply::default())
-            }
+            WiringOp::BackupInSync { .. }
+            | WiringOp::BackupOutOfSync { .. }
+            | WiringOp::Session(_) => Ok(OpReply::default()),
         }
     }
 }

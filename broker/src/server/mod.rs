@@ -12,7 +12,9 @@ use crate::broker::{Broker, resources};
 use crate::clock::now_ms;
 use crate::config::Config;
 use crate::core::Effects;
+use crate::session::directory::SessionOp;
 use crate::store::StoreError;
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -157,9 +159,11 @@ async fn tick_loop(broker: Arc<Broker>) {
     let mut interval = tokio::time::interval(TICK);
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut fx = Effects::default();
+    // The sessions of lost members this member keeps, and since when they wait.
+    let mut orphans = HashMap::new();
     loop {
         interval.tick().await;
-        end_expired_sessions(&broker, &mut fx);
+        end_expired_sessions(&broker, &mut orphans);
         for (_, vhost) in broker.vhosts() {
             let mut v = vhost.lock();
             v.tick(now_ms(), &mut fx);
@@ -169,16 +173,19 @@ async fn tick_loop(broker: Arc<Broker>) {
 }
 
 /// Sessions whose timeout ran out without a resume end: what they owned (exclusive queues)
-/// goes, as when a connection without a session closes.
-fn end_expired_sessions(broker: &Broker, fx: &mut Effects) {
-    for ended in broker.sessions().expire(std::time::Instant::now()) {
-        tracing::info!(owner = ended.owner, "session expired without a resume");
-        let Some(vhost) = ended.vhost.as_deref().and_then(|name| broker.vhost(name)) else {
-            continue;
-        };
-        let mut v = vhost.lock();
-        v.close_channels_of(ended.owner, now_ms(), fx);
-        v.connection_closed(ended.owner, fx);
-        broker.finish_batch(ended.owner, &mut v, fx);
+/// goes, as when a connection without a session closes; on a cluster the end is committed
+/// to the session directory, and the sessions this member keeps for a lost member end too.
+fn end_expired_sessions(broker: &Broker, orphans: &mut HashMap<String, std::time::Instant>) {
+    let now = std::time::Instant::now();
+    for ended in broker.sessions().expire(now) {
+        tracing::info!(session = %ended.id, owner = ended.owner, "session expired without a resume");
+        broker.release_session(&ended);
+        if let Some(cluster) = broker.cluster() {
+            broker.commit_session(SessionOp::End {
+                id: ended.id.to_string(),
+                member: cluster.node_id().to_owned(),
+            });
+        }
     }
+    broker.end_orphaned_sessions(orphans, now);
 }

@@ -244,6 +244,8 @@ pub fn required_access(op: &WiringOp) -> Vec<(Access, Resource<'_>)> {
         WiringOp::BackupInSync { queue, .. } | WiringOp::BackupOutOfSync { queue, .. } => {
             vec![(Access::Configure, Resource::Queue(queue))]
         }
+        // A member sends these for its clients' sessions, which need no resource.
+        WiringOp::Session(_) => Vec::new(),
     }
 }
 

@@ -28,7 +28,7 @@ pub(crate) fn new_session_id() -> String {
 }
 
 /// A lapin connection that starts (`resume` false) or resumes session `id`.
-async fn lapin_session(
+pub(crate) async fn lapin_session(
     b: &Broker,
     id: &str,
     resume: bool,
@@ -76,7 +76,7 @@ pub(crate) fn props(pairs: &[(&str, &str)]) -> FieldTable {
     t
 }
 
-fn closed_code(r: Result<RawClient, ClientError>) -> (u16, String) {
+pub(crate) fn closed_code(r: Result<RawClient, ClientError>) -> (u16, String) {
     match r {
         Err(ClientError::Closed { code, text, .. }) => (code, text),
         Err(e) => panic!("expected the broker to close the connection, got {e}"),

@@ -16,6 +16,7 @@ mod members;
 mod overview;
 mod permissions;
 mod queues;
+mod sessions;
 mod users;
 mod vhosts;
 
@@ -40,6 +41,8 @@ pub(super) static ROUTES: &[Route] = &[
     Route::get("/api/members", members::list),
     Route::get("/api/members/{id}", members::get),
     Route::post("/api/members/{id}/leave", members::leave),
+    Route::get("/api/sessions", sessions::list),
+    Route::get("/api/sessions/{id}", sessions::get),
     Route::get("/api/vhosts", vhosts::list),
     Route::get("/api/vhosts/{vhost}", vhosts::get),
     Route::put("/api/vhosts/{vhost}", vhosts::put),

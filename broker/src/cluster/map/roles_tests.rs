@@ -85,6 +85,8 @@ impl Model {
         for a in actions {
             let node = &mut self.nodes[at];
             match a {
+                // The session directory has its own tests (`session::directory`).
+                Action::SessionChanged { .. } => {}
                 Action::SendHello => {
                     let info = MemberInfo {
                         node_id: node_name(node.node),

@@ -93,6 +93,8 @@ impl Model {
                 .expect("bounded buffer");
             for a in actions {
                 match a {
+                    // The session directory has its own tests (`session::directory`).
+                    Action::SessionChanged { .. } => {}
                     Action::SendHello => {
                         let info = MemberInfo {
                             node_id: format!("n{}", node.id),
@@ -475,6 +477,7 @@ fn a_restarted_member_failed_meanwhile_joins_again_and_never_founds_alone() {
         through: 5,
         membership: Membership::default(),
         roles: Roles::default(),
+        sessions: Default::default(),
     };
     let mut map = ClusterMap::resume(2, checkpoint);
     // The replay shows the others declaring it failed while it was down.

@@ -199,7 +199,10 @@ impl Connection {
     /// Whether this connection's end keeps its session (and so its channels' unacked
     /// deliveries and its exclusive queues).
     pub(super) fn session_kept(&self) -> bool {
-        self.session.is_some() && self.keep_session
+        self.keep_session
+            && self
+                .session
+                .is_some_and(|s| self.broker.sessions().contains(s.id))
     }
 
     /// [`Connection::close_all_channels`] for a session that is kept: the channels are

@@ -8,8 +8,31 @@ use crate::amqp::frame::{self, FRAME_HEARTBEAT, FRAME_METHOD, RawFrame};
 use crate::amqp::{AMQPClass, AMQPValue, FieldTable, codes, connection};
 use crate::auth::permissions::Permissions;
 use crate::auth::{AuthError, MECHANISM_EXTERNAL, MECHANISMS, Permission, User};
+use crate::cluster::OpOutcome;
+use crate::core::WiringOp;
 use crate::proxy::link::LINK_USER;
+use crate::session::directory::SessionOp;
+use crate::session::{SessionError, SessionRequest};
 use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::oneshot;
+
+/// A session start or resume in flight through the cluster's session directory: the
+/// connection reads nothing more and sends no tune until it is committed.
+pub(super) struct SessionWait {
+    request: SessionRequest,
+    /// The timeout the session has (granted to a start, recorded for a resume).
+    timeout: Duration,
+    outcome: oneshot::Receiver<OpOutcome>,
+}
+
+/// Resolves when the session the connection waits for is committed (or cannot be).
+pub(super) async fn session_committed(wait: &mut Option<SessionWait>) -> Option<OpOutcome> {
+    match wait {
+        Some(w) => (&mut w.outcome).await.ok(),
+        None => std::future::pending().await,
+    }
+}
 
 impl Connection {
     pub(super) fn send_start(&mut self) {
@@ -146,9 +169,15 @@ impl Connection {
                 return Ok(());
             }
         }
-        if !self.link {
-            self.attach_session(&ok.client_properties)?;
+        if !self.link && self.attach_session(&ok.client_properties)? {
+            // tune waits for the cluster to commit the session ([`SessionWait`]).
+            return Ok(());
         }
+        self.send_tune();
+        Ok(())
+    }
+
+    fn send_tune(&mut self) {
         let c = &self.broker.config;
         self.writer.method(
             0,
@@ -159,41 +188,145 @@ impl Connection {
             })),
         );
         self.phase = Phase::Tune;
-        Ok(())
     }
 
     /// Starts or resumes the session the client-properties name (`docs/sessions.md`); a
     /// resumed session's connection takes its owner id. Refused with the code the session
     /// contract names (530 malformed, 404 unknown, 405 attached elsewhere or id taken, 403
-    /// another user's).
-    fn attach_session(&mut self, props: &crate::amqp::FieldTable) -> Result<(), ConnError> {
-        let refused = |e: crate::session::SessionError| ConnError::new(e.code, e.text);
+    /// another user's). On a cluster the session directory decides, from any member: a
+    /// start or resume is committed to it first (`Ok(true)`: the connection waits for that,
+    /// and [`Connection::on_session_committed`] finishes the attach).
+    fn attach_session(&mut self, props: &crate::amqp::FieldTable) -> Result<bool, ConnError> {
+        let refused = |e: SessionError| ConnError::new(e.code, e.text);
         let Some(request) = crate::session::parse_request(props).map_err(refused)? else {
-            return Ok(());
+            return Ok(false);
         };
-        let user = self
-            .user
+        let user = self.user_name();
+        let sessions = self.broker.sessions();
+        let Some(cluster) = self.broker.cluster().cloned() else {
+            let attached = match request {
+                SessionRequest::Start { id, timeout_s } => {
+                    sessions.start(id, timeout_s, &user, self.id)
+                }
+                SessionRequest::Resume { id } => {
+                    sessions.resume(id, &user, std::time::Instant::now())
+                }
+            }
+            .map_err(refused)?;
+            self.attached(attached);
+            return Ok(false);
+        };
+        let me = cluster.node_id().to_owned();
+        let (op, timeout) = match request {
+            SessionRequest::Start { id, timeout_s } => {
+                let timeout = sessions.grant(timeout_s);
+                let op = SessionOp::Start {
+                    id: id.to_string(),
+                    user,
+                    timeout_s: timeout.as_secs(),
+                    member: me,
+                };
+                (op, timeout)
+            }
+            SessionRequest::Resume { id } => {
+                let record = cluster.session(&id.to_string()).ok_or_else(|| {
+                    ConnError::new(
+                        codes::NOT_FOUND,
+                        format!(
+                            "no session {id} in this cluster: it never existed, ended, or expired"
+                        ),
+                    )
+                })?;
+                if record.user != user {
+                    return Err(ConnError::new(
+                        codes::ACCESS_REFUSED,
+                        format!("session {id} belongs to another user"),
+                    ));
+                }
+                if record.attached {
+                    return Err(ConnError::new(
+                        codes::RESOURCE_LOCKED,
+                        format!("session {id} is attached to another connection"),
+                    ));
+                }
+                let op = SessionOp::Attach {
+                    id: id.to_string(),
+                    user,
+                    from: record.member,
+                    to: me,
+                };
+                (op, Duration::from_secs(record.timeout_s))
+            }
+        };
+        self.session_wait = Some(SessionWait {
+            request,
+            timeout,
+            outcome: cluster.submit(&self.vhost_name, WiringOp::Session(op)),
+        });
+        Ok(true)
+    }
+
+    /// The cluster committed this connection's session start or resume (or could not): the
+    /// session attaches here — with the state this member kept of it, or, taken over from
+    /// another member, as that member's resumed session starts (`docs/sessions.md` §2) —
+    /// and the handshake goes on with tune; or the connection is refused with the reason.
+    pub(super) fn on_session_committed(&mut self, outcome: Option<OpOutcome>) {
+        let Some(wait) = self.session_wait.take() else {
+            return;
+        };
+        let committed = match outcome {
+            Some(Ok(_)) => Ok(()),
+            Some(Err(e)) => Err(ConnError::new(e.code, e.text)),
+            None => Err(ConnError::new(
+                codes::CONNECTION_FORCED,
+                "the cluster layer stopped before the session was committed",
+            )),
+        };
+        let user = self.user_name();
+        let sessions = self.broker.sessions();
+        let attached = committed.and_then(|()| {
+            let refused = |e: SessionError| ConnError::new(e.code, e.text);
+            match wait.request {
+                SessionRequest::Start { id, .. } => sessions
+                    .start(id, Some(wait.timeout.as_secs()), &user, self.id)
+                    .map_err(refused),
+                SessionRequest::Resume { id } if sessions.contains(id) => sessions
+                    .resume(id, &user, std::time::Instant::now())
+                    .map_err(refused),
+                SessionRequest::Resume { id } => {
+                    Ok(sessions.adopt(id, &user, wait.timeout, self.id))
+                }
+            }
+        });
+        match attached {
+            Ok(attached) => {
+                self.attached(attached);
+                self.send_tune();
+            }
+            Err(e) => self.connection_error(ConnError {
+                class_id: 10,
+                method_id: 11,
+                ..e
+            }),
+        }
+    }
+
+    fn user_name(&self) -> String {
+        self.user
             .as_ref()
             .expect("authenticated first")
             .name
-            .clone();
-        let sessions = self.broker.sessions();
-        let attached = match request {
-            crate::session::SessionRequest::Start { id, timeout_s } => {
-                sessions.start(id, timeout_s, &user, self.id)
-            }
-            crate::session::SessionRequest::Resume { id } => {
-                sessions.resume(id, &user, std::time::Instant::now())
-            }
-        }
-        .map_err(refused)?;
+            .clone()
+    }
+
+    /// The connection is attached to a session: it takes the session's owner id.
+    fn attached(&mut self, attached: crate::session::Attached) {
         if attached.owner != self.id {
             self.broker.rekey_connection(self.id, attached.owner);
             self.id = attached.owner;
         }
         tracing::info!(conn = self.id, session = %attached.id, resumed = attached.resumed, timeout_s = attached.timeout.as_secs(), "session attached");
         self.session = Some(attached);
-        Ok(())
     }
 
     /// A login as [`LINK_USER`] on a cluster member: another member's link, which must

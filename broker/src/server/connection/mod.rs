@@ -39,6 +39,7 @@ use crate::clock::now_ms;
 use crate::core::{Effects, VHost};
 use crate::proxy::forward::ForwardTracker;
 use crate::proxy::upstream::{ProxiedDelivery, Upstream};
+use crate::session::directory::SessionOp;
 use bytes::BytesMut;
 use frames::ConnError;
 use parking_lot::{Mutex, MutexGuard};
@@ -165,6 +166,8 @@ struct Connection {
     /// A wiring change sent through the cluster, not yet committed: the connection reads no
     /// further frames until it is, so later methods see its effect (as on one broker).
     cluster_wait: Option<wiring::ClusterWait>,
+    /// A session start or resume waiting for the cluster's session directory.
+    session_wait: Option<handshake::SessionWait>,
     /// This is another cluster member's link ([`crate::proxy::link`]): what it publishes is
     /// routed only into queues this member owns.
     link: bool,
@@ -239,6 +242,7 @@ where
         gate: ConfirmGate::default(),
         stats: ConnStats::default(),
         cluster_wait: None,
+        session_wait: None,
         link: false,
         forwards: Arc::default(),
         forwards_held: 0,
@@ -267,12 +271,22 @@ where
                     journal_seq: c.journal_seq,
                     replicated: c.replicated,
                 });
+        let kept = conn.keep_session && broker.sessions().contains(session.id);
         broker.sessions().detach(
             session.id,
             conn.keep_session,
             std::time::Instant::now(),
             barrier,
         );
+        if let Some(cluster) = broker.cluster() {
+            // Only a session that is still this member's: one the directory moved away has
+            // had its change committed already.
+            let (id, member) = (session.id.to_string(), cluster.node_id().to_owned());
+            broker.commit_session(match kept {
+                true => SessionOp::Detach { id, member },
+                false => SessionOp::End { id, member },
+            });
+        }
     }
     conn.stats.closed(&broker.stats, conn.id); // metrics
     let user = conn.user.as_ref().map(|u| u.name.as_str()).unwrap_or("-");
@@ -402,6 +416,7 @@ impl Connection {
             let reading = self.phase != Phase::Done
                 && !self.publish_waits_for_unblock
                 && self.cluster_wait.is_none()
+                && self.session_wait.is_none()
                 && self.remote_wait.is_none()
                 && forwards.in_flight < MAX_FORWARDS_IN_FLIGHT;
             if rbuf.capacity() - rbuf.len() < read_chunk / 2 {
@@ -437,6 +452,10 @@ impl Connection {
                 _ = self.forwards.changed(), if forwarding || held => {}
                 answer = proxied::answered(&mut self.remote_wait) => {
                     self.on_remote_answer(answer);
+                    more_input = self.on_bytes(&mut rbuf);
+                }
+                outcome = handshake::session_committed(&mut self.session_wait) => {
+                    self.on_session_committed(outcome);
                     more_input = self.on_bytes(&mut rbuf);
                 }
                 outcome = wiring::committed(&mut self.cluster_wait) => {
@@ -484,6 +503,7 @@ impl Connection {
         ) {
             if self.publish_waits_for_unblock
                 || self.cluster_wait.is_some()
+                || self.session_wait.is_some()
                 || self.remote_wait.is_some()
             {
                 break;

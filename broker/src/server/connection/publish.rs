@@ -262,6 +262,7 @@ impl Connection {
             .get_mut(&id)
             .expect("publishing channel is open");
         if !ch.publishing.is_duplicate(seq) {
+            ch.publishing.number_from(seq);
             return false;
         }
         self.stats.duplicates_dropped += 1; // metrics
