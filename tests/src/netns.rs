@@ -85,6 +85,22 @@ impl Net {
              {others} }} oifname \"v{i}\" drop\n }}\n}}\n",
             self.table
         );
+        self.apply_rules(&rules);
+    }
+
+    /// Drops every frame between members `a` and `b` only: each still reaches the others (a
+    /// bridge — a member that sees both sides of a partition).
+    pub fn cut(&self, a: usize, b: usize) {
+        let rules = format!(
+            "table bridge {} {{\n chain forward {{\n  type filter hook forward priority 0; \
+             policy accept;\n  iifname \"v{a}\" oifname \"v{b}\" drop\n  iifname \"v{b}\" \
+             oifname \"v{a}\" drop\n }}\n}}\n",
+            self.table
+        );
+        self.apply_rules(&rules);
+    }
+
+    fn apply_rules(&self, rules: &str) {
         let mut nft = Command::new("ip")
             .args(["netns", "exec", &self.hub, "nft", "-f", "-"])
             .stdin(Stdio::piped())
@@ -132,10 +148,21 @@ pub fn member_addr(subnet: u8, i: usize) -> String {
     format!("10.{subnet}.0.{}", i + 1)
 }
 
+impl Net {
+    /// Deletes the namespaces (a process still in one keeps it alive until it ends); also
+    /// done on drop, harmlessly again.
+    pub fn remove(&self) {
+        for ns in self.members.iter().chain(std::iter::once(&self.hub)) {
+            let _ = Command::new("ip")
+                .args(["netns", "del", ns])
+                .stderr(Stdio::null())
+                .status();
+        }
+    }
+}
+
 impl Drop for Net {
     fn drop(&mut self) {
-        for ns in self.members.iter().chain(std::iter::once(&self.hub)) {
-            let _ = Command::new("ip").args(["netns", "del", ns]).status();
-        }
+        self.remove();
     }
 }

@@ -1,0 +1,372 @@
+//! The fault suite (`scripts/faults.sh`, `docs/reliability.md`): real `ringmq-broker`
+//! members, each in its own network namespace behind a bridge, supervised and restarted as
+//! Kubernetes would; plain AMQP clients publishing confirmed messages with unique ids and
+//! consuming with acks on replicated queues (k = 1 and k = 2); nemeses that kill, pause and
+//! partition members; and checkers that prove nothing confirmed was lost, nothing was
+//! delivered that was never published, messages delivered once kept their channel's order,
+//! and no two members served as one queue's primary at once. One table row per schedule and
+//! queue; exit 0 only when every checker passes. Every random choice comes from the seed it
+//! prints.
+
+mod cluster;
+mod schedule;
+mod workload;
+
+use cluster::Cluster;
+use schedule::Nemesis;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use workload::{History, Rng, Workload};
+
+struct Args {
+    short: bool,
+    seed: u64,
+    members: usize,
+    only: Option<String>,
+    length: Duration,
+}
+
+fn usage(problem: &str) -> ! {
+    eprintln!(
+        "faults: {problem}\nusage: faults [--short] [--seed N] [--members 3|4|5] [--only SCHEDULE] [--length SECONDS]\n\
+         schedules: {}",
+        Nemesis::ALL.map(Nemesis::name).join(", ")
+    );
+    std::process::exit(2)
+}
+
+fn parse_args() -> Args {
+    let mut args = Args {
+        short: false,
+        seed: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |d| d.as_nanos() as u64)
+            | 1,
+        members: 3,
+        only: None,
+        length: Duration::ZERO,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(a) = it.next() {
+        let mut value = |name: &str| {
+            it.next()
+                .unwrap_or_else(|| usage(&format!("{name} needs a value")))
+        };
+        match a.as_str() {
+            "--short" => args.short = true,
+            "--seed" => {
+                let v = value("--seed");
+                let v = v.trim_start_matches("0x");
+                args.seed = u64::from_str_radix(v, 16)
+                    .ok()
+                    .filter(|s| *s != 0)
+                    .unwrap_or_else(|| usage("--seed takes a non-zero hexadecimal number"));
+            }
+            "--members" => {
+                args.members = value("--members")
+                    .parse()
+                    .ok()
+                    .filter(|n| (3..=5).contains(n))
+                    .unwrap_or_else(|| usage("--members takes 3, 4 or 5"));
+            }
+            "--only" => {
+                let v = value("--only");
+                if !Nemesis::ALL.iter().any(|n| n.name() == v) {
+                    usage(&format!("no schedule '{v}'"));
+                }
+                args.only = Some(v);
+            }
+            "--length" => {
+                let s: u64 = value("--length")
+                    .parse()
+                    .ok()
+                    .filter(|s| (5..=600).contains(s))
+                    .unwrap_or_else(|| usage("--length takes 5 to 600 seconds"));
+                args.length = Duration::from_secs(s);
+            }
+            "-h" | "--help" => usage("runs the fault suite"),
+            other => usage(&format!("unknown argument '{other}'")),
+        }
+    }
+    if args.length.is_zero() {
+        args.length = Duration::from_secs(if args.short { 16 } else { 90 });
+    }
+    args
+}
+
+/// One table row.
+struct Row {
+    schedule: &'static str,
+    queue: String,
+    faults: u32,
+    operations: u64,
+    attempted: usize,
+    confirmed: usize,
+    lost: usize,
+    duplicated: u64,
+    never_published: usize,
+    order_violations: u64,
+    two_primaries: u64,
+    longest_gap: Duration,
+    reconnects: u64,
+}
+
+impl Row {
+    fn passed(&self) -> bool {
+        self.lost == 0
+            && self.never_published == 0
+            && self.order_violations == 0
+            && self.two_primaries == 0
+    }
+
+    fn print(&self) {
+        println!(
+            "| {:<15} | {:<26} | {:>6} | {:>10} | {:>10} | {:>9} | {:>9} | {:>4} | {:>10} | {:>15} | {:>5} | {:>13} | {:>14} | {:<4} |",
+            self.schedule,
+            self.queue,
+            self.faults,
+            self.reconnects,
+            self.operations,
+            self.attempted,
+            self.confirmed,
+            self.lost,
+            self.duplicated,
+            self.never_published,
+            self.order_violations,
+            self.two_primaries,
+            self.longest_gap.as_millis(),
+            if self.passed() { "ok" } else { "FAIL" }
+        );
+    }
+}
+
+fn header() {
+    println!(
+        "| schedule        | queue                      | faults | reconnects | operations | published | confirmed | lost | duplicated | never-published | order | two-primaries | unavailable ms | ok   |"
+    );
+    println!(
+        "|-----------------|----------------------------|--------|------------|------------|-----------|-----------|------|------------|-----------------|-------|---------------|----------------|------|"
+    );
+}
+
+fn check(
+    schedule: &'static str,
+    queue: String,
+    faults: u32,
+    h: &History,
+    two_primaries: u64,
+    reconnects: u64,
+) -> Row {
+    let lost = h
+        .confirmed
+        .iter()
+        .filter(|id| !h.delivered.contains_key(*id))
+        .count();
+    let never_published = h
+        .delivered
+        .keys()
+        .filter(|id| !h.attempted.contains(*id))
+        .count();
+    let duplicated = h.delivered.values().map(|n| u64::from(n - 1)).sum();
+    if lost > 0 {
+        let mut sample: Vec<&String> = h
+            .confirmed
+            .iter()
+            .filter(|id| !h.delivered.contains_key(*id))
+            .collect();
+        sample.sort();
+        eprintln!(
+            "faults: {schedule} {queue}: confirmed and never delivered, e.g. {:?}",
+            &sample[..sample.len().min(10)]
+        );
+    }
+    Row {
+        schedule,
+        queue,
+        faults,
+        operations: h.operations,
+        attempted: h.attempted.len(),
+        confirmed: h.confirmed.len(),
+        lost,
+        duplicated,
+        never_published,
+        order_violations: h.order_violations,
+        two_primaries,
+        longest_gap: h.longest_gap,
+        reconnects,
+    }
+}
+
+/// Samples every member's view of each queue's primary until stopped. Members are asked one
+/// after the other, so a round can catch the old primary before an election and the new one
+/// after it; two members that hold the majority's lease naming themselves the primary count
+/// only when the first of them, asked again after the others, still does — its claim then
+/// spans the other's.
+fn sample_primaries(
+    cluster: Arc<Cluster>,
+    queues: Vec<String>,
+    stop: Arc<AtomicBool>,
+    found: Arc<AtomicU64>,
+) {
+    let claims = |q: &str| -> Vec<String> {
+        cluster
+            .primaries(q)
+            .into_iter()
+            .filter(|(me, primary, serving)| *serving && primary.as_deref() == Some(me.as_str()))
+            .map(|(me, _, _)| me)
+            .collect()
+    };
+    while !stop.load(Ordering::SeqCst) {
+        for q in &queues {
+            let first = claims(q);
+            if first.len() < 2 {
+                continue;
+            }
+            if claims(q).contains(&first[0]) {
+                eprintln!("faults: {q}: two members serve as its primary at once: {first:?}");
+                found.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        std::thread::sleep(Duration::from_millis(300));
+    }
+}
+
+fn main() {
+    let args = parse_args();
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        usage("needs root: it creates network namespaces and nftables rules");
+    }
+    for (tool, package) in [("ip", "iproute2"), ("nft", "nftables")] {
+        let there = std::process::Command::new(tool)
+            .arg("-V")
+            .output()
+            .is_ok_and(|o| o.status.success());
+        if !there {
+            usage(&format!("needs `{tool}`: apt-get install {package}"));
+        }
+    }
+    let broker = std::env::current_exe()
+        .expect("the suite knows its own path")
+        .with_file_name("ringmq-broker");
+    if !broker.exists() {
+        usage(&format!(
+            "{} is missing: cargo build --workspace --bins",
+            broker.display()
+        ));
+    }
+    println!(
+        "faults: seed {:#x}, {} members, {} s per schedule{}",
+        args.seed,
+        args.members,
+        args.length.as_secs(),
+        if args.short { " (--short)" } else { "" }
+    );
+    let subnet = 200 + u8::try_from(std::process::id() % 50).unwrap_or(0);
+    let cluster = Cluster::start(args.members, subnet, broker).unwrap_or_else(|e| {
+        eprintln!("faults: the cluster did not start: {e}");
+        std::process::exit(1)
+    });
+    // A panic anywhere still stops the members and removes the namespaces.
+    let on_panic = Arc::clone(&cluster);
+    let default_hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        default_hook(info);
+        on_panic.shutdown();
+        std::process::exit(101);
+    }));
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    let uris: Vec<String> = cluster.members.iter().map(|m| m.amqp_uri()).collect();
+    let mut rows = Vec::new();
+    header();
+    let started = Instant::now();
+    for (i, nemesis) in Nemesis::ALL.into_iter().enumerate() {
+        if args.only.as_deref().is_some_and(|o| o != nemesis.name()) {
+            continue;
+        }
+        let mut rng = Rng(args.seed ^ ((i as u64 + 1) << 32));
+        let queues: Vec<(String, i64)> = [1, 2]
+            .into_iter()
+            .map(|k| (format!("faults-{}-k{k}", nemesis.name()), k))
+            .collect();
+        let workloads: Vec<Workload> = queues
+            .iter()
+            .map(|(q, k)| {
+                runtime.block_on(Workload::start(uris.clone(), q.clone(), *k, 2, rng.clone()))
+            })
+            .collect();
+        let stop = Arc::new(AtomicBool::new(false));
+        let two_primaries = Arc::new(AtomicU64::new(0));
+        let sampler = {
+            let (cluster, stop, found) = (
+                Arc::clone(&cluster),
+                Arc::clone(&stop),
+                Arc::clone(&two_primaries),
+            );
+            let queues = queues.iter().map(|(q, _)| q.clone()).collect();
+            std::thread::spawn(move || sample_primaries(cluster, queues, stop, found))
+        };
+        std::thread::sleep(Duration::from_secs(3));
+        let faults = nemesis.run(&cluster, &queues[0].0, args.length, &mut rng);
+        if !cluster.all_ready(Duration::from_secs(60)) {
+            eprintln!(
+                "faults: {}: not every member serves 60 s after the last fault",
+                nemesis.name()
+            );
+            for m in &cluster.members {
+                eprintln!("--- {} ---\n{}", m.node_id, m.log_tail(20));
+            }
+        }
+        std::thread::sleep(Duration::from_secs(2));
+        stop.store(true, Ordering::SeqCst);
+        let _ = sampler.join();
+        let quiet = Duration::from_secs(if args.short { 15 } else { 30 });
+        for (mut w, (q, _)) in workloads.into_iter().zip(&queues) {
+            let reconnects = Arc::clone(&w.reconnects);
+            runtime.block_on(w.drain(quiet));
+            let undelivered = {
+                let h = w.history.lock().unwrap();
+                h.confirmed.iter().any(|id| !h.delivered.contains_key(id))
+            };
+            if undelivered {
+                // While the consumer still runs: where are the messages, is it attached?
+                for m in &cluster.members {
+                    let seen = m.admin().get(&format!("/api/queues/%2f/{q}"));
+                    eprintln!(
+                        "faults: {q} as {} sees it: {}",
+                        m.node_id,
+                        seen.map(|a| a.body.to_string()).unwrap_or_else(|e| e)
+                    );
+                }
+            }
+            let history: Arc<Mutex<History>> = runtime.block_on(w.finish());
+            let h = history.lock().unwrap();
+            let row = check(
+                nemesis.name(),
+                q.clone(),
+                faults,
+                &h,
+                two_primaries.load(Ordering::Relaxed),
+                reconnects.load(Ordering::Relaxed),
+            );
+            row.print();
+            rows.push(row);
+        }
+    }
+    let failed = rows.iter().filter(|r| !r.passed()).count();
+    println!(
+        "faults: {} schedules × queues, {failed} failed, {} member restarts, {} s; seed {:#x}",
+        rows.len(),
+        cluster.restarts(),
+        started.elapsed().as_secs(),
+        args.seed
+    );
+    drop(runtime);
+    cluster.shutdown();
+    std::process::exit(i32::from(failed > 0));
+}

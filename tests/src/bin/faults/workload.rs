@@ -1,0 +1,372 @@
+//! The clients: confirmed publishers with unique ids and consumers that ack, on plain AMQP
+//! connections (lapin) that go to a member picked at random and reconnect elsewhere when it
+//! fails. What they did is the history the checkers read.
+
+use futures_lite::StreamExt;
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
+    ConfirmSelectOptions, QueueDeclareOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, Connection, ConnectionProperties};
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Publishes awaited at a time per publisher.
+const WINDOW: usize = 10;
+/// A confirm not back within this is indeterminate (not counted as confirmed).
+const CONFIRM_LIMIT: Duration = Duration::from_secs(10);
+
+/// Everything the clients saw.
+#[derive(Default)]
+pub struct History {
+    /// Ids sent (confirmed or not).
+    pub attempted: HashSet<String>,
+    /// Ids the broker confirmed (ack).
+    pub confirmed: HashSet<String>,
+    /// Ids delivered, with how many times.
+    pub delivered: HashMap<String, u32>,
+    /// First deliveries (`redelivered` false) that came after a later one of the same
+    /// producer: the order the broker promises for messages delivered once.
+    pub order_violations: u64,
+    /// Per producer channel, the highest sequence number first-delivered so far.
+    highest_first: HashMap<String, u64>,
+    /// Longest time between two confirms of one publisher while it was running.
+    pub longest_gap: Duration,
+    /// Operations: publishes sent and deliveries received.
+    pub operations: u64,
+}
+
+/// A seeded xorshift, so that a schedule's choices rerun exactly.
+#[derive(Clone)]
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    pub fn below(&mut self, n: usize) -> usize {
+        usize::try_from(self.next() % n as u64).unwrap_or(0)
+    }
+}
+
+/// The clients of one schedule on one queue.
+pub struct Workload {
+    pub history: Arc<Mutex<History>>,
+    stop_publishing: Arc<AtomicBool>,
+    stop_consuming: Arc<AtomicBool>,
+    publishers: Vec<tokio::task::JoinHandle<()>>,
+    consumer: tokio::task::JoinHandle<()>,
+    pub reconnects: Arc<AtomicU64>,
+}
+
+impl Workload {
+    /// Declares `queue` (durable, `k` backups) through any member that takes it, then starts
+    /// `producers` publishers and one consumer.
+    pub async fn start(
+        uris: Vec<String>,
+        queue: String,
+        k: i64,
+        producers: usize,
+        rng: Rng,
+    ) -> Workload {
+        declare(&uris, &queue, k).await;
+        let history = Arc::new(Mutex::new(History::default()));
+        let stop_publishing = Arc::new(AtomicBool::new(false));
+        let stop_consuming = Arc::new(AtomicBool::new(false));
+        let reconnects = Arc::new(AtomicU64::new(0));
+        let mut publishers = Vec::new();
+        for p in 0..producers {
+            let mut rng = rng.clone();
+            rng.0 ^= (p as u64 + 1) * 0x9e37_79b9;
+            publishers.push(tokio::spawn(publisher(
+                p,
+                uris.clone(),
+                queue.clone(),
+                Arc::clone(&history),
+                Arc::clone(&stop_publishing),
+                Arc::clone(&reconnects),
+                rng,
+            )));
+        }
+        let mut rng = rng;
+        rng.0 ^= 0x5bd1_e995;
+        let consumer = tokio::spawn(consumer(
+            uris,
+            queue,
+            Arc::clone(&history),
+            Arc::clone(&stop_consuming),
+            Arc::clone(&reconnects),
+            rng,
+        ));
+        Workload {
+            history,
+            stop_publishing,
+            stop_consuming,
+            publishers,
+            consumer,
+            reconnects,
+        }
+    }
+
+    /// Stops the publishers — each once the confirms of its last window are in, or
+    /// indeterminate — then lets the consumer take what is left until every confirmed id was
+    /// delivered or nothing new came for `quiet`.
+    pub async fn drain(&mut self, quiet: Duration) {
+        self.stop_publishing.store(true, Ordering::SeqCst);
+        for mut p in self.publishers.drain(..) {
+            // A publisher still running would record confirms the drain no longer waits
+            // for: each ends (its last window's confirms wait at most CONFIRM_LIMIT) or is
+            // stopped.
+            if tokio::time::timeout(Duration::from_secs(30), &mut p)
+                .await
+                .is_err()
+            {
+                eprintln!("faults: a publisher did not stop within 30 s: aborted");
+                p.abort();
+            }
+        }
+        let mut last = (0, Instant::now());
+        loop {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let h = self.history.lock().unwrap();
+            let delivered = h.delivered.len();
+            if h.confirmed.iter().all(|id| h.delivered.contains_key(id)) && delivered > 0 {
+                break;
+            }
+            if delivered != last.0 {
+                last = (delivered, Instant::now());
+            } else if last.1.elapsed() > quiet {
+                break;
+            }
+        }
+    }
+
+    /// Stops the consumer; the history is complete.
+    pub async fn finish(self) -> Arc<Mutex<History>> {
+        self.stop_consuming.store(true, Ordering::SeqCst);
+        let _ = tokio::time::timeout(Duration::from_secs(15), self.consumer).await;
+        self.history
+    }
+}
+
+async fn connect(uri: &str) -> Option<Connection> {
+    match tokio::time::timeout(
+        Duration::from_secs(5),
+        Connection::connect(uri, ConnectionProperties::default()),
+    )
+    .await
+    {
+        Ok(Ok(c)) => Some(c),
+        _ => None,
+    }
+}
+
+async fn declare(uris: &[String], queue: &str, k: i64) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut args = FieldTable::default();
+    args.insert("qpid.cluster.backups".into(), AMQPValue::LongLongInt(k));
+    loop {
+        for uri in uris {
+            let Some(conn) = connect(uri).await else {
+                continue;
+            };
+            let Ok(ch) = conn.create_channel().await else {
+                continue;
+            };
+            let declared = ch
+                .queue_declare(
+                    queue.into(),
+                    QueueDeclareOptions {
+                        durable: true,
+                        ..Default::default()
+                    },
+                    args.clone(),
+                )
+                .await;
+            let _ = conn.close(200, "declared".into()).await;
+            if declared.is_ok() {
+                return;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no member declared {queue} within 60 s"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+async fn publisher(
+    producer: usize,
+    uris: Vec<String>,
+    queue: String,
+    history: Arc<Mutex<History>>,
+    stop: Arc<AtomicBool>,
+    reconnects: Arc<AtomicU64>,
+    mut rng: Rng,
+) {
+    let mut seq = 0u64;
+    let mut last_confirm = Instant::now();
+    // Order holds per channel: ids name the producer's connection (`P:E-SEQ`).
+    let mut epoch = 0u64;
+    while !stop.load(Ordering::SeqCst) {
+        epoch += 1;
+        let uri = &uris[rng.below(uris.len())];
+        let Some(conn) = connect(uri).await else {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            continue;
+        };
+        let Ok(ch) = conn.create_channel().await else {
+            continue;
+        };
+        if ch
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .is_err()
+        {
+            continue;
+        }
+        'publishing: while !stop.load(Ordering::SeqCst) {
+            let mut window = Vec::with_capacity(WINDOW);
+            for _ in 0..WINDOW {
+                seq += 1;
+                let id = format!("{producer}:{epoch}-{seq}");
+                history.lock().unwrap().attempted.insert(id.clone());
+                let sent = ch
+                    .basic_publish(
+                        "".into(),
+                        queue.as_str().into(),
+                        BasicPublishOptions::default(),
+                        id.as_bytes(),
+                        BasicProperties::default().with_delivery_mode(2),
+                    )
+                    .await;
+                match sent {
+                    Ok(confirm) => window.push((id, confirm)),
+                    Err(_) => break,
+                }
+            }
+            let mut failed = window.len() < WINDOW;
+            for (id, confirm) in window {
+                match tokio::time::timeout(CONFIRM_LIMIT, confirm).await {
+                    Ok(Ok(c)) if c.is_ack() => {
+                        let mut h = history.lock().unwrap();
+                        h.confirmed.insert(id);
+                        h.operations += 1;
+                        h.longest_gap = h.longest_gap.max(last_confirm.elapsed());
+                        last_confirm = Instant::now();
+                    }
+                    Ok(Ok(_)) => {}
+                    _ => failed = true,
+                }
+            }
+            if failed {
+                break 'publishing;
+            }
+        }
+        reconnects.fetch_add(1, Ordering::Relaxed);
+        let _ = tokio::time::timeout(
+            Duration::from_secs(1),
+            conn.close(200, "reconnecting".into()),
+        )
+        .await;
+    }
+}
+
+async fn consumer(
+    uris: Vec<String>,
+    queue: String,
+    history: Arc<Mutex<History>>,
+    stop: Arc<AtomicBool>,
+    reconnects: Arc<AtomicU64>,
+    mut rng: Rng,
+) {
+    while !stop.load(Ordering::SeqCst) {
+        let uri = &uris[rng.below(uris.len())];
+        let Some(conn) = connect(uri).await else {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            continue;
+        };
+        // Each step bounded: a broker that never answers one is a finding, not a hang.
+        let setup = async {
+            let ch = conn.create_channel().await.map_err(|e| e.to_string())?;
+            ch.basic_qos(50, BasicQosOptions::default())
+                .await
+                .map_err(|e| e.to_string())?;
+            let deliveries = ch
+                .basic_consume(
+                    queue.as_str().into(),
+                    "faults".into(),
+                    BasicConsumeOptions::default(),
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(|e| e.to_string())?;
+            Ok::<_, String>(deliveries)
+        };
+        let mut deliveries = match tokio::time::timeout(Duration::from_secs(10), setup).await {
+            Ok(Ok(d)) => d,
+            Ok(Err(e)) => {
+                debug(&format!("consumer of {queue} through {uri}: {e}"));
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                continue;
+            }
+            Err(_) => {
+                eprintln!("faults: consumer of {queue} through {uri}: no consume-ok within 10 s");
+                continue;
+            }
+        };
+        debug(&format!("consumer of {queue} consuming through {uri}"));
+        while !stop.load(Ordering::SeqCst) {
+            let next = tokio::time::timeout(Duration::from_millis(500), deliveries.next()).await;
+            let d = match next {
+                Err(_) => continue,
+                Ok(Some(Ok(d))) => d,
+                Ok(end) => {
+                    debug(&format!("consumer of {queue} through {uri} ended: {end:?}"));
+                    break;
+                }
+            };
+            let id = String::from_utf8_lossy(&d.data).into_owned();
+            {
+                let mut h = history.lock().unwrap();
+                h.operations += 1;
+                *h.delivered.entry(id.clone()).or_default() += 1;
+                if !d.redelivered
+                    && let Some((channel, s)) = id.split_once('-')
+                    && let Ok(s) = s.parse::<u64>()
+                {
+                    let highest = h.highest_first.entry(channel.to_owned()).or_default();
+                    let violated = s < *highest;
+                    *highest = (*highest).max(s);
+                    if violated {
+                        h.order_violations += 1;
+                    }
+                }
+            }
+            if d.ack(BasicAckOptions::default()).await.is_err() {
+                break;
+            }
+        }
+        reconnects.fetch_add(1, Ordering::Relaxed);
+        let _ = tokio::time::timeout(
+            Duration::from_secs(1),
+            conn.close(200, "reconnecting".into()),
+        )
+        .await;
+    }
+}
+
+/// A line about the clients' connections when `FAULTS_DEBUG` is set.
+fn debug(line: &str) {
+    if std::env::var_os("FAULTS_DEBUG").is_some() {
+        eprintln!("faults: {line}");
+    }
+}
