@@ -7,11 +7,11 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::apps::v1::{StatefulSet, StatefulSetSpec};
 use k8s_openapi::api::core::v1::{
-    ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource, EnvVar,
-    EnvVarSource, ExecAction, HTTPGetAction, Lifecycle, LifecycleHandler, ObjectFieldSelector,
-    PersistentVolumeClaim, PersistentVolumeClaimSpec, PodSpec, PodTemplateSpec, Probe,
-    SecretKeySelector, SecretVolumeSource, Service, ServicePort, ServiceSpec as K8sServiceSpec,
-    Volume, VolumeMount, VolumeResourceRequirements,
+    Capabilities, ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource,
+    EnvVar, EnvVarSource, HTTPGetAction, ObjectFieldSelector, PersistentVolumeClaim,
+    PersistentVolumeClaimSpec, PodSecurityContext, PodSpec, PodTemplateSpec, Probe, SeccompProfile,
+    SecretKeySelector, SecretVolumeSource, SecurityContext, Service, ServicePort,
+    ServiceSpec as K8sServiceSpec, Volume, VolumeMount, VolumeResourceRequirements,
 };
 use k8s_openapi::api::policy::v1::{PodDisruptionBudget, PodDisruptionBudgetSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
@@ -29,10 +29,12 @@ pub const AMQPS_PORT: i32 = 5671;
 pub const CLUSTER_PORT: i32 = 25672;
 /// Admin HTTP API port (health, readiness, management).
 pub const ADMIN_PORT: i32 = 15672;
-/// Seconds a pod gets to leave gracefully; bounds the pre-stop hook.
+/// Seconds a pod gets between SIGTERM (on which the broker leaves: `/readyz` answers 503,
+/// then it writes its journal's snapshot) and SIGKILL.
 pub const TERMINATION_GRACE_SECONDS: i64 = 60;
-/// Seconds the pre-stop hook's leave request may take; below the grace period.
-pub const PRE_STOP_TIMEOUT_SECONDS: i64 = 45;
+/// The uid and gid the broker image runs as (`scripts/build-images.sh`,
+/// `docker/broker.Dockerfile`); the pod's `fsGroup`, so that a volume is writable by it.
+pub const BROKER_UID: i64 = 10001;
 /// Where the broker config is mounted.
 pub const CONFIG_DIR: &str = "/etc/ringmq";
 /// Where broker data lives.
@@ -374,12 +376,6 @@ pub fn stateful_set(
             ..Default::default()
         }),
     }
-    // The pre-stop hook asks this broker to leave (hand over its queues), bounded by a timeout
-    // well inside the termination grace period so a stuck broker cannot block deletion.
-    let pre_stop = format!(
-        "curl -fsS -X POST --max-time {PRE_STOP_TIMEOUT_SECONDS} -u \"$RINGMQ_DEFAULT_USER:$RINGMQ_DEFAULT_PASS\" \
-         http://127.0.0.1:{ADMIN_PORT}/api/members/$RINGMQ_NODE_ID/leave || true"
-    );
     let container = Container {
         name: "ringmq".into(),
         image: Some(cluster.spec.image.clone()),
@@ -413,11 +409,14 @@ pub fn stateful_set(
         resources: cluster.spec.resources.clone(),
         readiness_probe: Some(http_probe("/readyz", 5, 3)),
         liveness_probe: Some(http_probe("/healthz", 10, 6)),
-        lifecycle: Some(Lifecycle {
-            pre_stop: Some(LifecycleHandler {
-                exec: Some(ExecAction {
-                    command: Some(vec!["sh".into(), "-c".into(), pre_stop]),
-                }),
+        // No pre-stop hook: the image has no shell, and the broker leaves on the SIGTERM
+        // that stops the pod (what `POST /api/members/{id}/leave` did from the old hook).
+        // Everything it writes is under the data volume: the root file system is read-only.
+        security_context: Some(SecurityContext {
+            allow_privilege_escalation: Some(false),
+            read_only_root_filesystem: Some(true),
+            capabilities: Some(Capabilities {
+                drop: Some(vec!["ALL".into()]),
                 ..Default::default()
             }),
             ..Default::default()
@@ -460,6 +459,18 @@ pub fn stateful_set(
                         .is_empty())
                     .then(|| cluster.spec.topology_spread_constraints.clone()),
                     termination_grace_period_seconds: Some(TERMINATION_GRACE_SECONDS),
+                    // The image's non-root user; fsGroup makes a volume claim writable by it.
+                    security_context: Some(PodSecurityContext {
+                        run_as_non_root: Some(true),
+                        run_as_user: Some(BROKER_UID),
+                        run_as_group: Some(BROKER_UID),
+                        fs_group: Some(BROKER_UID),
+                        seccomp_profile: Some(SeccompProfile {
+                            type_: "RuntimeDefault".into(),
+                            ..Default::default()
+                        }),
+                        ..Default::default()
+                    }),
                     ..PodSpec::default()
                 }),
             },

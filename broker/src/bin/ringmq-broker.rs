@@ -90,6 +90,11 @@ struct Args {
     /// Log format.
     #[arg(long, env = "RINGMQ_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
+    /// Parse the configuration (file, environment, flags) exactly as a start would, print a
+    /// one-line summary and exit 0, or exit 1 with the reason; opens no listener and writes
+    /// nothing (files the config names, such as the cluster secret, are not read).
+    #[arg(long)]
+    check_config: bool,
 }
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
@@ -113,6 +118,71 @@ fn main() -> anyhow::Result<()> {
         LogFormat::Text => subscriber.init(),
         LogFormat::Json => subscriber.json().init(),
     }
+    if args.check_config {
+        match load_config(args) {
+            Ok(config) => {
+                println!("ringmq-broker: configuration OK: {}", summary(&config));
+                return Ok(());
+            }
+            Err(e) => {
+                eprintln!(
+                    "ringmq-broker: configuration refused: {e:#}\n\
+                     (every config key and flag is listed in README.md, \"Configuration\"; \
+                     `ringmq-broker --help` lists the flags)"
+                );
+                std::process::exit(1);
+            }
+        }
+    }
+    let config = load_config(args)?;
+    raise_open_file_limit();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async move {
+        let running = ringmq::server::start(config.clone()).await?;
+        tracing::info!(amqp = ?running.amqp_addr, amqps = ?running.amqps_addr, data_dir = %config.data_dir.display(), "ringmq-broker ready");
+        let admin_addr = ringmq::admin::start(running.broker.clone(), config.admin_listen)
+            .await
+            .with_context(|| format!("cannot listen on {} (admin)", config.admin_listen))?;
+        tracing::info!(admin = %admin_addr, "admin listener ready");
+        let cluster = match config.cluster_listen {
+            Some(listen) => {
+                Some(join_cluster(&running, &config, listen, admin_addr, force_boot).await?)
+            }
+            None => None,
+        };
+        // Machine-readable lines for scripts and tests that start the broker on port 0.
+        // Order: amqp= (unless --no-plaintext), amqps= (when TLS is on), admin= always last.
+        if let Some(addr) = running.amqp_addr {
+            println!("ringmq-broker listening amqp={addr}");
+        }
+        if let Some(addr) = running.amqps_addr {
+            println!("ringmq-broker listening amqps={addr}");
+        }
+        println!("ringmq-broker listening admin={admin_addr}");
+        if let Some(cluster) = cluster {
+            println!("ringmq-broker listening cluster={}", cluster.addr());
+        }
+        let signal = shutdown_signal().await;
+        // What `POST /api/members/{id}/leave` does: /readyz answers 503 from now on. The
+        // pod's stop is this signal (the image has no shell for a pre-stop hook); the other
+        // members see this one go when its cluster link closes.
+        running
+            .broker
+            .registry
+            .leaving
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        tracing::info!(member = %config.node_id, signal, "leaving: /readyz answers 503; shutting down: writing the journal");
+        running.broker.journal.shutdown();
+        anyhow::Ok(())
+    })
+}
+
+/// The configuration a start uses: the file (`--config`), then each flag or `RINGMQ_*`
+/// variable over it, then the range checks. One function, so that `--check-config` refuses
+/// exactly what a start would.
+fn load_config(args: Args) -> anyhow::Result<Config> {
     let mut config = match &args.config {
         Some(path) => Config::from_file(path)?,
         None => Config::default(),
@@ -172,44 +242,41 @@ fn main() -> anyhow::Result<()> {
         });
     }
     config.validate()?;
-    raise_open_file_limit();
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?;
-    runtime.block_on(async move {
-        let running = ringmq::server::start(config.clone()).await?;
-        tracing::info!(amqp = ?running.amqp_addr, amqps = ?running.amqps_addr, data_dir = %config.data_dir.display(), "ringmq-broker ready");
-        let admin_addr = ringmq::admin::start(running.broker.clone(), config.admin_listen)
-            .await
-            .with_context(|| format!("cannot listen on {} (admin)", config.admin_listen))?;
-        tracing::info!(admin = %admin_addr, "admin listener ready");
-        let cluster = match config.cluster_listen {
-            Some(listen) => {
-                Some(join_cluster(&running, &config, listen, admin_addr, force_boot).await?)
-            }
-            None => None,
-        };
-        // Machine-readable lines for scripts and tests that start the broker on port 0.
-        // Order: amqp= (unless --no-plaintext), amqps= (when TLS is on), admin= always last.
-        if let Some(addr) = running.amqp_addr {
-            println!("ringmq-broker listening amqp={addr}");
-        }
-        if let Some(addr) = running.amqps_addr {
-            println!("ringmq-broker listening amqps={addr}");
-        }
-        println!("ringmq-broker listening admin={admin_addr}");
-        if let Some(cluster) = cluster {
-            println!("ringmq-broker listening cluster={}", cluster.addr());
-        }
-        shutdown_signal().await;
-        tracing::info!("shutting down: writing the journal");
-        running.broker.journal.shutdown();
-        anyhow::Ok(())
-    })
+    Ok(config)
 }
 
-/// Raises the soft limit on open files to the hard limit: every connection is a descriptor,
-/// and distributions often default the soft limit to 1024.
+/// One line saying what a start with `config` would do, for `--check-config`.
+fn summary(config: &Config) -> String {
+    let amqp = if config.amqp_listen_enabled {
+        config.amqp_listen.to_string()
+    } else {
+        "off".to_owned()
+    };
+    let amqps = config
+        .amqps_listen
+        .map_or_else(|| "off".to_owned(), |a| a.to_string());
+    let cluster = match config.cluster_listen {
+        Some(listen) => format!(
+            "member on {listen} ({} seeds{})",
+            config.cluster_seeds.len(),
+            config
+                .cluster_founder
+                .as_deref()
+                .map_or_else(String::new, |f| format!(", founder {f}"))
+        ),
+        None => "standalone".to_owned(),
+    };
+    format!(
+        "node {}, amqp {amqp}, amqps {amqps}, admin {}, data dir {}, cluster: {cluster}, \
+         {} vhosts, {} users",
+        config.node_id,
+        config.admin_listen,
+        config.data_dir.display(),
+        config.vhosts.len(),
+        config.users.len()
+    )
+}
+
 /// Joins (or founds) the cluster and lets the listeners serve once this member holds the
 /// cluster map.
 async fn join_cluster(
@@ -305,6 +372,8 @@ fn set_cluster_state_aside(dir: &std::path::Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Raises the soft limit on open files to the hard limit: every connection is a descriptor,
+/// and distributions often default the soft limit to 1024.
 fn raise_open_file_limit() {
     let mut limit = libc::rlimit {
         rlim_cur: 0,
@@ -325,11 +394,12 @@ fn raise_open_file_limit() {
     }
 }
 
-async fn shutdown_signal() {
+/// Waits for SIGINT (Ctrl-C) or SIGTERM (`docker stop`, a pod's deletion) and names it.
+async fn shutdown_signal() -> &'static str {
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .expect("installing a SIGTERM handler cannot fail on Unix");
     tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => "SIGINT",
+        _ = term.recv() => "SIGTERM",
     }
 }

@@ -151,11 +151,12 @@ async fn new_cluster_creates_secrets_children_and_statefulset_then_reports_statu
             let container = &sts["spec"]["template"]["spec"]["containers"][0];
             assert_eq!(container["readinessProbe"]["httpGet"]["path"], "/readyz");
             assert_eq!(container["livenessProbe"]["httpGet"]["path"], "/healthz");
-            assert!(
-                container["lifecycle"]["preStop"]["exec"]["command"][2]
-                    .as_str()
-                    .is_some_and(|c| c.contains("/leave"))
-            );
+            // The image has no shell: no exec hook; the broker leaves on SIGTERM.
+            assert!(container["lifecycle"].is_null(), "{container}");
+            assert_eq!(container["securityContext"]["readOnlyRootFilesystem"], true);
+            let pod = &sts["spec"]["template"]["spec"];
+            assert_eq!(pod["securityContext"]["runAsUser"], 10001);
+            assert_eq!(pod["securityContext"]["fsGroup"], 10001);
             let ports: Vec<i64> = container["ports"]
                 .as_array()
                 .into_iter()
