@@ -649,3 +649,38 @@ async fn permissions_are_checked_before_a_change_goes_to_the_cluster() {
         "a refused declare never reaches the cluster"
     );
 }
+
+/// A member that joined after the newest wiring change holds the map as of its join (an
+/// event that changes no wiring); a primary counted only wiring changes as applied, so it
+/// waited 10 s — its catch-up limit — before answering each proxied command that named the
+/// joiner's index (found by the fault suite: consumers never got consume-ok after a member
+/// rejoined, `docs/reliability.md` B2). Every applied event counts now.
+#[tokio::test]
+async fn a_member_that_joined_after_the_last_wiring_change_proxies_without_waiting() {
+    let secret = secret("late-joiner");
+    let first = Broker::start_with_config(&member_yaml("late-0", &[], &secret));
+    first.wait_ready(Duration::from_secs(30));
+    {
+        let (_c, ch) = first.channel().await;
+        ch.queue_declare(
+            "early".into(),
+            QueueDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    }
+    let seed = first.cluster.clone().expect("a cluster member");
+    let second = Broker::start_with_config(&member_yaml("late-1", &[&seed], &secret));
+    second.wait_ready(Duration::from_secs(30));
+    let (_c, ch) = second.channel().await;
+    ch.basic_get("early".into(), BasicGetOptions { no_ack: true })
+        .await
+        .expect("a proxied basic.get answers");
+    let waited = "a cluster change another member applied is still not applied here";
+    assert!(
+        !first.log_tail(200).contains(waited),
+        "the primary waited for a change it had applied: {}",
+        first.log_tail(20)
+    );
+}

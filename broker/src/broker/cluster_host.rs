@@ -116,6 +116,10 @@ impl ClusterHost for BrokerHost {
         self.broker.apply_roles(vhost, queue, roles);
     }
 
+    fn event_applied(&mut self, index: u64) {
+        self.broker.proxies().applied.advance(index);
+    }
+
     fn session_left(&mut self, id: &str) {
         self.broker.session_left(id);
     }

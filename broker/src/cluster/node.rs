@@ -456,6 +456,11 @@ pub trait ClusterHost: WiringStore + Send + 'static {
     /// publishing, unacked deliveries, exclusive queues — goes, and a connection still
     /// attached to it here is closed.
     fn session_left(&mut self, id: &str);
+    /// Every cluster event up to agreed index `index` is applied here — whatever it was: a
+    /// wiring op, a membership change, a hello, a change of roles or sessions. Another
+    /// member's link names the index it had applied when it asks for read-your-writes
+    /// (`proxy::catch_up`), and it counts every event too.
+    fn event_applied(&mut self, index: u64);
     /// Saves what must survive before the process exits (the journal).
     fn shutdown(&mut self);
     /// The newest journal sequence number handed to the journal, and a watch of the newest
@@ -528,8 +533,12 @@ impl<H: ClusterHost> Applier<H> {
             tracing::info!(members = members.len(), joined = ?addrs(joined), left = ?addrs(left), failed = ?addrs(failed), "cluster membership changed");
         }
         let started = matches!(ev, CpgEvent::Started { .. });
+        let index = ev.index();
         let actions = self.map.on_event(ev, &mut self.host)?;
         self.act(actions);
+        if !started && self.map.is_synced() {
+            self.host.event_applied(index);
+        }
         if started {
             self.cluster.progress.lock().live = true;
             self.spawn_sync(sync_tx.clone());

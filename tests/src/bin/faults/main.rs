@@ -176,10 +176,18 @@ fn check(
             .filter(|id| !h.delivered.contains_key(*id))
             .collect();
         sample.sort();
-        eprintln!(
-            "faults: {schedule} {queue}: confirmed and never delivered, e.g. {:?}",
-            &sample[..sample.len().min(10)]
-        );
+        for id in &sample[..sample.len().min(10)] {
+            let through = id.split_once('-').and_then(|(c, _)| h.connections.get(c));
+            let at = h.confirmed_at.get(*id).map(|t| {
+                let since = t.duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+                format!("{}.{:03} s since the epoch", since.as_secs(), since.subsec_millis())
+            });
+            eprintln!(
+                "faults: {schedule} {queue}: {id} confirmed ({}) through {} and never delivered",
+                at.unwrap_or_default(),
+                through.map_or("?", String::as_str)
+            );
+        }
     }
     Row {
         schedule,

@@ -37,6 +37,10 @@ pub struct History {
     pub longest_gap: Duration,
     /// Operations: publishes sent and deliveries received.
     pub operations: u64,
+    /// When each id was confirmed (wall clock, to match with the members' logs).
+    pub confirmed_at: HashMap<String, std::time::SystemTime>,
+    /// The member each publisher connection (`P:E`) went to.
+    pub connections: HashMap<String, String>,
 }
 
 /// A seeded xorshift, so that a schedule's choices rerun exactly.
@@ -223,6 +227,11 @@ async fn publisher(
             tokio::time::sleep(Duration::from_millis(200)).await;
             continue;
         };
+        history
+            .lock()
+            .unwrap()
+            .connections
+            .insert(format!("{producer}:{epoch}"), uri.clone());
         let Ok(ch) = conn.create_channel().await else {
             continue;
         };
@@ -258,6 +267,7 @@ async fn publisher(
                 match tokio::time::timeout(CONFIRM_LIMIT, confirm).await {
                     Ok(Ok(c)) if c.is_ack() => {
                         let mut h = history.lock().unwrap();
+                        h.confirmed_at.insert(id.clone(), std::time::SystemTime::now());
                         h.confirmed.insert(id);
                         h.operations += 1;
                         h.longest_gap = h.longest_gap.max(last_confirm.elapsed());
