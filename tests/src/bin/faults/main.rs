@@ -180,7 +180,11 @@ fn check(
             let through = id.split_once('-').and_then(|(c, _)| h.connections.get(c));
             let at = h.confirmed_at.get(*id).map(|t| {
                 let since = t.duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-                format!("{}.{:03} s since the epoch", since.as_secs(), since.subsec_millis())
+                format!(
+                    "{}.{:03} s since the epoch",
+                    since.as_secs(),
+                    since.subsec_millis()
+                )
             });
             eprintln!(
                 "faults: {schedule} {queue}: {id} confirmed ({}) through {} and never delivered",

@@ -267,7 +267,8 @@ async fn publisher(
                 match tokio::time::timeout(CONFIRM_LIMIT, confirm).await {
                     Ok(Ok(c)) if c.is_ack() => {
                         let mut h = history.lock().unwrap();
-                        h.confirmed_at.insert(id.clone(), std::time::SystemTime::now());
+                        h.confirmed_at
+                            .insert(id.clone(), std::time::SystemTime::now());
                         h.confirmed.insert(id);
                         h.operations += 1;
                         h.longest_gap = h.longest_gap.max(last_confirm.elapsed());
