@@ -389,6 +389,19 @@ struct Session {
 }
 
 impl Session {
+    /// A session with nothing kept yet, attached to connection `owner`.
+    fn attached(owner: u64, user: &str, timeout: Duration) -> Session {
+        Session {
+            owner,
+            user: user.to_owned(),
+            vhost: None,
+            timeout,
+            detached_since: None,
+            publishing: HashMap::new(),
+            barrier: Barrier::default(),
+        }
+    }
+
     fn expired(&self, now: Instant) -> bool {
         self.detached_since
             .is_some_and(|since| now.saturating_duration_since(since) >= self.timeout)
@@ -444,18 +457,7 @@ impl Sessions {
             ));
         }
         let timeout = self.grant(timeout_s);
-        sessions.insert(
-            id,
-            Session {
-                owner: conn,
-                user: user.to_owned(),
-                vhost: None,
-                timeout,
-                detached_since: None,
-                publishing: HashMap::new(),
-                barrier: Barrier::default(),
-            },
-        );
+        sessions.insert(id, Session::attached(conn, user, timeout));
         Ok(Attached {
             id,
             owner: conn,
@@ -502,18 +504,9 @@ impl Sessions {
     /// resumed session starts with no channels (`docs/sessions.md` §2). Connection `conn`
     /// is its owner id from now on.
     pub fn adopt(&self, id: Uuid, user: &str, timeout: Duration, conn: u64) -> Attached {
-        self.sessions.lock().insert(
-            id,
-            Session {
-                owner: conn,
-                user: user.to_owned(),
-                vhost: None,
-                timeout,
-                detached_since: None,
-                publishing: HashMap::new(),
-                barrier: Barrier::default(),
-            },
-        );
+        self.sessions
+            .lock()
+            .insert(id, Session::attached(conn, user, timeout));
         Attached {
             id,
             owner: conn,

@@ -27,9 +27,8 @@ async fn the_primary_is_the_member_the_declare_names() {
     .await
     .unwrap();
     let admin = members[1].admin_client();
-    let q = admin.get("/api/queues/%2f/placed").unwrap();
-    assert_eq!(q.status, 200);
-    assert_eq!(q.body["node"], "proxy-place-2", "{}", q.body);
+    let q = applied_there(&admin, "placed");
+    assert_eq!(q["node"], "proxy-place-2", "{q}");
     // A publish through member 0 lands there; a delete through member 1 is decided there.
     publish_confirmed(&on_0, "placed", "p", 2).await;
     assert_eq!(count(&members[2], "placed").await, (2, 0));
@@ -98,8 +97,8 @@ async fn the_primary_is_the_member_the_declare_names() {
     )
     .await
     .unwrap();
-    let q = admin.get("/api/queues/%2f/by-address").unwrap();
-    assert_eq!(q.body["node"], "proxy-place-1", "{}", q.body);
+    let q = applied_there(&admin, "by-address");
+    assert_eq!(q["node"], "proxy-place-1", "{q}");
     let refused = on_0
         .queue_declare(
             "nowhere".into(),
@@ -136,8 +135,10 @@ async fn a_balanced_locator_spreads_primaries_over_the_members() {
     let mut nodes: Vec<String> = ["b-1", "b-2", "b-3"]
         .iter()
         .map(|q| {
-            let q = admin.get(&format!("/api/queues/%2f/{q}")).unwrap();
-            q.body["node"].as_str().expect("a node").to_owned()
+            applied_there(&admin, q)["node"]
+                .as_str()
+                .expect("a node")
+                .to_owned()
         })
         .collect();
     nodes.sort();
@@ -154,8 +155,8 @@ async fn a_balanced_locator_spreads_primaries_over_the_members() {
     )
     .await
     .unwrap();
-    let q = admin.get("/api/queues/%2f/local").unwrap();
-    assert_eq!(q.body["node"], "proxy-balanced-0", "{}", q.body);
+    let q = applied_there(&admin, "local");
+    assert_eq!(q["node"], "proxy-balanced-0", "{q}");
     let e = on_0
         .queue_declare(
             "odd".into(),
@@ -276,4 +277,23 @@ async fn a_queue_lists_its_backups_in_ring_order_and_a_lost_backup_is_replaced()
         backups(&members[1], "two"),
         serde_json::json!(["proxy-backups-0", "proxy-backups-1"])
     );
+}
+
+/// The queue as another member's admin API shows it, once that member applied its declare
+/// (the declare-ok came from the member that took it; the others apply the committed change
+/// a moment later).
+fn applied_there(admin: &ringmq::admin_client::AdminClient, queue: &str) -> serde_json::Value {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let q = admin.get(&format!("/api/queues/%2f/{queue}")).unwrap();
+        if q.status == 200 {
+            return q.body;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "queue {queue} not applied on the other member: {}",
+            q.reason()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
 }

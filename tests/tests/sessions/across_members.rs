@@ -3,8 +3,9 @@
 //! resume elsewhere (or their timeout), and the failover client goes on on another member
 //! when its own is killed with -9 (`docs/sessions.md` §4).
 
-use super::wire::{closed_code, lapin_session, new_session_id, props, raw_session, status};
-use ringmq::amqp::{AMQPClass, exchange};
+use super::wire::{
+    closed_code, lapin_session, new_session_id, props, raw_publish, raw_session, status,
+};
 use ringmq_client::{Client, Config, Properties, QueueOptions, Table};
 use ringmq_tests::Broker;
 use ringmq_tests::cluster::start_cluster;
@@ -78,34 +79,8 @@ async fn any_member_answers_a_resume_and_the_session_moves_to_it() {
     assert_eq!(code, 405, "attached on member 0: {text}");
     let (code, text) = closed_code(raw_session(&m[2], props(&[("qpid.session.start", &id)])).await);
     assert_eq!(code, 405, "an id is taken cluster-wide: {text}");
-    // Three publishes on channel 1, and a round trip after them: the channel has state.
-    let mut frames = Vec::new();
-    for body in ["one", "two", "three"] {
-        ringmq::client::encode_publish(
-            &mut frames,
-            1,
-            "",
-            "nowhere",
-            false,
-            body.as_bytes(),
-            131_072,
-        );
-    }
-    use tokio::io::AsyncWriteExt;
-    first.stream.write_all(&frames).await.unwrap();
-    first
-        .call(
-            AMQPClass::Exchange(exchange::AMQPMethod::Declare(exchange::Declare {
-                exchange: "amq.direct".into(),
-                kind: "direct".into(),
-                passive: true,
-                ..Default::default()
-            })),
-            |m| matches!(m, AMQPClass::Exchange(exchange::AMQPMethod::DeclareOk(_))),
-            "exchange.declare-ok",
-        )
-        .await
-        .unwrap();
+    // Three publishes on channel 1: the channel has state on member 0.
+    raw_publish(&mut first, "nowhere", &["one", "two", "three"]).await;
     drop(first); // the socket goes without connection.close
     let moved = resume_when_detached(&m[1], &id, Duration::from_secs(10)).await;
     let ch = moved.create_channel().await.unwrap();

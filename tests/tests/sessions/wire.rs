@@ -203,33 +203,7 @@ async fn a_session_outlives_an_abrupt_disconnect_with_its_exclusive_queue_and_it
         )
         .await
         .unwrap();
-    let mut frames = Vec::new();
-    for body in ["one", "two", "three"] {
-        ringmq::client::encode_publish(
-            &mut frames,
-            1,
-            "",
-            "session-owned",
-            false,
-            body.as_bytes(),
-            131_072,
-        );
-    }
-    use tokio::io::AsyncWriteExt;
-    first.stream.write_all(&frames).await.unwrap();
-    // A round trip on the channel: the publishes were processed before it.
-    first
-        .call(
-            AMQPClass::Queue(queue::AMQPMethod::Declare(queue::Declare {
-                queue: "session-owned".into(),
-                passive: true,
-                ..Default::default()
-            })),
-            declare_ok,
-            "queue.declare-ok",
-        )
-        .await
-        .unwrap();
+    raw_publish(&mut first, "session-owned", &["one", "two", "three"]).await;
     drop(first); // the socket goes without connection.close
     // The session's exclusive queue is still there, and still exclusive to the session.
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -557,4 +531,29 @@ async fn a_resumed_session_acks_the_deliveries_of_its_lost_connection_by_their_t
             .is_none(),
         "m1, m2 and m4 were acked"
     );
+}
+
+/// Publishes `bodies` to `queue` on a raw client's channel 1, then makes a round trip on the
+/// channel (a passive declare of `amq.direct`): the broker processed the publishes before it.
+pub(crate) async fn raw_publish(client: &mut RawClient, queue: &str, bodies: &[&str]) {
+    use ringmq::amqp::exchange;
+    use tokio::io::AsyncWriteExt;
+    let mut frames = Vec::new();
+    for body in bodies {
+        ringmq::client::encode_publish(&mut frames, 1, "", queue, false, body.as_bytes(), 131_072);
+    }
+    client.stream.write_all(&frames).await.unwrap();
+    client
+        .call(
+            AMQPClass::Exchange(exchange::AMQPMethod::Declare(exchange::Declare {
+                exchange: "amq.direct".into(),
+                kind: "direct".into(),
+                passive: true,
+                ..Default::default()
+            })),
+            |m| matches!(m, AMQPClass::Exchange(exchange::AMQPMethod::DeclareOk(_))),
+            "exchange.declare-ok",
+        )
+        .await
+        .unwrap();
 }

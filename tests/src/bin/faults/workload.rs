@@ -91,24 +91,26 @@ impl Workload {
             rng.0 ^= (p as u64 + 1) * 0x9e37_79b9;
             publishers.push(tokio::spawn(publisher(
                 p,
-                uris.clone(),
-                queue.clone(),
-                Arc::clone(&history),
-                Arc::clone(&stop_publishing),
-                Arc::clone(&reconnects),
-                rng,
+                Client {
+                    uris: uris.clone(),
+                    queue: queue.clone(),
+                    history: Arc::clone(&history),
+                    stop: Arc::clone(&stop_publishing),
+                    reconnects: Arc::clone(&reconnects),
+                    rng,
+                },
             )));
         }
         let mut rng = rng;
         rng.0 ^= 0x5bd1_e995;
-        let consumer = tokio::spawn(consumer(
+        let consumer = tokio::spawn(consumer(Client {
             uris,
             queue,
-            Arc::clone(&history),
-            Arc::clone(&stop_consuming),
-            Arc::clone(&reconnects),
+            history: Arc::clone(&history),
+            stop: Arc::clone(&stop_consuming),
+            reconnects: Arc::clone(&reconnects),
             rng,
-        ));
+        }));
         Workload {
             history,
             stop_publishing,
@@ -207,15 +209,26 @@ async fn declare(uris: &[String], queue: &str, k: i64) {
     }
 }
 
-async fn publisher(
-    producer: usize,
+/// What a client task needs: where to connect, its queue, the history it adds to, when to
+/// stop, a count of its reconnects, and its own random choices.
+struct Client {
     uris: Vec<String>,
     queue: String,
     history: Arc<Mutex<History>>,
     stop: Arc<AtomicBool>,
     reconnects: Arc<AtomicU64>,
-    mut rng: Rng,
-) {
+    rng: Rng,
+}
+
+async fn publisher(producer: usize, client: Client) {
+    let Client {
+        uris,
+        queue,
+        history,
+        stop,
+        reconnects,
+        mut rng,
+    } = client;
     let mut seq = 0u64;
     let mut last_confirm = Instant::now();
     // Order holds per channel: ids name the producer's connection (`P:E-SEQ`).
@@ -291,14 +304,15 @@ async fn publisher(
     }
 }
 
-async fn consumer(
-    uris: Vec<String>,
-    queue: String,
-    history: Arc<Mutex<History>>,
-    stop: Arc<AtomicBool>,
-    reconnects: Arc<AtomicU64>,
-    mut rng: Rng,
-) {
+async fn consumer(client: Client) {
+    let Client {
+        uris,
+        queue,
+        history,
+        stop,
+        reconnects,
+        mut rng,
+    } = client;
     while !stop.load(Ordering::SeqCst) {
         let uri = &uris[rng.below(uris.len())];
         let Some(conn) = connect(uri).await else {
