@@ -18,6 +18,8 @@ use std::time::{Duration, Instant};
 const WINDOW: usize = 10;
 /// A confirm not back within this is indeterminate (not counted as confirmed).
 const CONFIRM_LIMIT: Duration = Duration::from_secs(10);
+/// A consumer with no delivery for this long subscribes again (on another member).
+const IDLE_RESUBSCRIBE: Duration = Duration::from_secs(5);
 
 /// Everything the clients saw.
 #[derive(Default)]
@@ -349,9 +351,18 @@ async fn consumer(client: Client) {
             }
         };
         debug(&format!("consumer of {queue} consuming through {uri}"));
+        let mut last_delivery = Instant::now();
         while !stop.load(Ordering::SeqCst) {
             let next = tokio::time::timeout(Duration::from_millis(500), deliveries.next()).await;
             let d = match next {
+                // A consumer the broker cancelled (its queue's primary moved) may end
+                // without the stream saying so: after a quiet spell, subscribe again.
+                Err(_) if last_delivery.elapsed() > IDLE_RESUBSCRIBE => {
+                    debug(&format!(
+                        "consumer of {queue} through {uri}: idle, subscribing again"
+                    ));
+                    break;
+                }
                 Err(_) => continue,
                 Ok(Some(Ok(d))) => d,
                 Ok(end) => {
@@ -359,6 +370,7 @@ async fn consumer(client: Client) {
                     break;
                 }
             };
+            last_delivery = Instant::now();
             let id = String::from_utf8_lossy(&d.data).into_owned();
             {
                 let mut h = history.lock().unwrap();
@@ -376,7 +388,14 @@ async fn consumer(client: Client) {
                     }
                 }
             }
-            if d.ack(BasicAckOptions::default()).await.is_err() {
+            // Bounded: an ack on a connection that died without lapin noticing never ends.
+            let acked =
+                tokio::time::timeout(Duration::from_secs(5), d.ack(BasicAckOptions::default()))
+                    .await;
+            if !matches!(acked, Ok(Ok(_))) {
+                debug(&format!(
+                    "consumer of {queue} through {uri}: ack failed: {acked:?}"
+                ));
                 break;
             }
         }
