@@ -68,23 +68,21 @@ impl Broker {
         let Some(cluster) = self.cluster() else {
             return;
         };
-        let ring = cluster.ring();
         let me = cluster.node_id();
-        let directory = cluster.sessions();
         let mut expired = Vec::new();
         let mut orphans = HashMap::new();
-        for (id, r) in directory.iter() {
-            let local = Uuid::parse_str(id).is_ok_and(|u| self.sessions().contains(u));
-            if r.attached || local || directory.keeper(id, &ring) != Some(me) {
+        for (id, r, keeper) in cluster.detached_sessions() {
+            let local = Uuid::parse_str(&id).is_ok_and(|u| self.sessions().contains(u));
+            if local || keeper.as_deref() != Some(me) {
                 continue;
             }
-            let since = waiting.get(id).copied().unwrap_or(now);
+            let since = waiting.get(&id).copied().unwrap_or(now);
             if now.saturating_duration_since(since) >= Duration::from_secs(r.timeout_s) {
-                expired.push((id.to_owned(), r.member.clone()));
+                expired.push((id.clone(), r.member.clone()));
                 // Asked again a timeout later if this end is not committed.
-                orphans.insert(id.to_owned(), now);
+                orphans.insert(id, now);
             } else {
-                orphans.insert(id.to_owned(), since);
+                orphans.insert(id, since);
             }
         }
         *waiting = orphans;

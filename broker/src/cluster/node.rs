@@ -342,6 +342,22 @@ impl Cluster {
         self.sessions.read().clone()
     }
 
+    /// The sessions that wait without a connection, and the member that times each out
+    /// ([`SessionDirectory::keeper`]) given the ring now: read under the lock, so a tick
+    /// that finds none copies nothing.
+    pub fn detached_sessions(&self) -> Vec<(String, SessionRecord, Option<String>)> {
+        let ring = self.ring();
+        let sessions = self.sessions.read();
+        sessions
+            .iter()
+            .filter(|(_, r)| !r.attached)
+            .map(|(id, r)| {
+                let keeper = sessions.keeper(id, &ring).map(str::to_owned);
+                (id.to_owned(), r.clone(), keeper)
+            })
+            .collect()
+    }
+
     /// Node ids of the members that announced themselves, in ring order.
     pub fn ring(&self) -> Vec<String> {
         super::roles::ring(&self.membership.read())
