@@ -84,6 +84,36 @@ impl SessionOp {
     }
 }
 
+/// Whether `user` may attach session `id`, whose record is `record` (`None`: no member holds
+/// it), seen detached on member `from` when one is named: the one rule behind a resume's
+/// answer, checked early by the member asked and again, in agreed order, by the directory.
+pub fn attachable<'a>(
+    id: &str,
+    record: Option<&'a SessionRecord>,
+    user: &str,
+    from: Option<&str>,
+) -> Result<&'a SessionRecord, AmqpError> {
+    let r = record.ok_or_else(|| {
+        AmqpError::new(
+            codes::NOT_FOUND,
+            format!("no session {id} in this cluster: it never existed, ended, or expired"),
+        )
+    })?;
+    if r.user != user {
+        return Err(AmqpError::new(
+            codes::ACCESS_REFUSED,
+            format!("session {id} belongs to another user"),
+        ));
+    }
+    if r.attached || from.is_some_and(|from| r.member != from) {
+        return Err(AmqpError::new(
+            codes::RESOURCE_LOCKED,
+            format!("session {id} is attached to another connection"),
+        ));
+    }
+    Ok(r)
+}
+
 /// One session's record before and after a change (`None`: it did not, or no longer, exist).
 pub type SessionChange = (String, Option<SessionRecord>, Option<SessionRecord>);
 
@@ -152,25 +182,8 @@ impl SessionDirectory {
                     format!("session {id} exists already: resume it, or start one with a new id"),
                 ));
             }
-            (SessionOp::Attach { .. }, None) => {
-                return Err(AmqpError::new(
-                    codes::NOT_FOUND,
-                    format!("no session {id} in this cluster: it never existed, ended, or expired"),
-                ));
-            }
-            (SessionOp::Attach { user, from, to, .. }, Some(r)) => {
-                if &r.user != user {
-                    return Err(AmqpError::new(
-                        codes::ACCESS_REFUSED,
-                        format!("session {id} belongs to another user"),
-                    ));
-                }
-                if r.attached || &r.member != from {
-                    return Err(AmqpError::new(
-                        codes::RESOURCE_LOCKED,
-                        format!("session {id} is attached to another connection"),
-                    ));
-                }
+            (SessionOp::Attach { user, from, to, .. }, r) => {
+                let r = attachable(&id, r.as_ref(), user, Some(from))?;
                 SessionRecord {
                     member: to.clone(),
                     attached: true,

@@ -229,26 +229,15 @@ impl Connection {
                 (op, timeout)
             }
             SessionRequest::Resume { id } => {
-                let record = cluster.session(&id.to_string()).ok_or_else(|| {
-                    ConnError::new(
-                        codes::NOT_FOUND,
-                        format!(
-                            "no session {id} in this cluster: it never existed, ended, or expired"
-                        ),
-                    )
-                })?;
-                if record.user != user {
-                    return Err(ConnError::new(
-                        codes::ACCESS_REFUSED,
-                        format!("session {id} belongs to another user"),
-                    ));
-                }
-                if record.attached {
-                    return Err(ConnError::new(
-                        codes::RESOURCE_LOCKED,
-                        format!("session {id} is attached to another connection"),
-                    ));
-                }
+                let record = cluster.session(&id.to_string());
+                let record = crate::session::directory::attachable(
+                    &id.to_string(),
+                    record.as_ref(),
+                    &user,
+                    None,
+                )
+                .map_err(|e| ConnError::new(e.code, e.text))?
+                .clone();
                 let op = SessionOp::Attach {
                     id: id.to_string(),
                     user,
