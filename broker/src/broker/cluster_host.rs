@@ -116,6 +116,10 @@ impl ClusterHost for BrokerHost {
         self.broker.apply_roles(vhost, queue, roles);
     }
 
+    fn started(&mut self, roles: &crate::cluster::Roles) {
+        self.broker.drop_stale_replicas(roles);
+    }
+
     fn event_applied(&mut self, index: u64) {
         self.broker.proxies().applied.advance(index);
     }

@@ -126,6 +126,8 @@ impl Broker {
             v.set_queue_home(queue, &roles.primary);
         }
         let primary_here = serving.is_some_and(|r| Some(r.primary.as_str()) == me.as_deref());
+        let backup_here =
+            serving.is_some_and(|r| me.as_ref().is_some_and(|me| r.backups.contains(me)));
         let replicated = serving.is_some_and(|r| !r.backups.is_empty());
         v.set_replicated(queue, primary_here && replicated);
         let set = serving
@@ -154,6 +156,36 @@ impl Broker {
                 Err(e) => tracing::warn!(vhost, queue, error = %e, "promotion"),
             }
         }
+        // Neither primary nor backup (B4): the copy serves nobody and no confirm counts on
+        // it. Only once this incarnation is live — see `ClusterHost::started`.
+        if serving.is_some()
+            && !primary_here
+            && !backup_here
+            && self.cluster().is_some_and(|c| c.is_live())
+        {
+            let dropped = v.drop_replica(queue, &mut fx);
+            if dropped > 0 {
+                tracing::info!(
+                    vhost,
+                    queue,
+                    dropped,
+                    "this member is no longer a backup of the queue: its copy is dropped"
+                );
+            }
+        }
         self.finish_batch(0, &mut v, &mut fx);
+    }
+
+    /// The roles this member's incarnation started with (see `ClusterHost::started`): the
+    /// copies it holds of queues it is neither primary nor backup of go.
+    pub fn drop_stale_replicas(&self, roles: &crate::cluster::Roles) {
+        let Some(me) = self.cluster().map(|c| c.node_id().to_owned()) else {
+            return;
+        };
+        for (vhost, queue, r) in roles.iter() {
+            if !r.unavailable && r.primary != me && !r.backups.contains(&me) {
+                self.apply_roles(vhost, queue, Some(r));
+            }
+        }
     }
 }

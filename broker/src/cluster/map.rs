@@ -448,6 +448,7 @@ impl ClusterMap {
             CpgEvent::ConfChg { index, members, .. } => {
                 let ids: Vec<MemberId> = members.iter().map(|m| m.id).collect();
                 self.membership.on_conf_change(&ids);
+                self.membership.changed_at(index);
                 let ring = roles::ring(&self.membership);
                 self.update_roles(actions, |r| r.reconcile(&ring));
                 let lost = self.sessions.members_are(&ring);
@@ -478,6 +479,7 @@ impl ClusterMap {
                         })
                         .then(|| info.node_id.clone());
                     self.membership.on_hello(sender, info);
+                    self.membership.changed_at(index);
                     if sender == self.me && self.live {
                         self.announced = true;
                     }

@@ -52,6 +52,12 @@ pub struct MemberState {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Membership {
     members: Vec<MemberState>,
+    /// Agreed index of the newest event that changed the ring — a configuration change or a
+    /// hello — which is what every queue's primary follows: two members that name this same
+    /// index name the same primaries. The fault suite's two-primaries checker compares
+    /// members' claims only within one configuration (0 in a map saved before it existed).
+    #[serde(default)]
+    configuration: u64,
 }
 
 impl Membership {
@@ -77,6 +83,16 @@ impl Membership {
         if let Some(m) = self.members.iter_mut().find(|m| m.id == id) {
             m.info = Some(info);
         }
+    }
+
+    /// The ring changed at agreed `index` (a configuration change or a hello was applied).
+    pub fn changed_at(&mut self, index: u64) {
+        self.configuration = index;
+    }
+
+    /// Agreed index of the newest event that changed the ring (see the field's doc).
+    pub fn configuration(&self) -> u64 {
+        self.configuration
     }
 
     /// A snapshot addressed to `to` was delivered: from now on it holds the map.

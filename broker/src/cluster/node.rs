@@ -114,6 +114,12 @@ pub struct Cluster {
     /// How long a lapse of readiness is ridden out before clients are turned away
     /// ([`Cluster::serving_grace`]).
     serving_grace: Duration,
+    /// Agreed index of the cluster event being applied (set before it changes anything) and
+    /// of the last one applied in full (set after): equal while no event is being applied,
+    /// so a reader can tell a consistent view from one torn by an event
+    /// ([`Cluster::read_consistent`]).
+    event_begun: AtomicU64,
+    event_ended: AtomicU64,
 }
 
 /// How far this member is on its way to serving: its incarnation started, it holds the map,
@@ -195,6 +201,8 @@ impl Cluster {
             progress: Mutex::new(Progress::default()),
             link_password: crate::proxy::link::link_password(&settings.secret),
             serving_grace: grace,
+            event_begun: AtomicU64::new(0),
+            event_ended: AtomicU64::new(0),
         });
         let applier = Applier {
             map,
@@ -329,6 +337,32 @@ impl Cluster {
     /// exclusive, or no such queue).
     pub fn queue_roles(&self, vhost: &str, queue: &str) -> Option<QueueRoles> {
         self.roles.read().get(vhost, queue).cloned()
+    }
+
+    /// Runs `read` (which looks at state the cluster events change: a queue's roles or
+    /// `home`, the ring) and returns what it saw with the configuration it belongs to
+    /// ([`Membership::configuration`]) — or `None` if a cluster event was applied while it
+    /// read, three times over. A seqlock: an answer that names a primary and a configuration
+    /// is then one this member held at one instant, never half of one event and half of
+    /// the next (what the fault suite's two-primaries checker needs to be exact).
+    pub fn read_consistent<T>(&self, mut read: impl FnMut() -> T) -> Option<(T, u64)> {
+        for _ in 0..3 {
+            let ended = self.event_ended.load(Ordering::SeqCst);
+            let seen = read();
+            let configuration = self.membership.read().configuration();
+            std::sync::atomic::fence(Ordering::SeqCst);
+            if self.event_begun.load(Ordering::SeqCst) == ended {
+                return Some((seen, configuration));
+            }
+            std::thread::yield_now();
+        }
+        None
+    }
+
+    /// Whether this process's incarnation has started: the events it applies now are new,
+    /// not a restart's replay of the agreed log.
+    pub fn is_live(&self) -> bool {
+        self.progress.lock().live
     }
 
     /// Session `id`'s record — which member holds it, for whom, whether attached — as of
@@ -467,6 +501,12 @@ pub trait ClusterHost: WiringStore + Send + 'static {
     /// Queue `queue` of `vhost` has new roles (`None`: it has none any more): its primary,
     /// where its messages live, is `roles.primary`.
     fn roles_changed(&mut self, vhost: &str, queue: &str, roles: Option<&QueueRoles>);
+    /// This process's incarnation started ([`CpgEvent::Started`]): the roles a restart's
+    /// replay passed through were not the last, `roles` are. A copy this member holds of a
+    /// queue it is neither primary nor backup of may go now, and from here on whenever the
+    /// roles say so (never during the replay: a role it lost there it may have got back
+    /// later, with a copy caught up outside the agreed log).
+    fn started(&mut self, roles: &Roles);
     /// Session `id` was held by this member and no longer is (another member took it over
     /// from the directory, or it ended): what this member kept of it — its channels'
     /// publishing, unacked deliveries, exclusive queues — goes, and a connection still
@@ -550,13 +590,16 @@ impl<H: ClusterHost> Applier<H> {
         }
         let started = matches!(ev, CpgEvent::Started { .. });
         let index = ev.index();
+        self.cluster.event_begun.store(index, Ordering::SeqCst);
         let actions = self.map.on_event(ev, &mut self.host)?;
         self.act(actions);
+        self.cluster.event_ended.store(index, Ordering::SeqCst);
         if !started && self.map.is_synced() {
             self.host.event_applied(index);
         }
         if started {
             self.cluster.progress.lock().live = true;
+            self.host.started(self.map.roles());
             self.spawn_sync(sync_tx.clone());
         }
         Ok(())

@@ -173,3 +173,55 @@ async fn five_members_and_two_backups_survive_the_primary_and_its_first_backup_d
     let expected: Vec<(String, bool)> = (0..MESSAGES).map(|i| (format!("m{i}"), false)).collect();
     assert_eq!(got, expected, "{name}: the queue after the double failure");
 }
+
+/// B4 (docs/reliability.md): a backup that is killed and replaced, then comes back, finds
+/// the queue with its `k` backups already and gets no role; the copy it kept on disk serves
+/// nobody and no confirm counts on it, so it drops it — once its restart's replay is over —
+/// instead of holding the messages in memory and disk for good. Every member's answer is
+/// stamped with the configuration its roles belong to, the same on all of them once settled.
+#[tokio::test]
+async fn a_member_that_comes_back_without_a_role_drops_its_old_copy() {
+    let name = "repl-stale-copy";
+    let (mut members, _ports, _secret) = start_cluster(name);
+    let queue = "stale";
+    let backups = declare_replicated(&members[0], queue, 1, ROLE_LIMIT).await;
+    let b = member_of(name, N, &backups[0]);
+    publish_confirmed(&members[0], queue, 100).await;
+    wait_queue_view(&members[b], queue, ROLE_LIMIT, "the backup's copy", |v| {
+        v["local_copy"]
+            == serde_json::json!({"role": "backup", "messages": 100, "message_bytes_ram": v["local_copy"]["message_bytes_ram"]})
+    });
+
+    members[b].kill();
+    let other = (1..N).find(|&i| i != b).expect("a third member");
+    let other_node = node(name, other);
+    wait_queue_view(&members[0], queue, ROLE_LIMIT, "the transfer", |v| {
+        v["in_sync_backup_nodes"] == serde_json::json!([other_node])
+    });
+    restart_member(&mut members, b, name);
+    let view = wait_queue_view(
+        &members[b],
+        queue,
+        ROLE_LIMIT,
+        "the old copy dropped",
+        |v| v["local_copy"]["role"] == "none" && v["local_copy"]["messages"] == 0,
+    );
+    assert_eq!(
+        view["messages"], 100,
+        "the primary still holds them: {view}"
+    );
+
+    let stamps: Vec<serde_json::Value> = (0..N)
+        .map(|i| {
+            wait_queue_view(&members[i], queue, ROLE_LIMIT, "a stamped answer", |v| {
+                v["cluster"]["quorum"] == true
+            })["cluster"]["configuration"]
+                .clone()
+        })
+        .collect();
+    assert!(stamps[0].as_u64().is_some_and(|c| c > 0), "{stamps:?}");
+    assert!(
+        stamps.iter().all(|s| *s == stamps[0]),
+        "one configuration on every member: {stamps:?}"
+    );
+}

@@ -49,15 +49,35 @@ pub(super) fn get<'a>(c: &'a Ctx<'a>) -> BoxFuture<'a, Result<Reply>> {
     Box::pin(async move {
         let [vh, name] = c.args();
         let b = c.broker;
-        let one = {
-            let v = vhost(b, vh)?;
-            let v = v.lock();
-            let q = v.queue(name).ok_or_else(|| no_queue(vh, name))?;
-            queue_json(b, vh, q)
+        let v = vhost(b, vh)?;
+        let read = || v.lock().queue(name).map(|q| queue_json(b, vh, q));
+        let one = match b.cluster() {
+            Some(c) => stamped(c, read),
+            None => read(),
         };
-        let mut one = vec![one];
+        let mut one = vec![one.ok_or_else(|| no_queue(vh, name))?];
         primary_numbers(b, &mut one).await;
         ok(one.pop().expect("one queue"))
+    })
+}
+
+/// `read`'s answer with `cluster`: the configuration its roles belong to
+/// ([`crate::cluster::Membership::configuration`]) and whether this member held the
+/// majority's lease, both as of the instant it was read — or `null` when cluster events kept
+/// changing it under the read. Two members that name themselves a queue's `node` under one
+/// configuration while holding the lease would be two primaries at once: the fault suite
+/// checks that it never happens (docs/reliability.md).
+fn stamped(c: &crate::cluster::Cluster, read: impl Fn() -> Option<Value>) -> Option<Value> {
+    let consistent = c.read_consistent(|| (read(), c.has_quorum()));
+    let Some(((one, quorum), configuration)) = consistent else {
+        return read().map(|mut q| {
+            q["cluster"] = Value::Null;
+            q
+        });
+    };
+    one.map(|mut q| {
+        q["cluster"] = json!({"configuration": configuration, "quorum": quorum});
+        q
     })
 }
 

@@ -69,13 +69,7 @@ impl VHost {
         let budget = self.limits.queue_memory_budget_bytes;
         let q = self.replica_mut(queue)?;
         if chunk.first {
-            for id in q.unacked_in_order() {
-                apply(q, OpKind::Settle { id }, record, fx);
-            }
-            if q.ready_count() > 0 {
-                let ids = q.ready().map(|e| e.id).collect();
-                purge(q, ids, record, fx);
-            }
+            empty(q, record, fx);
         }
         let enqueues: Vec<QueueOp> = chunk
             .entries
@@ -104,6 +98,22 @@ impl VHost {
             fx.ops.extend(enqueues);
         }
         Ok(())
+    }
+
+    /// This member is no longer a backup of `queue` (nor its primary): the copy it held
+    /// serves nobody and no confirm counts on it, so it goes — from memory, and as removals
+    /// from this member's journal (and page records). Returns how many messages it dropped
+    /// (0 for a queue this member serves, or does not hold). The caller decides when that
+    /// is safe: never while a restart replays the agreed log, whose intermediate roles are
+    /// not the last (docs/reliability.md, B4).
+    pub fn drop_replica(&mut self, queue: &str, fx: &mut Effects) -> usize {
+        let record = self.record_ops;
+        let Ok(q) = self.replica_mut(queue) else {
+            return 0;
+        };
+        let held = q.ready_count() + q.unacked_count();
+        empty(q, record, fx);
+        held
     }
 
     /// The content of `queue` as a catch-up starts from (on its primary).
@@ -143,6 +153,18 @@ impl VHost {
             .get_mut(queue)
             .filter(|q| node.is_some() && q.primary_elsewhere(node.as_deref()).is_some())
             .ok_or_else(|| ReplicaError::NoReplica(queue.to_owned()))
+    }
+}
+
+/// Removes everything a replica holds, as ops the journal records: unacked entries settled,
+/// ready ones purged.
+fn empty(q: &mut Queue, record: bool, fx: &mut Effects) {
+    for id in q.unacked_in_order() {
+        apply(q, OpKind::Settle { id }, record, fx);
+    }
+    if q.ready_count() > 0 {
+        let ids = q.ready().map(|e| e.id).collect();
+        purge(q, ids, record, fx);
     }
 }
 
@@ -314,6 +336,36 @@ mod tests {
         assert!(a.apply_replicated("q", &ops, &mut fx).is_err());
         assert!(member("b").promote_replica("q", 0, &mut fx).is_err());
         assert!(member("b").apply_replicated("nope", &ops, &mut fx).is_err());
+    }
+
+    #[test]
+    fn a_dropped_replica_holds_nothing_and_its_journal_records_the_removals() {
+        let mut a = member("a");
+        let mut fx = Effects::default();
+        for body in ["m1", "m2", "m3"] {
+            publish(&mut a, body, &mut fx);
+        }
+        consume(&mut a, 1, &mut fx);
+        let ops = std::mem::take(&mut fx.ops);
+        let mut b = member("b");
+        let mut bfx = Effects::default();
+        b.apply_replicated("q", &ops, &mut bfx).unwrap();
+        bfx.ops.clear();
+
+        assert_eq!(b.drop_replica("q", &mut bfx), 3);
+        let q = b.queue("q").unwrap();
+        assert_eq!((q.ready_count(), q.unacked_count()), (0, 0));
+        let kinds: Vec<_> = bfx.ops.iter().map(|op| format!("{:?}", op.kind)).collect();
+        assert!(
+            kinds[0].starts_with("Settle") && kinds[1].starts_with("Purge"),
+            "the unacked one is settled, the ready ones purged, in the journal: {kinds:?}"
+        );
+        assert_eq!(
+            a.drop_replica("q", &mut fx),
+            0,
+            "the primary's queue is no replica"
+        );
+        assert_eq!(a.queue("q").unwrap().ready_count(), 2);
     }
 
     /// Gives `b`'s replica of `q` a stale message of its own, as a replica that fell out of

@@ -234,24 +234,37 @@ impl Cluster {
         }
     }
 
-    /// The node id each serving member names as `queue`'s primary, with whether that member
-    /// holds the majority's lease now.
-    pub fn primaries(&self, queue: &str) -> Vec<(String, Option<String>, bool)> {
+    /// Each member's claim on `queue`, read in one admin answer taken at one instant of that
+    /// member (`GET /api/queues/%2f/{queue}`, whose `cluster` stamp the broker reads under
+    /// a seqlock): the members that name themselves its primary while holding the
+    /// majority's lease, with the configuration (agreed index of the ring change) their
+    /// roles belong to.
+    pub fn primary_claims(&self, queue: &str) -> Vec<Claim> {
         self.members
             .iter()
             .filter_map(|m| {
-                let admin = m.admin();
-                let q = admin.get(&format!("/api/queues/%2f/{queue}")).ok()?;
-                let o = admin.get("/api/overview").ok()?;
-                let quorum = o.body["cluster"]["quorum"].as_bool().unwrap_or(false);
-                Some((
-                    m.node_id.clone(),
-                    q.body["node"].as_str().map(str::to_owned),
-                    quorum && q.status == 200,
-                ))
+                let q = m.admin().get(&format!("/api/queues/%2f/{queue}")).ok()?;
+                let stamp = &q.body["cluster"];
+                let claims = q.status == 200
+                    && q.body["node"].as_str() == Some(m.node_id.as_str())
+                    && stamp["quorum"].as_bool() == Some(true);
+                let configuration = stamp["configuration"].as_u64()?;
+                claims.then(|| Claim {
+                    member: m.node_id.clone(),
+                    configuration,
+                })
             })
             .collect()
     }
+}
+
+/// A member that named itself a queue's primary while it held the majority's lease.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Claim {
+    /// Its node id.
+    pub member: String,
+    /// The configuration its roles belonged to.
+    pub configuration: u64,
 }
 
 impl Cluster {

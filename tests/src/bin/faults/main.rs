@@ -9,11 +9,13 @@
 //! prints.
 
 mod cluster;
+mod probe;
 mod schedule;
 mod workload;
 
 use cluster::Cluster;
 use schedule::Nemesis;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -108,6 +110,8 @@ struct Row {
     never_published: usize,
     order_violations: u64,
     two_primaries: u64,
+    minority_served: u64,
+    probe_blind: bool,
     longest_gap: Duration,
     reconnects: u64,
 }
@@ -118,11 +122,13 @@ impl Row {
             && self.never_published == 0
             && self.order_violations == 0
             && self.two_primaries == 0
+            && self.minority_served == 0
+            && !self.probe_blind
     }
 
     fn print(&self) {
         println!(
-            "| {:<15} | {:<26} | {:>6} | {:>10} | {:>10} | {:>9} | {:>9} | {:>4} | {:>10} | {:>15} | {:>5} | {:>13} | {:>14} | {:<4} |",
+            "| {:<15} | {:<26} | {:>6} | {:>10} | {:>10} | {:>9} | {:>9} | {:>4} | {:>10} | {:>15} | {:>5} | {:>13} | {:>15} | {:>14} | {:<4} |",
             self.schedule,
             self.queue,
             self.faults,
@@ -135,6 +141,7 @@ impl Row {
             self.never_published,
             self.order_violations,
             self.two_primaries,
+            self.minority_served,
             self.longest_gap.as_millis(),
             if self.passed() { "ok" } else { "FAIL" }
         );
@@ -143,17 +150,17 @@ impl Row {
 
 fn header() {
     println!(
-        "| schedule        | queue                      | faults | reconnects | operations | published | confirmed | lost | duplicated | never-published | order | two-primaries | unavailable ms | ok   |"
+        "| schedule        | queue                      | faults | reconnects | operations | published | confirmed | lost | duplicated | never-published | order | two-primaries | minority-served | unavailable ms | ok   |"
     );
     println!(
-        "|-----------------|----------------------------|--------|------------|------------|-----------|-----------|------|------------|-----------------|-------|---------------|----------------|------|"
+        "|-----------------|----------------------------|--------|------------|------------|-----------|-----------|------|------------|-----------------|-------|---------------|-----------------|----------------|------|"
     );
 }
 
 fn check(
     schedule: &'static str,
     queue: String,
-    faults: u32,
+    outcome: schedule::Outcome,
     h: &History,
     two_primaries: u64,
     reconnects: u64,
@@ -196,7 +203,7 @@ fn check(
     Row {
         schedule,
         queue,
-        faults,
+        faults: outcome.faults,
         operations: h.operations,
         attempted: h.attempted.len(),
         confirmed: h.confirmed.len(),
@@ -205,42 +212,64 @@ fn check(
         never_published,
         order_violations: h.order_violations,
         two_primaries,
+        minority_served: outcome.minority_served,
+        probe_blind: outcome.probe_blind,
         longest_gap: h.longest_gap,
         reconnects,
     }
 }
 
-/// Samples every member's view of each queue's primary until stopped. Members are asked one
-/// after the other, so a round can catch the old primary before an election and the new one
-/// after it; two members that hold the majority's lease naming themselves the primary count
-/// only when the first of them, asked again after the others, still does — its claim then
-/// spans the other's.
+/// Samples every member's claim on each queue's primary until stopped, and counts two
+/// members that name themselves the primary of one queue under one cluster configuration
+/// while holding the majority's lease. Roles are a function of the agreed log up to the
+/// configuration's index, so one configuration has one primary: a second claimant under it
+/// is a violation however far apart in time the two answers were. (Claims under different
+/// configurations are a member that has not applied the newest one yet; what it may do
+/// meanwhile is fenced — its lease, and backups that refuse a deposed primary's stream — and
+/// the lost-messages checker sees it if the fence fails.)
 fn sample_primaries(
     cluster: Arc<Cluster>,
     queues: Vec<String>,
     stop: Arc<AtomicBool>,
     found: Arc<AtomicU64>,
 ) {
-    let claims = |q: &str| -> Vec<String> {
-        cluster
-            .primaries(q)
-            .into_iter()
-            .filter(|(me, primary, serving)| *serving && primary.as_deref() == Some(me.as_str()))
-            .map(|(me, _, _)| me)
-            .collect()
-    };
+    let mut ledger = PrimaryLedger::default();
     while !stop.load(Ordering::SeqCst) {
         for q in &queues {
-            let first = claims(q);
-            if first.len() < 2 {
-                continue;
-            }
-            if claims(q).contains(&first[0]) {
-                eprintln!("faults: {q}: two members serve as its primary at once: {first:?}");
-                found.fetch_add(1, Ordering::Relaxed);
+            for claim in cluster.primary_claims(q) {
+                if let Some(first) = ledger.claim(q, &claim) {
+                    eprintln!(
+                        "faults: {q}: {first} and {} both serve as its primary in configuration {}",
+                        claim.member, claim.configuration
+                    );
+                    found.fetch_add(1, Ordering::Relaxed);
+                }
             }
         }
         std::thread::sleep(Duration::from_millis(300));
+    }
+}
+
+/// The first member seen to claim each queue's primary in each configuration.
+#[derive(Default)]
+struct PrimaryLedger {
+    first: HashMap<(String, u64), String>,
+    reported: HashSet<(String, u64, String)>,
+}
+
+impl PrimaryLedger {
+    /// Records `claim` on `queue`; the first claimant of its configuration if `claim` is
+    /// another member's (each such member once).
+    fn claim(&mut self, queue: &str, claim: &cluster::Claim) -> Option<String> {
+        let first = self
+            .first
+            .entry((queue.to_owned(), claim.configuration))
+            .or_insert_with(|| claim.member.clone());
+        let second = *first != claim.member
+            && self
+                .reported
+                .insert((queue.to_owned(), claim.configuration, claim.member.clone()));
+        second.then(|| first.clone())
     }
 }
 
@@ -324,7 +353,19 @@ fn main() {
             std::thread::spawn(move || sample_primaries(cluster, queues, stop, found))
         };
         std::thread::sleep(Duration::from_secs(3));
-        let faults = nemesis.run(&cluster, &queues[0].0, args.length, &mut rng);
+        let mut probes = 0;
+        let history = Arc::clone(&workloads[0].history);
+        let mut probe = |m: &cluster::Member| {
+            probes += 1;
+            let id = format!("probe-{}-{probes}", nemesis.name());
+            runtime.block_on(probe::minority_serves_nobody(
+                &m.amqp_uri(),
+                &queues[0].0,
+                &id,
+                &history,
+            ))
+        };
+        let outcome = nemesis.run(&cluster, &queues[0].0, args.length, &mut rng, &mut probe);
         if !cluster.all_ready(Duration::from_secs(60)) {
             eprintln!(
                 "faults: {}: not every member serves 60 s after the last fault",
@@ -361,7 +402,7 @@ fn main() {
             let row = check(
                 nemesis.name(),
                 q.clone(),
-                faults,
+                outcome,
                 &h,
                 two_primaries.load(Ordering::Relaxed),
                 reconnects.load(Ordering::Relaxed),
@@ -381,4 +422,33 @@ fn main() {
     drop(runtime);
     cluster.shutdown();
     std::process::exit(i32::from(failed > 0));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::PrimaryLedger;
+    use crate::cluster::Claim;
+
+    fn claim(member: &str, configuration: u64) -> Claim {
+        Claim {
+            member: member.into(),
+            configuration,
+        }
+    }
+
+    #[test]
+    fn two_claimants_of_one_configuration_are_reported_once_and_a_new_configuration_is_not() {
+        let mut ledger = PrimaryLedger::default();
+        assert_eq!(ledger.claim("q", &claim("m0", 7)), None);
+        assert_eq!(
+            ledger.claim("q", &claim("m0", 7)),
+            None,
+            "the same claim again"
+        );
+        assert_eq!(ledger.claim("q", &claim("m1", 9)), None, "an election");
+        assert_eq!(ledger.claim("r", &claim("m1", 7)), None, "another queue");
+        assert_eq!(ledger.claim("q", &claim("m1", 7)), Some("m0".into()));
+        assert_eq!(ledger.claim("q", &claim("m1", 7)), None, "reported once");
+        assert_eq!(ledger.claim("q", &claim("m2", 7)), Some("m0".into()));
+    }
 }

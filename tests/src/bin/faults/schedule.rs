@@ -7,6 +7,45 @@ use crate::workload::Rng;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// How far into a cut the member in the minority is probed: past its lease (300 ms) with
+/// room for a loaded machine.
+const PROBE_AFTER: Duration = Duration::from_secs(1);
+
+/// What one schedule's faults came to.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Outcome {
+    /// Faults injected.
+    pub faults: u32,
+    /// Probes a member cut off from the majority served (confirmed or delivered).
+    pub minority_served: u64,
+    /// The probe never saw a healthy member serve it: it could not have seen a cut-off one
+    /// serve either, so the schedule fails rather than pass on a blind checker.
+    pub probe_blind: bool,
+}
+
+/// Whether the probe, aimed at a member of the whole cluster before any fault, sees it
+/// serve (a confirmed publish): the check that it can tell serving from refusing. Tried
+/// for up to 10 s, in case that member is not ready yet.
+fn probe_sees_serving(
+    cluster: &Cluster,
+    probe: &mut dyn FnMut(&Member) -> Result<String, String>,
+) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        match probe(&cluster.members[0]) {
+            Err(served) => {
+                crate::workload::debug(&format!("the probe sees a healthy member serve: {served}"));
+                return true;
+            }
+            Ok(refused) => {
+                eprintln!("faults: a healthy member refused the probe ({refused}); again");
+                std::thread::sleep(Duration::from_secs(1));
+            }
+        }
+    }
+    false
+}
+
 /// One schedule: a name (the table's row), the nemesis, and the queue's backups.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Nemesis {
@@ -56,14 +95,39 @@ impl Nemesis {
 
     /// Runs the nemesis for `length`: fault after fault (a pause or a partition lasting 2 to
     /// 4 s), each followed by the cluster's recovery — every member serving again — and a
-    /// quiet 1 to 2 s, so the cluster is whole at the end.
-    pub fn run(self, cluster: &Arc<Cluster>, queue: &str, length: Duration, rng: &mut Rng) -> u32 {
+    /// quiet 1 to 2 s, so the cluster is whole at the end. A member cut off from the
+    /// majority is probed (`probe`: `Ok` it refused, `Err` what it served) a second into
+    /// the cut, once its lease has run out.
+    pub fn run(
+        self,
+        cluster: &Arc<Cluster>,
+        queue: &str,
+        length: Duration,
+        rng: &mut Rng,
+        probe: &mut dyn FnMut(&Member) -> Result<String, String>,
+    ) -> Outcome {
         let deadline = Instant::now() + length;
-        let mut faults = 0;
+        let mut outcome = Outcome::default();
+        if matches!(self, Nemesis::IsolateOne | Nemesis::IsolatePrimary) {
+            outcome.probe_blind = !probe_sees_serving(cluster, probe);
+        }
         while Instant::now() + Duration::from_secs(4) < deadline {
-            faults += 1;
+            outcome.faults += 1;
             let fault_for = Duration::from_millis(2_000 + rng.next() % 2_000);
-            self.once(cluster, queue, fault_for, rng);
+            if let Some(m) = self.once(cluster, queue, fault_for, rng) {
+                match probe(&m) {
+                    Ok(how) => crate::workload::debug(&format!(
+                        "cut-off {} served nobody: {how}",
+                        m.node_id
+                    )),
+                    Err(what) => {
+                        eprintln!("faults: cut-off {} served a client: {what}", m.node_id);
+                        outcome.minority_served += 1;
+                    }
+                }
+                std::thread::sleep(fault_for.saturating_sub(PROBE_AFTER));
+                cluster.net.heal();
+            }
             // A killed member still answers for a moment; a restarted one needs a moment.
             std::thread::sleep(Duration::from_secs(1));
             // Back to whole before the next fault: every member serving again.
@@ -75,10 +139,19 @@ impl Nemesis {
             }
             std::thread::sleep(Duration::from_millis(1_000 + rng.next() % 1_000));
         }
-        faults
+        outcome
     }
 
-    fn once(self, cluster: &Arc<Cluster>, queue: &str, fault_for: Duration, rng: &mut Rng) {
+    /// One fault. A partition that leaves one member in a minority returns that member
+    /// with the cut still in place, [`PROBE_AFTER`] into it: the caller probes it, waits
+    /// out the rest and heals.
+    fn once(
+        self,
+        cluster: &Arc<Cluster>,
+        queue: &str,
+        fault_for: Duration,
+        rng: &mut Rng,
+    ) -> Option<Arc<Member>> {
         let members = &cluster.members;
         let n = members.len();
         let random = |rng: &mut Rng| Arc::clone(&members[rng.below(n)]);
@@ -105,8 +178,8 @@ impl Nemesis {
                     primary(rng)
                 };
                 cluster.net.isolate(m.index);
-                std::thread::sleep(fault_for);
-                cluster.net.heal();
+                std::thread::sleep(PROBE_AFTER);
+                return Some(m);
             }
             Nemesis::Bridge => {
                 let a = rng.below(n);
@@ -126,14 +199,16 @@ impl Nemesis {
                 }
             }
         }
+        None
     }
 }
 
-/// The member the serving members name as `queue`'s primary (the first answer).
+/// The member that serves as `queue`'s primary now (the first that claims it).
 pub fn primary_of(cluster: &Cluster, queue: &str) -> Option<Arc<Member>> {
-    let node = cluster
-        .primaries(queue)
-        .into_iter()
-        .find_map(|(_, primary, serving)| primary.filter(|_| serving))?;
-    cluster.members.iter().find(|m| m.node_id == node).cloned()
+    let claim = cluster.primary_claims(queue).into_iter().next()?;
+    cluster
+        .members
+        .iter()
+        .find(|m| m.node_id == claim.member)
+        .cloned()
 }

@@ -409,7 +409,7 @@ async fn consumer(client: Client) {
 }
 
 /// A line about the clients' connections when `FAULTS_DEBUG` is set.
-fn debug(line: &str) {
+pub fn debug(line: &str) {
     if std::env::var_os("FAULTS_DEBUG").is_some() {
         eprintln!("faults: {line}");
     }
