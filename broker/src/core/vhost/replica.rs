@@ -368,6 +368,39 @@ mod tests {
         assert_eq!(a.queue("q").unwrap().ready_count(), 2);
     }
 
+    #[test]
+    fn a_publish_forwarded_for_a_queue_that_moved_away_is_refused_not_acked_as_unroutable() {
+        use crate::core::vhost::PublishOutcome;
+        let message = || {
+            Arc::new(Message::authored(
+                "".into(),
+                "q".into(),
+                Properties::default().with_delivery_mode(2),
+                Bytes::from_static(b"m"),
+            ))
+        };
+        let mut fx = Effects::default();
+        // The sender still takes `b` for the primary; `b` applied the election that made
+        // `a` the primary: its nack makes the publisher send again.
+        let mut b = member("b");
+        assert_eq!(
+            b.publish_forwarded("", "q", message(), 0, &mut fx),
+            PublishOutcome::Rejected
+        );
+        assert_eq!(b.queue("q").unwrap().ready_count(), 0);
+        assert_eq!(
+            b.publish_forwarded("", "no-such-queue", message(), 0, &mut fx),
+            PublishOutcome::Unroutable,
+            "a publish that matches no queue is unroutable, as on one broker"
+        );
+        let mut a = member("a");
+        assert_eq!(
+            a.publish_forwarded("", "q", message(), 0, &mut fx),
+            PublishOutcome::Routed
+        );
+        assert_eq!(a.queue("q").unwrap().ready_count(), 1);
+    }
+
     /// Gives `b`'s replica of `q` a stale message of its own, as a replica that fell out of
     /// the stream holds.
     fn publish_to_replica(b: &mut VHost, fx: &mut Effects) {

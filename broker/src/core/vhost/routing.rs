@@ -86,6 +86,13 @@ impl VHost {
     /// Queues owned elsewhere are the receiving member's business, so a publish reaches
     /// every queue exactly once. An
     /// exchange deleted meanwhile routes nowhere (as a publish arriving after the delete).
+    ///
+    /// The sender forwarded it because, in its view, one of the matched queues is this
+    /// member's. When this member owns none of the queues the message matches, its view is
+    /// newer: the queue moved (an election, a restart's hand-over) after the sender routed.
+    /// That is `Rejected` — the sender's publisher gets a nack and sends again — never
+    /// `Unroutable`, whose confirm is an ack: a confirm for a message no queue holds (found
+    /// by the fault suite, B7 in docs/reliability.md).
     pub fn publish_forwarded(
         &mut self,
         exchange: &str,
@@ -95,13 +102,18 @@ impl VHost {
         fx: &mut Effects,
     ) -> PublishOutcome {
         let mut targets = self.route(exchange, routing_key, &message, None);
+        let matched = !targets.is_empty();
         targets.retain(|name| {
             self.queues
                 .get(name)
                 .is_some_and(|q| self.primary_elsewhere(q).is_none())
         });
         if targets.is_empty() {
-            return PublishOutcome::Unroutable;
+            return if matched {
+                PublishOutcome::Rejected
+            } else {
+                PublishOutcome::Unroutable
+            };
         }
         let mut dead = Vec::new();
         let rejected = self.enqueue_all(&targets, &message, now_ms, fx, &mut dead);
