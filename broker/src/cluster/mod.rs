@@ -17,4 +17,4 @@ pub mod roles;
 
 pub use membership::{MemberInfo, MemberState, Membership};
 pub use node::{Cluster, ClusterError, ClusterHost, ClusterSettings, OpOutcome};
-pub use roles::{QueueRoles, Roles};
+pub use roles::{Held, QueueRoles, Roles};

@@ -12,7 +12,7 @@ use crate::cpg::{Cpg, CpgConfig, CpgError, CpgEvent, CpgEvents, MemberId, SyncPo
 use crate::session::directory::{SessionDirectory, SessionRecord};
 use bytes::Bytes;
 use parking_lot::{Mutex, RwLock};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -363,6 +363,12 @@ impl Cluster {
     /// not a restart's replay of the agreed log.
     pub fn is_live(&self) -> bool {
         self.progress.lock().live
+    }
+
+    /// What each member (by node id) holds of the cluster's queues, as of the newest event
+    /// applied here: the same answer on every member that applied it.
+    pub fn held(&self) -> BTreeMap<String, super::Held> {
+        self.roles.read().held()
     }
 
     /// Session `id`'s record — which member holds it, for whom, whether attached — as of

@@ -189,6 +189,19 @@ pub fn ring(membership: &Membership) -> Vec<String> {
     ring
 }
 
+/// What one member holds of the cluster's queues, by the roles: what a drain must move off it
+/// before it can go without loss, and what a rebalance evens out.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Held {
+    /// Queues it is the primary of (an unavailable queue's frozen primary too: it holds the
+    /// newest state, and the queue waits for it).
+    pub primaries: u64,
+    /// Queues it is a backup of, in sync or catching up.
+    pub backups: u64,
+    /// Of those, the ones it is in sync for (it may be promoted).
+    pub in_sync_backups: u64,
+}
+
 /// The roles of every clustered queue, by vhost and name. Exclusive queues, queues of
 /// another AMQP broker and queues declared before roles existed have none.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -197,6 +210,20 @@ pub struct Roles {
 }
 
 impl Roles {
+    /// What each member (by node id) holds; a member that holds nothing is absent.
+    pub fn held(&self) -> BTreeMap<String, Held> {
+        let mut held: BTreeMap<String, Held> = BTreeMap::new();
+        for (_, _, r) in self.iter() {
+            held.entry(r.primary.clone()).or_default().primaries += 1;
+            for b in &r.backups {
+                let h = held.entry(b.clone()).or_default();
+                h.backups += 1;
+                h.in_sync_backups += u64::from(r.in_sync.contains(b));
+            }
+        }
+        held
+    }
+
     /// The roles of queue `queue` in `vhost`.
     pub fn get(&self, vhost: &str, queue: &str) -> Option<&QueueRoles> {
         self.vhosts.get(vhost)?.get(queue)
@@ -305,6 +332,44 @@ mod tests {
 
     fn ring_of(nodes: &[&str]) -> Vec<String> {
         nodes.iter().map(|n| (*n).to_owned()).collect()
+    }
+
+    #[test]
+    fn held_counts_each_members_primaries_and_backups_across_vhosts() {
+        let ring = ring_of(&["a", "b", "c"]);
+        let mut roles = Roles::default();
+        let mut q1 = QueueRoles::new(1, "a", 2, &ring);
+        q1.mark_in_sync("b");
+        roles.set("/", "q1", Some(q1));
+        roles.set("other", "q2", Some(QueueRoles::new(2, "b", 1, &ring)));
+        roles.set("/", "q3", Some(QueueRoles::new(3, "a", 0, &ring)));
+        let held = roles.held();
+        let h = |n: &str| held.get(n).copied().unwrap_or_default();
+        assert_eq!(
+            h("a"),
+            Held {
+                primaries: 2,
+                backups: 0,
+                in_sync_backups: 0
+            }
+        );
+        assert_eq!(
+            h("b"),
+            Held {
+                primaries: 1,
+                backups: 1,
+                in_sync_backups: 1
+            }
+        );
+        assert_eq!(
+            h("c"),
+            Held {
+                primaries: 0,
+                backups: 2,
+                in_sync_backups: 0
+            }
+        );
+        assert!(!held.contains_key("d"), "a member that holds nothing");
     }
 
     #[test]

@@ -259,6 +259,69 @@ async fn a_queue_lists_its_backups_in_ring_order_and_a_lost_backup_is_replaced()
         "{refused}"
     );
 
+    // Any member answers for any member, from the cluster map: "two" is 2's with backups 3
+    // and 0, "one" is 0's with backup 1, all in sync.
+    let held = |n: u64, primaries: u64, backups: u64| {
+        serde_json::json!({"id": format!("proxy-backups-{n}"), "owned_queues": primaries,
+            "primaries": primaries, "backups": backups, "in_sync_backups": backups})
+    };
+    let want = [held(0, 1, 1), held(1, 0, 1), held(2, 1, 0), held(3, 0, 1)];
+    for m in &members {
+        for w in &want {
+            let id = w["id"].as_str().unwrap();
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            loop {
+                let got = m.admin_client().get(&format!("/api/members/{id}")).unwrap();
+                assert_eq!(got.status, 200, "{id}: {}", got.reason());
+                let seen = serde_json::json!({
+                    "id": got.body["id"], "owned_queues": got.body["owned_queues"],
+                    "primaries": got.body["primaries"], "backups": got.body["backups"],
+                    "in_sync_backups": got.body["in_sync_backups"]});
+                if seen == *w {
+                    break;
+                }
+                assert!(std::time::Instant::now() < deadline, "{seen} != {w}");
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+        }
+        let unknown = m.admin_client().get("/api/members/nope").unwrap();
+        assert_eq!(unknown.status, 404, "{}", unknown.reason());
+        assert!(
+            unknown.reason().contains("proxy-backups-3"),
+            "{}",
+            unknown.reason()
+        );
+    }
+    // `ringmqctl cluster ring` shows the same, in ring order.
+    let out = std::process::Command::new(ringmq_tests::binary("ringmqctl"))
+        .args(["--admin", &members[1].admin_url(), "cluster", "ring"])
+        .output()
+        .expect("ringmqctl runs");
+    assert!(out.status.success(), "{out:?}");
+    let table = String::from_utf8(out.stdout).unwrap();
+    let rows: Vec<Vec<&str>> = table
+        .lines()
+        .skip(1)
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    let expected: Vec<Vec<String>> = (0..4)
+        .map(|n| {
+            let w = &want[n];
+            vec![
+                n.to_string(),
+                format!("proxy-backups-{n}"),
+                w["primaries"].to_string(),
+                w["backups"].to_string(),
+                w["in_sync_backups"].to_string(),
+            ]
+        })
+        .collect();
+    let shown: Vec<Vec<String>> = rows
+        .iter()
+        .map(|r| [0, 1, 4, 5, 6].iter().map(|&i| r[i].to_owned()).collect())
+        .collect();
+    assert_eq!(shown, expected, "{table}");
+
     // Backup 3 is killed: the next member in the ring takes its place.
     members[3].kill();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);

@@ -14,13 +14,30 @@ pub(super) fn list(c: &Ctx<'_>) -> Result<Reply> {
     ok(members(c.broker))
 }
 
-/// `GET /api/members/{id}`: this member, with the number of queues it holds.
+/// `GET /api/members/{id}`: the member, with the number of queues whose primary it is
+/// (`owned_queues`) and, on a cluster, the backups it holds. A cluster member answers for
+/// any member, from the cluster map, so every member gives the same answer (what a drain or
+/// a scale-down check needs: it may not be able to reach the member it asks about).
 pub(super) fn get(c: &Ctx<'_>) -> Result<Reply> {
     let [id] = c.args();
     let b = c.broker;
-    this_member(b, id)?;
-    let mut m = member(b);
-    m["owned_queues"] = json!(metrics::totals(b).queues);
+    if b.cluster().is_none() {
+        this_member(b, id)?;
+        let mut m = member(b);
+        m["owned_queues"] = json!(metrics::totals(b).queues);
+        return ok(m);
+    }
+    let all = members(b);
+    let listed = all.as_array().into_iter().flatten();
+    let Some(found) = listed.clone().find(|m| m["id"] == id) else {
+        let ids: Vec<&str> = listed.filter_map(|m| m["id"].as_str()).collect();
+        return Err(ApiError::not_found(format!(
+            "no member '{id}' in the cluster (members: {})",
+            ids.join(", ")
+        )));
+    };
+    let mut m = found.clone();
+    m["owned_queues"] = m["primaries"].clone();
     ok(m)
 }
 
@@ -58,12 +75,14 @@ fn member(b: &Broker) -> Value {
     })
 }
 
-/// Every member in ring order when clustered (with `ring_position` and whether it holds the
-/// cluster map), else this broker alone; the overview lists the same.
+/// Every member in ring order when clustered (with `ring_position`, whether it holds the
+/// cluster map, and the primaries and backups it holds by the cluster map's roles), else
+/// this broker alone; the overview lists the same.
 pub(super) fn members(b: &Broker) -> Value {
     let Some(cluster) = b.cluster() else {
         return json!([member(b)]);
     };
+    let held = cluster.held();
     Value::Array(
         cluster
             .members()
@@ -71,6 +90,7 @@ pub(super) fn members(b: &Broker) -> Value {
             .enumerate()
             .filter_map(|(position, m)| {
                 let info = m.info.as_ref()?;
+                let h = held.get(&info.node_id).copied().unwrap_or_default();
                 Some(json!({
                     "id": info.node_id,
                     "amqp": info.amqp,
@@ -78,6 +98,9 @@ pub(super) fn members(b: &Broker) -> Value {
                     "zone": info.zone,
                     "state": if m.synced { "running" } else { "joining" },
                     "ring_position": position,
+                    "primaries": h.primaries,
+                    "backups": h.backups,
+                    "in_sync_backups": h.in_sync_backups,
                 }))
             })
             .collect(),

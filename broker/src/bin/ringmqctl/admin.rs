@@ -300,12 +300,17 @@ pub enum Definitions {
     },
 }
 
-fn client(c: &Conn) -> AdminClient {
+pub(crate) fn client(c: &Conn) -> AdminClient {
     AdminClient::new(&c.admin, Some(&c.user), Some(&c.password))
 }
 
 /// Calls the API; an error status becomes an error with the API's reason.
-fn send(c: &AdminClient, method: &str, path: &str, body: Option<&Value>) -> anyhow::Result<Answer> {
+pub(crate) fn send(
+    c: &AdminClient,
+    method: &str,
+    path: &str,
+    body: Option<&Value>,
+) -> anyhow::Result<Answer> {
     let a = c.call(method, path, body).map_err(anyhow::Error::msg)?;
     if a.status >= 400 {
         let error = a
@@ -471,7 +476,7 @@ fn show(v: &Value) -> String {
     }
 }
 
-fn cells(v: &Value, cols: &[&str]) -> Vec<String> {
+pub(crate) fn cells(v: &Value, cols: &[&str]) -> Vec<String> {
     cols.iter()
         .map(|c| {
             let s = show(&v[*c]);
@@ -480,7 +485,7 @@ fn cells(v: &Value, cols: &[&str]) -> Vec<String> {
         .collect()
 }
 
-fn table(header: &[&str], rows: &[Vec<String>]) {
+pub(crate) fn table(header: &[&str], rows: &[Vec<String>]) {
     let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
     for r in rows {
         for (w, c) in widths.iter_mut().zip(r) {

@@ -1,5 +1,6 @@
 //! `ringmqctl`: the command-line tool for ringmq. The admin commands (`status`, `list`,
-//! `declare`, `delete`, `purge`, `close`, `definitions`) call the broker's admin HTTP API;
+//! `declare`, `delete`, `purge`, `close`, `definitions`, `cluster`) call the broker's admin
+//! HTTP API;
 //! `bench` is a load generator in the manner of RabbitMQ's PerfTest that works against any
 //! AMQP 0-9-1 broker; `sink` measures the bench tool's own ceiling; `local-cluster` runs a
 //! cluster of brokers on one machine.
@@ -7,6 +8,7 @@
 mod admin;
 mod bench;
 mod bench_failover;
+mod cluster;
 mod local_cluster;
 mod sink;
 
@@ -43,6 +45,10 @@ enum Command {
     /// Export or import definitions (users, vhosts, permissions, queues, exchanges, bindings).
     #[command(subcommand)]
     Definitions(admin::Definitions),
+    /// The cluster as a ring: `cluster ring` lists its members in ring order and what each
+    /// holds.
+    #[command(subcommand)]
+    Cluster(cluster::ClusterCommand),
     /// Print the stored form of a password (PBKDF2-HMAC-SHA256) for a config file's
     /// `password_hash:` or the admin API; reads the password from stdin when not given.
     HashPassword {
@@ -96,6 +102,7 @@ fn main() -> std::process::ExitCode {
         Command::Purge(p) => admin::purge(conn, &p),
         Command::Close(c) => admin::close(conn, &c),
         Command::Definitions(d) => admin::definitions(conn, &d),
+        Command::Cluster(c) => cluster::run(conn, &c),
         Command::HashPassword {
             password,
             iterations,
