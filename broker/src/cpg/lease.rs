@@ -156,6 +156,30 @@ impl Lease {
         self.pinged.insert(member);
     }
 
+    /// How many of `voters` this member heard from within `within` of `now`, itself included:
+    /// a leader counts the followers whose pings reached it in its term; a follower counts
+    /// the leader once a ping of its was answered lately. What `/readyz` reports as
+    /// "reachable" — a cut-off member says 1, whatever it still remembers of the others.
+    pub fn reachable(
+        &self,
+        me: MemberId,
+        voters: &[MemberId],
+        now: Instant,
+        within: Duration,
+    ) -> usize {
+        let lately = |t: Instant| now.saturating_duration_since(t) <= within;
+        let others = if self.leading_term.is_some() {
+            voters
+                .iter()
+                .filter(|v| **v != me && self.pinged.contains(v))
+                .filter(|v| self.last_heard.get(v).is_some_and(|t| lately(*t)))
+                .count()
+        } else {
+            usize::from(self.granted_until.is_some_and(lately))
+        };
+        1 + others
+    }
+
     /// `member`, whose vote is this leader's `term`, reported that it last acknowledged a leader
     /// of an earlier term `since_ms` of its clock before `now` (or this leader's own record,
     /// with `member` = itself). Ignored unless this member leads `term`; never moves a report
@@ -387,6 +411,36 @@ mod tests {
         tokio::time::advance(Duration::from_millis(151)).await;
         assert!(!leader.leader_has_quorum(Instant::now()));
         assert!(!follower.follower_has_quorum(Instant::now()));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn reachable_counts_only_the_members_heard_from_lately() {
+        let within = Duration::from_millis(1_200);
+        let mut leader = Lease::new(500, 1_200, 50);
+        leader.leading(3);
+        assert_eq!(leader.reachable(1, &[1, 2, 3], Instant::now(), within), 1);
+        leader.heard(2, Instant::now());
+        leader.heard(3, Instant::now());
+        assert_eq!(leader.reachable(1, &[1, 2, 3], Instant::now(), within), 3);
+        tokio::time::advance(Duration::from_millis(1_000)).await;
+        leader.heard(2, Instant::now());
+        tokio::time::advance(Duration::from_millis(500)).await;
+        assert_eq!(
+            leader.reachable(1, &[1, 2, 3], Instant::now(), within),
+            2,
+            "3 went silent 1.5 s ago"
+        );
+
+        let mut follower = Lease::new(500, 1_200, 50);
+        assert_eq!(follower.reachable(2, &[1, 2, 3], Instant::now(), within), 1);
+        follower.granted(Instant::now(), 500, 0);
+        assert_eq!(follower.reachable(2, &[1, 2, 3], Instant::now(), within), 2);
+        tokio::time::advance(Duration::from_millis(2_000)).await;
+        assert_eq!(
+            follower.reachable(2, &[1, 2, 3], Instant::now(), within),
+            1,
+            "no answer from the leader for 2 s: cut off"
+        );
     }
 
     #[tokio::test(start_paused = true)]

@@ -449,23 +449,27 @@ impl Cpg {
     }
 
     /// How many voters the member's last configuration has and how many of them it can see
-    /// (itself included: heard from lately, as leader, or answering as leader or follower):
-    /// what a restarted member waits for, for `/readyz`.
+    /// (itself included; the others heard from within a failure timeout — a leader by their
+    /// pings, a follower by the leader's answers, [`Lease::reachable`]): what a restarted or
+    /// cut-off member waits for, for `/readyz`.
+    ///
+    /// [`Lease::reachable`]: super::lease::Lease::reachable
     pub fn voters_reachable(&self) -> (usize, usize) {
-        let m = self.inner.raft.metrics();
-        let m = m.borrow();
-        let voters: Vec<MemberId> = m.membership_config.membership().voter_ids().collect();
-        // A leader counts the voters it replicates to; a follower that knows a leader, itself
-        // and the leader; one that knows none, itself.
-        let reachable = match (&m.replication, m.current_leader) {
-            (Some(r), _) => r
-                .values()
-                .filter(|matched| matched.is_some())
-                .count()
-                .max(1),
-            (None, Some(_)) => 2,
-            (None, None) => 1,
-        };
+        let voters: Vec<MemberId> = self
+            .inner
+            .raft
+            .metrics()
+            .borrow()
+            .membership_config
+            .membership()
+            .voter_ids()
+            .collect();
+        let within = Duration::from_millis(self.inner.config.failure_timeout_ms);
+        let reachable =
+            self.inner
+                .lease
+                .lock()
+                .reachable(self.inner.id, &voters, Instant::now(), within);
         (reachable.min(voters.len().max(1)), voters.len())
     }
 

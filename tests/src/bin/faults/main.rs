@@ -9,11 +9,13 @@
 //! prints.
 
 mod cluster;
+mod failover;
 mod probe;
 mod schedule;
 mod workload;
 
 use cluster::Cluster;
+use failover::FailoverWorkload;
 use schedule::Nemesis;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -128,7 +130,7 @@ impl Row {
 
     fn print(&self) {
         println!(
-            "| {:<15} | {:<26} | {:>6} | {:>10} | {:>10} | {:>9} | {:>9} | {:>4} | {:>10} | {:>15} | {:>5} | {:>13} | {:>15} | {:>14} | {:<4} |",
+            "| {:<15} | {:<32} | {:>6} | {:>10} | {:>10} | {:>9} | {:>9} | {:>4} | {:>10} | {:>15} | {:>5} | {:>13} | {:>15} | {:>14} | {:<4} |",
             self.schedule,
             self.queue,
             self.faults,
@@ -150,10 +152,10 @@ impl Row {
 
 fn header() {
     println!(
-        "| schedule        | queue                      | faults | reconnects | operations | published | confirmed | lost | duplicated | never-published | order | two-primaries | minority-served | unavailable ms | ok   |"
+        "| schedule        | queue                            | faults | reconnects | operations | published | confirmed | lost | duplicated | never-published | order | two-primaries | minority-served | unavailable ms | ok   |"
     );
     println!(
-        "|-----------------|----------------------------|--------|------------|------------|-----------|-----------|------|------------|-----------------|-------|---------------|-----------------|----------------|------|"
+        "|-----------------|----------------------------------|--------|------------|------------|-----------|-----------|------|------------|-----------------|-------|---------------|-----------------|----------------|------|"
     );
 }
 
@@ -250,6 +252,42 @@ fn sample_primaries(
     }
 }
 
+/// One queue's clients: plain AMQP connections (lapin) or the failover client's sessions.
+enum Load {
+    Plain(Workload),
+    Failover(FailoverWorkload),
+}
+
+impl Load {
+    fn history(&self) -> Arc<Mutex<History>> {
+        match self {
+            Load::Plain(w) => Arc::clone(&w.history),
+            Load::Failover(w) => Arc::clone(&w.history),
+        }
+    }
+
+    fn reconnects(&self) -> Arc<AtomicU64> {
+        match self {
+            Load::Plain(w) => Arc::clone(&w.reconnects),
+            Load::Failover(w) => Arc::clone(&w.reconnects),
+        }
+    }
+
+    async fn drain(&mut self, quiet: Duration) {
+        match self {
+            Load::Plain(w) => w.drain(quiet).await,
+            Load::Failover(w) => w.drain(quiet).await,
+        }
+    }
+
+    async fn finish(self) -> Arc<Mutex<History>> {
+        match self {
+            Load::Plain(w) => w.finish().await,
+            Load::Failover(w) => w.finish().await,
+        }
+    }
+}
+
 /// The first member seen to claim each queue's primary in each configuration.
 #[derive(Default)]
 struct PrimaryLedger {
@@ -331,16 +369,31 @@ fn main() {
             continue;
         }
         let mut rng = Rng(args.seed ^ ((i as u64 + 1) << 32));
-        let queues: Vec<(String, i64)> = [1, 2]
+        let mut queues: Vec<(String, i64)> = [1, 2]
             .into_iter()
             .map(|k| (format!("faults-{}-k{k}", nemesis.name()), k))
             .collect();
-        let workloads: Vec<Workload> = queues
+        let mut workloads: Vec<Load> = queues
             .iter()
             .map(|(q, k)| {
-                runtime.block_on(Workload::start(uris.clone(), q.clone(), *k, 2, rng.clone()))
+                Load::Plain(runtime.block_on(Workload::start(
+                    uris.clone(),
+                    q.clone(),
+                    *k,
+                    2,
+                    rng.clone(),
+                )))
             })
             .collect();
+        let failover_queue = format!("faults-{}-failover", nemesis.name());
+        let first = usize::try_from(rng.clone().next() % uris.len() as u64).unwrap_or(0);
+        workloads.push(Load::Failover(runtime.block_on(FailoverWorkload::start(
+            uris.clone(),
+            failover_queue.clone(),
+            1,
+            first,
+        ))));
+        queues.push((failover_queue, 1));
         let stop = Arc::new(AtomicBool::new(false));
         let two_primaries = Arc::new(AtomicU64::new(0));
         let sampler = {
@@ -354,7 +407,7 @@ fn main() {
         };
         std::thread::sleep(Duration::from_secs(3));
         let mut probes = 0;
-        let history = Arc::clone(&workloads[0].history);
+        let history = workloads[0].history();
         let mut probe = |m: &cluster::Member| {
             probes += 1;
             let id = format!("probe-{}-{probes}", nemesis.name());
@@ -380,10 +433,11 @@ fn main() {
         let _ = sampler.join();
         let quiet = Duration::from_secs(if args.short { 15 } else { 30 });
         for (mut w, (q, _)) in workloads.into_iter().zip(&queues) {
-            let reconnects = Arc::clone(&w.reconnects);
+            let reconnects = w.reconnects();
             runtime.block_on(w.drain(quiet));
             let undelivered = {
-                let h = w.history.lock().unwrap();
+                let history = w.history();
+                let h = history.lock().unwrap();
                 h.confirmed.iter().any(|id| !h.delivered.contains_key(id))
             };
             if undelivered {

@@ -15,9 +15,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// Publishes awaited at a time per publisher.
-const WINDOW: usize = 10;
+pub const WINDOW: usize = 10;
 /// A confirm not back within this is indeterminate (not counted as confirmed).
-const CONFIRM_LIMIT: Duration = Duration::from_secs(10);
+pub const CONFIRM_LIMIT: Duration = Duration::from_secs(10);
 /// A consumer with no delivery for this long subscribes again (on another member).
 const IDLE_RESUBSCRIBE: Duration = Duration::from_secs(5);
 
@@ -43,6 +43,41 @@ pub struct History {
     pub confirmed_at: HashMap<String, std::time::SystemTime>,
     /// The member each publisher connection (`P:E`) went to.
     pub connections: HashMap<String, String>,
+}
+
+impl History {
+    /// Publisher confirmed `id`; `last_confirm` is when its previous confirm came (the
+    /// longest gap between two is the publisher's unavailability).
+    pub fn confirmed(&mut self, id: String, last_confirm: &mut Instant) {
+        self.confirmed_at
+            .insert(id.clone(), std::time::SystemTime::now());
+        self.confirmed.insert(id);
+        self.operations += 1;
+        self.longest_gap = self.longest_gap.max(last_confirm.elapsed());
+        *last_confirm = Instant::now();
+    }
+
+    /// A consumer got `id` (`P:E-SEQ`); a first delivery (not `redelivered`, and the first
+    /// time the id comes: a second copy of a message published twice is counted as
+    /// duplicated, not as out of order) that comes after a later one of its channel breaks
+    /// the order the broker promises.
+    pub fn delivered(&mut self, id: &str, redelivered: bool) {
+        self.operations += 1;
+        let times = self.delivered.entry(id.to_owned()).or_default();
+        *times += 1;
+        if *times == 1
+            && !redelivered
+            && let Some((channel, s)) = id.split_once('-')
+            && let Ok(s) = s.parse::<u64>()
+        {
+            let highest = self.highest_first.entry(channel.to_owned()).or_default();
+            let violated = s < *highest;
+            *highest = (*highest).max(s);
+            if violated {
+                self.order_violations += 1;
+            }
+        }
+    }
 }
 
 /// A seeded xorshift, so that a schedule's choices rerun exactly.
@@ -140,20 +175,7 @@ impl Workload {
                 p.abort();
             }
         }
-        let mut last = (0, Instant::now());
-        loop {
-            tokio::time::sleep(Duration::from_millis(200)).await;
-            let h = self.history.lock().unwrap();
-            let delivered = h.delivered.len();
-            if h.confirmed.iter().all(|id| h.delivered.contains_key(id)) && delivered > 0 {
-                break;
-            }
-            if delivered != last.0 {
-                last = (delivered, Instant::now());
-            } else if last.1.elapsed() > quiet {
-                break;
-            }
-        }
+        wait_for_deliveries(&self.history, quiet).await;
     }
 
     /// Stops the consumer; the history is complete.
@@ -161,6 +183,25 @@ impl Workload {
         self.stop_consuming.store(true, Ordering::SeqCst);
         let _ = tokio::time::timeout(Duration::from_secs(15), self.consumer).await;
         self.history
+    }
+}
+
+/// Returns once every id `history` has confirmed was delivered, or nothing new was delivered
+/// for `quiet`.
+pub async fn wait_for_deliveries(history: &Mutex<History>, quiet: Duration) {
+    let mut last = (0, Instant::now());
+    loop {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let h = history.lock().unwrap();
+        let delivered = h.delivered.len();
+        if h.confirmed.iter().all(|id| h.delivered.contains_key(id)) && delivered > 0 {
+            break;
+        }
+        if delivered != last.0 {
+            last = (delivered, Instant::now());
+        } else if last.1.elapsed() > quiet {
+            break;
+        }
     }
 }
 
@@ -176,7 +217,7 @@ async fn connect(uri: &str) -> Option<Connection> {
     }
 }
 
-async fn declare(uris: &[String], queue: &str, k: i64) {
+pub async fn declare(uris: &[String], queue: &str, k: i64) {
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut args = FieldTable::default();
     args.insert("qpid.cluster.backups".into(), AMQPValue::LongLongInt(k));
@@ -281,13 +322,7 @@ async fn publisher(producer: usize, client: Client) {
             for (id, confirm) in window {
                 match tokio::time::timeout(CONFIRM_LIMIT, confirm).await {
                     Ok(Ok(c)) if c.is_ack() => {
-                        let mut h = history.lock().unwrap();
-                        h.confirmed_at
-                            .insert(id.clone(), std::time::SystemTime::now());
-                        h.confirmed.insert(id);
-                        h.operations += 1;
-                        h.longest_gap = h.longest_gap.max(last_confirm.elapsed());
-                        last_confirm = Instant::now();
+                        history.lock().unwrap().confirmed(id, &mut last_confirm);
                     }
                     Ok(Ok(_)) => {}
                     _ => failed = true,
@@ -372,22 +407,7 @@ async fn consumer(client: Client) {
             };
             last_delivery = Instant::now();
             let id = String::from_utf8_lossy(&d.data).into_owned();
-            {
-                let mut h = history.lock().unwrap();
-                h.operations += 1;
-                *h.delivered.entry(id.clone()).or_default() += 1;
-                if !d.redelivered
-                    && let Some((channel, s)) = id.split_once('-')
-                    && let Ok(s) = s.parse::<u64>()
-                {
-                    let highest = h.highest_first.entry(channel.to_owned()).or_default();
-                    let violated = s < *highest;
-                    *highest = (*highest).max(s);
-                    if violated {
-                        h.order_violations += 1;
-                    }
-                }
-            }
+            history.lock().unwrap().delivered(&id, d.redelivered);
             // Bounded: an ack on a connection that died without lapin noticing never ends.
             let acked =
                 tokio::time::timeout(Duration::from_secs(5), d.ack(BasicAckOptions::default()))

@@ -1,0 +1,204 @@
+//! The failover-aware client (`ringmq-client`, docs/sessions.md) as a workload: one publisher
+//! and one consumer, each one session that the client moves between the members by itself
+//! (known-hosts, resume), on a queue of its own. The same checkers read its history: nothing
+//! confirmed lost, nothing delivered that was never sent, first deliveries in order. Here
+//! `duplicated` counts deliveries the *application* saw twice: the client hides a redelivery
+//! where it can prove it had it, but across the loss of the member holding the session
+//! delivery is at least once (docs/sessions.md §4), so duplicates are reported, not failed.
+
+use crate::workload::{CONFIRM_LIMIT, History, WINDOW, debug, declare, wait_for_deliveries};
+use ringmq_client::{Client, Config, Properties};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// A consumer session with no delivery for this long starts a new session: the client should
+/// have re-created its consumer after a failover, and the suite must not wait for ever if it
+/// did not (the broker's consumers are checked by the lost checker either way).
+const IDLE_NEW_SESSION: Duration = Duration::from_secs(15);
+
+/// The failover client's publisher and consumer on one queue.
+pub struct FailoverWorkload {
+    pub history: Arc<Mutex<History>>,
+    stop_publishing: Arc<AtomicBool>,
+    stop_consuming: Arc<AtomicBool>,
+    publisher: tokio::task::JoinHandle<()>,
+    consumer: tokio::task::JoinHandle<()>,
+    /// Failovers the client made, and sessions it had to start anew.
+    pub reconnects: Arc<AtomicU64>,
+}
+
+impl FailoverWorkload {
+    /// Declares `queue` (durable, `k` backups) and starts the two sessions, each first on a
+    /// member of `uris` picked by `first`.
+    pub async fn start(uris: Vec<String>, queue: String, k: i64, first: usize) -> Self {
+        declare(&uris, &queue, k).await;
+        let history = Arc::new(Mutex::new(History::default()));
+        let stop_publishing = Arc::new(AtomicBool::new(false));
+        let stop_consuming = Arc::new(AtomicBool::new(false));
+        let reconnects = Arc::new(AtomicU64::new(0));
+        let rotated = |by: usize| {
+            let mut u = uris.clone();
+            u.rotate_left(by % uris.len());
+            u
+        };
+        let publisher = tokio::spawn(publisher(Session {
+            uris: rotated(first),
+            queue: queue.clone(),
+            history: Arc::clone(&history),
+            stop: Arc::clone(&stop_publishing),
+            reconnects: Arc::clone(&reconnects),
+        }));
+        let consumer = tokio::spawn(consumer(Session {
+            uris: rotated(first + 1),
+            queue,
+            history: Arc::clone(&history),
+            stop: Arc::clone(&stop_consuming),
+            reconnects: Arc::clone(&reconnects),
+        }));
+        FailoverWorkload {
+            history,
+            stop_publishing,
+            stop_consuming,
+            publisher,
+            consumer,
+            reconnects,
+        }
+    }
+
+    /// As [`crate::workload::Workload::drain`].
+    pub async fn drain(&mut self, quiet: Duration) {
+        self.stop_publishing.store(true, Ordering::SeqCst);
+        if tokio::time::timeout(Duration::from_secs(30), &mut self.publisher)
+            .await
+            .is_err()
+        {
+            eprintln!("faults: the failover publisher did not stop within 30 s: aborted");
+            self.publisher.abort();
+        }
+        wait_for_deliveries(&self.history, quiet).await;
+    }
+
+    /// Stops the consumer; the history is complete.
+    pub async fn finish(self) -> Arc<Mutex<History>> {
+        self.stop_consuming.store(true, Ordering::SeqCst);
+        let _ = tokio::time::timeout(Duration::from_secs(15), self.consumer).await;
+        self.history
+    }
+}
+
+/// What a session task needs.
+struct Session {
+    uris: Vec<String>,
+    queue: String,
+    history: Arc<Mutex<History>>,
+    stop: Arc<AtomicBool>,
+    reconnects: Arc<AtomicU64>,
+}
+
+/// A client on `uris`: a short session timeout would end sessions the suite's faults only
+/// interrupt, so the default (60 s) stays.
+async fn connect(uris: &[String], what: &str) -> Option<Client> {
+    match Client::connect(Config::new(uris.iter().cloned())).await {
+        Ok(c) => Some(c),
+        Err(e) => {
+            debug(&format!("failover {what}: no session: {e}"));
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            None
+        }
+    }
+}
+
+/// Publishes windows of [`WINDOW`] persistent messages with confirms, ids `F:S-SEQ` (`S` the
+/// session: the order holds along one session, across its failovers).
+async fn publisher(s: Session) {
+    let mut session = 0u64;
+    let mut last_confirm = Instant::now();
+    while !s.stop.load(Ordering::SeqCst) {
+        let Some(client) = connect(&s.uris, "publisher").await else {
+            continue;
+        };
+        session += 1;
+        let mut seq = 0u64;
+        if let Ok(ch) = client.channel().await
+            && ch.confirm_select().await.is_ok()
+        {
+            'publishing: while !s.stop.load(Ordering::SeqCst) {
+                let mut window = Vec::with_capacity(WINDOW);
+                for _ in 0..WINDOW {
+                    seq += 1;
+                    let id = format!("F:{session}-{seq}");
+                    s.history.lock().unwrap().attempted.insert(id.clone());
+                    let props = Properties::default().with_delivery_mode(2);
+                    match ch.publish("", &s.queue, props, id.clone().into_bytes()) {
+                        Ok(confirm) => window.push((id, confirm)),
+                        Err(_) => break,
+                    }
+                }
+                let mut failed = window.len() < WINDOW;
+                for (id, confirm) in window {
+                    match tokio::time::timeout(CONFIRM_LIMIT, confirm.wait()).await {
+                        Ok(Ok(true)) => s.history.lock().unwrap().confirmed(id, &mut last_confirm),
+                        Ok(Ok(false)) => {}
+                        _ => failed = true,
+                    }
+                }
+                if failed {
+                    break 'publishing;
+                }
+            }
+        }
+        s.reconnects
+            .fetch_add(client.failovers() + 1, Ordering::Relaxed);
+        let _ = tokio::time::timeout(Duration::from_secs(2), client.close()).await;
+    }
+}
+
+/// Consumes with manual acks (prefetch 50), each delivery acked at once.
+async fn consumer(s: Session) {
+    while !s.stop.load(Ordering::SeqCst) {
+        let Some(client) = connect(&s.uris, "consumer").await else {
+            continue;
+        };
+        let setup = async {
+            let ch = client.channel().await?;
+            ch.qos(50).await?;
+            let consumer = ch.consume(&s.queue, "faults-failover", false).await?;
+            Ok::<_, ringmq_client::Error>((ch, consumer))
+        };
+        match tokio::time::timeout(Duration::from_secs(10), setup).await {
+            Ok(Ok((ch, mut consumer))) => {
+                let mut last_delivery = Instant::now();
+                while !s.stop.load(Ordering::SeqCst) {
+                    match tokio::time::timeout(Duration::from_millis(500), consumer.next()).await {
+                        Err(_) if last_delivery.elapsed() > IDLE_NEW_SESSION => {
+                            debug("failover consumer idle: a new session");
+                            break;
+                        }
+                        Err(_) => {}
+                        Ok(None) => {
+                            debug("failover consumer's session ended");
+                            break;
+                        }
+                        Ok(Some(d)) => {
+                            last_delivery = Instant::now();
+                            let id = String::from_utf8_lossy(&d.body).into_owned();
+                            s.history.lock().unwrap().delivered(&id, d.redelivered);
+                            if ch.ack(d.delivery_tag, false).is_err() {
+                                break;
+                            }
+                        }
+                    }
+                }
+            }
+            Ok(Err(e)) => {
+                debug(&format!("failover consumer: {e}"));
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(_) => eprintln!("faults: failover consumer: no consume-ok within 10 s"),
+        }
+        s.reconnects
+            .fetch_add(client.failovers() + 1, Ordering::Relaxed);
+        let _ = tokio::time::timeout(Duration::from_secs(2), client.close()).await;
+    }
+}
