@@ -85,13 +85,20 @@ impl ForwardTracker {
         self.changed.notify_one();
     }
 
-    /// Whether a primary refused any of the forwards `first..=last` (all answered); forgets
-    /// the refusals up to `last`, whose publishes' confirms are decided now.
+    /// Whether any of the forwards `first..=last` (all answered) is not known to be in its
+    /// primary's queues: a primary refused it, or it failed (the link went before the
+    /// answer: from the first failure on, every forward counts as failed). Forgets the
+    /// refusals up to `last`, whose publishes' confirms are decided now — as nacks when
+    /// this is true, which a session remembers, so that a resent duplicate of such a publish
+    /// is nacked too and sent again, never acked for a message no queue took (found by the
+    /// fault suite's failover-client workload: a batch decided while its forward's failure
+    /// was not yet acted on was acked on resume).
     pub fn refused(&self, first: u64, last: u64) -> bool {
         let mut s = self.state.lock();
-        let any = s.refused.range(first..=last).next().is_some();
+        let refused = s.refused.range(first..=last).next().is_some();
+        let failed = s.failure.as_ref().is_some_and(|(f, _)| *f <= last);
         s.refused = s.refused.split_off(&(last + 1));
-        any
+        refused || failed
     }
 
     /// How many forwards were issued.
@@ -453,5 +460,20 @@ mod tests {
         t.settle(c, ForwardOutcome::Failed("gone".into()));
         assert_eq!(t.status().answered_through, 4);
         assert_eq!(t.status().failure, Some((3, "gone".to_owned())));
+    }
+
+    #[test]
+    fn a_failed_forward_and_every_later_one_decide_as_not_taken() {
+        let t = ForwardTracker::default();
+        let (a, b, c) = (t.issue(), t.issue(), t.issue());
+        t.settle(a, ForwardOutcome::Confirmed);
+        t.settle(b, ForwardOutcome::Failed("link closed".into()));
+        t.settle(c, ForwardOutcome::Confirmed);
+        assert!(!t.refused(a, a), "before the failure: confirmed");
+        assert!(t.refused(b, b), "the failed one is not known to be stored");
+        assert!(
+            t.refused(c, c),
+            "after the first failure nothing is trusted (the connection is abandoning)"
+        );
     }
 }

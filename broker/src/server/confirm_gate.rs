@@ -109,10 +109,17 @@ impl ConfirmGate {
         self.held.iter().any(|(_, c)| c.lease)
     }
 
-    /// Forgets every held stretch: the connection drops the output they cover (see
-    /// `Connection::abandon_unconfirmed`) and writes only what it may release now.
-    pub fn abandon(&mut self) {
-        self.held.clear();
+    /// Forward `failed` of the connection failed: the held stretches that wait for it (or a
+    /// later one) are dropped, with everything written after the first of them — returns
+    /// how many bytes of the buffer stay (`None`: none waits for it, all stay). The
+    /// stretches before it stay held for their own conditions: a confirm that waits for its
+    /// fsync, its backups or the lease still waits (see `Connection::abandon_unconfirmed`).
+    pub fn abandon_from(&mut self, failed: u64) -> Option<usize> {
+        let first = self.held.iter().position(|(_, c)| c.forwards >= failed)?;
+        let keep = first.checked_sub(1).map_or(0, |i| self.held[i].0);
+        self.held.truncate(first);
+        self.releasable = self.releasable.min(keep);
+        Some(keep)
     }
 
     /// `written` bytes from the front of the buffer went out: shifts the held stretches.
@@ -150,6 +157,36 @@ mod tests {
             replicated: 0,
             lease: false,
         })
+    }
+
+    #[test]
+    fn a_failed_forward_drops_what_waits_for_it_and_keeps_the_rest_held() {
+        let mut gate = ConfirmGate::default();
+        let cond = |journal_seq, forwards| {
+            Some(Conditions {
+                journal_seq,
+                forwards,
+                replicated: 0,
+                lease: false,
+            })
+        };
+        gate.hold(10, cond(5, 1));
+        gate.hold(20, cond(5, 2));
+        gate.hold(30, cond(6, 3));
+        assert_eq!(gate.abandon_from(2), Some(10), "from the second stretch on");
+        let progress = |journal_synced| Progress {
+            journal_synced,
+            forwards_confirmed: 1,
+            replicas_acked: 0,
+            lease_held: true,
+        };
+        assert_eq!(
+            gate.release(10, progress(4)),
+            0,
+            "the first still waits for its fsync"
+        );
+        assert_eq!(gate.release(10, progress(5)), 10);
+        assert_eq!(gate.abandon_from(9), None, "nothing waits for it");
     }
 
     #[test]

@@ -264,17 +264,13 @@ impl Connection {
     /// A forwarded publish was not confirmed by its primary (`failed` is its number): what
     /// the output held for it and after it never leaves — no confirm for a message that
     /// may be lost — and the connection closes with 320 and the reason, so the publisher
-    /// knows its unconfirmed publishes need sending again.
+    /// knows its unconfirmed publishes need sending again. What was held before it still
+    /// waits for its own conditions (it used to be let go at once, a confirm before its
+    /// fsync or its backups).
     pub(super) fn abandon_unconfirmed(&mut self, failed: u64, reason: &str) {
-        let progress = crate::server::confirm_gate::Progress {
-            journal_synced: u64::MAX,
-            forwards_confirmed: failed - 1,
-            replicas_acked: u64::MAX,
-            lease_held: self.lease_held_now(),
-        };
-        let keep = self.gate.release(self.writer.len(), progress);
-        self.gate.abandon();
-        self.writer.truncate(keep);
+        if let Some(keep) = self.gate.abandon_from(failed) {
+            self.writer.truncate(keep);
+        }
         self.connection_error(ConnError::new(
             codes::CONNECTION_FORCED,
             format!("a publish could not be handed to its queue's primary: {reason}"),
