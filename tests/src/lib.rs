@@ -86,14 +86,38 @@ impl Ports {
     }
 }
 
-/// A 127.0.0.1 port the OS hands out: bound to port 0, read, and released. Another process
-/// may take it before the broker binds it (a small race the tests accept); ports handed out
-/// this way are not handed out again at once.
+/// The ports [`free_port`] picks from: below the kernel's ephemeral range (32768–60999 by
+/// default), which outgoing connections take their source ports from. A member that a test
+/// kills and starts again on its ports leaves them free meanwhile; in the ephemeral range any
+/// of the thousands of connections the other tests open could take one as its source port,
+/// and the restarted member could not bind it (seen once in CI: a member exited at start).
+const TEST_PORTS: std::ops::Range<u16> = 20_000..32_000;
+
+/// A free 127.0.0.1 port from [`TEST_PORTS`], picked at random and checked by binding it,
+/// then released. Another test may take it before the broker binds it (a small race the
+/// tests accept: one pick in 12,000).
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("the OS hands out a loopback port")
-        .port()
+    static PICKS: AtomicU32 = AtomicU32::new(0);
+    let clock = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos() as u64;
+    let mut x = clock ^ (u64::from(std::process::id()) << 32);
+    for _ in 0..10_000 {
+        // splitmix64: a well-spread sequence from the process, the clock and the pick.
+        x = x
+            .wrapping_add(0x9e37_79b9_7f4a_7c15 ^ u64::from(PICKS.fetch_add(1, Ordering::Relaxed)));
+        let mut z = x;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^= z >> 31;
+        let span = u64::from(TEST_PORTS.end - TEST_PORTS.start);
+        let port = TEST_PORTS.start + u16::try_from(z % span).expect("within the span");
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free 127.0.0.1 port in {TEST_PORTS:?}")
 }
 
 impl Broker {
@@ -240,6 +264,9 @@ impl Broker {
             .arg("--config")
             .arg(&config)
             .env("RINGMQ_LOG", "info,openraft=warn")
+            // A member that fails shows why in the last lines of its log, not a backtrace.
+            .env("RUST_BACKTRACE", "0")
+            .env("RUST_LIB_BACKTRACE", "0")
             // The default PBKDF2 cost (600,000 iterations) takes over a second per password
             // in a debug build; a test that cares sets password_hash_iterations in its YAML.
             .envs((!yaml_sets_iterations).then(|| {

@@ -55,6 +55,8 @@ pub enum Nemesis {
     KillPrimary,
     /// kill -9 of a minority (1 of 3, 2 of 5) at once.
     KillMinority,
+    /// SIGSTOP of a random member for longer than the lease, then SIGCONT.
+    PauseOne,
     /// SIGSTOP of the queue's primary for longer than the lease, then SIGCONT.
     PausePrimary,
     /// One member cut off from the others (a minority), then healed.
@@ -69,7 +71,7 @@ pub enum Nemesis {
 
 impl Nemesis {
     /// Every schedule, in the order the suite runs them.
-    pub const ALL: [Nemesis; 8] = [
+    pub const ALL: [Nemesis; 9] = [
         Nemesis::KillOne,
         Nemesis::KillPrimary,
         Nemesis::KillMinority,
@@ -78,6 +80,8 @@ impl Nemesis {
         Nemesis::IsolatePrimary,
         Nemesis::Bridge,
         Nemesis::KillAll,
+        // Last, so that the seeds recorded for the others rerun the same choices.
+        Nemesis::PauseOne,
     ];
 
     pub fn name(self) -> &'static str {
@@ -85,6 +89,7 @@ impl Nemesis {
             Nemesis::KillOne => "kill-one",
             Nemesis::KillPrimary => "kill-primary",
             Nemesis::KillMinority => "kill-minority",
+            Nemesis::PauseOne => "pause-one",
             Nemesis::PausePrimary => "pause-primary",
             Nemesis::IsolateOne => "isolate-one",
             Nemesis::IsolatePrimary => "isolate-primary",
@@ -165,8 +170,12 @@ impl Nemesis {
                     members[(first + i) % n].kill();
                 }
             }
-            Nemesis::PausePrimary => {
-                let p = primary(rng);
+            Nemesis::PauseOne | Nemesis::PausePrimary => {
+                let p = if self == Nemesis::PauseOne {
+                    random(rng)
+                } else {
+                    primary(rng)
+                };
                 p.pause();
                 std::thread::sleep(fault_for);
                 p.resume();
