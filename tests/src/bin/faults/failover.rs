@@ -152,6 +152,7 @@ async fn publisher(s: Session) {
             .fetch_add(client.failovers() + 1, Ordering::Relaxed);
         let _ = tokio::time::timeout(Duration::from_secs(2), client.close()).await;
     }
+    s.history.lock().unwrap().stopped(last_confirm);
 }
 
 /// Consumes with manual acks (prefetch 50), each delivery acked at once.

@@ -57,6 +57,12 @@ impl History {
         *last_confirm = Instant::now();
     }
 
+    /// A publisher stopped; its last confirm came at `last_confirm`. A publisher that got no
+    /// confirm for the rest of the schedule was unavailable that long too.
+    pub fn stopped(&mut self, last_confirm: Instant) {
+        self.longest_gap = self.longest_gap.max(last_confirm.elapsed());
+    }
+
     /// A consumer got `id` (`P:E-SEQ`); a first delivery (not `redelivered`, and the first
     /// time the id comes: a second copy of a message published twice is counted as
     /// duplicated, not as out of order) that comes after a later one of its channel breaks
@@ -339,6 +345,7 @@ async fn publisher(producer: usize, client: Client) {
         )
         .await;
     }
+    history.lock().unwrap().stopped(last_confirm);
 }
 
 async fn consumer(client: Client) {
