@@ -97,17 +97,16 @@ const TEST_PORTS: std::ops::Range<u16> = 20_000..32_000;
 /// then released. Another test may take it before the broker binds it (a small race the
 /// tests accept: one pick in 12,000).
 pub fn free_port() -> u16 {
-    static PICKS: AtomicU32 = AtomicU32::new(0);
-    let clock = std::time::SystemTime::now()
+    static CALLS: AtomicU32 = AtomicU32::new(0);
+    let seed = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap_or_default()
-        .as_nanos() as u64;
-    let mut x = clock ^ (u64::from(std::process::id()) << 32);
-    for _ in 0..10_000 {
-        // splitmix64: a well-spread sequence from the process, the clock and the pick.
-        x = x
-            .wrapping_add(0x9e37_79b9_7f4a_7c15 ^ u64::from(PICKS.fetch_add(1, Ordering::Relaxed)));
-        let mut z = x;
+        .as_nanos() as u64
+        ^ (u64::from(std::process::id()) << 32)
+        ^ (u64::from(CALLS.fetch_add(1, Ordering::Relaxed)) << 48);
+    for pick in 1..=10_000u64 {
+        // splitmix64: well-spread picks from the process, the clock and the call.
+        let mut z = seed.wrapping_add(pick.wrapping_mul(0x9e37_79b9_7f4a_7c15));
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
         z ^= z >> 31;

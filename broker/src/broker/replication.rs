@@ -126,8 +126,6 @@ impl Broker {
             v.set_queue_home(queue, &roles.primary);
         }
         let primary_here = serving.is_some_and(|r| Some(r.primary.as_str()) == me.as_deref());
-        let backup_here =
-            serving.is_some_and(|r| me.as_ref().is_some_and(|me| r.backups.contains(me)));
         let replicated = serving.is_some_and(|r| !r.backups.is_empty());
         v.set_replicated(queue, primary_here && replicated);
         let set = serving
@@ -158,9 +156,7 @@ impl Broker {
         }
         // Neither primary nor backup (B4): the copy serves nobody and no confirm counts on
         // it. Only once this incarnation is live — see `ClusterHost::started`.
-        if serving.is_some()
-            && !primary_here
-            && !backup_here
+        if serving.is_some_and(|r| me.as_deref().is_some_and(|me| !r.holds_copy(me)))
             && self.cluster().is_some_and(|c| c.is_live())
         {
             let dropped = v.drop_replica(queue, &mut fx);
@@ -183,7 +179,7 @@ impl Broker {
             return;
         };
         for (vhost, queue, r) in roles.iter() {
-            if !r.unavailable && r.primary != me && !r.backups.contains(&me) {
+            if !r.holds_copy(&me) {
                 self.apply_roles(vhost, queue, Some(r));
             }
         }

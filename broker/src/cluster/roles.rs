@@ -128,6 +128,11 @@ impl QueueRoles {
         self.reconcile(ring);
     }
 
+    /// Whether `node` holds a copy of the queue by these roles: its primary or a backup.
+    pub fn holds_copy(&self, node: &str) -> bool {
+        self.primary == node || self.backups.iter().any(|b| b == node)
+    }
+
     /// `node` caught up: in sync from now on, if it is still a backup (else nothing changes;
     /// returns whether it did).
     pub fn mark_in_sync(&mut self, node: &str) -> bool {

@@ -455,15 +455,7 @@ impl Cpg {
     ///
     /// [`Lease::reachable`]: super::lease::Lease::reachable
     pub fn voters_reachable(&self) -> (usize, usize) {
-        let voters: Vec<MemberId> = self
-            .inner
-            .raft
-            .metrics()
-            .borrow()
-            .membership_config
-            .membership()
-            .voter_ids()
-            .collect();
+        let voters = self.voter_ids();
         let within = Duration::from_millis(self.inner.config.failure_timeout_ms);
         let reachable =
             self.inner
@@ -589,6 +581,11 @@ impl Cpg {
     /// the cluster removes them (only from even sets of four or more, see `docs/cpg.md`), so
     /// after a crash the cluster is back to full strength once this is back to its size.
     pub fn voter_count(&self) -> usize {
+        self.voter_ids().len()
+    }
+
+    /// The voters of the newest membership this member knows.
+    fn voter_ids(&self) -> Vec<MemberId> {
         self.inner
             .raft
             .metrics()
@@ -596,7 +593,7 @@ impl Cpg {
             .membership_config
             .membership()
             .voter_ids()
-            .count()
+            .collect()
     }
 
     /// Why the member stopped, once it has.

@@ -87,13 +87,11 @@ impl ForwardTracker {
 
     /// Whether any of the forwards `first..=last` (all answered) is not known to be in its
     /// primary's queues: a primary refused it, or it failed (the link went before the
-    /// answer: from the first failure on, every forward counts as failed). Forgets the
-    /// refusals up to `last`, whose publishes' confirms are decided now — as nacks when
-    /// this is true, which a session remembers, so that a resent duplicate of such a publish
-    /// is nacked too and sent again, never acked for a message no queue took (found by the
-    /// fault suite's failover-client workload: a batch decided while its forward's failure
-    /// was not yet acted on was acked on resume).
-    pub fn refused(&self, first: u64, last: u64) -> bool {
+    /// answer; from the first failure on, every forward counts as failed). Forgets the
+    /// refusals up to `last`, whose publishes' confirms are decided now — as nacks when this
+    /// is true, which a session remembers, so a resent duplicate is nacked too (B8 in
+    /// docs/reliability.md).
+    pub fn not_taken(&self, first: u64, last: u64) -> bool {
         let mut s = self.state.lock();
         let refused = s.refused.range(first..=last).next().is_some();
         let failed = s.failure.as_ref().is_some_and(|(f, _)| *f <= last);
@@ -453,9 +451,9 @@ mod tests {
             None,
             "a refusal is an answer, not a failure"
         );
-        assert!(!t.refused(a, a));
-        assert!(t.refused(b, b));
-        assert!(!t.refused(b, b), "forgotten once decided");
+        assert!(!t.not_taken(a, a));
+        assert!(t.not_taken(b, b));
+        assert!(!t.not_taken(b, b), "forgotten once decided");
         t.settle(d, ForwardOutcome::Confirmed);
         t.settle(c, ForwardOutcome::Failed("gone".into()));
         assert_eq!(t.status().answered_through, 4);
@@ -469,10 +467,13 @@ mod tests {
         t.settle(a, ForwardOutcome::Confirmed);
         t.settle(b, ForwardOutcome::Failed("link closed".into()));
         t.settle(c, ForwardOutcome::Confirmed);
-        assert!(!t.refused(a, a), "before the failure: confirmed");
-        assert!(t.refused(b, b), "the failed one is not known to be stored");
+        assert!(!t.not_taken(a, a), "before the failure: confirmed");
         assert!(
-            t.refused(c, c),
+            t.not_taken(b, b),
+            "the failed one is not known to be stored"
+        );
+        assert!(
+            t.not_taken(c, c),
             "after the first failure nothing is trusted (the connection is abandoning)"
         );
     }

@@ -397,8 +397,8 @@ mod tests {
         assert_eq!(t.status().answered_through, 0, "1 and 2 are still out");
         w.settle(2, true, &ForwardOutcome::Confirmed);
         assert_eq!(t.status().answered_through, 3);
-        assert!(t.refused(3, 3), "the nack refused its forward only");
-        assert!(!t.refused(1, 2));
+        assert!(t.not_taken(3, 3), "the nack refused its forward only");
+        assert!(!t.not_taken(1, 2));
         w.fail("gone".into());
         assert_eq!(t.status().answered_through, 4);
         assert_eq!(t.status().failure, Some((4, "gone".to_owned())));

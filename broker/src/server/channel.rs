@@ -216,18 +216,19 @@ impl ChannelCtx {
     }
 
     /// Decides the waiting confirms, in order, whose forwards were all answered by
-    /// `answered_through`: an ack unless the publish or one of its forwards was refused
-    /// (`refused(first, last)`). Returns how many it decided.
+    /// `answered_through`: an ack unless the publish was refused here or one of its forwards
+    /// is not known to be in its primary's queues (`not_taken(first, last)`: refused, or
+    /// failed). Returns how many it decided.
     pub fn decide_awaiting(
         &mut self,
         answered_through: u64,
-        mut refused: impl FnMut(u64, u64) -> bool,
+        mut not_taken: impl FnMut(u64, u64) -> bool,
     ) -> usize {
         let mut decided = 0;
         while let Some(front) = self.awaiting.front() {
             let ack = match front.forwards {
                 Some((_, last)) if last > answered_through => break,
-                Some((first, last)) => front.accepted && !refused(first, last),
+                Some((first, last)) => front.accepted && !not_taken(first, last),
                 None => front.accepted,
             };
             self.confirms.push((front.seq, ack));

@@ -140,7 +140,7 @@ impl Replicator {
             }
         }
         let answered = status.answered_through;
-        let refused = answered > 0 && tracker.refused(1, answered);
+        let refused = answered > 0 && tracker.not_taken(1, answered);
         if refused || status.failure.is_some() {
             link.broken = true;
             // A backup counted only until its mark commits is no longer awaited; one the map

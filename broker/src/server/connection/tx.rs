@@ -125,7 +125,7 @@ impl Connection {
         let tracker = &self.forwards;
         let mut waiting = false;
         for ch in self.channels.values_mut() {
-            ch.decide_awaiting(answered, |first, last| tracker.refused(first, last));
+            ch.decide_awaiting(answered, |first, last| tracker.not_taken(first, last));
             waiting |= !ch.awaiting.is_empty();
         }
         self.awaiting_confirms = waiting;

@@ -6,7 +6,7 @@
 //! where it can prove it had it, but across the loss of the member holding the session
 //! delivery is at least once (docs/sessions.md §4), so duplicates are reported, not failed.
 
-use crate::workload::{CONFIRM_LIMIT, History, WINDOW, debug, declare, wait_for_deliveries};
+use crate::workload::{CONFIRM_LIMIT, History, WINDOW, Workload, debug, declare};
 use ringmq_client::{Client, Config, Properties};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -17,74 +17,27 @@ use std::time::{Duration, Instant};
 /// did not (the broker's consumers are checked by the lost checker either way).
 const IDLE_NEW_SESSION: Duration = Duration::from_secs(15);
 
-/// The failover client's publisher and consumer on one queue.
-pub struct FailoverWorkload {
-    pub history: Arc<Mutex<History>>,
-    stop_publishing: Arc<AtomicBool>,
-    stop_consuming: Arc<AtomicBool>,
-    publisher: tokio::task::JoinHandle<()>,
-    consumer: tokio::task::JoinHandle<()>,
-    /// Failovers the client made, and sessions it had to start anew.
-    pub reconnects: Arc<AtomicU64>,
-}
-
-impl FailoverWorkload {
-    /// Declares `queue` (durable, `k` backups) and starts the two sessions, each first on a
-    /// member of `uris` picked by `first`.
-    pub async fn start(uris: Vec<String>, queue: String, k: i64, first: usize) -> Self {
-        declare(&uris, &queue, k).await;
-        let history = Arc::new(Mutex::new(History::default()));
-        let stop_publishing = Arc::new(AtomicBool::new(false));
-        let stop_consuming = Arc::new(AtomicBool::new(false));
-        let reconnects = Arc::new(AtomicU64::new(0));
-        let rotated = |by: usize| {
-            let mut u = uris.clone();
-            u.rotate_left(by % uris.len());
-            u
+/// Declares `queue` (durable, `k` backups) and starts the failover client's two sessions,
+/// each first on a member of `uris` picked by `first`. Its `reconnects` count the client's
+/// failovers and the sessions it had to start anew.
+pub async fn start(uris: Vec<String>, queue: String, k: i64, first: usize) -> Workload {
+    declare(&uris, &queue, k).await;
+    Workload::spawn(|shared| {
+        let session = |by: usize, stop: &Arc<AtomicBool>| {
+            let mut rotated = uris.clone();
+            rotated.rotate_left(by % uris.len());
+            Session {
+                uris: rotated,
+                queue: queue.clone(),
+                history: Arc::clone(&shared.history),
+                stop: Arc::clone(stop),
+                reconnects: Arc::clone(&shared.reconnects),
+            }
         };
-        let publisher = tokio::spawn(publisher(Session {
-            uris: rotated(first),
-            queue: queue.clone(),
-            history: Arc::clone(&history),
-            stop: Arc::clone(&stop_publishing),
-            reconnects: Arc::clone(&reconnects),
-        }));
-        let consumer = tokio::spawn(consumer(Session {
-            uris: rotated(first + 1),
-            queue,
-            history: Arc::clone(&history),
-            stop: Arc::clone(&stop_consuming),
-            reconnects: Arc::clone(&reconnects),
-        }));
-        FailoverWorkload {
-            history,
-            stop_publishing,
-            stop_consuming,
-            publisher,
-            consumer,
-            reconnects,
-        }
-    }
-
-    /// As [`crate::workload::Workload::drain`].
-    pub async fn drain(&mut self, quiet: Duration) {
-        self.stop_publishing.store(true, Ordering::SeqCst);
-        if tokio::time::timeout(Duration::from_secs(30), &mut self.publisher)
-            .await
-            .is_err()
-        {
-            eprintln!("faults: the failover publisher did not stop within 30 s: aborted");
-            self.publisher.abort();
-        }
-        wait_for_deliveries(&self.history, quiet).await;
-    }
-
-    /// Stops the consumer; the history is complete.
-    pub async fn finish(self) -> Arc<Mutex<History>> {
-        self.stop_consuming.store(true, Ordering::SeqCst);
-        let _ = tokio::time::timeout(Duration::from_secs(15), self.consumer).await;
-        self.history
-    }
+        let publisher = tokio::spawn(publisher(session(first, &shared.stop_publishing)));
+        let consumer = tokio::spawn(consumer(session(first + 1, &shared.stop_consuming)));
+        (vec![publisher], consumer)
+    })
 }
 
 /// What a session task needs.

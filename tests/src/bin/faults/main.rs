@@ -15,7 +15,6 @@ mod schedule;
 mod workload;
 
 use cluster::Cluster;
-use failover::FailoverWorkload;
 use schedule::Nemesis;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -252,42 +251,6 @@ fn sample_primaries(
     }
 }
 
-/// One queue's clients: plain AMQP connections (lapin) or the failover client's sessions.
-enum Load {
-    Plain(Workload),
-    Failover(FailoverWorkload),
-}
-
-impl Load {
-    fn history(&self) -> Arc<Mutex<History>> {
-        match self {
-            Load::Plain(w) => Arc::clone(&w.history),
-            Load::Failover(w) => Arc::clone(&w.history),
-        }
-    }
-
-    fn reconnects(&self) -> Arc<AtomicU64> {
-        match self {
-            Load::Plain(w) => Arc::clone(&w.reconnects),
-            Load::Failover(w) => Arc::clone(&w.reconnects),
-        }
-    }
-
-    async fn drain(&mut self, quiet: Duration) {
-        match self {
-            Load::Plain(w) => w.drain(quiet).await,
-            Load::Failover(w) => w.drain(quiet).await,
-        }
-    }
-
-    async fn finish(self) -> Arc<Mutex<History>> {
-        match self {
-            Load::Plain(w) => w.finish().await,
-            Load::Failover(w) => w.finish().await,
-        }
-    }
-}
-
 /// The first member seen to claim each queue's primary in each configuration.
 #[derive(Default)]
 struct PrimaryLedger {
@@ -373,26 +336,20 @@ fn main() {
             .into_iter()
             .map(|k| (format!("faults-{}-k{k}", nemesis.name()), k))
             .collect();
-        let mut workloads: Vec<Load> = queues
+        let mut workloads: Vec<Workload> = queues
             .iter()
             .map(|(q, k)| {
-                Load::Plain(runtime.block_on(Workload::start(
-                    uris.clone(),
-                    q.clone(),
-                    *k,
-                    2,
-                    rng.clone(),
-                )))
+                runtime.block_on(Workload::start(uris.clone(), q.clone(), *k, 2, rng.clone()))
             })
             .collect();
         let failover_queue = format!("faults-{}-failover", nemesis.name());
         let first = usize::try_from(rng.clone().next() % uris.len() as u64).unwrap_or(0);
-        workloads.push(Load::Failover(runtime.block_on(FailoverWorkload::start(
+        workloads.push(runtime.block_on(failover::start(
             uris.clone(),
             failover_queue.clone(),
             1,
             first,
-        ))));
+        )));
         queues.push((failover_queue, 1));
         let stop = Arc::new(AtomicBool::new(false));
         let two_primaries = Arc::new(AtomicU64::new(0));
@@ -407,7 +364,7 @@ fn main() {
         };
         std::thread::sleep(Duration::from_secs(3));
         let mut probes = 0;
-        let history = workloads[0].history();
+        let history = Arc::clone(&workloads[0].history);
         let mut probe = |m: &cluster::Member| {
             probes += 1;
             let id = format!("probe-{}-{probes}", nemesis.name());
@@ -433,11 +390,10 @@ fn main() {
         let _ = sampler.join();
         let quiet = Duration::from_secs(if args.short { 15 } else { 30 });
         for (mut w, (q, _)) in workloads.into_iter().zip(&queues) {
-            let reconnects = w.reconnects();
+            let reconnects = Arc::clone(&w.reconnects);
             runtime.block_on(w.drain(quiet));
             let undelivered = {
-                let history = w.history();
-                let h = history.lock().unwrap();
+                let h = w.history.lock().unwrap();
                 h.confirmed.iter().any(|id| !h.delivered.contains_key(id))
             };
             if undelivered {

@@ -103,13 +103,24 @@ impl Rng {
     }
 }
 
-/// The clients of one schedule on one queue.
+/// The clients of one schedule on one queue: plain AMQP connections ([`Workload::start`])
+/// or the failover client's sessions (`crate::failover::start`), drained and finished alike.
 pub struct Workload {
     pub history: Arc<Mutex<History>>,
     stop_publishing: Arc<AtomicBool>,
     stop_consuming: Arc<AtomicBool>,
     publishers: Vec<tokio::task::JoinHandle<()>>,
     consumer: tokio::task::JoinHandle<()>,
+    pub reconnects: Arc<AtomicU64>,
+}
+
+/// What a workload's client tasks share: the history they add to, when publishers and the
+/// consumer stop, and the count of their reconnects.
+#[derive(Clone)]
+pub struct Shared {
+    pub history: Arc<Mutex<History>>,
+    pub stop_publishing: Arc<AtomicBool>,
+    pub stop_consuming: Arc<AtomicBool>,
     pub reconnects: Arc<AtomicU64>,
 }
 
@@ -124,43 +135,52 @@ impl Workload {
         rng: Rng,
     ) -> Workload {
         declare(&uris, &queue, k).await;
-        let history = Arc::new(Mutex::new(History::default()));
-        let stop_publishing = Arc::new(AtomicBool::new(false));
-        let stop_consuming = Arc::new(AtomicBool::new(false));
-        let reconnects = Arc::new(AtomicU64::new(0));
-        let mut publishers = Vec::new();
-        for p in 0..producers {
+        Workload::spawn(|shared| {
+            let client = |stop: &Arc<AtomicBool>, rng: Rng| Client {
+                uris: uris.clone(),
+                queue: queue.clone(),
+                history: Arc::clone(&shared.history),
+                stop: Arc::clone(stop),
+                reconnects: Arc::clone(&shared.reconnects),
+                rng,
+            };
+            let publishers = (0..producers)
+                .map(|p| {
+                    let mut rng = rng.clone();
+                    rng.0 ^= (p as u64 + 1) * 0x9e37_79b9;
+                    tokio::spawn(publisher(p, client(&shared.stop_publishing, rng)))
+                })
+                .collect();
             let mut rng = rng.clone();
-            rng.0 ^= (p as u64 + 1) * 0x9e37_79b9;
-            publishers.push(tokio::spawn(publisher(
-                p,
-                Client {
-                    uris: uris.clone(),
-                    queue: queue.clone(),
-                    history: Arc::clone(&history),
-                    stop: Arc::clone(&stop_publishing),
-                    reconnects: Arc::clone(&reconnects),
-                    rng,
-                },
-            )));
-        }
-        let mut rng = rng;
-        rng.0 ^= 0x5bd1_e995;
-        let consumer = tokio::spawn(consumer(Client {
-            uris,
-            queue,
-            history: Arc::clone(&history),
-            stop: Arc::clone(&stop_consuming),
-            reconnects: Arc::clone(&reconnects),
-            rng,
-        }));
+            rng.0 ^= 0x5bd1_e995;
+            let consumer = tokio::spawn(consumer(client(&shared.stop_consuming, rng)));
+            (publishers, consumer)
+        })
+    }
+
+    /// A workload whose publishers and consumer `tasks` spawns on the state they share.
+    pub fn spawn(
+        tasks: impl FnOnce(
+            &Shared,
+        ) -> (
+            Vec<tokio::task::JoinHandle<()>>,
+            tokio::task::JoinHandle<()>,
+        ),
+    ) -> Workload {
+        let shared = Shared {
+            history: Arc::new(Mutex::new(History::default())),
+            stop_publishing: Arc::new(AtomicBool::new(false)),
+            stop_consuming: Arc::new(AtomicBool::new(false)),
+            reconnects: Arc::new(AtomicU64::new(0)),
+        };
+        let (publishers, consumer) = tasks(&shared);
         Workload {
-            history,
-            stop_publishing,
-            stop_consuming,
+            history: shared.history,
+            stop_publishing: shared.stop_publishing,
+            stop_consuming: shared.stop_consuming,
             publishers,
             consumer,
-            reconnects,
+            reconnects: shared.reconnects,
         }
     }
 
@@ -194,7 +214,7 @@ impl Workload {
 
 /// Returns once every id `history` has confirmed was delivered, or nothing new was delivered
 /// for `quiet`.
-pub async fn wait_for_deliveries(history: &Mutex<History>, quiet: Duration) {
+async fn wait_for_deliveries(history: &Mutex<History>, quiet: Duration) {
     let mut last = (0, Instant::now());
     loop {
         tokio::time::sleep(Duration::from_millis(200)).await;
