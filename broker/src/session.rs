@@ -535,6 +535,14 @@ impl Sessions {
         self.sessions.lock().contains_key(&id)
     }
 
+    /// Whether this broker holds session `id` and no connection is attached to it.
+    pub fn is_detached(&self, id: Uuid) -> bool {
+        self.sessions
+            .lock()
+            .get(&id)
+            .is_some_and(|s| s.detached_since.is_some())
+    }
+
     /// Session `id` is no longer this member's (another took it over, or the cluster ended
     /// it): removed, and returned for the caller to release what it owned.
     pub fn leave(&self, id: Uuid) -> Option<Left> {

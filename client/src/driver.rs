@@ -615,6 +615,7 @@ impl Driver {
                         last = format!("{}: no answer within {CONNECT_TIMEOUT:?}", target.addr)
                     }
                 }
+                tracing::debug!(session = %self.shared.session, attempt = %last, "resume attempt failed");
             }
             tokio::time::sleep(pause).await;
             pause = (pause * 2).min(Duration::from_millis(500));

@@ -4,12 +4,51 @@
 
 use super::Broker;
 use crate::clock::now_ms;
+use crate::cluster::OpOutcome;
 use crate::core::{Effects, WiringOp};
 use crate::session::directory::SessionOp;
 use crate::session::{Ended, Left};
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tokio::sync::oneshot;
 use uuid::Uuid;
+
+/// How long a member keeps asking for one of its session changes to be committed.
+const SESSION_COMMIT_PATIENCE: Duration = Duration::from_secs(60);
+
+/// The first pause between two asks; it doubles up to [`MAX_RETRY_PAUSE`].
+const FIRST_RETRY_PAUSE: Duration = Duration::from_millis(50);
+
+/// The longest pause between two asks.
+const MAX_RETRY_PAUSE: Duration = Duration::from_secs(1);
+
+/// Submits an op again and again (`submit` sends it once, or answers `None` when it is no
+/// longer wanted) until one is committed, pausing longer each time, for at most `patience`:
+/// the last error if none was.
+async fn until_committed(
+    mut submit: impl FnMut() -> Option<oneshot::Receiver<OpOutcome>>,
+    patience: Duration,
+) -> Result<(), String> {
+    let deadline = tokio::time::Instant::now() + patience;
+    let mut pause = FIRST_RETRY_PAUSE;
+    loop {
+        let Some(outcome) = submit() else {
+            return Ok(());
+        };
+        let error = match outcome.await {
+            Ok(Ok(_)) => return Ok(()),
+            Ok(Err(e)) => e.text,
+            Err(_) => "the cluster member stopped".to_owned(),
+        };
+        if tokio::time::Instant::now() + pause > deadline {
+            return Err(error);
+        }
+        tracing::debug!(%error, "session change not committed: asking again");
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(MAX_RETRY_PAUSE);
+    }
+}
 
 impl Broker {
     /// A session ended here (closed, or timed out): what it owned goes — its channels'
@@ -26,15 +65,31 @@ impl Broker {
     }
 
     /// Commits a change of one of this member's sessions to the cluster's directory (a
-    /// detach or an end), without waiting: a member that cannot commit has lost the
-    /// majority and is evicted, and the others detach its sessions then anyway.
-    pub fn commit_session(&self, op: SessionOp) {
-        if let Some(cluster) = self.cluster() {
+    /// detach or an end), without waiting. A commit whose outcome is unknown (the group's
+    /// leader died with it) is asked again until it is committed: until then the directory
+    /// says a connection holds the session, and every resume of it is refused with 405. Both
+    /// ops are safe to repeat (one that finds the session settled changes nothing); a detach
+    /// is asked again only while the session still waits detached here, so that a late one
+    /// cannot detach a session its client resumed here meanwhile. A member that cannot
+    /// commit for [`SESSION_COMMIT_PATIENCE`] has lost the majority and is evicted, and the
+    /// others detach its sessions then anyway.
+    pub fn commit_session(self: &Arc<Self>, op: SessionOp) {
+        if let Some(cluster) = self.cluster().cloned() {
             let id = op.id().to_owned();
-            let outcome = cluster.submit("", WiringOp::Session(op));
+            let broker = Arc::downgrade(self);
+            let mut asked = false;
+            let submit = move || {
+                let again = std::mem::replace(&mut asked, true);
+                if again && let SessionOp::Detach { id, .. } = &op {
+                    let broker = broker.upgrade()?;
+                    let uuid = Uuid::parse_str(id).ok()?;
+                    broker.sessions().is_detached(uuid).then_some(())?;
+                }
+                Some(cluster.submit("", WiringOp::Session(op.clone())))
+            };
             tokio::spawn(async move {
-                if let Ok(Err(e)) = outcome.await {
-                    tracing::warn!(session = %id, error = %e.text, "session change not committed");
+                if let Err(e) = until_committed(submit, SESSION_COMMIT_PATIENCE).await {
+                    tracing::warn!(session = %id, error = %e, "session change not committed");
                 }
             });
         }
@@ -64,7 +119,11 @@ impl Broker {
     /// [`crate::session::directory::SessionDirectory::keeper`]) and that waited detached,
     /// with no state here, for their whole timeout — a member that failed or restarted held
     /// them. `waiting` remembers since when each has waited, as this member saw it.
-    pub fn end_orphaned_sessions(&self, waiting: &mut HashMap<String, Instant>, now: Instant) {
+    pub fn end_orphaned_sessions(
+        self: &Arc<Self>,
+        waiting: &mut HashMap<String, Instant>,
+        now: Instant,
+    ) {
         let Some(cluster) = self.cluster() else {
             return;
         };
@@ -90,5 +149,51 @@ impl Broker {
             tracing::info!(session = %id, %member, "session expired without a resume after its member was lost");
             self.commit_session(SessionOp::End { id, member });
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::{AmqpError, OpReply};
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    /// A submit whose first `failures` asks end with an unknown outcome.
+    fn failing(
+        failures: u32,
+        asks: &Arc<AtomicU32>,
+    ) -> impl FnMut() -> Option<oneshot::Receiver<OpOutcome>> {
+        let asks = Arc::clone(asks);
+        move || {
+            let n = asks.fetch_add(1, Ordering::SeqCst);
+            let (tx, rx) = oneshot::channel();
+            let _ = tx.send(if n < failures {
+                Err(AmqpError::new(506, "outcome unknown: peer unreachable"))
+            } else {
+                Ok((OpReply::default(), None))
+            });
+            Some(rx)
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_session_change_whose_outcome_is_unknown_is_asked_again_until_committed() {
+        let asks = Arc::new(AtomicU32::new(0));
+        until_committed(failing(3, &asks), SESSION_COMMIT_PATIENCE)
+            .await
+            .expect("committed on the fourth ask");
+        assert_eq!(asks.load(Ordering::SeqCst), 4);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_session_change_is_given_up_after_its_patience() {
+        let asks = Arc::new(AtomicU32::new(0));
+        let started = tokio::time::Instant::now();
+        let e = until_committed(failing(u32::MAX, &asks), Duration::from_secs(5))
+            .await
+            .expect_err("never committed");
+        assert!(e.contains("outcome unknown"), "{e}");
+        assert!(started.elapsed() <= Duration::from_secs(5));
+        assert!(asks.load(Ordering::SeqCst) > 3);
     }
 }

@@ -175,7 +175,7 @@ async fn tick_loop(broker: Arc<Broker>) {
 /// Sessions whose timeout ran out without a resume end: what they owned (exclusive queues)
 /// goes, as when a connection without a session closes; on a cluster the end is committed
 /// to the session directory, and the sessions this member keeps for a lost member end too.
-fn end_expired_sessions(broker: &Broker, orphans: &mut HashMap<String, std::time::Instant>) {
+fn end_expired_sessions(broker: &Arc<Broker>, orphans: &mut HashMap<String, std::time::Instant>) {
     let now = std::time::Instant::now();
     for ended in broker.sessions().expire(now) {
         tracing::info!(session = %ended.id, owner = ended.owner, "session expired without a resume");

@@ -276,6 +276,14 @@ impl PrimaryLedger {
 
 fn main() {
     let args = parse_args();
+    // The clients' own logs (the failover client's failovers, for one), only when asked:
+    // RUST_LOG=ringmq_client=debug shows why a session took long to move.
+    if std::env::var_os("RUST_LOG").is_some() {
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_writer(std::io::stderr)
+            .init();
+    }
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         usage("needs root: it creates network namespaces and nftables rules");
