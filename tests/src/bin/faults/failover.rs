@@ -73,6 +73,7 @@ async fn publisher(s: Session) {
         };
         session += 1;
         let mut seq = 0u64;
+        let mut ended = None;
         if let Ok(ch) = client.channel().await
             && ch.confirm_select().await.is_ok()
         {
@@ -85,7 +86,10 @@ async fn publisher(s: Session) {
                     let props = Properties::default().with_delivery_mode(2);
                     match ch.publish("", &s.queue, props, id.clone().into_bytes()) {
                         Ok(confirm) => window.push((id, confirm)),
-                        Err(_) => break,
+                        Err(e) => {
+                            ended = ended.or_else(|| session_ended(e));
+                            break;
+                        }
                     }
                 }
                 let mut failed = window.len() < WINDOW;
@@ -93,7 +97,11 @@ async fn publisher(s: Session) {
                     match tokio::time::timeout(CONFIRM_LIMIT, confirm.wait()).await {
                         Ok(Ok(true)) => s.history.lock().unwrap().confirmed(id, &mut last_confirm),
                         Ok(Ok(false)) => {}
-                        _ => failed = true,
+                        Ok(Err(e)) => {
+                            ended = ended.or_else(|| session_ended(e));
+                            failed = true;
+                        }
+                        Err(_) => failed = true,
                     }
                 }
                 if failed {
@@ -101,11 +109,23 @@ async fn publisher(s: Session) {
                 }
             }
         }
+        if let Some(why) = ended {
+            eprintln!("faults: the failover client gave its publisher's session up: {why}");
+            s.history.lock().unwrap().sessions_lost += 1;
+        }
         s.reconnects
             .fetch_add(client.failovers() + 1, Ordering::Relaxed);
         let _ = tokio::time::timeout(Duration::from_secs(2), client.close()).await;
     }
     s.history.lock().unwrap().stopped(last_confirm);
+}
+
+/// Why the client gave its session up, if `e` says it did.
+fn session_ended(e: ringmq_client::Error) -> Option<String> {
+    match e {
+        ringmq_client::Error::Ended(why) => Some(why),
+        _ => None,
+    }
 }
 
 /// Consumes with manual acks (prefetch 50), each delivery acked at once.

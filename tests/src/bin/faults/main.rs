@@ -113,6 +113,7 @@ struct Row {
     two_primaries: u64,
     minority_served: u64,
     probe_blind: bool,
+    sessions_lost: u64,
     longest_gap: Duration,
     reconnects: u64,
 }
@@ -125,6 +126,7 @@ impl Row {
             && self.two_primaries == 0
             && self.minority_served == 0
             && !self.probe_blind
+            && self.sessions_lost == 0
     }
 
     fn print(&self) {
@@ -215,6 +217,7 @@ fn check(
         two_primaries,
         minority_served: outcome.minority_served,
         probe_blind: outcome.probe_blind,
+        sessions_lost: h.sessions_lost,
         longest_gap: h.longest_gap,
         reconnects,
     }

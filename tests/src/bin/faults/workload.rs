@@ -43,6 +43,10 @@ pub struct History {
     pub confirmed_at: HashMap<String, std::time::SystemTime>,
     /// The member each publisher connection (`P:E`) went to.
     pub connections: HashMap<String, String>,
+    /// Sessions of the failover client that ended under a publisher: the client could not
+    /// move them to another member within its failover limit, which the faults the suite
+    /// injects never justify (a failed row).
+    pub sessions_lost: u64,
 }
 
 impl History {
