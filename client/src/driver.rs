@@ -4,9 +4,10 @@
 
 use crate::Error;
 use crate::book::{ChannelBook, ConsumerSpec, Logged, Settle, Settled};
+use crate::recovery::{Recoveries, Refused};
 use crate::wire::{Incoming, Target, Wire};
 use amq_protocol::protocol::basic::AMQPProperties;
-use amq_protocol::protocol::{AMQPClass, basic, channel, confirm, connection};
+use amq_protocol::protocol::{AMQPClass, basic, channel, confirm, connection, queue};
 use amq_protocol::types::{AMQPValue, FieldTable};
 use bytes::{Bytes, BytesMut};
 use rand08::seq::SliceRandom;
@@ -120,6 +121,8 @@ struct Driver {
     pending: HashMap<u16, VecDeque<Pending>>,
     assembling: Option<Assembling>,
     next_channel: u16,
+    /// Consumers the broker cancelled, being created again (`crate::recovery`).
+    recoveries: Recoveries,
 }
 
 /// Connects, opens the session and starts the driver.
@@ -176,6 +179,7 @@ pub(crate) async fn start(
         pending: HashMap::new(),
         assembling: None,
         next_channel: 1,
+        recoveries: Recoveries::default(),
     };
     driver.learn(&known_hosts);
     tokio::spawn(driver.run());
@@ -272,6 +276,7 @@ impl Driver {
                         return Ended::Closed;
                     }
                 },
+                _ = at(self.recoveries.due()) => self.ask_for_cancelled_queue(),
                 _ = tick.tick() => {
                     if self.wire.heartbeat_s > 0 {
                         if last_heard.elapsed() > silence {
@@ -290,8 +295,9 @@ impl Driver {
     fn on_cmd(&mut self, cmd: Cmd) -> Option<Ended> {
         match cmd {
             Cmd::OpenChannel { reply } => {
-                let Some(id) =
-                    (self.next_channel..=self.channel_max).find(|id| !self.books.contains_key(id))
+                let scratch = self.recoveries.scratch();
+                let Some(id) = (self.next_channel..=self.channel_max)
+                    .find(|id| !self.books.contains_key(id) && Some(*id) != scratch)
                 else {
                     let _ = reply.send(Err(Error::Protocol("no channel number left".into())));
                     return None;
@@ -428,6 +434,10 @@ impl Driver {
     }
 
     fn on_method(&mut self, ch: u16, m: AMQPClass) -> Option<Ended> {
+        if Some(ch) == self.recoveries.scratch() {
+            self.on_scratch_answer(ch, m);
+            return None;
+        }
         match m {
             AMQPClass::Basic(basic::AMQPMethod::Deliver(d)) => {
                 self.assembling = Some(Assembling {
@@ -465,8 +475,20 @@ impl Driver {
                 }
             }
             AMQPClass::Basic(basic::AMQPMethod::Cancel(c)) => {
-                if let Some(book) = self.books.get_mut(&ch) {
-                    book.consumers.retain(|s| s.tag != c.consumer_tag.as_str());
+                // The broker ended a consumer the application did not cancel (its queue's
+                // primary was lost, or the queue deleted): created again if the queue
+                // answers, else the application's consumer ends.
+                if let Some(book) = self.books.get_mut(&ch)
+                    && let Some(i) = book
+                        .consumers
+                        .iter()
+                        .position(|s| s.tag == c.consumer_tag.as_str())
+                {
+                    let spec = book.consumers.remove(i);
+                    tracing::info!(channel = ch, tag = %spec.tag, queue = %spec.queue, "consumer cancelled by the broker: creating it again once its queue answers");
+                    let now = Instant::now();
+                    self.recoveries
+                        .cancelled(ch, spec, now, now + self.config.failover_timeout);
                 }
             }
             AMQPClass::Channel(channel::AMQPMethod::Close(c)) => {
@@ -511,6 +533,87 @@ impl Driver {
             reply => self.answered(ch, reply),
         }
         None
+    }
+
+    /// Asks, on a scratch channel, for the queue of the next cancelled consumer that is due
+    /// (`crate::recovery`).
+    fn ask_for_cancelled_queue(&mut self) {
+        let Some(scratch) = (1..=self.channel_max)
+            .rev()
+            .find(|id| !self.books.contains_key(id))
+        else {
+            return;
+        };
+        let mut gone = Vec::new();
+        let queue = self.recoveries.start(Instant::now(), scratch, &mut gone);
+        for spec in gone {
+            tracing::warn!(tag = %spec.tag, queue = %spec.queue, "a cancelled consumer's queue did not answer within the failover limit: the consumer ends");
+        }
+        let Some(queue) = queue else {
+            return;
+        };
+        self.wire.method(
+            scratch,
+            AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
+        );
+        self.wire.method(
+            scratch,
+            AMQPClass::Queue(queue::AMQPMethod::Declare(queue::Declare {
+                queue: queue.as_str().into(),
+                passive: true,
+                durable: false,
+                exclusive: false,
+                auto_delete: false,
+                nowait: false,
+                arguments: FieldTable::default(),
+            })),
+        );
+    }
+
+    /// What the broker answered on the scratch channel of a cancelled consumer's ask.
+    fn on_scratch_answer(&mut self, scratch: u16, m: AMQPClass) {
+        match m {
+            AMQPClass::Queue(queue::AMQPMethod::DeclareOk(_)) => {
+                self.wire.method(
+                    scratch,
+                    AMQPClass::Channel(channel::AMQPMethod::Close(channel::Close {
+                        reply_code: 200,
+                        reply_text: "queue found".into(),
+                        class_id: 0,
+                        method_id: 0,
+                    })),
+                );
+                let Some((ch, spec)) = self.recoveries.found() else {
+                    return;
+                };
+                if !self.books.contains_key(&ch) {
+                    return;
+                }
+                tracing::info!(channel = ch, tag = %spec.tag, queue = %spec.queue, "consumer created again");
+                let method = AMQPClass::Basic(basic::AMQPMethod::Consume(consume_method(&spec)));
+                self.wire.method(ch, method.clone());
+                self.pending.entry(ch).or_default().push_back(Pending {
+                    method,
+                    consumer: Some(spec),
+                    reply: None,
+                    open: None,
+                });
+            }
+            AMQPClass::Channel(channel::AMQPMethod::Close(c)) => {
+                self.wire.method(
+                    scratch,
+                    AMQPClass::Channel(channel::AMQPMethod::CloseOk(channel::CloseOk {})),
+                );
+                let refused =
+                    self.recoveries
+                        .refused(c.reply_code, c.reply_text.as_str(), Instant::now());
+                if let Some(Refused::GivenUp(spec, why)) = refused {
+                    tracing::warn!(tag = %spec.tag, queue = %spec.queue, %why, "a cancelled consumer's queue is gone: the consumer ends");
+                }
+            }
+            AMQPClass::Channel(channel::AMQPMethod::CloseOk(_)) => self.recoveries.closed(),
+            _ => {}
+        }
     }
 
     /// The reply to the oldest synchronous method sent on `ch`.
@@ -577,6 +680,11 @@ impl Driver {
         let n = self.shared.failovers.fetch_add(1, Ordering::AcqRel) + 1;
         tracing::info!(session = %self.shared.session, failover = n, reason = why, "connection lost: failing over");
         self.assembling = None;
+        for (ch, spec) in self.recoveries.take_all() {
+            if let Some(book) = self.books.get_mut(&ch) {
+                book.consumers.push(spec);
+            }
+        }
         let deadline = Instant::now() + self.config.failover_timeout;
         let mut props = FieldTable::default();
         props.insert(
@@ -828,6 +936,14 @@ impl Driver {
             None | Some(Ended::Closed) => Ok(()),
             Some(Ended::Broken(why) | Ended::Fatal(why)) => Err(Error::Protocol(why)),
         }
+    }
+}
+
+/// Waits until `t`; for ever when there is nothing to wait for.
+async fn at(t: Option<Instant>) {
+    match t {
+        Some(t) => tokio::time::sleep_until(t).await,
+        None => std::future::pending().await,
     }
 }
 

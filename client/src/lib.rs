@@ -11,7 +11,9 @@
 //! every publish it has no confirm for, numbered (`x-ringmq-publish-seq`) so that the broker
 //! drops those it had and confirms them with the outcome they first had. The application
 //! sees the commands of a run without failure; [`Client::failovers`] tells it, if it asks,
-//! how often that happened.
+//! how often that happened. A consumer the broker cancels because its queue's primary was
+//! lost (a cluster member proxied it) is created again under its tag once a backup has
+//! taken the queue over, without a failover of the connection (`recovery`).
 //!
 //! What it offers is the part of 0-9-1 the failover has to carry: channels, confirm mode,
 //! prefetch, queue declarations, publishing, consuming and settling. Why a client of its own
@@ -19,6 +21,7 @@
 
 mod book;
 mod driver;
+mod recovery;
 mod wire;
 
 use amq_protocol::protocol::basic::AMQPProperties;

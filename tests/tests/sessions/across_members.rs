@@ -225,3 +225,103 @@ async fn the_failover_client_goes_on_when_its_member_is_killed() {
     assert!(client.failovers() >= 1, "the client failed over");
     client.close().await.unwrap();
 }
+
+/// The failover client consumes through a proxy: its member is not the queue's primary.
+/// The primary is killed with -9; the member cancels the consumer it proxied, and the client
+/// asks for the queue until a backup has taken over, then creates the consumer again under
+/// its tag (`client/src/recovery.rs`). The application's consumer never ends, its
+/// connection never fails over, and every message published after the kill reaches it.
+#[tokio::test]
+async fn the_failover_clients_consumer_goes_on_when_its_queues_primary_is_killed() {
+    const MESSAGES: usize = 40;
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
+    let (mut m, _secret) = start_cluster("sessions-relayed", 3);
+    let connect = |uris: Vec<String>| async move {
+        let mut config = Config::new(uris);
+        config.heartbeat_s = 1;
+        config.failover_timeout = Duration::from_secs(30);
+        tokio::time::timeout(Duration::from_secs(20), Client::connect(config))
+            .await
+            .expect("connect in time")
+            .expect("connect")
+    };
+    let consuming = connect(vec![m[1].uri()]).await;
+    let ch = consuming.channel().await.unwrap();
+    let mut args = Table::default();
+    args.insert(
+        "qpid.cluster.primary".into(),
+        ringmq_client::AMQPValue::LongString("sessions-relayed-0".into()),
+    );
+    let durable = QueueOptions {
+        durable: true,
+        ..QueueOptions::default()
+    };
+    ch.queue_declare("relayed", durable, args).await.unwrap();
+    ch.qos(10).await.unwrap();
+    let mut consumer = ch.consume("relayed", "relayed-c", false).await.unwrap();
+    // The publisher is a failover client of its own on the third member: the primary's
+    // loss closes its connection (320), and it resends what was not confirmed.
+    let publishing = connect(vec![m[2].uri(), m[1].uri()]).await;
+    let publisher = publishing.channel().await.unwrap();
+    publisher.confirm_select().await.unwrap();
+    // Each message until it is confirmed: while no primary holds the queue, publishes to it
+    // are nacked.
+    let publish = |from: usize| {
+        let publisher = &publisher;
+        async move {
+            for i in from..from + MESSAGES / 2 {
+                let deadline = Instant::now() + Duration::from_secs(60);
+                loop {
+                    let c = publisher
+                        .publish(
+                            "",
+                            "relayed",
+                            Properties::default().with_delivery_mode(2),
+                            format!("m{i}").into_bytes(),
+                        )
+                        .unwrap();
+                    let ack = tokio::time::timeout(Duration::from_secs(60), c.wait())
+                        .await
+                        .unwrap_or_else(|_| panic!("the confirm of m{i} in time"))
+                        .expect("no error reaches the publisher");
+                    if ack {
+                        break;
+                    }
+                    assert!(Instant::now() < deadline, "m{i} nacked for a minute");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        }
+    };
+    let mut delivered = std::collections::BTreeSet::new();
+    let mut receive = async |upto: usize| {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while (0..upto).any(|i| !delivered.contains(&i)) {
+            let d = tokio::time::timeout(deadline - Instant::now(), consumer.next())
+                .await
+                .unwrap_or_else(|_| {
+                    let missing: Vec<_> = (0..upto).filter(|i| !delivered.contains(i)).collect();
+                    panic!("never delivered: {missing:?}")
+                })
+                .expect("the application's consumer never ends");
+            let n: usize = String::from_utf8_lossy(&d.body)[1..].parse().unwrap();
+            delivered.insert(n);
+            ch.ack(d.delivery_tag, false).unwrap();
+        }
+    };
+    publish(0).await;
+    receive(MESSAGES / 2).await;
+    m[0].kill();
+    publish(MESSAGES / 2).await;
+    receive(MESSAGES).await;
+    assert_eq!(
+        consuming.failovers(),
+        0,
+        "the consumer's own member lived: its connection never failed over"
+    );
+    consuming.close().await.unwrap();
+    publishing.close().await.unwrap();
+}

@@ -85,6 +85,12 @@ impl History {
             *highest = (*highest).max(s);
             if violated {
                 self.order_violations += 1;
+                if self.order_violations <= 10 {
+                    eprintln!(
+                        "faults: {id} first delivered after {channel}-{} (not marked redelivered)",
+                        *highest
+                    );
+                }
             }
         }
     }
