@@ -7,8 +7,8 @@ use super::wire::{
     closed_code, lapin_session, new_session_id, props, raw_publish, raw_session, status,
 };
 use ringmq_client::{Client, Config, Properties, QueueOptions, Table};
-use ringmq_tests::Broker;
 use ringmq_tests::cluster::start_cluster;
+use ringmq_tests::{Broker, Ports};
 use std::time::{Duration, Instant};
 
 /// Resumes session `id` on `b`, again while the directory still shows it attached (its
@@ -324,4 +324,57 @@ async fn the_failover_clients_consumer_goes_on_when_its_queues_primary_is_killed
     );
     consuming.close().await.unwrap();
     publishing.close().await.unwrap();
+}
+
+/// A restart of the whole cluster: the first member back holds no majority yet, and its
+/// session directory may be older than the session (it has not replayed the log). It refuses
+/// a resume with 320, as it refuses `connection.open` — try again, or elsewhere — not with
+/// the 404 that would end a session that lives (the fault suite's `kill-all` found that).
+/// Once the others are back, the session resumes.
+#[tokio::test]
+async fn a_member_back_without_a_majority_refuses_a_resume_for_now_not_for_good() {
+    // Fixed ports: the members come back at the addresses their peers know them by.
+    let secret = ringmq_tests::cluster::secret("sessions-all-down");
+    let ports: Vec<Ports> = (0..3).map(|_| Ports::allocate()).collect();
+    let mut m: Vec<Broker> = Vec::new();
+    for (i, p) in ports.iter().enumerate() {
+        let seeds = match i {
+            0 => String::new(),
+            _ => format!("\"{}\"", ports[0].cluster),
+        };
+        let yaml = format!(
+            "node_id: sessions-all-down-{i}\ncluster_listen: \"{}\"\ncluster_secret_file: {}\n\
+             cluster_seeds: [{seeds}]\ncluster_join_timeout_ms: 10000\n",
+            p.cluster,
+            secret.display()
+        );
+        m.push(Broker::start_on_ports(&yaml, *p));
+        m[i].wait_ready(Duration::from_secs(30));
+    }
+    let id = new_session_id();
+    let conn = lapin_session(&m[1], &id, false, Some(60)).await.unwrap();
+    for b in m.iter_mut() {
+        b.kill();
+    }
+    drop(conn);
+    m[0].start_again();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let (code, text) = loop {
+        match raw_session(&m[0], props(&[("qpid.session.resume", &id)])).await {
+            // Its AMQP port may not be open yet.
+            Err(ringmq::client::ClientError::Io(_)) if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            r => break closed_code(r),
+        }
+    };
+    assert_eq!(code, 320, "not ready, not gone: {text}");
+    m[1].start_again();
+    m[2].start_again();
+    for b in &m {
+        b.wait_ready(Duration::from_secs(30));
+    }
+    let conn = resume_when_detached(&m[0], &id, Duration::from_secs(20)).await;
+    let ch = conn.create_channel().await.unwrap();
+    assert_eq!(status(&ch).await["resumed"], true);
 }

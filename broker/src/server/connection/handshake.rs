@@ -216,6 +216,15 @@ impl Connection {
             self.attached(attached);
             return Ok(false);
         };
+        if let Some(reason) = cluster.not_ready_reason() {
+            // Its session directory may be older than the session (a member replaying its
+            // log after a restart): a 404 from it would end a session that lives, so it
+            // answers as `connection.open` would — 320, try again or elsewhere.
+            return Err(ConnError::new(
+                codes::CONNECTION_FORCED,
+                format!("this cluster member is not ready: {reason}"),
+            ));
+        }
         let me = cluster.node_id().to_owned();
         let (op, timeout) = match request {
             SessionRequest::Start { id, timeout_s } => {
