@@ -100,6 +100,25 @@ impl Net {
         self.apply_rules(&rules);
     }
 
+    /// Splits the members in two: every frame between a member of `side` and a member not
+    /// in it is dropped (a partition such as 2 | 3 of five).
+    pub fn split(&self, side: &[usize]) {
+        let name = |j: usize| format!("\"v{j}\"");
+        let inside: Vec<String> = side.iter().map(|&j| name(j)).collect();
+        let outside: Vec<String> = (0..self.members.len())
+            .filter(|j| !side.contains(j))
+            .map(name)
+            .collect();
+        let (inside, outside) = (inside.join(", "), outside.join(", "));
+        let rules = format!(
+            "table bridge {} {{\n chain forward {{\n  type filter hook forward priority 0; \
+             policy accept;\n  iifname {{ {inside} }} oifname {{ {outside} }} drop\n  iifname {{ \
+             {outside} }} oifname {{ {inside} }} drop\n }}\n}}\n",
+            self.table
+        );
+        self.apply_rules(&rules);
+    }
+
     fn apply_rules(&self, rules: &str) {
         let mut nft = Command::new("ip")
             .args(["netns", "exec", &self.hub, "nft", "-f", "-"])

@@ -26,13 +26,14 @@ struct Args {
     short: bool,
     seed: u64,
     members: usize,
-    only: Option<String>,
+    /// The schedules to run (all when empty).
+    only: Vec<String>,
     length: Duration,
 }
 
 fn usage(problem: &str) -> ! {
     eprintln!(
-        "faults: {problem}\nusage: faults [--short] [--seed N] [--members 3|4|5] [--only SCHEDULE] [--length SECONDS]\n\
+        "faults: {problem}\nusage: faults [--short] [--seed N] [--members 3|4|5] [--only SCHEDULE[,SCHEDULE…]] [--length SECONDS]\n\
          schedules: {}",
         Nemesis::ALL.map(Nemesis::name).join(", ")
     );
@@ -47,7 +48,7 @@ fn parse_args() -> Args {
             .map_or(1, |d| d.as_nanos() as u64)
             | 1,
         members: 3,
-        only: None,
+        only: Vec::new(),
         length: Duration::ZERO,
     };
     let mut it = std::env::args().skip(1);
@@ -74,11 +75,12 @@ fn parse_args() -> Args {
                     .unwrap_or_else(|| usage("--members takes 3, 4 or 5"));
             }
             "--only" => {
-                let v = value("--only");
-                if !Nemesis::ALL.iter().any(|n| n.name() == v) {
-                    usage(&format!("no schedule '{v}'"));
+                for v in value("--only").split(',') {
+                    if !Nemesis::ALL.iter().any(|n| n.name() == v) {
+                        usage(&format!("no schedule '{v}'"));
+                    }
+                    args.only.push(v.to_owned());
                 }
-                args.only = Some(v);
             }
             "--length" => {
                 let s: u64 = value("--length")
@@ -339,7 +341,7 @@ fn main() {
     header();
     let started = Instant::now();
     for (i, nemesis) in Nemesis::ALL.into_iter().enumerate() {
-        if args.only.as_deref().is_some_and(|o| o != nemesis.name()) {
+        if !args.only.is_empty() && !args.only.iter().any(|o| o == nemesis.name()) {
             continue;
         }
         let mut rng = Rng(args.seed ^ ((i as u64 + 1) << 32));

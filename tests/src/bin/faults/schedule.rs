@@ -67,11 +67,14 @@ pub enum Nemesis {
     Bridge,
     /// kill -9 of every member, then all started again (a whole-cluster restart).
     KillAll,
+    /// The cluster split in two: a minority (1 of 3, 2 of 5) holding the queue's primary,
+    /// and the majority, then healed.
+    Split,
 }
 
 impl Nemesis {
     /// Every schedule, in the order the suite runs them.
-    pub const ALL: [Nemesis; 9] = [
+    pub const ALL: [Nemesis; 10] = [
         Nemesis::KillOne,
         Nemesis::KillPrimary,
         Nemesis::KillMinority,
@@ -82,6 +85,7 @@ impl Nemesis {
         Nemesis::KillAll,
         // Last, so that the seeds recorded for the others rerun the same choices.
         Nemesis::PauseOne,
+        Nemesis::Split,
     ];
 
     pub fn name(self) -> &'static str {
@@ -95,6 +99,7 @@ impl Nemesis {
             Nemesis::IsolatePrimary => "isolate-primary",
             Nemesis::Bridge => "bridge",
             Nemesis::KillAll => "kill-all",
+            Nemesis::Split => "split",
         }
     }
 
@@ -113,7 +118,10 @@ impl Nemesis {
     ) -> Outcome {
         let deadline = Instant::now() + length;
         let mut outcome = Outcome::default();
-        if matches!(self, Nemesis::IsolateOne | Nemesis::IsolatePrimary) {
+        if matches!(
+            self,
+            Nemesis::IsolateOne | Nemesis::IsolatePrimary | Nemesis::Split
+        ) {
             outcome.probe_blind = !probe_sees_serving(cluster, probe);
         }
         while Instant::now() + Duration::from_secs(4) < deadline {
@@ -189,6 +197,14 @@ impl Nemesis {
                 cluster.net.isolate(m.index);
                 std::thread::sleep(PROBE_AFTER);
                 return Some(m);
+            }
+            Nemesis::Split => {
+                // The primary and the members after it in index order, up to a minority.
+                let p = primary(rng).index;
+                let side: Vec<usize> = (0..(n - 1) / 2).map(|i| (p + i) % n).collect();
+                cluster.net.split(&side);
+                std::thread::sleep(PROBE_AFTER);
+                return Some(Arc::clone(&members[p]));
             }
             Nemesis::Bridge => {
                 let a = rng.below(n);
