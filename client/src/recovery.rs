@@ -122,12 +122,13 @@ impl Recoveries {
     }
 
     /// The broker refused the ask with `code` and `text` at `now` (and closed the scratch
-    /// channel): a queue whose primary is unavailable — the election has not happened yet,
-    /// or its primary is still being brought back — is asked for again; any other refusal
-    /// (the queue is gone, or belongs to another connection) gives the consumer up.
+    /// channel): a queue whose primary "cannot be reached" (404; the election has not
+    /// happened yet, or its primary is still being brought back) is asked for again; any
+    /// other refusal (the queue is gone, or belongs to another connection) gives the
+    /// consumer up.
     pub fn refused(&mut self, code: u16, text: &str, now: Instant) -> Option<Refused> {
         let mut item = self.probe.take()?.item?;
-        let transient = code == NOT_FOUND && text.contains("unavailable");
+        let transient = code == NOT_FOUND && text.contains("cannot be reached");
         if !transient || now >= item.until {
             return Some(Refused::GivenUp(item.spec, format!("{code} {text}")));
         }
@@ -178,7 +179,7 @@ mod tests {
         assert_eq!(r.start(t0, 2047, &mut gone).as_deref(), Some("q"));
         assert_eq!(r.scratch(), Some(2047));
         assert_eq!(r.due(), None, "one ask at a time");
-        let text = "the queue's primary is unavailable: link refused";
+        let text = "the queue's primary, 'm0', cannot be reached: it closed the link";
         assert!(matches!(r.refused(404, text, t0), Some(Refused::Again)));
         assert_eq!(r.due(), Some(t0 + FIRST_PAUSE));
         let t1 = t0 + FIRST_PAUSE;

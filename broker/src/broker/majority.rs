@@ -4,8 +4,9 @@
 //! (`connection.open`, see `server/connection/handshake.rs`) until it is ready again.
 //!
 //! A lapse shorter than [`Cluster::serving_grace`] is ridden out: on a loaded machine a
-//! lease renewal can miss its deadline with every member up, and closing every client for
-//! that would turn a stall into a reconnect storm. Nothing is confirmed meanwhile — the
+//! lease renewal can miss its deadline with every member up, and the followers' leases lapse
+//! while they elect a new consensus leader after the old one's loss; closing every client
+//! for that would turn a stall, or the loss of one member, into a reconnect storm. Nothing is confirmed meanwhile — the
 //! confirm gate asks for the lease — so the grace costs latency, not safety; it ends well
 //! before the others may declare this member failed.
 

@@ -66,7 +66,11 @@ const READY_POLL: Duration = Duration::from_millis(10);
 
 /// [`Cluster::serving_grace`] of a member running with `config`.
 fn serving_grace(config: &CpgConfig) -> Duration {
-    Duration::from_millis(config.failure_timeout_ms.saturating_sub(config.lease_ms) / 2)
+    Duration::from_millis(
+        config
+            .failure_timeout_ms
+            .saturating_sub(config.lease_ms + 2 * config.heartbeat_ms),
+    )
 }
 
 /// Why a broker could not become a cluster member.
@@ -275,11 +279,12 @@ impl Cluster {
         }
     }
 
-    /// How long this member rides out a lapse of its readiness (the majority's lease, most
-    /// often, missing a renewal under a stall of the machine) before it closes its clients and
-    /// refuses wiring changes: half of what is left of the failure timeout after the lease,
-    /// so the clients are gone well before the others may declare this member failed and
-    /// hand its queues over. Meanwhile nothing is confirmed (the confirm gate asks for the
+    /// How long this member rides out a lapse of its readiness (the majority's lease missing
+    /// a renewal under a stall of the machine, or lapsing while the others elect a new
+    /// consensus leader after the old one's loss) before it closes its clients and refuses
+    /// wiring changes: what the failure timeout leaves after the lease and two heartbeats
+    /// (one for the readiness check's period), so the clients are gone before the others may
+    /// declare this member failed and hand its queues over. Meanwhile nothing is confirmed (the confirm gate asks for the
     /// lease) and wiring changes wait, so a lapse shorter than this costs latency, not
     /// connections.
     pub fn serving_grace(&self) -> Duration {

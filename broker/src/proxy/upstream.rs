@@ -197,6 +197,30 @@ impl Upstream {
     }
 }
 
+/// How the refusal of a command whose primary could not be reached begins.
+const UNREACHABLE: &str = "the queue's primary, '";
+
+/// What follows the primary's name in that refusal.
+const CANNOT_BE_REACHED: &str = "', cannot be reached: ";
+
+/// The refusal (404) of a command whose primary, `member`, could not be reached — the link
+/// would not open, or closed — for `reason`. Clients read it: the failover client asks for
+/// the queue again while it gets it (`client/src/recovery.rs`).
+pub fn unreachable(member: &str, reason: impl std::fmt::Display) -> AmqpError {
+    AmqpError::new(
+        codes::NOT_FOUND,
+        format!("{UNREACHABLE}{member}{CANNOT_BE_REACHED}{reason}"),
+    )
+}
+
+/// Whether `e` is an [`unreachable`] refusal: the cluster may name another primary a moment
+/// later.
+pub fn is_unreachable(e: &AmqpError) -> bool {
+    e.code == codes::NOT_FOUND
+        && e.text.starts_with(UNREACHABLE)
+        && e.text.contains(CANNOT_BE_REACHED)
+}
+
 /// The error a reply that never came stands for: the upstream channel failed.
 pub fn gone(primary: &str) -> AmqpError {
     AmqpError::new(
@@ -233,10 +257,7 @@ async fn run(t: Target, mut commands: mpsc::UnboundedReceiver<Command>) {
     let ch = match opened {
         Ok(ch) => ch,
         Err(e) => {
-            let err = AmqpError::new(
-                codes::NOT_FOUND,
-                format!("the queue's primary is unavailable: {e}"),
-            );
+            let err = unreachable(&super::link::redacted(&t.primary), e);
             while let Some(c) = commands.recv().await {
                 fail(c, &err);
             }

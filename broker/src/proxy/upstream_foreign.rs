@@ -41,13 +41,7 @@ fn amqp_error(primary: &str, e: &lapin::Error) -> AmqpError {
         lapin::ErrorKind::ProtocolError(amqp) => {
             AmqpError::new(amqp.get_id(), amqp.get_message().to_string())
         }
-        _ => AmqpError::new(
-            codes::NOT_FOUND,
-            format!(
-                "the queue's primary, '{}', cannot be reached: {e}",
-                super::link::redacted(primary)
-            ),
-        ),
+        _ => super::upstream::unreachable(&super::link::redacted(primary), e),
     }
 }
 

@@ -239,13 +239,7 @@ impl Inner {
 
     /// The error a channel's commands get when the member cannot be reached.
     fn unreachable(&self, reason: impl std::fmt::Display) -> AmqpError {
-        AmqpError::new(
-            codes::NOT_FOUND,
-            format!(
-                "the queue's primary, '{}', cannot be reached: {reason}",
-                self.member
-            ),
-        )
+        super::upstream::unreachable(&self.member, reason)
     }
 }
 

@@ -96,3 +96,70 @@ async fn a_queue_whose_primary_is_gone_refuses_publishes_and_cancels_its_consume
         .unwrap();
     assert!(confirm.is_nack(), "basic.nack: the queue cannot take it");
 }
+
+/// A replicated queue's primary is killed under a consumer on another member: the proxy
+/// cancels the consumer, and a plain client that consumes again at once — before the
+/// cluster has noticed the loss and promoted the backup — is not refused with 404 "the
+/// queue's primary is unavailable" (which would close its channel): its consume waits for
+/// the new primary and goes there (`PRIMARY_PATIENCE` in `server/connection/proxied.rs`).
+#[tokio::test]
+async fn a_consume_while_the_primary_is_lost_waits_for_the_new_one() {
+    let (mut members, _secret) = start_cluster("proxy-again", 3);
+    declare(&members[0], "promoted").await;
+    let (_c1, on_1) = members[1].channel().await;
+    let mut consumer = on_1
+        .basic_consume(
+            "promoted".into(),
+            "first".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    members[0].kill();
+    let end = tokio::time::timeout(Duration::from_secs(10), consumer.next())
+        .await
+        .expect("the proxy cancels the consumer when its primary goes");
+    assert!(!matches!(end, Some(Ok(_))), "the consumer ended: {end:?}");
+    let mut again = on_1
+        .basic_consume(
+            "promoted".into(),
+            "second".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("the consume waits for the new primary instead of a 404");
+    // A publish through the third member reaches it once the backup took over (nacked
+    // until then).
+    let (_c2, on_2) = members[2].channel().await;
+    on_2.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let confirm = on_2
+            .basic_publish(
+                "".into(),
+                "promoted".into(),
+                BasicPublishOptions::default(),
+                b"after",
+                BasicProperties::default(),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        if confirm.is_ack() {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "never taken");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let d = tokio::time::timeout(Duration::from_secs(10), again.next())
+        .await
+        .expect("a delivery")
+        .expect("the consumer lives")
+        .expect("a delivery, not an error");
+    assert_eq!(d.data, b"after");
+}

@@ -11,15 +11,35 @@ use super::wiring::Pending;
 use super::{Connection, Lazy};
 use crate::amqp::{AMQPClass, basic, codes, exchange, queue, tx};
 use crate::core::vhost::{RemoteSettle, Settlement};
-use crate::core::{AmqpError, ChannelKey};
+use crate::core::{AmqpError, ChannelKey, VHost};
 use crate::proxy::forward::ForwardTracker;
 use crate::proxy::upstream::{
     self, Command, DEFAULT_CREDIT, ProxiedDelivery, ProxiedEnd, ProxiedGet, Target, Upstream,
 };
+use parking_lot::Mutex;
 use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Duration;
+
+/// How long a proxied consume or get whose primary could not be reached waits for the
+/// cluster to name another (detecting a lost member and the election take about a second)
+/// before it is refused with 404. The connection reads nothing more meanwhile, as for any
+/// proxied method.
+const PRIMARY_PATIENCE: Duration = Duration::from_secs(5);
+
+/// How often the wait looks at the queue's primary again.
+const PRIMARY_POLL: Duration = Duration::from_millis(50);
+
+/// A proxied method to carry out again, on the queue's new primary, if its primary could
+/// not be reached.
+pub(super) struct Again {
+    queue: String,
+    method: basic::AMQPMethod,
+    /// The tag under which the first try registered a proxied consumer.
+    consumer_tag: Option<String>,
+}
 
 /// A consumer of this connection on a queue owned by another member.
 #[derive(Debug)]
@@ -87,6 +107,12 @@ pub(super) enum Answer {
         pending: Pending,
         result: Result<(), AmqpError>,
     },
+    /// The primary could not be reached and the cluster has named another since: the
+    /// method is carried out again.
+    Again {
+        primary: Arc<str>,
+        again: Again,
+    },
 }
 
 /// A proxied method in flight: the connection reads no further frames until it is answered.
@@ -106,6 +132,22 @@ pub(super) async fn answered(wait: &mut Option<RemoteWait>) -> (u16, u16, u16, A
             (w.channel, w.class_id, w.method_id, answer)
         }
         None => std::future::pending().await,
+    }
+}
+
+/// Waits, for at most [`PRIMARY_PATIENCE`], until this member names another primary of
+/// `queue` than `primary` (another member, or this one): whether it did.
+async fn primary_moved(vhost: &Mutex<VHost>, queue: &str, primary: &Arc<str>) -> bool {
+    let deadline = tokio::time::Instant::now() + PRIMARY_PATIENCE;
+    loop {
+        let now = vhost.lock().remote_primary(queue);
+        if now.as_ref() != Some(primary) {
+            return true;
+        }
+        if tokio::time::Instant::now() + PRIMARY_POLL > deadline {
+            return false;
+        }
+        tokio::time::sleep(PRIMARY_POLL).await;
     }
 }
 
@@ -146,15 +188,39 @@ impl Connection {
         command: impl FnOnce(upstream::Reply<T>) -> Command + Send + 'static,
         answer: impl FnOnce(Result<T, AmqpError>) -> Answer + Send + 'static,
     ) -> Result<(), AmqpError> {
+        self.ask_again_if_moved(id, method, primary, command, answer, None)
+    }
+
+    /// [`Connection::ask`], and when the primary cannot be reached and the cluster names
+    /// another within [`PRIMARY_PATIENCE`], `again` is carried out anew (on the new primary,
+    /// or here if this member took the queue over) instead of refusing the channel.
+    fn ask_again_if_moved<T: Send + 'static>(
+        &mut self,
+        id: u16,
+        method: (u16, u16),
+        primary: Arc<str>,
+        command: impl FnOnce(upstream::Reply<T>) -> Command + Send + 'static,
+        answer: impl FnOnce(Result<T, AmqpError>) -> Answer + Send + 'static,
+        again: Option<Again>,
+    ) -> Result<(), AmqpError> {
         let (tx, rx) = tokio::sync::oneshot::channel();
         let upstream = self.upstream(id, &primary)?.clone();
         let forwarded = self.forwarded_so_far();
+        let vhost = self.vhost.clone();
         self.wait_remote(id, method, async move {
             if let Some((tracker, upto)) = forwarded {
                 tracker.answered_through(upto).await;
             }
             upstream.send(command(tx));
-            answer(reply(rx, &primary).await)
+            let result = reply(rx, &primary).await;
+            let unreachable = result.as_ref().err().is_some_and(upstream::is_unreachable);
+            if unreachable
+                && let (Some(again), Some(vhost)) = (again, vhost)
+                && primary_moved(&vhost, &again.queue, &primary).await
+            {
+                return Answer::Again { primary, again };
+            }
+            answer(result)
         });
         Ok(())
     }
@@ -227,7 +293,12 @@ impl Connection {
         );
         let (no_ack, exclusive, nowait) = (c.no_ack, c.exclusive, c.nowait);
         let upstream_tag = tag.clone();
-        self.ask(
+        let again = Again {
+            queue: queue.clone(),
+            consumer_tag: Some(tag.clone()),
+            method: basic::AMQPMethod::Consume(c.clone()),
+        };
+        self.ask_again_if_moved(
             id,
             (60, 20),
             primary,
@@ -246,6 +317,7 @@ impl Connection {
                 nowait,
                 result,
             },
+            Some(again),
         )
     }
 
@@ -291,7 +363,15 @@ impl Connection {
         primary: Arc<str>,
     ) -> Result<(), AmqpError> {
         let (upstream_queue, from) = (queue.clone(), primary.clone());
-        self.ask(
+        let again = Again {
+            queue: queue.clone(),
+            consumer_tag: None,
+            method: basic::AMQPMethod::Get(basic::Get {
+                queue: queue.as_str().into(),
+                no_ack,
+            }),
+        };
+        self.ask_again_if_moved(
             id,
             (60, 70),
             primary,
@@ -306,6 +386,7 @@ impl Connection {
                 no_ack,
                 result,
             },
+            Some(again),
         )
     }
 
@@ -512,6 +593,16 @@ impl Connection {
                     w.body(id, got.message.body.bytes(), self.frame_max);
                 }
             },
+            Answer::Again { primary, again } => {
+                // The failed upstream channel goes: a primary that comes back at the same
+                // name gets a new one.
+                self.upstreams.remove(&(id, primary));
+                if let Some(tag) = again.consumer_tag {
+                    self.remote_consumers
+                        .remove(&(id, Arc::<str>::from(tag.as_str())));
+                }
+                return self.on_basic(id, again.method, v);
+            }
             Answer::Settled { result } => result?,
             Answer::CaughtUp { nowait } => {
                 if !nowait {
