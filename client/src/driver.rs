@@ -542,6 +542,10 @@ impl Driver {
             .rev()
             .find(|id| !self.books.contains_key(id))
         else {
+            // Every channel number is the application's: nothing to ask on.
+            for (_, spec) in self.recoveries.take_all() {
+                tracing::warn!(tag = %spec.tag, queue = %spec.queue, "no channel number left to ask for a cancelled consumer's queue: the consumer ends");
+            }
             return;
         };
         let mut gone = Vec::new();
