@@ -51,6 +51,15 @@ pub fn spawn_guard(broker: Arc<Broker>, cluster: Arc<Cluster>) {
                 tracing::warn!(%reason, grace_ms = grace.as_millis() as u64, "this member is not ready: holding confirms, closing its clients if it lasts");
                 cluster.lease_ended_at().unwrap_or_else(Instant::now)
             });
+            // A member that voted for another's candidacy is in contact with the others,
+            // who are electing a leader after the old one's loss: it is not the one cut off,
+            // and nobody will declare it failed. It waits longer for the new leader's lease
+            // (bounded: an election that keeps failing closes its clients all the same).
+            let grace = if cluster.voted_for_a_candidate() {
+                grace.max(cluster.election_grace())
+            } else {
+                grace
+            };
             if since.elapsed() >= grace {
                 let others = cluster.known_hosts().join(",");
                 tracing::warn!(%reason, "this member is not ready: closing every client connection");

@@ -118,6 +118,8 @@ pub struct Cluster {
     /// How long a lapse of readiness is ridden out before clients are turned away
     /// ([`Cluster::serving_grace`]).
     serving_grace: Duration,
+    /// [`Cluster::election_grace`].
+    election_grace: Duration,
     /// Agreed index of the cluster event being applied (set before it changes anything) and
     /// of the last one applied in full (set after): equal while no event is being applied,
     /// so a reader can tell a consistent view from one torn by an event
@@ -205,6 +207,7 @@ impl Cluster {
             progress: Mutex::new(Progress::default()),
             link_password: crate::proxy::link::link_password(&settings.secret),
             serving_grace: grace,
+            election_grace: Duration::from_millis(config.failure_timeout_ms),
             event_begun: AtomicU64::new(0),
             event_ended: AtomicU64::new(0),
         });
@@ -289,6 +292,19 @@ impl Cluster {
     /// connections.
     pub fn serving_grace(&self) -> Duration {
         self.serving_grace
+    }
+
+    /// Whether this member voted for another member's candidacy that has not won yet: its
+    /// lapse is an election after the leader's loss, in contact with the others
+    /// ([`crate::cpg::Cpg::voted_for_a_candidate`]).
+    pub fn voted_for_a_candidate(&self) -> bool {
+        self.cpg.voted_for_a_candidate()
+    }
+
+    /// The longest a member that voted for a candidate rides out its lapse: a failure
+    /// timeout (see `broker/majority.rs`).
+    pub fn election_grace(&self) -> Duration {
+        self.election_grace
     }
 
     /// When this member's lease ran out, if it held one and it has: the start of a lapse.

@@ -420,6 +420,16 @@ impl Cpg {
             && self.lease_deadline().is_some_and(|d| Instant::now() < d)
     }
 
+    /// Whether this member has granted its vote to another member's candidacy that has not
+    /// won yet: the consensus leader was lost and a member in contact with this one is
+    /// being elected. (A member cut off from the others gets no vote request, and a
+    /// candidate's vote is its own.)
+    pub fn voted_for_a_candidate(&self) -> bool {
+        let metrics = self.inner.raft.metrics();
+        let m = metrics.borrow();
+        !m.vote.is_committed() && m.vote.leader_id().voted_for() != Some(self.inner.id)
+    }
+
     /// When this member's lease ends, if it holds one (see [`Cpg::has_quorum_now`]).
     pub fn lease_deadline(&self) -> Option<Instant> {
         let metrics = self.inner.raft.metrics();

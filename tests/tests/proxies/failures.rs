@@ -4,7 +4,9 @@
 use crate::support::*;
 use futures_lite::StreamExt;
 use lapin::BasicProperties;
-use lapin::options::{BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions};
+use lapin::options::{
+    BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions,
+};
 use lapin::types::FieldTable;
 use ringmq_tests::cluster::start_cluster;
 use ringmq_tests::reply_code;
@@ -98,10 +100,11 @@ async fn a_queue_whose_primary_is_gone_refuses_publishes_and_cancels_its_consume
 }
 
 /// A replicated queue's primary is killed under a consumer on another member: the proxy
-/// cancels the consumer, and a plain client that consumes again at once — before the
-/// cluster has noticed the loss and promoted the backup — is not refused with 404 "the
-/// queue's primary is unavailable" (which would close its channel): its consume waits for
-/// the new primary and goes there (`PRIMARY_PATIENCE` in `server/connection/proxied.rs`).
+/// cancels the consumer, and a plain client that asks for the queue and consumes again at
+/// once — before the cluster has noticed the loss and promoted the backup — is not refused
+/// with 404 "the queue's primary, '…', cannot be reached" (which would close its channel):
+/// its passive declare and consume wait for the new primary and go there
+/// (`PRIMARY_PATIENCE` in `server/connection/proxied.rs`).
 #[tokio::test]
 async fn a_consume_while_the_primary_is_lost_waits_for_the_new_one() {
     let (mut members, _secret) = start_cluster("proxy-again", 3);
@@ -121,6 +124,17 @@ async fn a_consume_while_the_primary_is_lost_waits_for_the_new_one() {
         .await
         .expect("the proxy cancels the consumer when its primary goes");
     assert!(!matches!(end, Some(Ok(_))), "the consumer ended: {end:?}");
+    // A passive declare, asked at once, waits too.
+    on_1.queue_declare(
+        "promoted".into(),
+        QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .expect("the passive declare waits for the new primary instead of a 404");
     let mut again = on_1
         .basic_consume(
             "promoted".into(),

@@ -23,8 +23,8 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// How long a proxied consume or get whose primary could not be reached waits for the
-/// cluster to name another (detecting a lost member and the election take about a second)
+/// How long a proxied consume, get or passive declare whose primary could not be reached
+/// waits for the cluster to name another (detecting a lost member and the election take about a second)
 /// before it is refused with 404. The connection reads nothing more meanwhile, as for any
 /// proxied method.
 const PRIMARY_PATIENCE: Duration = Duration::from_secs(5);
@@ -36,7 +36,7 @@ const PRIMARY_POLL: Duration = Duration::from_millis(50);
 /// not be reached.
 pub(super) struct Again {
     queue: String,
-    method: basic::AMQPMethod,
+    method: AMQPClass,
     /// The tag under which the first try registered a proxied consumer.
     consumer_tag: Option<String>,
 }
@@ -296,7 +296,7 @@ impl Connection {
         let again = Again {
             queue: queue.clone(),
             consumer_tag: Some(tag.clone()),
-            method: basic::AMQPMethod::Consume(c.clone()),
+            method: AMQPClass::Basic(basic::AMQPMethod::Consume(c.clone())),
         };
         self.ask_again_if_moved(
             id,
@@ -366,10 +366,10 @@ impl Connection {
         let again = Again {
             queue: queue.clone(),
             consumer_tag: None,
-            method: basic::AMQPMethod::Get(basic::Get {
+            method: AMQPClass::Basic(basic::AMQPMethod::Get(basic::Get {
                 queue: queue.as_str().into(),
                 no_ack,
-            }),
+            })),
         };
         self.ask_again_if_moved(
             id,
@@ -450,7 +450,8 @@ impl Connection {
         )
     }
 
-    /// A passive queue.declare of a proxied queue: the counts are the primary's.
+    /// A passive queue.declare of a proxied queue (or the counts of a redeclare, whose
+    /// change is committed already): the counts are the primary's.
     pub(super) fn count_remote(
         &mut self,
         id: u16,
@@ -459,7 +460,20 @@ impl Connection {
         primary: Arc<str>,
     ) -> Result<(), AmqpError> {
         let upstream_queue = queue.clone();
-        self.ask(
+        let again = Again {
+            queue: queue.clone(),
+            consumer_tag: None,
+            method: AMQPClass::Queue(queue::AMQPMethod::Declare(queue::Declare {
+                queue: queue.as_str().into(),
+                passive: true,
+                durable: false,
+                exclusive: false,
+                auto_delete: false,
+                nowait,
+                arguments: Default::default(),
+            })),
+        };
+        self.ask_again_if_moved(
             id,
             (50, 10),
             primary,
@@ -472,6 +486,7 @@ impl Connection {
                 nowait,
                 result,
             },
+            Some(again),
         )
     }
 
@@ -601,7 +616,7 @@ impl Connection {
                     self.remote_consumers
                         .remove(&(id, Arc::<str>::from(tag.as_str())));
                 }
-                return self.on_basic(id, again.method, v);
+                return self.handle(id, again.method, v);
             }
             Answer::Settled { result } => result?,
             Answer::CaughtUp { nowait } => {
