@@ -179,3 +179,54 @@ async fn a_consume_while_the_primary_is_lost_waits_for_the_new_one() {
         .expect("a delivery, not an error");
     assert_eq!(d.data, b"after");
 }
+
+#[tokio::test]
+async fn a_purge_or_delete_while_the_primary_is_lost_waits_for_the_new_one() {
+    let (mut members, _secret) = start_cluster("proxy-again-purge", 3);
+    declare(&members[2], "purged").await;
+    declare(&members[2], "deleted").await;
+    let (_c2, on_2) = members[2].channel().await;
+    on_2.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    for _ in 0..3 {
+        let confirm = on_2
+            .basic_publish(
+                "".into(),
+                "purged".into(),
+                BasicPublishOptions::default(),
+                b"before",
+                BasicProperties::default(),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        assert!(confirm.is_ack(), "{confirm:?}");
+    }
+    let (_c1, on_1) = members[1].channel().await;
+    members[2].kill();
+    // Asked at once, before the cluster noticed: both wait for the promoted backup, which
+    // holds the three confirmed messages.
+    let purged = on_1
+        .queue_purge("purged".into(), Default::default())
+        .await
+        .expect("the purge waits for the new primary instead of a 404");
+    assert_eq!(purged, 3, "the new primary purges what was confirmed");
+    on_1.queue_delete("deleted".into(), Default::default())
+        .await
+        .expect("the delete waits for the new primary instead of a 404");
+    let (_c0, on_0) = members[0].channel().await;
+    let gone = on_0
+        .queue_declare(
+            "deleted".into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .expect_err("deleted everywhere");
+    assert_eq!(reply_code(&gone), Some(404), "{gone:?}");
+}

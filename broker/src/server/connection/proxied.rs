@@ -391,7 +391,7 @@ impl Connection {
         )
     }
 
-    /// queue.purge of a proxied queue.
+    /// queue.purge of a proxied queue; while its primary is being replaced, on the new one.
     pub(super) fn purge_remote(
         &mut self,
         id: u16,
@@ -399,12 +399,21 @@ impl Connection {
         nowait: bool,
         primary: Arc<str>,
     ) -> Result<(), AmqpError> {
-        self.ask(
+        let again = Again {
+            queue: queue.clone(),
+            consumer_tag: None,
+            method: AMQPClass::Queue(queue::AMQPMethod::Purge(queue::Purge {
+                queue: queue.as_str().into(),
+                nowait,
+            })),
+        };
+        self.ask_again_if_moved(
             id,
             (50, 30),
             primary,
             move |reply| Command::Purge { queue, reply },
             move |result| Answer::Purged { nowait, result },
+            Some(again),
         )
     }
 
@@ -423,7 +432,8 @@ impl Connection {
         });
     }
 
-    /// queue.delete of a proxied queue: decided and committed by its primary.
+    /// queue.delete of a proxied queue: decided and committed by its primary (while the
+    /// primary is being replaced, by the new one).
     pub(super) fn delete_remote(
         &mut self,
         id: u16,
@@ -433,7 +443,17 @@ impl Connection {
         primary: Arc<str>,
     ) -> Result<(), AmqpError> {
         let upstream_queue = queue.clone();
-        self.ask(
+        let again = Again {
+            queue: queue.clone(),
+            consumer_tag: None,
+            method: AMQPClass::Queue(queue::AMQPMethod::Delete(queue::Delete {
+                queue: queue.as_str().into(),
+                if_unused,
+                if_empty,
+                nowait,
+            })),
+        };
+        self.ask_again_if_moved(
             id,
             (50, 40),
             primary,
@@ -448,6 +468,7 @@ impl Connection {
                 nowait,
                 result,
             },
+            Some(again),
         )
     }
 
