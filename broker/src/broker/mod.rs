@@ -81,6 +81,9 @@ pub struct Broker {
     replication_host: std::sync::OnceLock<Arc<dyn crate::replication::replicator::ReplicationHost>>,
     /// Replicas on this member promoted to primary (see [`Broker::elections_won`]).
     elections_won: AtomicU64,
+    /// Queues whose primary this member saw move to another member (see
+    /// [`Broker::primaries_moved`]).
+    primaries_moved: AtomicU64,
     /// Whether the listeners accept clients: a cluster member only starts once it holds
     /// the cluster map, so no client sees a wiring the cluster does not have.
     serving: tokio::sync::watch::Sender<bool>,
@@ -151,6 +154,7 @@ impl Broker {
             replicator,
             replication_host: std::sync::OnceLock::new(),
             elections_won: AtomicU64::new(0),
+            primaries_moved: AtomicU64::new(0),
             retiring: Arc::default(),
             serving: tokio::sync::watch::channel(false).0,
             data_dir,

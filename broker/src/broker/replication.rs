@@ -82,6 +82,13 @@ impl Broker {
         self.elections_won.load(Ordering::Relaxed)
     }
 
+    /// How often the map moved a queue's primary to another member, as this member applied
+    /// it: a connection whose forward to a lost primary failed waits for this to change
+    /// (the election) before it closes, so that its client's resend finds the new primary.
+    pub fn primaries_moved(&self) -> u64 {
+        self.primaries_moved.load(Ordering::Relaxed)
+    }
+
     /// Lets the replicator reach this broker (once it joined a cluster).
     pub(super) fn start_replication(self: &Arc<Self>) {
         let host: Arc<dyn ReplicationHost> = Arc::new(Host {
@@ -124,6 +131,7 @@ impl Broker {
             && q.home.as_deref() != Some(roles.primary.as_str())
         {
             v.set_queue_home(queue, &roles.primary);
+            self.primaries_moved.fetch_add(1, Ordering::Relaxed);
         }
         let primary_here = serving.is_some_and(|r| Some(r.primary.as_str()) == me.as_deref());
         let replicated = serving.is_some_and(|r| !r.backups.is_empty());

@@ -49,6 +49,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
+/// How often a connection whose forwarded publish failed looks whether a queue's primary
+/// moved (the election it waits for before it closes).
+const ELECTION_POLL: Duration = Duration::from_millis(20);
+
 /// Read buffer space for a busy connection: many frames per syscall.
 const READ_CHUNK_BUSY: usize = 64 * 1024;
 /// Read buffer space for a quiet one: idle connections must stay cheap.
@@ -342,13 +346,22 @@ impl Connection {
         let mut lease = self.broker.cluster().map(|c| c.quorum());
         let stall = Duration::from_secs(self.broker.config.write_stall_timeout_s);
         let mut more_input = false;
+        // When a forwarded publish failed, and how many primaries had moved then: the close
+        // waits for the cluster to elect the failed primary's successor (see
+        // `forward_failure_grace`).
+        let mut forward_failed: Option<(Instant, u64)> = None;
+        let forward_grace = self.forward_failure_grace();
         loop {
             self.stats.flush(&self.broker.stats); // metrics: once per wake-up
             let forwards = self.forwards.status();
             if let Some((failed, reason)) = &forwards.failure
                 && self.phase == Phase::Running
             {
-                self.abandon_unconfirmed(*failed, reason);
+                let (at, moved) = *forward_failed
+                    .get_or_insert_with(|| (Instant::now(), self.broker.primaries_moved()));
+                if at.elapsed() >= forward_grace || self.broker.primaries_moved() != moved {
+                    self.abandon_unconfirmed(*failed, reason);
+                }
             }
             if self.awaiting_confirms && self.phase == Phase::Running {
                 self.decide_forwarded_confirms(forwards.answered_through);
@@ -396,7 +409,11 @@ impl Connection {
             }
             let deadline = match (self.phase, close_deadline) {
                 (_, Some(d)) => d,
-                (Phase::Running, None) => Instant::now() + Duration::from_secs(3600),
+                // Waiting for an election: looked at again every poll.
+                (Phase::Running, None) => forward_failed
+                    .map_or(Instant::now() + Duration::from_secs(3600), |(at, _)| {
+                        (at + forward_grace).min(Instant::now() + ELECTION_POLL)
+                    }),
                 _ => handshake_deadline,
             };
             if more_input {
@@ -418,6 +435,7 @@ impl Connection {
                 && self.cluster_wait.is_none()
                 && self.session_wait.is_none()
                 && self.remote_wait.is_none()
+                && forward_failed.is_none()
                 && forwards.in_flight < MAX_FORWARDS_IN_FLIGHT;
             if rbuf.capacity() - rbuf.len() < read_chunk / 2 {
                 rbuf.reserve(read_chunk);

@@ -9,6 +9,7 @@ use crate::clock::now_ms;
 use crate::core::vhost::{Cancelled, Delivery};
 use crate::core::{AmqpError, ChannelKey};
 use crate::server::confirm_gate::Conditions;
+use std::time::Duration;
 
 impl Connection {
     pub(super) fn write_delivery(&mut self, d: &Delivery) {
@@ -259,6 +260,16 @@ impl Connection {
     /// majority's lease, or it is no cluster member.
     pub(super) fn lease_held_now(&self) -> bool {
         self.broker.cluster().is_none_or(|c| c.has_quorum())
+    }
+
+    /// How long at most a connection whose forwarded publish failed goes on before it closes
+    /// (reading nothing meanwhile), unless a queue's primary moves first (the election it
+    /// waits for): the cluster's failure timeout and half a second. Closed at once, a
+    /// publisher resuming on another member had its resent publishes forwarded to the same
+    /// dead primary and was closed again, twenty times a second until the election; closed
+    /// after it, its resend goes to the new primary.
+    pub(super) fn forward_failure_grace(&self) -> Duration {
+        Duration::from_millis(self.broker.config.cluster_failure_timeout_ms + 500)
     }
 
     /// A forwarded publish was not confirmed by its primary (`failed` is its number): what
