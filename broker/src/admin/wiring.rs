@@ -47,6 +47,8 @@ pub(super) enum Answer {
     Declared,
     /// 204.
     Deleted,
+    /// 202: a change the cluster carries out after the call (a primary's move).
+    Accepted,
     /// 201 with the new binding's address (`/api/bindings/.../{properties_key}`) in
     /// `Location`, as RabbitMQ answers.
     Bound {
@@ -60,6 +62,7 @@ impl Answer {
         match self {
             Answer::Declared => created(was_new),
             Answer::Deleted => empty_reply(StatusCode::NO_CONTENT),
+            Answer::Accepted => empty_reply(StatusCode::ACCEPTED),
             Answer::Bound { location } => {
                 let mut r = empty_reply(StatusCode::CREATED);
                 if let Ok(loc) = HeaderValue::from_str(&location) {
@@ -225,9 +228,11 @@ fn check(op: &WiringOp, v: &VHost, vh: &str) -> Result<Checked> {
         // No route plans an unbind: `DELETE /api/bindings/...` finds the binding by its
         // properties key and changes the vhost itself.
         WiringOp::UnbindQueue { .. } | WiringOp::UnbindExchange { .. } => {}
-        // The cluster's own ops: no route makes them.
-        WiringOp::BackupInSync { .. } | WiringOp::BackupOutOfSync { .. } | WiringOp::Session(_) => {
-        }
+        // The cluster's own ops: no route plans them (a move is submitted as it is).
+        WiringOp::BackupInSync { .. }
+        | WiringOp::BackupOutOfSync { .. }
+        | WiringOp::MovePrimary { .. }
+        | WiringOp::Session(_) => {}
     }
     Ok(checked)
 }

@@ -6,11 +6,16 @@
 use super::Broker;
 use crate::clock::now_ms;
 use crate::cluster::QueueRoles;
-use crate::core::{DiskBody, Effects, VHost, WiringOp};
+use crate::core::{DiskBody, Effects, MoveStep, VHost, WiringOp};
 use crate::replication::replicator::{ReplicaSet, ReplicationHost, Replicator};
 use futures::future::BoxFuture;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
+
+/// How long a primary that sealed a queue for a planned move waits for the target's
+/// acknowledgement of the queue's last ops before it calls the move off (the target's link
+/// failed, or it is overloaded): the queue refuses publishes meanwhile.
+const MOVE_ACK_PATIENCE: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// The broker as its replicator sees it.
 #[derive(Debug)]
@@ -146,6 +151,30 @@ impl Broker {
         if let Some(host) = self.replication_host.get() {
             self.replicator.set_roles(host, &v, queue, set);
         }
+        // The switch of a planned move took the queue away: its consumers here end.
+        if was_primary && serving.is_some() && !primary_here {
+            let ended = v.hand_over(queue, &mut fx);
+            tracing::info!(
+                vhost,
+                queue,
+                consumers_cancelled = ended,
+                "the queue's primary moved to another member"
+            );
+        }
+        // A planned move whose target is in sync: no more ops here until it has them all.
+        let live = self.cluster().is_some_and(|c| c.is_live());
+        let moving = serving.filter(|_| primary_here && live).and_then(|r| {
+            let to = r.moving_to.as_ref().filter(|to| r.in_sync.contains(to))?;
+            Some((to.clone(), r.incarnation))
+        });
+        if let Some((to, incarnation)) = moving {
+            if v.seal(queue, true, now_ms(), &mut fx) {
+                let stamp = self.replicator.issued();
+                self.switch_when_acked(vhost, queue, incarnation, to, stamp);
+            }
+        } else if primary_here {
+            v.seal(queue, false, now_ms(), &mut fx);
+        }
         // After the images (which reflect the replica as it was) and before the batch is
         // replicated: the requeues are ops every backup applies after what it holds.
         if primary_here && !was_primary {
@@ -180,6 +209,55 @@ impl Broker {
         self.finish_batch(0, &mut v, &mut fx);
     }
 
+    /// The second half of a planned move of `queue`'s primary to `to`, once this member
+    /// sealed the queue: when every in-sync backup acknowledged the batches up to `stamp`
+    /// (the queue's last ops among them), `to` holds every op there is and the switch is
+    /// committed; if that takes longer than [`MOVE_ACK_PATIENCE`], the move is called off
+    /// and the queue served here again.
+    fn switch_when_acked(
+        &self,
+        vhost: &str,
+        queue: &str,
+        incarnation: u64,
+        to: String,
+        stamp: u64,
+    ) {
+        let Some(cluster) = self.cluster().cloned() else {
+            return;
+        };
+        let mut acked = self.replicator.acked();
+        let (vhost, queue) = (vhost.to_owned(), queue.to_owned());
+        tokio::spawn(async move {
+            let caught_up = matches!(
+                tokio::time::timeout(MOVE_ACK_PATIENCE, acked.wait_for(|&a| a >= stamp)).await,
+                Ok(Ok(_))
+            );
+            let step = if caught_up {
+                MoveStep::Switch
+            } else {
+                tracing::warn!(%vhost, %queue, %to, "the move's target did not acknowledge the queue's last ops in time: the move is called off");
+                MoveStep::Cancel
+            };
+            let op = WiringOp::MovePrimary {
+                queue: queue.clone(),
+                incarnation,
+                to: to.clone(),
+                step,
+            };
+            match cluster.submit(&vhost, op).await {
+                Ok(Ok(_)) => {
+                    tracing::info!(%vhost, %queue, %to, ?step, "planned primary move committed")
+                }
+                Ok(Err(e)) => {
+                    tracing::warn!(%vhost, %queue, %to, ?step, error = %e, "planned primary move refused")
+                }
+                Err(_) => {
+                    tracing::warn!(%vhost, %queue, %to, ?step, "planned primary move: the cluster stopped")
+                }
+            }
+        });
+    }
+
     /// The roles this member's incarnation started with (see `ClusterHost::started`): the
     /// copies it holds of queues it is neither primary nor backup of go.
     pub fn drop_stale_replicas(&self, roles: &crate::cluster::Roles) {
@@ -187,7 +265,8 @@ impl Broker {
             return;
         };
         for (vhost, queue, r) in roles.iter() {
-            if !r.holds_copy(&me) {
+            // A move under way goes on from here too.
+            if !r.holds_copy(&me) || r.moving_to.is_some() {
                 self.apply_roles(vhost, queue, Some(r));
             }
         }

@@ -11,7 +11,7 @@ use super::roles::{self, QueueRoles, Roles};
 use crate::core::AmqpError;
 use crate::core::args::QueueArgs;
 use crate::core::wiring::Wiring;
-use crate::core::{OpReply, WiringOp, is_foreign};
+use crate::core::{MoveStep, OpReply, WiringOp, is_foreign};
 use crate::cpg::{CpgEvent, MemberId};
 use crate::session::directory::{SessionChange, SessionDirectory, SessionRecord};
 use serde::{Deserialize, Serialize};
@@ -568,6 +568,22 @@ impl ClusterMap {
         op: &WiringOp,
         actions: &mut Vec<Action>,
     ) -> Option<Result<(), AmqpError>> {
+        if let WiringOp::MovePrimary {
+            queue,
+            incarnation,
+            to,
+            step,
+        } = op
+        {
+            return Some(self.apply_move_op(
+                sender,
+                vhost,
+                (queue, *incarnation),
+                to,
+                *step,
+                actions,
+            ));
+        }
         let (queue, incarnation, node, in_sync) = match op {
             WiringOp::BackupInSync {
                 queue,
@@ -623,6 +639,62 @@ impl ClusterMap {
         } else {
             Some(Ok(()))
         }
+    }
+
+    /// [`WiringOp::MovePrimary`]: a request is refused (for its asker) when the move
+    /// cannot be made now; a switch counts only from the queue's primary (a deposed
+    /// primary's late switch changes nothing); a cancel always succeeds.
+    fn apply_move_op(
+        &mut self,
+        sender: MemberId,
+        vhost: &str,
+        (queue, incarnation): (&str, u64),
+        to: &str,
+        step: MoveStep,
+        actions: &mut Vec<Action>,
+    ) -> Result<(), AmqpError> {
+        let sender_node = self
+            .membership
+            .members()
+            .iter()
+            .find(|m| m.id == sender)
+            .and_then(|m| m.info.as_ref())
+            .map(|i| i.node_id.clone());
+        let Some(was) = self
+            .roles
+            .get(vhost, queue)
+            .filter(|r| r.incarnation == incarnation)
+        else {
+            return match step {
+                MoveStep::Cancel => Ok(()),
+                _ => Err(AmqpError::not_found(format!(
+                    "no incarnation {incarnation} of queue '{queue}' in vhost '{vhost}'"
+                ))),
+            };
+        };
+        let ring = roles::ring(&self.membership);
+        let mut now = was.clone();
+        let changed = match step {
+            MoveStep::Request => now.request_move(to, &ring).map_err(|why| {
+                AmqpError::precondition(format!(
+                    "cannot move the primary of queue '{queue}' in vhost '{vhost}' to '{to}': {why}"
+                ))
+            })?,
+            MoveStep::Switch => {
+                sender_node.as_deref() == Some(now.primary.as_str()) && now.switch(to, &ring)
+            }
+            MoveStep::Cancel => now.cancel_move(to),
+        };
+        if changed {
+            let was = self.roles.set(vhost, queue, Some(now.clone()));
+            actions.push(Action::RolesChanged {
+                vhost: vhost.to_owned(),
+                queue: queue.to_owned(),
+                was,
+                now: Some(now),
+            });
+        }
+        Ok(())
     }
 
     /// Keeps the roles in step with the queues: a declare that created a clustered queue

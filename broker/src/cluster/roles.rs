@@ -49,6 +49,13 @@ pub struct QueueRoles {
     /// The primary is lost and no in-sync backup was left: nobody may serve the queue until
     /// the primary or one of `in_sync` (kept as they were, members or not) returns.
     pub unavailable: bool,
+    /// A planned move of the primary to this member is under way (`cluster move-queue`,
+    /// a drain): it is a backup — one more than `k` if it was not one before — and once it
+    /// is in sync the primary stops the queue's ops, waits for its ack of everything, and
+    /// commits the switch ([`QueueRoles::switch`]). Cleared by the switch, a cancel, or an
+    /// election or membership change that makes the move moot.
+    #[serde(default)]
+    pub moving_to: Option<String>,
 }
 
 impl QueueRoles {
@@ -62,6 +69,7 @@ impl QueueRoles {
             in_sync: Vec::new(),
             wanted_backups: k.min(MAX_BACKUPS),
             unavailable: false,
+            moving_to: None,
         };
         roles.reconcile(ring);
         roles
@@ -73,6 +81,9 @@ impl QueueRoles {
     /// the same roles and ring give the same result however often it runs.
     pub fn reconcile(&mut self, ring: &[String]) {
         let live = |n: &String| ring.contains(n);
+        if !live(&self.primary) || self.moving_to.as_ref().is_some_and(|to| !live(to)) {
+            self.end_move();
+        }
         if !live(&self.primary) {
             let promoted = self
                 .backups
@@ -96,7 +107,7 @@ impl QueueRoles {
         };
         let successors = ring[at + 1..].iter().chain(&ring[..at]);
         for n in successors {
-            if self.backups.len() >= usize::from(self.wanted_backups) {
+            if self.backups.len() >= self.most_backups() {
                 break;
             }
             if !self.backups.contains(n) {
@@ -113,6 +124,9 @@ impl QueueRoles {
         if self.unavailable {
             return;
         }
+        if self.primary == node || self.moving_to.as_deref() == Some(node) {
+            self.end_move();
+        }
         if self.primary == node {
             let promoted = self
                 .backups
@@ -126,6 +140,86 @@ impl QueueRoles {
         }
         self.in_sync.retain(|n| n != node);
         self.reconcile(ring);
+    }
+
+    /// A planned move of the primary to `to` is asked: `to` becomes a backup if it is not
+    /// one (catching up first, as any new backup), and the move is recorded. `Ok(false)`
+    /// when there is nothing to do (`to` is the primary, or the same move is under way);
+    /// an error, for the asker, when the move cannot be made now.
+    pub fn request_move(&mut self, to: &str, ring: &[String]) -> Result<bool, String> {
+        if self.unavailable {
+            return Err("the queue is unavailable: its primary is lost".to_owned());
+        }
+        if self.primary == to || self.moving_to.as_deref() == Some(to) {
+            return Ok(false);
+        }
+        if let Some(other) = &self.moving_to {
+            return Err(format!("its primary is already moving to '{other}'"));
+        }
+        if !ring.iter().any(|n| n == to) {
+            return Err(format!("'{to}' is not a member of the cluster"));
+        }
+        self.moving_to = Some(to.to_owned());
+        if !self.backups.iter().any(|b| b == to) {
+            self.backups.push(to.to_owned());
+        }
+        self.assert_invariants();
+        Ok(true)
+    }
+
+    /// The primary stopped the queue's ops and `to` acknowledged every one of them: `to`
+    /// is the primary from this point of the agreed order on. The old primary takes `to`'s
+    /// place among the backups, out of sync (it catches up from the new primary like any
+    /// new backup), unless that would be one backup more than `k`. Returns whether the
+    /// roles changed (not when no such move is under way, or `to` is not in sync).
+    pub fn switch(&mut self, to: &str, ring: &[String]) -> bool {
+        if self.unavailable
+            || self.moving_to.as_deref() != Some(to)
+            || !self.in_sync.iter().any(|n| n == to)
+        {
+            return false;
+        }
+        let old = std::mem::replace(&mut self.primary, to.to_owned());
+        let at = self.backups.iter().position(|b| b == to).expect("in sync");
+        self.in_sync.retain(|n| n != to);
+        self.moving_to = None;
+        if self.backups.len() > usize::from(self.wanted_backups) {
+            self.backups.remove(at);
+        } else {
+            self.backups[at] = old;
+        }
+        self.reconcile(ring);
+        true
+    }
+
+    /// The move to `to` is called off (it could not be finished): returns whether one was
+    /// under way.
+    pub fn cancel_move(&mut self, to: &str) -> bool {
+        if self.moving_to.as_deref() != Some(to) {
+            return false;
+        }
+        self.end_move();
+        true
+    }
+
+    /// No move under way any more: a backup taken on for it beyond `k` goes again (the last
+    /// one that is not in sync, else the last).
+    fn end_move(&mut self) {
+        self.moving_to = None;
+        while self.backups.len() > usize::from(self.wanted_backups) {
+            let at = self
+                .backups
+                .iter()
+                .rposition(|b| !self.in_sync.contains(b))
+                .unwrap_or(self.backups.len() - 1);
+            let gone = self.backups.remove(at);
+            self.in_sync.retain(|n| *n != gone);
+        }
+    }
+
+    /// Most backups the queue may have now: `k`, and one more for a planned move's target.
+    fn most_backups(&self) -> usize {
+        usize::from(self.wanted_backups) + usize::from(self.moving_to.is_some())
     }
 
     /// Whether `node` holds a copy of the queue by these roles: its primary or a backup.
@@ -167,9 +261,12 @@ impl QueueRoles {
             "primary {} is also a backup: {self:?}",
             self.primary
         );
+        assert!(self.backups.len() <= self.most_backups(), "{self:?}");
         assert!(
-            self.backups.len() <= usize::from(self.wanted_backups),
-            "{self:?}"
+            self.moving_to
+                .as_ref()
+                .is_none_or(|to| *to != self.primary && self.backups.contains(to)),
+            "a move's target is a backup: {self:?}"
         );
         for (i, b) in self.backups.iter().enumerate() {
             assert!(!self.backups[..i].contains(b), "backup {b} twice: {self:?}");
@@ -297,6 +394,7 @@ impl Roles {
                         in_sync: r.in_sync.clone(),
                         wanted_backups: r.wanted_backups,
                         unavailable: r.unavailable,
+                        moving_to: r.moving_to.clone(),
                     };
                 }
             }
@@ -323,6 +421,7 @@ impl Roles {
                         in_sync: r.in_sync.clone(),
                         wanted_backups: r.wanted_backups,
                         unavailable: r.unavailable,
+                        moving_to: r.moving_to.clone(),
                     }),
                 );
             }
@@ -509,6 +608,73 @@ mod tests {
         r.restarted("a", &ring);
         assert_eq!(r.primary, "b");
         assert_eq!(r.backups, ["c"]);
+    }
+
+    #[test]
+    fn a_move_to_an_in_sync_backup_switches_and_the_old_primary_catches_up() {
+        let ring = ring_of(&["a", "b", "c"]);
+        let mut r = QueueRoles::new(1, "a", 1, &ring);
+        assert!(!r.switch("b", &ring), "no move asked");
+        assert_eq!(r.request_move("b", &ring), Ok(true));
+        assert_eq!(r.request_move("b", &ring), Ok(false), "the same move again");
+        assert!(!r.switch("b", &ring), "b is still catching up");
+        r.mark_in_sync("b");
+        assert!(r.switch("b", &ring));
+        assert_eq!(r.primary, "b");
+        assert_eq!(r.backups, ["a"], "the old primary takes its place");
+        assert!(r.in_sync.is_empty(), "and catches up from the new primary");
+        assert_eq!(r.moving_to, None);
+    }
+
+    #[test]
+    fn a_move_to_a_member_that_is_no_backup_takes_it_on_beyond_k_until_the_switch() {
+        let ring = ring_of(&["a", "b", "c"]);
+        let mut r = QueueRoles::new(1, "a", 1, &ring);
+        r.mark_in_sync("b");
+        assert_eq!(r.request_move("c", &ring), Ok(true));
+        assert_eq!(r.backups, ["b", "c"], "one more than k while it catches up");
+        assert_eq!(r.in_sync, ["b"], "b still counts");
+        r.reconcile(&ring);
+        assert_eq!(r.backups, ["b", "c"], "reconciling keeps the move's backup");
+        r.mark_in_sync("c");
+        assert!(r.switch("c", &ring));
+        assert_eq!(r.primary, "c");
+        assert_eq!(r.backups, ["b"], "back to k: the old primary is not kept");
+        assert_eq!(r.in_sync, ["b"]);
+    }
+
+    #[test]
+    fn a_move_is_refused_or_ended_when_it_cannot_be_made() {
+        let ring = ring_of(&["a", "b", "c"]);
+        let mut r = QueueRoles::new(1, "a", 1, &ring);
+        assert!(r.request_move("z", &ring).is_err(), "not a member");
+        assert_eq!(r.request_move("a", &ring), Ok(false), "already the primary");
+        r.request_move("c", &ring).unwrap();
+        assert!(r.request_move("b", &ring).is_err(), "one move at a time");
+        assert!(!r.cancel_move("b"));
+        assert!(r.cancel_move("c"));
+        assert_eq!(
+            (r.backups.as_slice(), r.moving_to.as_deref()),
+            (["b".to_owned()].as_slice(), None)
+        );
+        // The target leaves: the move ends with it.
+        r.request_move("c", &ring).unwrap();
+        r.reconcile(&ring_of(&["a", "b"]));
+        assert_eq!(r.moving_to, None);
+        assert_eq!(r.backups, ["b"]);
+        // The primary is lost mid-move: an election, and the move is moot.
+        let mut r = QueueRoles::new(1, "a", 1, &ring);
+        r.mark_in_sync("b");
+        r.request_move("c", &ring).unwrap();
+        r.reconcile(&ring_of(&["b", "c"]));
+        assert_eq!(r.primary, "b");
+        assert_eq!(r.moving_to, None);
+        assert_eq!(r.backups, ["c"]);
+        // A restart of the target ends it too.
+        let mut r = QueueRoles::new(1, "a", 1, &ring);
+        r.request_move("b", &ring).unwrap();
+        r.restarted("b", &ring);
+        assert_eq!(r.moving_to, None);
     }
 
     #[test]

@@ -71,6 +71,11 @@ pub struct Queue {
     /// Its ops are replicated (this member is the primary of a queue with backups, or holds
     /// a backup's copy): they are recorded even when the queue is not durable.
     pub replicated: bool,
+    /// Its primary is moving to another member (`docs/cluster.md`, "Moving a primary"):
+    /// this member, still its primary, makes no more ops on it — publishes to it are
+    /// refused, nothing is delivered, acks and requeues of its deliveries are left to the
+    /// new primary (which requeues what was out) — so the target can hold every op there is.
+    pub sealed: bool,
     levels: Vec<VecDeque<Entry>>,
     unacked: HashMap<u64, Entry>,
     ready_count: usize,
@@ -123,6 +128,7 @@ impl Queue {
             had_consumer: false,
             home: None,
             replicated: false,
+            sealed: false,
             levels: (0..levels).map(|_| VecDeque::new()).collect(),
             unacked: HashMap::new(),
             ready_count: 0,

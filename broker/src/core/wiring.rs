@@ -96,6 +96,9 @@ pub struct WiringRoles {
     /// newest state, and the queue waits for one of them.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub unavailable: bool,
+    /// The member a planned move of the primary goes to, while it is under way.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moving_to: Option<String>,
 }
 
 fn is_zero<T: Default + PartialEq>(n: &T) -> bool {
@@ -680,6 +683,7 @@ mod tests {
                 in_sync: vec!["n3".into()],
                 wanted_backups: 2,
                 unavailable: true,
+                moving_to: Some("n3".into()),
             },
         };
         let json = serde_json::to_string(&q).unwrap();

@@ -150,10 +150,37 @@ pub enum WiringOp {
         /// Node id of the backup.
         node: String,
     },
+    /// A planned move of a clustered queue's primary (`cluster move-queue`, a drain; see
+    /// `docs/cluster.md`, "Moving a primary"): asked by anyone, switched by the primary
+    /// once the target caught up and acknowledged every op, or called off. The cluster
+    /// map's roles change; a vhost's wiring does not.
+    MovePrimary {
+        /// Queue.
+        queue: String,
+        /// Its incarnation.
+        incarnation: u64,
+        /// Node id of the member the primary moves to.
+        to: String,
+        /// Which step of the move.
+        step: MoveStep,
+    },
     /// A change to the cluster's session directory (`crate::session::directory`): where
     /// each resumable session lives and whether a connection holds it. The cluster map's,
     /// not the vhost's wiring (the vhost named is the connection's, or empty before open).
     Session(crate::session::directory::SessionOp),
+}
+
+/// The steps of a planned primary move ([`WiringOp::MovePrimary`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MoveStep {
+    /// Start it: the target becomes a backup if it is not one, and catches up.
+    Request,
+    /// The primary's switch, once the target is in sync and acknowledged everything the
+    /// primary did before it stopped the queue: the target is the primary from here on.
+    /// Applied only when the primary sends it.
+    Switch,
+    /// Call it off (the primary could not finish it); the queue is served as before.
+    Cancel,
 }
 
 /// What applying an op answers, for the broker whose client asked.
@@ -400,6 +427,7 @@ impl WiringOp {
             // The cluster map's roles, not the vhost's wiring (a single broker has none).
             WiringOp::BackupInSync { .. }
             | WiringOp::BackupOutOfSync { .. }
+            | WiringOp::MovePrimary { .. }
             | WiringOp::Session(_) => Ok(OpReply::default()),
         }
     }

@@ -64,6 +64,11 @@ impl Ledger {
             .map_or(self.stamp, |&oldest| oldest - 1)
     }
 
+    /// The newest stamp issued: every batch handed over so far is at or below it.
+    pub fn issued(&self) -> u64 {
+        self.stamp
+    }
+
     /// How many batches still wait for an acknowledgement.
     pub fn waiting(&self) -> u64 {
         self.stamp - self.acked_through()

@@ -186,6 +186,12 @@ impl Replicator {
         self.acked.subscribe()
     }
 
+    /// The stamp of the newest batch handed over: once [`Replicator::acked`] reaches it,
+    /// every in-sync backup holds every op made so far.
+    pub fn issued(&self) -> u64 {
+        self.state.lock().ledger.issued()
+    }
+
     /// Hands a batch's ops to the backups of their queues. Call it under `vhost`'s lock, in
     /// batch order. Returns the stamp the batch's confirms wait for, when an in-sync backup
     /// must acknowledge it.

@@ -241,7 +241,9 @@ pub fn required_access(op: &WiringOp) -> Vec<(Access, Resource<'_>)> {
             (Access::Read, Resource::Exchange(exchange)),
         ],
         // A queue's primary sends these itself; no client method makes them.
-        WiringOp::BackupInSync { queue, .. } | WiringOp::BackupOutOfSync { queue, .. } => {
+        WiringOp::BackupInSync { queue, .. }
+        | WiringOp::BackupOutOfSync { queue, .. }
+        | WiringOp::MovePrimary { queue, .. } => {
             vec![(Access::Configure, Resource::Queue(queue))]
         }
         // A member sends these for its clients' sessions, which need no resource.

@@ -53,6 +53,11 @@ pub(super) static ROUTES: &[Route] = &[
     Route::wiring(Verb::Put, "/api/queues/{vhost}/{name}", queues::declare),
     Route::wiring(Verb::Delete, "/api/queues/{vhost}/{name}", queues::delete),
     Route::delete("/api/queues/{vhost}/{name}/contents", queues::purge),
+    Route::wiring(
+        Verb::Post,
+        "/api/queues/{vhost}/{name}/move",
+        queues::move_primary,
+    ),
     Route::get("/api/queues/{vhost}/{name}/bindings", queues::bindings),
     Route::get("/api/exchanges", exchanges::list_all),
     Route::get("/api/exchanges/{vhost}", exchanges::list),

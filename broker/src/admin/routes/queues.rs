@@ -11,7 +11,7 @@ use crate::admin::wiring::{Answer, Plan};
 use crate::admin::{ApiError, Reply, empty_reply};
 use crate::broker::Broker;
 use crate::core::queue::Queue;
-use crate::core::{Effects, VHost, WiringOp, is_foreign};
+use crate::core::{Effects, MoveStep, VHost, WiringOp, is_foreign};
 use crate::proxy::stats::queue_stats;
 use futures::future::BoxFuture;
 use hyper::StatusCode;
@@ -198,6 +198,39 @@ pub(super) fn delete<'a>(c: &Ctx<'a>) -> Result<Plan<'a>> {
     })
 }
 
+/// `POST /api/queues/{vhost}/{name}/move` with `{"to": "<node id>"}`: the queue's primary
+/// moves to that member — it becomes a backup if it is not one and catches up, then the
+/// primary stops the queue's ops until it has them all and switches (`docs/cluster.md`,
+/// "Moving a primary"). 202 once the move is agreed; it is done when `node` names the
+/// member. 409 when the move cannot be made now (the queue is unavailable, already moving
+/// elsewhere, or the member is not one); 400 on a single broker.
+pub(super) fn move_primary<'a>(c: &Ctx<'a>) -> Result<Plan<'a>> {
+    let [vh, name] = c.args();
+    let body = c.call.json()?;
+    let to = body.get("to").and_then(Value::as_str).ok_or_else(|| {
+        ApiError::bad_request(r#"the body must name the member to move to: {"to": "<node id>"}"#)
+    })?;
+    let cluster = c.broker.cluster().ok_or_else(|| {
+        ApiError::bad_request("this broker is not a cluster member: a primary has nowhere to move")
+    })?;
+    vhost(c.broker, vh)?;
+    let roles = cluster.queue_roles(vh, name).ok_or_else(|| {
+        ApiError::not_found(format!(
+            "no clustered queue '{name}' in vhost '{vh}' (exclusive queues stay with their connection)"
+        ))
+    })?;
+    Ok(Plan {
+        vhost: vh,
+        op: WiringOp::MovePrimary {
+            queue: name.to_owned(),
+            incarnation: roles.incarnation,
+            to: to.to_owned(),
+            step: MoveStep::Request,
+        },
+        answer: Answer::Accepted,
+    })
+}
+
 /// `DELETE /api/queues/{vhost}/{name}/contents`: drops the ready messages.
 pub(super) fn purge(c: &Ctx<'_>) -> Result<Reply> {
     let [vh, name] = c.args();
@@ -253,9 +286,9 @@ fn queue_json(b: &Broker, vh: &str, q: &Queue) -> Value {
     // Its backups (node ids, in ring order) and which of them may take over: the cluster
     // map's, so every member answers the same.
     let roles = b.cluster().and_then(|c| c.queue_roles(vh, &q.name));
-    let (backups, in_sync, unavailable) = match roles {
-        Some(r) => (r.backups, r.in_sync, r.unavailable),
-        None => (Vec::new(), Vec::new(), false),
+    let (backups, in_sync, unavailable, moving_to) = match roles {
+        Some(r) => (r.backups, r.in_sync, r.unavailable, r.moving_to),
+        None => (Vec::new(), Vec::new(), false, None),
     };
     let local_copy = local_copy_json(b, node, &backups, q);
     json!({
@@ -274,6 +307,7 @@ fn queue_json(b: &Broker, vh: &str, q: &Queue) -> Value {
         "backup_nodes": backups,
         "in_sync_backup_nodes": in_sync,
         "unavailable": unavailable,
+        "moving_to": moving_to,
         "local_copy": local_copy,
         "type": "classic",
         "state": "running",

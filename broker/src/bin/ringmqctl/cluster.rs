@@ -1,8 +1,13 @@
 //! `ringmqctl cluster …`: the cluster as one ring — its members in ring order and what each
-//! holds — answered by any member from the cluster map (`GET /api/members`).
+//! holds — answered by any member from the cluster map (`GET /api/members`), and the ring
+//! operations that change it (a queue's primary moved).
 
 use crate::admin::{Conn, cells, client, send, table};
+use anyhow::bail;
 use clap::Subcommand;
+use ringmq::admin_client::seg;
+use serde_json::json;
+use std::time::{Duration, Instant};
 
 /// What `ringmqctl cluster` shows or does.
 #[derive(Debug, Subcommand)]
@@ -10,12 +15,90 @@ pub enum ClusterCommand {
     /// The ring: members in ring order with their zone, state, and the primaries and backups
     /// each holds (the same answer from any member).
     Ring,
+    /// Moves a queue's primary to another member: it catches up as a backup, then takes
+    /// over (consumers elsewhere get a cancel notification and redeliveries; publishes
+    /// during the switch, a few milliseconds, are nacked and sent again).
+    MoveQueue {
+        /// The queue's vhost.
+        vhost: String,
+        /// The queue.
+        queue: String,
+        /// Node id of the member that becomes its primary.
+        #[arg(long)]
+        to: String,
+        /// Waits until the member is the primary; exits non-zero if the move was called
+        /// off or did not finish within --timeout.
+        #[arg(long)]
+        wait: bool,
+        /// Seconds --wait waits at most.
+        #[arg(long, default_value_t = 120)]
+        timeout: u64,
+    },
 }
 
 /// Runs `ringmqctl cluster <command>`.
 pub fn run(conn: &Conn, command: &ClusterCommand) -> anyhow::Result<()> {
     match command {
         ClusterCommand::Ring => ring(conn),
+        ClusterCommand::MoveQueue {
+            vhost,
+            queue,
+            to,
+            wait,
+            timeout,
+        } => move_queue(
+            conn,
+            vhost,
+            queue,
+            to,
+            wait.then(|| Duration::from_secs(*timeout)),
+        ),
+    }
+}
+
+/// `cluster move-queue`: asks for the move, then with `wait` follows the queue until `to`
+/// is its primary.
+fn move_queue(
+    conn: &Conn,
+    vhost: &str,
+    queue: &str,
+    to: &str,
+    wait: Option<Duration>,
+) -> anyhow::Result<()> {
+    let c = client(conn);
+    let path = format!("/api/queues/{}/{}", seg(vhost), seg(queue));
+    send(
+        &c,
+        "POST",
+        &format!("{path}/move"),
+        Some(&json!({"to": to})),
+    )?;
+    let Some(patience) = wait else {
+        println!("queue {queue}: moving to {to}");
+        return Ok(());
+    };
+    let deadline = Instant::now() + patience;
+    loop {
+        let q = send(&c, "GET", &path, None)?.body;
+        if q["node"] == to {
+            println!("queue {queue}: its primary is {to}");
+            return Ok(());
+        }
+        if q["moving_to"] != to {
+            bail!(
+                "queue {queue}: the move to {to} was called off (primary {}, moving to {}): see the members' logs",
+                q["node"],
+                q["moving_to"]
+            );
+        }
+        if Instant::now() >= deadline {
+            bail!(
+                "queue {queue}: still moving to {to} after {} s (in-sync backups: {})",
+                patience.as_secs(),
+                q["in_sync_backup_nodes"]
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
     }
 }
 

@@ -271,6 +271,10 @@ impl VHost {
         let record = self.record_ops;
         let mut dead = Vec::new();
         let q = self.queues.get_mut(queue).expect("checked above");
+        if q.sealed {
+            // Moving to another member: empty for now, the new primary serves the next get.
+            return Ok(None);
+        }
         q.last_used_ms = now_ms;
         expire_head(q, now_ms, true, record, fx, &mut dead);
         let got = match q.peek().map(|e| e.id) {
@@ -351,7 +355,7 @@ impl VHost {
         let Some(q) = self.queues.get_mut(queue) else {
             return;
         };
-        if q.consumers.is_empty() {
+        if q.consumers.is_empty() || q.sealed {
             return;
         }
         loop {

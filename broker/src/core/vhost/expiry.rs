@@ -19,8 +19,9 @@ impl VHost {
         let node = self.node.clone();
         for q in self.queues.values_mut() {
             // A proxied queue's use is seen by its primary, which decides its expiry — and its
-            // messages' (a replica here drops a message when the primary's op says so).
-            let proxied = q.primary_elsewhere(node.as_deref()).is_some();
+            // messages' (a replica here drops a message when the primary's op says so). A
+            // sealed one is moving: its new primary decides.
+            let proxied = q.primary_elsewhere(node.as_deref()).is_some() || q.sealed;
             if !proxied {
                 expire_head(q, now_ms, true, record, fx, &mut dead);
             }

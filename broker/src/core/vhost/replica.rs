@@ -7,7 +7,9 @@
 //! queues' ops, so a durable replica survives a restart of this process too. When the
 //! cluster map makes this member the primary (an election), [`VHost::promote_replica`]
 //! requeues what the old primary had delivered and not seen acked, in its original order and
-//! marked redelivered, and the queue serves from where the old primary stopped.
+//! marked redelivered, and the queue serves from where the old primary stopped. A planned
+//! move runs the other way too: the primary [`VHost::seal`]s the queue (no more ops) until
+//! the target has them all, and [`VHost::hand_over`] ends its consumers at the switch.
 //!
 //! A replica obeys the vhost's memory budget as its primary does (flow-to-disk): after each
 //! replicated enqueue, and for each message an image installs, a body that takes the
@@ -19,7 +21,7 @@
 //! back from this member's journal like any primary's.
 
 use super::VHost;
-use super::effects::{Effects, PageOut, apply, journals_persistent, page_out, purge};
+use super::effects::{Cancelled, Effects, PageOut, apply, journals_persistent, page_out, purge};
 use crate::core::ops::{OpKind, QueueOp};
 use crate::core::queue::{ImageChunk, Queue, QueueImage, ReplicaError};
 
@@ -146,6 +148,44 @@ impl VHost {
         Ok(unacked.len())
     }
 
+    /// This member, `queue`'s primary, stops making ops on it (`on`) while its primary
+    /// moves to another member, or goes on serving it when the move was called off; see
+    /// [`crate::core::queue::Queue::sealed`]. Returns whether it changed.
+    pub fn seal(&mut self, queue: &str, on: bool, now_ms: u64, fx: &mut Effects) -> bool {
+        let Some(q) = self.queues.get_mut(queue).filter(|q| q.sealed != on) else {
+            return false;
+        };
+        q.sealed = on;
+        if !on {
+            self.dispatch(queue, now_ms, fx);
+        }
+        true
+    }
+
+    /// `queue`'s primary moved from this member to another (a planned move's switch): the
+    /// consumers here end, told with basic.cancel — their clients consume again through
+    /// the new primary, which requeued what they had not acked (their acks here change
+    /// nothing any more) — and the copy stays as a replica for the new primary to catch up.
+    /// Returns how many consumers ended.
+    pub fn hand_over(&mut self, queue: &str, fx: &mut Effects) -> usize {
+        let Some(q) = self.queues.get_mut(queue) else {
+            return 0;
+        };
+        q.sealed = false;
+        let consumers = std::mem::take(&mut q.consumers);
+        q.next_consumer = 0;
+        for c in &consumers {
+            if let Some(ch) = self.channels.get_mut(&c.channel) {
+                ch.consumers.remove(&c.tag);
+            }
+            fx.cancelled.push(Cancelled {
+                channel: c.channel,
+                tag: c.tag.clone(),
+            });
+        }
+        consumers.len()
+    }
+
     /// The replica of `queue`: a queue held here whose primary is another member.
     fn replica_mut(&mut self, queue: &str) -> Result<&mut Queue, ReplicaError> {
         let node = self.node.clone();
@@ -173,7 +213,7 @@ mod tests {
     mod paging;
 
     use crate::amqp::Properties;
-    use crate::core::vhost::{Consume, Effects, QueueDeclare, VHost};
+    use crate::core::vhost::{Consume, Effects, PublishOutcome, QueueDeclare, VHost};
     use crate::core::{ChannelKey, Message, OpKind, QueueOp};
     use bytes::Bytes;
     use std::sync::Arc;
@@ -274,6 +314,58 @@ mod tests {
             bodies(&pfx),
             [("m2", true), ("m3", true), ("m4", true), ("m5", false)]
                 .map(|(b, r)| (b.to_owned(), r))
+        );
+    }
+
+    #[test]
+    fn a_sealed_primary_makes_no_ops_and_its_hand_over_leaves_the_rest_to_the_new_one() {
+        let mut a = member("a");
+        let mut b = member("b");
+        let mut fx = Effects::default();
+        for body in ["m1", "m2", "m3"] {
+            publish(&mut a, body, &mut fx);
+        }
+        consume(&mut a, 2, &mut fx);
+        assert_eq!(bodies(&fx).len(), 2);
+        let (first, second) = (fx.deliveries[0].delivery_tag, fx.deliveries[1].delivery_tag);
+        b.apply_replicated("q", &std::mem::take(&mut fx.ops), &mut Effects::default())
+            .unwrap();
+
+        // The move's target caught up: a stops making ops on q.
+        assert!(a.seal("q", true, 0, &mut fx));
+        assert!(!a.seal("q", true, 0, &mut fx), "once");
+        let m = Arc::new(Message::authored(
+            "".into(),
+            "q".into(),
+            Properties::default(),
+            Bytes::from_static(b"late"),
+        ));
+        assert!(
+            matches!(
+                a.publish("", "q", m, 0, &mut fx),
+                Ok(PublishOutcome::Rejected)
+            ),
+            "a publish is refused: its publisher sends it again to the new primary"
+        );
+        a.basic_ack(CH, first, false, 0, &mut fx).unwrap();
+        assert!(fx.ops.is_empty(), "nothing to replicate: {:?}", fx.ops);
+        assert!(fx.deliveries.len() == 2, "nothing delivered either");
+
+        // The switch: b is the primary, a's consumer ends; its ack of the second
+        // delivery changes a's copy no more (b requeued it).
+        a.set_queue_home("q", "b");
+        assert_eq!(a.hand_over("q", &mut fx), 1);
+        assert_eq!(fx.cancelled.len(), 1);
+        a.basic_ack(CH, second, false, 0, &mut fx).unwrap();
+        assert!(fx.ops.is_empty(), "{:?}", fx.ops);
+        b.set_queue_home("q", "b");
+        let mut bfx = Effects::default();
+        assert_eq!(b.promote_replica("q", 0, &mut bfx).unwrap(), 2);
+        consume(&mut b, 10, &mut bfx);
+        assert_eq!(
+            bodies(&bfx),
+            [("m1", true), ("m2", true), ("m3", false)].map(|(b, r)| (b.to_owned(), r)),
+            "the ack made while sealed is redone by the client, not lost: m1 comes again"
         );
     }
 

@@ -285,6 +285,12 @@ impl VHost {
             let Some(q) = self.queues.get_mut(name) else {
                 continue;
             };
+            if q.sealed {
+                // Moving to another member: the publisher sends again (a nack), and the
+                // new primary takes it.
+                rejected = true;
+                continue;
+            }
             let size = message.body_len() as u64;
             let full = q
                 .args

@@ -9,6 +9,7 @@ use crate::amqp::codes;
 use crate::core::channel::{ChannelKey, Unacked};
 use crate::core::error::{AmqpError, CoreResult};
 use crate::core::ops::{DropReason, OpKind};
+use crate::core::queue::Queue;
 use std::sync::Arc;
 
 impl VHost {
@@ -39,9 +40,7 @@ impl VHost {
         let record = self.record_ops;
         let mut touched = Vec::new();
         for u in settled {
-            if let Some(q) = self.queues.get_mut(&u.queue)
-                && q.unacked(u.id).is_some()
-            {
+            if let Some(q) = self.served_unacked(&u) {
                 apply(q, OpKind::Settle { id: u.id }, record, fx);
             }
             if !touched.contains(&u.queue) {
@@ -84,9 +83,7 @@ impl VHost {
             let record = self.record_ops;
             let mut dead = Vec::new();
             for u in settled {
-                if let Some(q) = self.queues.get_mut(&u.queue)
-                    && q.unacked(u.id).is_some()
-                {
+                if let Some(q) = self.served_unacked(&u) {
                     let entry =
                         apply(q, OpKind::Settle { id: u.id }, record, fx).expect("unacked exists");
                     dead.push(DeadLetter {
@@ -154,7 +151,12 @@ impl VHost {
             if u.upstream.is_some() {
                 continue;
             }
-            let Some(entry) = self.queues.get(&u.queue).and_then(|q| q.unacked(u.id)) else {
+            let Some(entry) = self
+                .queues
+                .get(&u.queue)
+                .filter(|q| !q.sealed && q.primary_elsewhere(self.node.as_deref()).is_none())
+                .and_then(|q| q.unacked(u.id))
+            else {
                 continue;
             };
             ch.unwritten += 1;
@@ -167,6 +169,17 @@ impl VHost {
                 message: entry.message.clone(),
             });
         }
+    }
+
+    /// The queue local delivery `u` came from, while this member serves it and the message
+    /// is still out. A queue whose primary moved to another member (or is moving, sealed)
+    /// leaves the delivery to the new primary, which requeued it: an ack or requeue here
+    /// would change a copy that is now a replica of the new primary's.
+    fn served_unacked(&mut self, u: &Unacked) -> Option<&mut Queue> {
+        let node = self.node.clone();
+        self.queues.get_mut(&u.queue).filter(|q| {
+            !q.sealed && q.primary_elsewhere(node.as_deref()).is_none() && q.unacked(u.id).is_some()
+        })
     }
 
     fn settle(&mut self, key: ChannelKey, tag: u64, multiple: bool) -> CoreResult<Vec<Unacked>> {
@@ -186,9 +199,7 @@ impl VHost {
     ) {
         let record = self.record_ops;
         for u in unacked {
-            if let Some(q) = self.queues.get_mut(&u.queue)
-                && q.unacked(u.id).is_some()
-            {
+            if let Some(q) = self.served_unacked(&u) {
                 apply(q, OpKind::Requeue { id: u.id }, record, fx);
             }
             if !touched.contains(&u.queue) {
