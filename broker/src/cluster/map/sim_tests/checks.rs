@@ -15,10 +15,12 @@ impl World {
             && m.map.is_announced()
             && !r.unavailable
             && r.primary == self.slots[i].node
+            && !sealed(r)
             && m.cpg.has_quorum_now()
     }
 
     /// The node `primary` holds every op confirmed for queue incarnation `key`.
+    /// (A sealed primary — see [`sealed`] — takes no ops and is not counted as acting.)
     pub(super) fn check_holds_confirmed(&mut self, primary: &str, key: &QueueKey, when: &str) {
         let Some(confirmed) = self.confirmed.get(key) else {
             return;
@@ -134,4 +136,13 @@ impl World {
             }
         }
     }
+}
+
+/// The primary of `r` stopped making ops for a planned move (`VHost::seal` on a broker):
+/// its target is in sync, and the primary waits for its acknowledgement of everything
+/// before it commits the switch.
+pub(super) fn sealed(r: &QueueRoles) -> bool {
+    r.moving_to
+        .as_ref()
+        .is_some_and(|to| r.in_sync.contains(to))
 }

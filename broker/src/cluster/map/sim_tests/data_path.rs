@@ -51,6 +51,29 @@ impl World {
                 if_empty: false,
             };
             self.submit(world, slot, op, None);
+        } else if roll < 10 {
+            // A planned move to any node (a member or not), now and then called off.
+            let incarnation = self.slots[slot]
+                .member
+                .as_ref()
+                .and_then(|m| m.map.roles().get("/", &name).map(|r| r.incarnation));
+            if let Some(incarnation) = incarnation {
+                let to = self.slots[self.rng.gen_range(0..self.slots.len())]
+                    .node
+                    .clone();
+                let step = if roll < 9 {
+                    MoveStep::Request
+                } else {
+                    MoveStep::Cancel
+                };
+                let op = WiringOp::MovePrimary {
+                    queue: name,
+                    incarnation,
+                    to,
+                    step,
+                };
+                self.submit(world, slot, op, None);
+            }
         }
         let Some(m) = &self.slots[slot].member else {
             return;
@@ -59,7 +82,7 @@ impl World {
             .map
             .roles()
             .iter()
-            .filter(|(_, _, r)| r.primary == node && !r.unavailable)
+            .filter(|(_, _, r)| r.primary == node && !r.unavailable && !checks::sealed(r))
             .map(|(_, q, r)| (q.to_owned(), r.incarnation))
             .collect();
         for key in mine {
@@ -209,6 +232,26 @@ impl World {
                     in_sync,
                 };
                 self.submit(world, i, op, Some(mark));
+            }
+            // A sealed queue's switch, once the move's target acknowledged everything held
+            // (what keeps the broker's replicator from forgiving the target frames it
+            // would refuse as the new primary; here, every confirmed op is on the target by
+            // the confirm rule alone, which this checks holds across moves).
+            if let Some(to) = r.moving_to.as_ref().filter(|_| checks::sealed(&r)) {
+                let m = self.slots[i].member.as_ref().expect("running");
+                let caught_up = m
+                    .links
+                    .get(&(key.clone(), to.clone()))
+                    .is_some_and(|l| l.streaming && held.is_subset(&l.acked));
+                if caught_up && self.rng.gen_bool(0.3) {
+                    let op = WiringOp::MovePrimary {
+                        queue: queue.clone(),
+                        incarnation: r.incarnation,
+                        to: to.clone(),
+                        step: MoveStep::Switch,
+                    };
+                    self.submit(world, i, op, None);
+                }
             }
             // Confirms: the backups it counts are its map's in-sync set and those whose
             // in-sync mark is in flight.

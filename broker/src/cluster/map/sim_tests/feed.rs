@@ -203,6 +203,9 @@ impl World {
             ));
             if slot == 0 {
                 self.stats.elections += 1;
+                if was.moving_to.as_deref() == Some(now.primary.as_str()) {
+                    self.stats.moves += 1;
+                }
             }
             if !was.in_sync.contains(&now.primary) {
                 self.fail(format!(

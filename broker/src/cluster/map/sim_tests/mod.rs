@@ -127,6 +127,8 @@ struct Slot {
 #[derive(Debug, Default, Clone, Copy)]
 struct Stats {
     elections: u64,
+    /// Of those, planned moves' switches.
+    moves: u64,
     unavailable: u64,
     in_sync_marks: u64,
     out_of_sync_marks: u64,
@@ -139,6 +141,7 @@ struct Stats {
 impl std::ops::AddAssign for Stats {
     fn add_assign(&mut self, o: Stats) {
         self.elections += o.elections;
+        self.moves += o.moves;
         self.unavailable += o.unavailable;
         self.in_sync_marks += o.in_sync_marks;
         self.out_of_sync_marks += o.out_of_sync_marks;
@@ -345,6 +348,7 @@ fn check_part(part: u64) {
     }
     if seeds.len() >= 20 {
         assert!(stats.elections > 0, "no election in {stats:?}");
+        assert!(stats.moves > 0, "no planned move in {stats:?}");
         assert!(stats.in_sync_marks > 0, "no in-sync mark in {stats:?}");
         assert!(
             stats.out_of_sync_marks > 0,
