@@ -218,6 +218,11 @@ fn not_ready_reason(broker: &Broker) -> Option<String> {
     if r.leaving.load(Ordering::Relaxed) {
         return Some("the node is leaving the cluster".into());
     }
+    if let Some(c) = broker.cluster()
+        && c.is_draining(c.node_id())
+    {
+        return Some("the member is being drained: its clients go to the others".into());
+    }
     if !r.is_ready() {
         return Some("listeners are not up yet".into());
     }

@@ -64,7 +64,7 @@ pub(super) struct Route {
 enum Action {
     /// A handler.
     Handle(Handler),
-    /// A read that awaits other members.
+    /// A read that awaits other members, or an action that awaits a cluster commit.
     Read(Reader),
     /// A wiring change: the planner builds its op, [`wiring::run`] applies it here or
     /// commits it through the cluster.
@@ -82,6 +82,14 @@ impl Route {
             verb: Verb::Get,
             pattern,
             action: Action::Read(reader),
+        }
+    }
+    /// `POST` on `pattern`: an action answered once the cluster committed what it asked.
+    pub(super) const fn post_async(pattern: &'static str, action: Reader) -> Self {
+        Self {
+            verb: Verb::Post,
+            pattern,
+            action: Action::Read(action),
         }
     }
     /// `PUT` on `pattern`.

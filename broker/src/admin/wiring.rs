@@ -232,6 +232,7 @@ fn check(op: &WiringOp, v: &VHost, vh: &str) -> Result<Checked> {
         WiringOp::BackupInSync { .. }
         | WiringOp::BackupOutOfSync { .. }
         | WiringOp::MovePrimary { .. }
+        | WiringOp::DrainMember { .. }
         | WiringOp::Session(_) => {}
     }
     Ok(checked)

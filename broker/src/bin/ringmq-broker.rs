@@ -343,6 +343,7 @@ async fn join_cluster(
     .with_context(|| format!("cannot join the cluster on {listen}"))?;
     running.broker.joined(cluster.clone());
     ringmq::broker::majority::spawn_guard(running.broker.clone(), cluster.clone());
+    ringmq::broker::drain::spawn_guard(running.broker.clone(), cluster.clone());
     running.broker.start_serving();
     Ok(cluster)
 }

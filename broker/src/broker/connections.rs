@@ -29,6 +29,9 @@ pub struct ConnInfo {
     pub vhost: String,
     /// When connection.open succeeded (ms since the epoch).
     pub connected_at_ms: u64,
+    /// Another cluster member's link (proxying, replication), not a client: a drain
+    /// closes clients only.
+    pub link: bool,
 }
 
 /// Live connections and this node's state.
@@ -85,6 +88,7 @@ impl Broker {
         peer: SocketAddr,
         user: &str,
         vhost: &str,
+        link: bool,
     ) -> Result<(), String> {
         let local = self
             .registry
@@ -117,6 +121,7 @@ impl Broker {
                 user: user.to_owned(),
                 vhost: vhost.to_owned(),
                 connected_at_ms: now_ms(),
+                link,
             },
         );
         self.stats.connections_opened.inc();

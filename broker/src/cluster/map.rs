@@ -450,7 +450,8 @@ impl ClusterMap {
                 self.membership.on_conf_change(&ids);
                 self.membership.changed_at(index);
                 let ring = roles::ring(&self.membership);
-                self.update_roles(actions, |r| r.reconcile(&ring));
+                let draining = self.membership.draining().clone();
+                self.update_roles(actions, |r| r.reconcile_with(&ring, &draining));
                 let lost = self.sessions.members_are(&ring);
                 push_session_changes(actions, lost);
                 for to in self.membership.snapshot_duty(self.me) {
@@ -484,13 +485,17 @@ impl ClusterMap {
                         self.announced = true;
                     }
                     let ring = roles::ring(&self.membership);
+                    let draining = self.membership.draining().clone();
                     match restarted {
                         Some(node) => {
-                            self.update_roles(actions, |r| r.restarted(&node, &ring));
+                            self.update_roles(actions, |r| {
+                                r.restarted(&node, &ring);
+                                r.reconcile_with(&ring, &draining);
+                            });
                             let lost = self.sessions.restarted(&node);
                             push_session_changes(actions, lost);
                         }
-                        None => self.update_roles(actions, |r| r.reconcile(&ring)),
+                        None => self.update_roles(actions, |r| r.reconcile_with(&ring, &draining)),
                     }
                     actions.push(Action::HostsChanged);
                 }
@@ -584,6 +589,10 @@ impl ClusterMap {
                 actions,
             ));
         }
+        if let WiringOp::DrainMember { node, draining } = op {
+            self.apply_drain_op(node, *draining, actions);
+            return Some(Ok(()));
+        }
         let (queue, incarnation, node, in_sync) = match op {
             WiringOp::BackupInSync {
                 queue,
@@ -624,6 +633,8 @@ impl ClusterMap {
             now.mark_out_of_sync(node)
         };
         if changed {
+            // A backup in sync may let a draining one go (`QueueRoles::reconcile_with`).
+            now.reconcile_with(&roles::ring(&self.membership), self.membership.draining());
             let was = self.roles.set(vhost, queue, Some(now.clone()));
             actions.push(Action::RolesChanged {
                 vhost: vhost.to_owned(),
@@ -673,6 +684,12 @@ impl ClusterMap {
             };
         };
         let ring = roles::ring(&self.membership);
+        let draining = self.membership.draining();
+        if step == MoveStep::Request && draining.contains(to) {
+            return Err(AmqpError::precondition(format!(
+                "cannot move the primary of queue '{queue}' in vhost '{vhost}' to '{to}': it is being drained"
+            )));
+        }
         let mut now = was.clone();
         let changed = match step {
             MoveStep::Request => now.request_move(to, &ring).map_err(|why| {
@@ -686,6 +703,7 @@ impl ClusterMap {
             MoveStep::Cancel => now.cancel_move(to),
         };
         if changed {
+            now.reconcile_with(&ring, draining);
             let was = self.roles.set(vhost, queue, Some(now.clone()));
             actions.push(Action::RolesChanged {
                 vhost: vhost.to_owned(),
@@ -695,6 +713,27 @@ impl ClusterMap {
             });
         }
         Ok(())
+    }
+
+    /// [`WiringOp::DrainMember`]: the member's mark changes, and with it every queue's roles
+    /// (`QueueRoles::reconcile_with`: its primaries start moving, its backups are replaced).
+    fn apply_drain_op(&mut self, node: &str, draining: bool, actions: &mut Vec<Action>) {
+        if !self.membership.set_draining(node, draining) {
+            return;
+        }
+        let ring = roles::ring(&self.membership);
+        let marked = self.membership.draining().clone();
+        self.update_roles(actions, |r| {
+            // Undrained: a move the drain started, not switched yet, is called off.
+            if !draining
+                && r.primary == node
+                && let Some(to) = r.moving_to.clone()
+            {
+                r.cancel_move(&to);
+            }
+            r.reconcile_with(&ring, &marked);
+        });
+        actions.push(Action::HostsChanged);
     }
 
     /// Keeps the roles in step with the queues: a declare that created a clustered queue
@@ -743,7 +782,9 @@ impl ClusterMap {
                         .and_then(|m| m.info.as_ref())
                         .map_or(roles::DEFAULT_BACKUPS, |i| i.default_backups)
                 });
-                let now = QueueRoles::new(index, home, k, &roles::ring(&self.membership));
+                let ring = roles::ring(&self.membership);
+                let mut now = QueueRoles::new(index, home, k, &ring);
+                now.reconcile_with(&ring, self.membership.draining());
                 let was = self.roles.set(vhost, name, Some(now.clone()));
                 actions.push(Action::RolesChanged {
                     vhost: vhost.to_owned(),

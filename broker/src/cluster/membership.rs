@@ -5,6 +5,7 @@
 
 use crate::cpg::MemberId;
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeSet;
 
 /// What a member announces about itself once it has joined.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -58,6 +59,11 @@ pub struct Membership {
     /// members' claims only within one configuration (0 in a map saved before it existed).
     #[serde(default)]
     configuration: u64,
+    /// Node ids of the members being drained (`cluster drain`): they take no new roles and
+    /// hand over the ones they hold. By node id, so a drained member that restarts or
+    /// leaves and comes back is still drained until it is undrained.
+    #[serde(default)]
+    draining: BTreeSet<String>,
 }
 
 impl Membership {
@@ -93,6 +99,20 @@ impl Membership {
     /// Agreed index of the newest event that changed the ring (see the field's doc).
     pub fn configuration(&self) -> u64 {
         self.configuration
+    }
+
+    /// Node `node` is drained (`on`) or undrained; returns whether that changed anything.
+    pub fn set_draining(&mut self, node: &str, on: bool) -> bool {
+        if on {
+            self.draining.insert(node.to_owned())
+        } else {
+            self.draining.remove(node)
+        }
+    }
+
+    /// Node ids of the members being drained.
+    pub fn draining(&self) -> &BTreeSet<String> {
+        &self.draining
     }
 
     /// A snapshot addressed to `to` was delivered: from now on it holds the map.

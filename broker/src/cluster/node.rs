@@ -386,6 +386,12 @@ impl Cluster {
         self.progress.lock().live
     }
 
+    /// Whether member `node` is being drained (`cluster drain`), as of the newest event
+    /// applied here.
+    pub fn is_draining(&self, node: &str) -> bool {
+        self.membership.read().draining().contains(node)
+    }
+
     /// What each member (by node id) holds of the cluster's queues, as of the newest event
     /// applied here: the same answer on every member that applied it.
     pub fn held(&self) -> BTreeMap<String, super::Held> {

@@ -22,7 +22,7 @@
 use super::membership::Membership;
 use crate::core::wiring::{Wiring, WiringRoles};
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 pub use crate::core::args::{BACKUPS_ARGUMENT, MAX_BACKUPS};
 
@@ -80,8 +80,21 @@ impl QueueRoles {
     /// departed backups dropped, and the ring's next members added up to `k`. Idempotent:
     /// the same roles and ring give the same result however often it runs.
     pub fn reconcile(&mut self, ring: &[String]) {
+        self.reconcile_with(ring, &BTreeSet::new());
+    }
+
+    /// [`QueueRoles::reconcile`] with some members being drained (`cluster drain`): they
+    /// take no new backup roles; a draining primary hands the queue over by a planned move
+    /// (to its first in-sync backup that is not draining, else the first such backup, else
+    /// the ring's next such member); a draining backup is replaced by the ring's next member
+    /// that is not draining, and goes once the backups that stay are all in sync (at once,
+    /// if it is not in sync itself) — so the queue never has fewer in-sync copies than it
+    /// had while a drain runs.
+    pub fn reconcile_with(&mut self, ring: &[String], draining: &BTreeSet<String>) {
         let live = |n: &String| ring.contains(n);
-        if !live(&self.primary) || self.moving_to.as_ref().is_some_and(|to| !live(to)) {
+        if !live(&self.primary)
+            || (self.moving_to.as_ref()).is_some_and(|to| !live(to) || draining.contains(to))
+        {
             self.end_move();
         }
         if !live(&self.primary) {
@@ -105,15 +118,44 @@ impl QueueRoles {
         let Some(at) = ring.iter().position(|n| *n == self.primary) else {
             return;
         };
-        let successors = ring[at + 1..].iter().chain(&ring[..at]);
+        let successors: Vec<&String> = ring[at + 1..].iter().chain(&ring[..at]).collect();
+        if draining.contains(&self.primary) && self.moving_to.is_none() {
+            let staying = |n: &&String| !draining.contains(*n);
+            let target = (self.in_sync.iter().find(staying))
+                .or_else(|| self.backups.iter().find(staying))
+                .or_else(|| successors.iter().copied().find(staying))
+                .cloned();
+            if let Some(to) = target {
+                if !self.backups.contains(&to) {
+                    self.backups.push(to.clone());
+                }
+                self.moving_to = Some(to);
+            }
+        }
+        let serving =
+            |backups: &[String]| backups.iter().filter(|b| !draining.contains(*b)).count();
         for n in successors {
-            if self.backups.len() >= self.most_backups() {
+            if serving(&self.backups) >= usize::from(self.wanted_backups) {
                 break;
             }
-            if !self.backups.contains(n) {
+            if !self.backups.contains(n) && !draining.contains(n) {
                 self.backups.push(n.clone());
             }
         }
+        let staying_in_sync = self
+            .backups
+            .iter()
+            .filter(|b| !draining.contains(*b))
+            .all(|b| self.in_sync.contains(b));
+        let in_sync = &self.in_sync;
+        self.backups
+            .retain(|b| !draining.contains(b) || (in_sync.contains(b) && !staying_in_sync));
+        let backups = &self.backups;
+        self.in_sync.retain(|n| backups.contains(n));
+        assert!(
+            serving(&self.backups) <= self.most_backups(),
+            "more backups than k: {self:?}"
+        );
         self.assert_invariants();
     }
 
@@ -261,7 +303,6 @@ impl QueueRoles {
             "primary {} is also a backup: {self:?}",
             self.primary
         );
-        assert!(self.backups.len() <= self.most_backups(), "{self:?}");
         assert!(
             self.moving_to
                 .as_ref()
@@ -675,6 +716,79 @@ mod tests {
         r.request_move("b", &ring).unwrap();
         r.restarted("b", &ring);
         assert_eq!(r.moving_to, None);
+    }
+
+    fn set(nodes: &[&str]) -> BTreeSet<String> {
+        nodes.iter().map(|n| (*n).to_owned()).collect()
+    }
+
+    #[test]
+    fn a_draining_backup_stays_until_its_replacement_is_in_sync() {
+        let ring = ring_of(&["a", "b", "c", "d"]);
+        let mut r = QueueRoles::new(1, "a", 1, &ring);
+        r.mark_in_sync("b");
+        let draining = set(&["b"]);
+        r.reconcile_with(&ring, &draining);
+        assert_eq!(r.backups, ["b", "c"], "c catches up beside b");
+        assert_eq!(r.in_sync, ["b"]);
+        r.reconcile_with(&ring, &draining);
+        assert_eq!(r.backups, ["b", "c"], "idempotent");
+        r.mark_in_sync("c");
+        r.reconcile_with(&ring, &draining);
+        assert_eq!(r.backups, ["c"]);
+        assert_eq!(r.in_sync, ["c"]);
+        // A draining backup that is not in sync goes at once.
+        let mut r = QueueRoles::new(1, "a", 1, &ring);
+        r.reconcile_with(&ring, &draining);
+        assert_eq!(r.backups, ["c"]);
+    }
+
+    #[test]
+    fn a_draining_primary_moves_to_its_in_sync_backup_and_holds_nothing_after() {
+        let ring = ring_of(&["a", "b", "c"]);
+        let draining = set(&["a"]);
+        let mut r = QueueRoles::new(1, "a", 1, &ring);
+        r.reconcile_with(&ring, &draining);
+        assert_eq!(
+            r.moving_to.as_deref(),
+            Some("b"),
+            "to its backup, once in sync"
+        );
+        r.mark_in_sync("b");
+        assert!(r.switch("b", &ring));
+        r.reconcile_with(&ring, &draining);
+        assert_eq!(r.primary, "b");
+        assert_eq!(
+            r.backups,
+            ["c"],
+            "the old primary is no backup: it is draining"
+        );
+        assert!(!r.holds_copy("a"));
+        // Two members: the drained one ends holding nothing, the other everything.
+        let two = ring_of(&["a", "b"]);
+        let mut r = QueueRoles::new(1, "a", 1, &two);
+        r.mark_in_sync("b");
+        r.reconcile_with(&two, &draining);
+        assert!(r.switch("b", &two));
+        r.reconcile_with(&two, &draining);
+        assert_eq!((r.primary.as_str(), r.backups.len()), ("b", 0));
+    }
+
+    #[test]
+    fn a_draining_member_gets_no_new_role_and_undraining_lets_it_take_them_again() {
+        let ring = ring_of(&["a", "b", "c"]);
+        let mut r = QueueRoles::new(1, "a", 2, &ring);
+        r.backups.clear();
+        r.reconcile_with(&ring, &set(&["b"]));
+        assert_eq!(r.backups, ["c"], "b is skipped");
+        r.reconcile_with(&ring, &BTreeSet::new());
+        assert_eq!(r.backups, ["c", "b"]);
+        // A move to a member that starts draining is called off.
+        let mut r = QueueRoles::new(1, "a", 1, &ring);
+        r.request_move("c", &ring).unwrap();
+        r.reconcile_with(&ring, &set(&["c"]));
+        assert_eq!(r.moving_to, None);
+        assert_eq!(r.backups, ["b"]);
     }
 
     #[test]

@@ -164,6 +164,15 @@ pub enum WiringOp {
         /// Which step of the move.
         step: MoveStep,
     },
+    /// A member is drained (`cluster drain`: it takes no new roles and hands over the ones
+    /// it holds) or undrained. The cluster map's membership changes; a vhost's wiring does
+    /// not (submitted under any vhost).
+    DrainMember {
+        /// Node id of the member.
+        node: String,
+        /// Drained (`true`) or undrained.
+        draining: bool,
+    },
     /// A change to the cluster's session directory (`crate::session::directory`): where
     /// each resumable session lives and whether a connection holds it. The cluster map's,
     /// not the vhost's wiring (the vhost named is the connection's, or empty before open).
@@ -428,6 +437,7 @@ impl WiringOp {
             WiringOp::BackupInSync { .. }
             | WiringOp::BackupOutOfSync { .. }
             | WiringOp::MovePrimary { .. }
+            | WiringOp::DrainMember { .. }
             | WiringOp::Session(_) => Ok(OpReply::default()),
         }
     }

@@ -246,8 +246,9 @@ pub fn required_access(op: &WiringOp) -> Vec<(Access, Resource<'_>)> {
         | WiringOp::MovePrimary { queue, .. } => {
             vec![(Access::Configure, Resource::Queue(queue))]
         }
-        // A member sends these for its clients' sessions, which need no resource.
-        WiringOp::Session(_) => Vec::new(),
+        // A member sends these for its clients' sessions, which need no resource; a drain
+        // only the admin API makes, for an administrator.
+        WiringOp::Session(_) | WiringOp::DrainMember { .. } => Vec::new(),
     }
 }
 

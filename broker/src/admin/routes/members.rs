@@ -5,6 +5,8 @@ use super::ok;
 use crate::admin::router::{Ctx, Result};
 use crate::admin::{ApiError, Reply, json_reply, metrics};
 use crate::broker::Broker;
+use crate::core::WiringOp;
+use futures::future::BoxFuture;
 use hyper::StatusCode;
 use serde_json::{Value, json};
 use std::sync::atomic::Ordering;
@@ -39,6 +41,63 @@ pub(super) fn get(c: &Ctx<'_>) -> Result<Reply> {
     let mut m = found.clone();
     m["owned_queues"] = m["primaries"].clone();
     ok(m)
+}
+
+/// `POST /api/members/{id}/drain`, answered by any member: the cluster map marks the member
+/// draining — it takes no new roles, its primaries move to other members (catch-up, then
+/// switch), its backups are replaced, its clients are closed with 320 and sent elsewhere.
+/// 202 once the mark is committed; the drain is done when `GET /api/members/{id}` shows
+/// it holding nothing (`ringmqctl cluster drain NODE --wait`).
+pub(super) fn drain<'a>(c: &'a Ctx<'a>) -> BoxFuture<'a, Result<Reply>> {
+    Box::pin(set_draining(c, true))
+}
+
+/// `POST /api/members/{id}/undrain`: the member takes roles again (a primary move the
+/// drain started and has not switched yet is called off); what moved off stays where it
+/// is (`cluster rebalance` evens it out).
+pub(super) fn undrain<'a>(c: &'a Ctx<'a>) -> BoxFuture<'a, Result<Reply>> {
+    Box::pin(set_draining(c, false))
+}
+
+async fn set_draining(c: &Ctx<'_>, draining: bool) -> Result<Reply> {
+    let [id] = c.args();
+    let Some(cluster) = c.broker.cluster() else {
+        return Err(ApiError::bad_request(
+            "this broker is not a cluster member: there is no other member to drain to",
+        ));
+    };
+    let known = cluster
+        .members()
+        .iter()
+        .any(|m| m.info.as_ref().is_some_and(|i| i.node_id == id));
+    // Undraining a member that left is allowed: its mark outlives it.
+    let undrain_gone = !draining && cluster.is_draining(id);
+    if !known && !undrain_gone {
+        return Err(ApiError::not_found(format!(
+            "no member '{id}' in the cluster (see GET /api/members)"
+        )));
+    }
+    let op = WiringOp::DrainMember {
+        node: id.to_owned(),
+        draining,
+    };
+    match cluster.submit("", op).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => return Err(ApiError::from_amqp(e)),
+        Err(_) => {
+            return Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "unavailable",
+                "the cluster layer stopped",
+            ));
+        }
+    }
+    let state = if draining { "draining" } else { "running" };
+    tracing::warn!(member = %id, state, user = %c.call.user.name, "member drain changed via admin API");
+    Ok(json_reply(
+        StatusCode::ACCEPTED,
+        &json!({"id": id, "state": state}),
+    ))
 }
 
 /// `POST /api/members/{id}/leave`: from now on `/readyz` answers 503.
@@ -91,12 +150,19 @@ pub(super) fn members(b: &Broker) -> Value {
             .filter_map(|(position, m)| {
                 let info = m.info.as_ref()?;
                 let h = held.get(&info.node_id).copied().unwrap_or_default();
+                let draining = cluster.is_draining(&info.node_id);
+                let state = match (m.synced, draining) {
+                    (false, _) => "joining",
+                    (true, true) => "draining",
+                    (true, false) => "running",
+                };
                 Some(json!({
                     "id": info.node_id,
                     "amqp": info.amqp,
                     "admin": info.admin,
                     "zone": info.zone,
-                    "state": if m.synced { "running" } else { "joining" },
+                    "state": state,
+                    "draining": draining,
                     "ring_position": position,
                     "primaries": h.primaries,
                     "backups": h.backups,

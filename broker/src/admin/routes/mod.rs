@@ -41,6 +41,8 @@ pub(super) static ROUTES: &[Route] = &[
     Route::get("/api/members", members::list),
     Route::get("/api/members/{id}", members::get),
     Route::post("/api/members/{id}/leave", members::leave),
+    Route::post_async("/api/members/{id}/drain", members::drain),
+    Route::post_async("/api/members/{id}/undrain", members::undrain),
     Route::get("/api/sessions", sessions::list),
     Route::get("/api/sessions/{id}", sessions::get),
     Route::get("/api/vhosts", vhosts::list),

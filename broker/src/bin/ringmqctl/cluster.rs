@@ -34,6 +34,26 @@ pub enum ClusterCommand {
         #[arg(long, default_value_t = 120)]
         timeout: u64,
     },
+    /// Drains a member (its node id): it takes no new roles, its primaries move to other
+    /// members and its backups are replaced (catch-up, then switch), its clients are
+    /// closed with 320 and go to the others. It stays a member, marked draining, until
+    /// it leaves or is undrained.
+    Drain {
+        /// Node id of the member.
+        node: String,
+        /// Waits until the member holds no primary and no backup; exits non-zero if that
+        /// takes longer than --timeout.
+        #[arg(long)]
+        wait: bool,
+        /// Seconds --wait waits at most.
+        #[arg(long, default_value_t = 600)]
+        timeout: u64,
+    },
+    /// Undrains a member: it takes roles again (what moved off stays where it is).
+    Undrain {
+        /// Node id of the member.
+        node: String,
+    },
 }
 
 /// Runs `ringmqctl cluster <command>`.
@@ -53,6 +73,47 @@ pub fn run(conn: &Conn, command: &ClusterCommand) -> anyhow::Result<()> {
             to,
             wait.then(|| Duration::from_secs(*timeout)),
         ),
+        ClusterCommand::Drain {
+            node,
+            wait,
+            timeout,
+        } => drain(conn, node, wait.then(|| Duration::from_secs(*timeout))),
+        ClusterCommand::Undrain { node } => {
+            let path = format!("/api/members/{}/undrain", seg(node));
+            send(&client(conn), "POST", &path, None)?;
+            println!("member {node}: undrained");
+            Ok(())
+        }
+    }
+}
+
+/// `cluster drain`: marks the member draining, then with `wait` follows what it holds until
+/// it holds nothing.
+fn drain(conn: &Conn, node: &str, wait: Option<Duration>) -> anyhow::Result<()> {
+    let c = client(conn);
+    let path = format!("/api/members/{}", seg(node));
+    send(&c, "POST", &format!("{path}/drain"), None)?;
+    let Some(patience) = wait else {
+        println!("member {node}: draining");
+        return Ok(());
+    };
+    let deadline = Instant::now() + patience;
+    loop {
+        let m = send(&c, "GET", &path, None)?.body;
+        let (primaries, backups) = (m["primaries"].as_u64(), m["backups"].as_u64());
+        if primaries == Some(0) && backups == Some(0) {
+            println!("member {node}: drained (it holds no queue: it can be removed without loss)");
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            bail!(
+                "member {node}: still holds {} primaries and {} backups after {} s: see the members' logs",
+                m["primaries"],
+                m["backups"],
+                patience.as_secs()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(200));
     }
 }
 

@@ -225,6 +225,12 @@ impl Connection {
                 format!("this cluster member is not ready: {reason}"),
             ));
         }
+        if cluster.is_draining(cluster.node_id()) {
+            return Err(ConnError::new(
+                codes::CONNECTION_FORCED,
+                "this cluster member is being drained: resume the session on another",
+            ));
+        }
         let me = cluster.node_id().to_owned();
         let (op, timeout) = match request {
             SessionRequest::Start { id, timeout_s } => {
@@ -404,6 +410,20 @@ impl Connection {
                 format!("this cluster member is not ready: {reason}"),
             ));
         }
+        if !self.link
+            && let Some(cluster) = self.broker.cluster()
+            && cluster.is_draining(cluster.node_id())
+        {
+            // Being drained: its clients go to the others (links keep working: the queues
+            // it holds move off over them).
+            return Err(ConnError::new(
+                codes::CONNECTION_FORCED,
+                format!(
+                    "this cluster member is being drained: connect to another (known-hosts: {})",
+                    cluster.known_hosts().join(",")
+                ),
+            ));
+        }
         let name = open.virtual_host.as_str();
         let user = self.user.as_ref().expect("authenticated before open");
         let vhost = self.broker.vhost(name).filter(|_| user.may_open(name));
@@ -420,7 +440,7 @@ impl Connection {
                 .map_err(|e| ConnError::new(e.code, e.text))?;
         }
         self.broker
-            .connection_opened(self.id, self.peer, &user.name, name)
+            .connection_opened(self.id, self.peer, &user.name, name, self.link)
             .map_err(|limit| ConnError::new(codes::NOT_ALLOWED, limit))?;
         self.perms_generation = self.broker.users.permissions_generation();
         self.perms = if self.link {

@@ -51,6 +51,13 @@ impl World {
                 if_empty: false,
             };
             self.submit(world, slot, op, None);
+        } else if roll == 10 && self.rng.gen_bool(0.3) {
+            // A member drained or undrained.
+            let node = self.slots[self.rng.gen_range(0..self.slots.len())]
+                .node
+                .clone();
+            let draining = self.rng.gen_bool(0.5);
+            self.submit(world, slot, WiringOp::DrainMember { node, draining }, None);
         } else if roll < 10 {
             // A planned move to any node (a member or not), now and then called off.
             let incarnation = self.slots[slot]
