@@ -167,6 +167,25 @@ impl ApiServerVerifier {
         Seen { uri, body }
     }
 
+    /// Takes the next request, whatever it is, and returns its method and path; answers it
+    /// with an empty list (a watcher's initial list) so the client carries on.
+    pub async fn next_any(&mut self) -> Option<(Method, String)> {
+        let (request, send) = tokio::time::timeout(Duration::from_secs(5), self.0.next_request())
+            .await
+            .ok()??;
+        let method = request.method().clone();
+        let path = request.uri().path().to_string();
+        let list = json!({"apiVersion": "v1", "kind": "List", "metadata": {"resourceVersion": "1"}, "items": []});
+        send.send_response(
+            Response::builder()
+                .body(Body::from(
+                    serde_json::to_vec(&list).expect("list serializes"),
+                ))
+                .expect("response builds"),
+        );
+        Some((method, path))
+    }
+
     /// Asserts no further request arrives.
     pub async fn done(mut self) {
         let next = tokio::time::timeout(Duration::from_millis(100), self.0.next_request()).await;

@@ -19,7 +19,7 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::ResourceExt;
 use kube::api::{ApiResource, DynamicObject, GroupVersionKind};
 
-use crate::crd::Cluster;
+use crate::crd::{Cluster, ServiceType};
 
 /// AMQP port.
 pub const AMQP_PORT: i32 = 5672;
@@ -45,6 +45,12 @@ pub const CONFIG_HASH_ANNOTATION: &str = "ringmq.io/config-hash";
 pub const CLUSTER_SECRET_KEY: &str = "cluster-secret";
 /// Directory under [`CONFIG_DIR`] where the cluster secret is mounted as a file.
 pub const CLUSTER_SECRET_DIR: &str = "cluster";
+
+/// Label telling a cluster's Services apart: `nodes` (headless), `client`, `admin`.
+///
+/// Why: all three select the same pods, and a ServiceMonitor that matched them by the common
+/// labels scraped every broker once per Service; it selects `nodes` only.
+pub const SERVICE_ROLE_LABEL: &str = "ringmq.io/service";
 
 /// Labels selecting the brokers of one cluster; stable, because a StatefulSet's selector is
 /// immutable.
@@ -73,6 +79,15 @@ fn labels(cluster: &Cluster) -> BTreeMap<String, String> {
     l
 }
 
+fn service_meta(cluster: &Cluster, name: String, owner: &OwnerReference, role: &str) -> ObjectMeta {
+    let mut metadata = meta(cluster, name, owner);
+    metadata
+        .labels
+        .get_or_insert_with(BTreeMap::new)
+        .insert(SERVICE_ROLE_LABEL.to_string(), role.to_string());
+    metadata
+}
+
 fn meta(cluster: &Cluster, name: String, owner: &OwnerReference) -> ObjectMeta {
     ObjectMeta {
         name: Some(name),
@@ -92,11 +107,11 @@ pub fn seed_host(cluster: &Cluster) -> String {
     )
 }
 
-/// Base URL of the admin API through the client Service.
+/// Base URL of the admin API through the admin Service (cluster-internal, ready pods only).
 pub fn admin_base_url(cluster: &Cluster) -> String {
     format!(
         "http://{}.{}.svc:{ADMIN_PORT}",
-        cluster.name_any(),
+        cluster.admin_service_name(),
         cluster.namespace().unwrap_or_default()
     )
 }
@@ -169,7 +184,7 @@ fn port(name: &str, port: i32) -> ServicePort {
 /// ready yet, so a joining broker can be reached by its peers before it serves clients.
 pub fn headless_service(cluster: &Cluster, owner: &OwnerReference) -> Service {
     Service {
-        metadata: meta(cluster, cluster.headless_service_name(), owner),
+        metadata: service_meta(cluster, cluster.headless_service_name(), owner, "nodes"),
         spec: Some(K8sServiceSpec {
             cluster_ip: Some("None".to_string()),
             publish_not_ready_addresses: Some(true),
@@ -184,13 +199,20 @@ pub fn headless_service(cluster: &Cluster, owner: &OwnerReference) -> Service {
     }
 }
 
-/// Client Service: AMQP(S) and admin, of the type and with the annotations the spec asks for.
+/// Client Service: AMQP(S), of the type and with the annotations the spec asks for.
+///
+/// The admin port is on it only while it is a `ClusterIP` Service: a `LoadBalancer` or
+/// `NodePort` Service would publish the management API (user and queue administration)
+/// outside the cluster. The operator itself uses the [`admin_service`].
 pub fn client_service(cluster: &Cluster, owner: &OwnerReference) -> Service {
-    let mut metadata = meta(cluster, cluster.name_any(), owner);
+    let mut metadata = service_meta(cluster, cluster.name_any(), owner, "client");
     if !cluster.spec.service.annotations.is_empty() {
         metadata.annotations = Some(cluster.spec.service.annotations.clone());
     }
-    let mut ports = vec![port("amqp", AMQP_PORT), port("admin", ADMIN_PORT)];
+    let mut ports = vec![port("amqp", AMQP_PORT)];
+    if cluster.spec.service.type_ == ServiceType::ClusterIP {
+        ports.push(port("admin", ADMIN_PORT));
+    }
     if cluster.spec.tls.is_some() {
         ports.push(port("amqps", AMQPS_PORT));
     }
@@ -200,6 +222,21 @@ pub fn client_service(cluster: &Cluster, owner: &OwnerReference) -> Service {
             type_: Some(cluster.spec.service.type_.as_str().to_string()),
             selector: Some(selector_labels(cluster)),
             ports: Some(ports),
+            ..K8sServiceSpec::default()
+        }),
+        ..Service::default()
+    }
+}
+
+/// Admin Service: the admin API of the ready brokers, inside the cluster only (`ClusterIP`,
+/// whatever `spec.service.type` says). The operator's admin calls go through it.
+pub fn admin_service(cluster: &Cluster, owner: &OwnerReference) -> Service {
+    Service {
+        metadata: service_meta(cluster, cluster.admin_service_name(), owner, "admin"),
+        spec: Some(K8sServiceSpec {
+            type_: Some("ClusterIP".to_string()),
+            selector: Some(selector_labels(cluster)),
+            ports: Some(vec![port("admin", ADMIN_PORT)]),
             ..K8sServiceSpec::default()
         }),
         ..Service::default()
@@ -231,14 +268,19 @@ pub fn service_monitor_resource() -> ApiResource {
     ))
 }
 
-/// ServiceMonitor scraping the brokers' admin port.
+/// ServiceMonitor scraping the brokers' admin port, each broker once.
+///
+/// It selects the headless Service only: its endpoints are every pod exactly once, not-ready
+/// ones included (a broker that is starting or stuck is the one whose metrics you want).
 pub fn service_monitor(cluster: &Cluster, owner: &OwnerReference) -> DynamicObject {
     let mut obj = DynamicObject::new(&cluster.name_any(), &service_monitor_resource())
         .within(&cluster.namespace().unwrap_or_default());
     obj.metadata = meta(cluster, cluster.name_any(), owner);
+    let mut selector = selector_labels(cluster);
+    selector.insert(SERVICE_ROLE_LABEL.to_string(), "nodes".to_string());
     obj.data = serde_json::json!({
         "spec": {
-            "selector": { "matchLabels": selector_labels(cluster) },
+            "selector": { "matchLabels": selector },
             "endpoints": [{ "port": "admin", "path": "/metrics" }],
         }
     });
@@ -540,7 +582,9 @@ mod tests {
 
     #[test]
     fn the_broker_accepts_the_config_the_operator_writes() {
-        let c = cluster(serde_json::json!({"image": "ringmq:1", "config": {"heartbeat_s": 10}}));
+        let c = cluster(
+            serde_json::json!({"image": "ringmq:1", "queueBackups": 2, "config": {"heartbeat_s": 10}}),
+        );
         let yaml = serde_saphyr::to_string(&broker_config(&c)).expect("config");
         let parsed = ringmq::config::Config::from_yaml(&yaml)
             .unwrap_or_else(|e| panic!("the broker refuses the operator's config: {e}\n{yaml}"));
@@ -548,6 +592,74 @@ mod tests {
         assert_eq!(parsed.heartbeat_s, 10);
         assert_eq!(parsed.cluster_founder.as_deref(), Some("ringmq-0"));
         assert_eq!(parsed.cluster_seeds, ["ringmq-nodes.ns.svc:25672"]);
+    }
+
+    fn port_names(svc: &Service) -> Vec<String> {
+        svc.spec
+            .iter()
+            .flat_map(|s| s.ports.iter().flatten())
+            .filter_map(|p| p.name.clone())
+            .collect()
+    }
+
+    #[test]
+    fn the_admin_port_is_never_published_outside_the_cluster() {
+        for (type_, admin_on_client) in [
+            ("ClusterIP", true),
+            ("NodePort", false),
+            ("LoadBalancer", false),
+        ] {
+            let c = cluster(serde_json::json!({"image": "ringmq:1", "service": {"type": type_}}));
+            let owner = c.controller_owner_ref(&()).expect("uid");
+            let client = client_service(&c, &owner);
+            assert_eq!(
+                port_names(&client).contains(&"admin".to_string()),
+                admin_on_client,
+                "{type_}: {:?}",
+                port_names(&client)
+            );
+            let admin = admin_service(&c, &owner);
+            assert_eq!(
+                admin.spec.as_ref().and_then(|s| s.type_.as_deref()),
+                Some("ClusterIP"),
+                "the operator's own way in stays internal"
+            );
+            assert_eq!(port_names(&admin), ["admin"]);
+        }
+        let c = cluster(serde_json::json!({"image": "ringmq:1"}));
+        assert_eq!(admin_base_url(&c), "http://ringmq-admin.ns.svc:15672");
+    }
+
+    #[test]
+    fn the_service_monitor_selects_exactly_one_service_per_cluster() {
+        let c =
+            cluster(serde_json::json!({"image": "ringmq:1", "service": {"type": "LoadBalancer"}}));
+        let owner = c.controller_owner_ref(&()).expect("uid");
+        let monitor = service_monitor(&c, &owner);
+        let selector: BTreeMap<String, String> =
+            serde_json::from_value(monitor.data["spec"]["selector"]["matchLabels"].clone())
+                .expect("matchLabels");
+        let services = [
+            headless_service(&c, &owner),
+            client_service(&c, &owner),
+            admin_service(&c, &owner),
+        ];
+        let matched: Vec<String> = services
+            .iter()
+            .filter(|svc| {
+                let labels = svc.metadata.labels.clone().unwrap_or_default();
+                selector.iter().all(|(k, v)| labels.get(k) == Some(v))
+            })
+            .filter_map(|svc| svc.metadata.name.clone())
+            .collect();
+        assert_eq!(matched, ["ringmq-nodes"], "each broker scraped once");
+        assert_eq!(
+            headless_service(&c, &owner)
+                .spec
+                .and_then(|s| s.publish_not_ready_addresses),
+            Some(true),
+            "not-ready brokers are scraped too"
+        );
     }
 
     #[test]

@@ -110,6 +110,13 @@ pub async fn reconcile(cluster: Arc<Cluster>, ctx: Arc<Context>) -> Result<Actio
             &Patch::Apply(&resources::client_service(&cluster, &owner)),
         )
         .await?;
+    services
+        .patch(
+            &cluster.admin_service_name(),
+            &apply,
+            &Patch::Apply(&resources::admin_service(&cluster, &owner)),
+        )
+        .await?;
     Api::<PodDisruptionBudget>::namespaced(client.clone(), &ns)
         .patch(
             &name,

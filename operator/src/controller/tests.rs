@@ -34,6 +34,7 @@ async fn existing_children(v: &mut ApiServerVerifier) {
     v.apply(&format!("{NS}/configmaps/ringmq-config")).await;
     v.apply(&format!("{NS}/services/ringmq-nodes")).await;
     v.apply(&format!("{NS}/services/ringmq")).await;
+    v.apply(&format!("{NS}/services/ringmq-admin")).await;
     v.apply("/apis/policy/v1/namespaces/default/poddisruptionbudgets/ringmq")
         .await;
     v.not_found(SM_CRD).await;
@@ -140,6 +141,13 @@ async fn new_cluster_creates_secrets_children_and_statefulset_then_reports_statu
             assert_eq!(headless.body["spec"]["publishNotReadyAddresses"], true);
             let client = v.apply(&format!("{NS}/services/ringmq")).await;
             assert_eq!(client.body["spec"]["type"], "ClusterIP");
+            assert_eq!(
+                client.body["metadata"]["labels"]["ringmq.io/service"],
+                "client"
+            );
+            let admin_svc = v.apply(&format!("{NS}/services/ringmq-admin")).await;
+            assert_eq!(admin_svc.body["spec"]["type"], "ClusterIP");
+            assert_eq!(admin_svc.body["spec"]["ports"][0]["port"], 15672);
             let pdb = v
                 .apply("/apis/policy/v1/namespaces/default/poddisruptionbudgets/ringmq")
                 .await;
@@ -183,7 +191,8 @@ async fn new_cluster_creates_secrets_children_and_statefulset_then_reports_statu
     assert_eq!(status.ring.len(), 3);
     assert_eq!(
         admin.state().endpoints[0].base_url,
-        "http://ringmq.default.svc:15672"
+        "http://ringmq-admin.default.svc:15672",
+        "the operator calls the admin Service, never the client Service"
     );
     assert_eq!(admin.state().endpoints[0].username, "ringmq-admin");
 }
@@ -200,6 +209,7 @@ async fn service_monitor_is_applied_only_when_its_crd_exists() {
         v.apply(&format!("{NS}/configmaps/ringmq-config")).await;
         v.apply(&format!("{NS}/services/ringmq-nodes")).await;
         v.apply(&format!("{NS}/services/ringmq")).await;
+        v.apply(&format!("{NS}/services/ringmq-admin")).await;
         v.apply("/apis/policy/v1/namespaces/default/poddisruptionbudgets/ringmq").await;
         v.get(SM_CRD, json!({"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
             "metadata": {"name": "servicemonitors.monitoring.coreos.com"},
@@ -209,6 +219,8 @@ async fn service_monitor_is_applied_only_when_its_crd_exists() {
         let sm = v.apply("/apis/monitoring.coreos.com/v1/namespaces/default/servicemonitors/ringmq").await;
         assert_eq!(sm.body["kind"], "ServiceMonitor");
         assert_eq!(sm.body["spec"]["endpoints"][0]["port"], "admin");
+        // Only the headless Service carries this label: each broker is scraped once.
+        assert_eq!(sm.body["spec"]["selector"]["matchLabels"]["ringmq.io/service"], "nodes");
         assert_eq!(sm.body["metadata"]["ownerReferences"][0]["uid"], "cluster-uid");
         v.get(STS, sts_with_replicas(3)).await;
         apply_sts(&mut v, 3, 3, 3).await;
@@ -429,6 +441,41 @@ async fn a_missing_user_supplied_secret_fails_with_what_to_create() {
         "secret my-admin not found; create it with the keys username and password"
     );
     assert_eq!(err.metric_label(), "missing_secret");
+}
+
+#[tokio::test]
+async fn watch_namespace_restricts_every_watch_to_that_namespace() {
+    let (ctx, mut verifier) = Context::test(FakeAdmin::default());
+    let controllers = tokio::spawn(async move { super::run(ctx, Some("team-a")).await });
+    let want = [
+        "/apis/ringmq.io/v1alpha1/namespaces/team-a/clusters",
+        "/apis/ringmq.io/v1alpha1/namespaces/team-a/queues",
+        "/apis/apps/v1/namespaces/team-a/statefulsets",
+        "/api/v1/namespaces/team-a/services",
+        "/api/v1/namespaces/team-a/configmaps",
+        "/api/v1/namespaces/team-a/secrets",
+        "/apis/policy/v1/namespaces/team-a/poddisruptionbudgets",
+    ];
+    let mut seen = std::collections::BTreeSet::new();
+    // Bounded: the seven watchers list once each, then watch; a few retries at most.
+    for _ in 0..40 {
+        if want.iter().all(|p| seen.contains(*p)) {
+            break;
+        }
+        let Some((method, path)) = verifier.next_any().await else {
+            break;
+        };
+        assert_eq!(method, Method::GET, "{path}");
+        assert!(
+            path.contains("/namespaces/team-a/"),
+            "a watch outside the namespace: {path}"
+        );
+        seen.insert(path);
+    }
+    controllers.abort();
+    for path in want {
+        assert!(seen.contains(path), "no watch on {path}; saw {seen:?}");
+    }
 }
 
 // ---- Queue ----

@@ -246,6 +246,11 @@ impl Cluster {
             .unwrap_or_else(|| format!("{}-default-user", kube::ResourceExt::name_any(self)))
     }
 
+    /// Name of the cluster-internal Service of the admin API, which the operator calls.
+    pub fn admin_service_name(&self) -> String {
+        format!("{}-admin", kube::ResourceExt::name_any(self))
+    }
+
     /// Name of the headless Service used for peer discovery.
     pub fn headless_service_name(&self) -> String {
         format!("{}-nodes", kube::ResourceExt::name_any(self))
