@@ -132,6 +132,9 @@ pub fn broker_config(cluster: &Cluster) -> serde_json::Value {
         // Pod 0 finds nobody behind the headless Service on the first start: it founds.
         "cluster_founder": format!("{}-0", cluster.name_any()),
         "cluster_join_timeout_ms": 15_000,
+        // Backups of a queue declared without `qpid.cluster.backups` (a Queue without
+        // `backups`, or a client's declare).
+        "default_backups": cluster.spec.queue_backups,
     });
     if cluster.spec.tls.is_some() {
         config["amqps_listen"] = serde_json::json!(format!("0.0.0.0:{AMQPS_PORT}"));
@@ -590,6 +593,18 @@ mod tests {
             .unwrap_or_else(|e| panic!("the broker refuses the operator's config: {e}\n{yaml}"));
         parsed.validate().expect("valid");
         assert_eq!(parsed.heartbeat_s, 10);
+        assert_eq!(
+            parsed.default_backups, 2,
+            "spec.queueBackups reaches the broker"
+        );
+        let default = cluster(serde_json::json!({"image": "ringmq:1"}));
+        let yaml = serde_saphyr::to_string(&broker_config(&default)).expect("config");
+        let parsed = ringmq::config::Config::from_yaml(&yaml).expect("parses");
+        assert_eq!(
+            parsed.default_backups,
+            ringmq::config::Config::default().default_backups,
+            "the CRD's default is the broker's"
+        );
         assert_eq!(parsed.cluster_founder.as_deref(), Some("ringmq-0"));
         assert_eq!(parsed.cluster_seeds, ["ringmq-nodes.ns.svc:25672"]);
     }

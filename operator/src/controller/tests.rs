@@ -962,3 +962,87 @@ async fn the_status_collector_reads_members_and_depth_from_a_real_broker() {
     assert!(api.delete_queue("/", "depth").await.unwrap());
     assert!(!api.delete_queue("/", "depth").await.unwrap());
 }
+
+#[tokio::test]
+async fn queue_backups_and_pinned_primary_reach_a_real_broker_as_declare_arguments() {
+    let (broker, connector) = real_broker();
+    let api = connector.connect(crate::admin::AdminEndpoint {
+        base_url: String::new(),
+        username: "admin".into(),
+        password: "s3cret".into(),
+    });
+    let me = api.overview().await.expect("overview").node;
+    assert!(!me.is_empty(), "the broker names itself");
+    let (ctx, verifier) = Context::test_with(connector.clone());
+    let q = fixtures::queue(
+        json!({"backups": 2, "pinnedPrimary": me, "arguments": {"x-max-length": 10}}),
+        true,
+        None,
+    );
+    let (result, status) = run_scripted(
+        verifier,
+        queue::reconcile(Arc::new(q), ctx),
+        |mut v| async move {
+            cluster_and_secret(&mut v).await;
+            v.event("Declared").await;
+            let s = queue_status(&mut v).await;
+            (v, s)
+        },
+    )
+    .await;
+    result.expect("reconcile succeeds against the real broker");
+    assert!(status.declared);
+    assert_eq!(status.primary.as_deref(), Some(me.as_str()));
+    let seen = broker
+        .admin_client()
+        .get("/api/queues/%2F/orders")
+        .unwrap()
+        .body;
+    assert_eq!(seen["arguments"]["qpid.cluster.backups"], 2, "{seen}");
+    assert_eq!(seen["arguments"]["qpid.cluster.primary"], me, "{seen}");
+    assert_eq!(seen["arguments"]["x-max-length"], 10, "{seen}");
+
+    // Declared again with the same spec: the broker finds it equivalent (no conflict).
+    let (ctx, verifier) = Context::test_with(connector.clone());
+    let q = fixtures::queue(
+        json!({"backups": 2, "pinnedPrimary": me, "arguments": {"x-max-length": 10}}),
+        true,
+        Some(status),
+    );
+    let (result, again) = run_scripted(
+        verifier,
+        queue::reconcile(Arc::new(q), ctx),
+        |mut v| async move {
+            cluster_and_secret(&mut v).await;
+            let s = queue_status(&mut v).await;
+            (v, s)
+        },
+    )
+    .await;
+    result.expect("the second declare is equivalent");
+    assert_eq!(condition(&again.conditions, "Ready").status, "True");
+
+    // A primary the cluster does not know: the broker refuses the declare and the reconcile
+    // fails with its reason (retried with back-off; the queue is not created elsewhere).
+    let (ctx, verifier) = Context::test_with(connector.clone());
+    let q = fixtures::queue(
+        json!({"name": "pinned-elsewhere", "pinnedPrimary": "ringmq-9"}),
+        true,
+        None,
+    );
+    let (result, ()) = run_scripted(
+        verifier,
+        queue::reconcile(Arc::new(q), ctx),
+        |mut v| async move {
+            cluster_and_secret(&mut v).await;
+            (v, ())
+        },
+    )
+    .await;
+    let err = result.expect_err("an unknown member is refused");
+    assert!(err.to_string().contains("ringmq-9"), "{err}");
+    assert!(
+        api.queue("/", "pinned-elsewhere").await.unwrap().is_none(),
+        "nothing declared"
+    );
+}

@@ -64,7 +64,8 @@ pub struct ClusterSpec {
     /// unset the operator creates `<name>-default-user` with a random password.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub default_user_secret: Option<String>,
-    /// Backups per queue (k): how many brokers after a queue's primary hold a copy.
+    /// Backups per queue (k): how many brokers after a queue's primary hold a copy, for
+    /// queues declared without their own (the brokers' `default_backups`).
     #[serde(default = "default_backups")]
     #[schemars(range(min = 1, max = 3))]
     pub queue_backups: i32,
