@@ -11,6 +11,7 @@ pub mod crd;
 pub mod leader;
 pub mod metrics;
 pub mod resources;
+pub mod rollout;
 pub mod scale;
 pub mod telemetry;
 

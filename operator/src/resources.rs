@@ -5,7 +5,9 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::apps::v1::{StatefulSet, StatefulSetSpec};
+use k8s_openapi::api::apps::v1::{
+    RollingUpdateStatefulSetStrategy, StatefulSet, StatefulSetSpec, StatefulSetUpdateStrategy,
+};
 use k8s_openapi::api::core::v1::{
     Capabilities, ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource,
     EnvVar, EnvVarSource, HTTPGetAction, ObjectFieldSelector, PersistentVolumeClaim,
@@ -41,6 +43,9 @@ pub const CONFIG_DIR: &str = "/etc/ringmq";
 pub const DATA_DIR: &str = "/var/lib/ringmq";
 /// Pod-template annotation carrying the config hash; a new value rolls the pods.
 pub const CONFIG_HASH_ANNOTATION: &str = "ringmq.io/config-hash";
+/// Pod-template annotation carrying the hash of the whole template (image, resources,
+/// config hash, ...): how the operator sees that an apply starts a rolling restart.
+pub const TEMPLATE_HASH_ANNOTATION: &str = "ringmq.io/template-hash";
 /// Key of the peer-authentication secret in the cluster Secret.
 pub const CLUSTER_SECRET_KEY: &str = "cluster-secret";
 /// Directory under [`CONFIG_DIR`] where the cluster secret is mounted as a file.
@@ -319,7 +324,8 @@ fn http_probe(path: &str, period_seconds: i32, failure_threshold: i32) -> Probe 
     }
 }
 
-/// The StatefulSet running the brokers, with `replicas` chosen by the scale state machine.
+/// The StatefulSet running the brokers, with `replicas` chosen by the scale state machine;
+/// its partition is 0 until [`set_partition`] sets what `rollout.rs` decides.
 ///
 /// `replicas` lives only in the StatefulSet spec, never in the pod template, so scaling does
 /// not roll existing pods; the template changes only with the image, resources or config.
@@ -474,6 +480,47 @@ pub fn stateful_set(
         "app.kubernetes.io/managed-by".into(),
         "ringmq-operator".into(),
     );
+    let mut template = PodTemplateSpec {
+        metadata: Some(ObjectMeta {
+            labels: Some(template_labels),
+            annotations: Some(BTreeMap::from([(
+                CONFIG_HASH_ANNOTATION.to_string(),
+                config_hash(config_yaml),
+            )])),
+            ..ObjectMeta::default()
+        }),
+        spec: Some(PodSpec {
+            containers: vec![container],
+            volumes: Some(volumes),
+            affinity: cluster.spec.affinity.clone(),
+            tolerations: (!cluster.spec.tolerations.is_empty())
+                .then(|| cluster.spec.tolerations.clone()),
+            topology_spread_constraints: (!cluster.spec.topology_spread_constraints.is_empty())
+                .then(|| cluster.spec.topology_spread_constraints.clone()),
+            termination_grace_period_seconds: Some(TERMINATION_GRACE_SECONDS),
+            // The image's non-root user; fsGroup makes a volume claim writable by it.
+            security_context: Some(PodSecurityContext {
+                run_as_non_root: Some(true),
+                run_as_user: Some(BROKER_UID),
+                run_as_group: Some(BROKER_UID),
+                fs_group: Some(BROKER_UID),
+                seccomp_profile: Some(SeccompProfile {
+                    type_: "RuntimeDefault".into(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..PodSpec::default()
+        }),
+    };
+    let template_hash = config_hash(&serde_json::to_string(&template).unwrap_or_default());
+    if let Some(annotations) = template
+        .metadata
+        .as_mut()
+        .and_then(|m| m.annotations.as_mut())
+    {
+        annotations.insert(TEMPLATE_HASH_ANNOTATION.to_string(), template_hash);
+    }
     StatefulSet {
         metadata: meta(cluster, name.clone(), owner),
         spec: Some(StatefulSetSpec {
@@ -483,47 +530,48 @@ pub fn stateful_set(
                 match_labels: Some(selector_labels(cluster)),
                 ..LabelSelector::default()
             },
-            template: PodTemplateSpec {
-                metadata: Some(ObjectMeta {
-                    labels: Some(template_labels),
-                    annotations: Some(BTreeMap::from([(
-                        CONFIG_HASH_ANNOTATION.to_string(),
-                        config_hash(config_yaml),
-                    )])),
-                    ..ObjectMeta::default()
+            template,
+            // A restarted broker counts as available only after this long ready; the
+            // operator releases the next pod only when all are available (rollout.rs).
+            min_ready_seconds: Some(crate::rollout::MIN_READY_SECONDS),
+            update_strategy: Some(StatefulSetUpdateStrategy {
+                type_: Some("RollingUpdate".into()),
+                rolling_update: Some(RollingUpdateStatefulSetStrategy {
+                    partition: Some(0),
+                    ..Default::default()
                 }),
-                spec: Some(PodSpec {
-                    containers: vec![container],
-                    volumes: Some(volumes),
-                    affinity: cluster.spec.affinity.clone(),
-                    tolerations: (!cluster.spec.tolerations.is_empty())
-                        .then(|| cluster.spec.tolerations.clone()),
-                    topology_spread_constraints: (!cluster
-                        .spec
-                        .topology_spread_constraints
-                        .is_empty())
-                    .then(|| cluster.spec.topology_spread_constraints.clone()),
-                    termination_grace_period_seconds: Some(TERMINATION_GRACE_SECONDS),
-                    // The image's non-root user; fsGroup makes a volume claim writable by it.
-                    security_context: Some(PodSecurityContext {
-                        run_as_non_root: Some(true),
-                        run_as_user: Some(BROKER_UID),
-                        run_as_group: Some(BROKER_UID),
-                        fs_group: Some(BROKER_UID),
-                        seccomp_profile: Some(SeccompProfile {
-                            type_: "RuntimeDefault".into(),
-                            ..Default::default()
-                        }),
-                        ..Default::default()
-                    }),
-                    ..PodSpec::default()
-                }),
-            },
+            }),
             volume_claim_templates: claims,
             ..StatefulSetSpec::default()
         }),
         ..StatefulSet::default()
     }
+}
+
+/// Sets the StatefulSet's rolling-update partition: pods from that ordinal up may be
+/// replaced by the new template.
+pub fn set_partition(sts: &mut StatefulSet, partition: i32) {
+    if let Some(rolling) = sts
+        .spec
+        .as_mut()
+        .and_then(|s| s.update_strategy.as_mut())
+        .and_then(|u| u.rolling_update.as_mut())
+    {
+        rolling.partition = Some(partition);
+    }
+}
+
+/// The pod-template hash annotation of a StatefulSet, if any.
+pub fn template_hash_of(sts: &StatefulSet) -> Option<&str> {
+    sts.spec
+        .as_ref()?
+        .template
+        .metadata
+        .as_ref()?
+        .annotations
+        .as_ref()?
+        .get(TEMPLATE_HASH_ANNOTATION)
+        .map(String::as_str)
 }
 
 #[cfg(test)]

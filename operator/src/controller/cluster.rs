@@ -25,9 +25,12 @@ use ringmq_planner::{Member, ring_order};
 use super::{Context, Error, FIELD_MANAGER};
 use crate::admin::{AdminApi, AdminEndpoint, Overview};
 use crate::conditions::condition;
-use crate::crd::{Cluster, ClusterStatus, MemberStatus, Operation, OperationKind, OperationStep};
+use crate::crd::{
+    Cluster, ClusterStatus, MemberStatus, Operation, OperationKind, OperationStep, QuorumStatus,
+    RollingRestart,
+};
 use crate::resources::{self, CLUSTER_SECRET_KEY};
-use crate::scale;
+use crate::{rollout, scale};
 
 /// How often a settled cluster is re-checked (members, drift of owned objects).
 pub const RESYNC: Duration = Duration::from_secs(300);
@@ -178,7 +181,38 @@ pub async fn reconcile(cluster: Arc<Cluster>, ctx: Arc<Context>) -> Result<Actio
         }
         Some(op) => op.to,
     };
-    let sts = resources::stateful_set(&cluster, &owner, replicas, &config_yaml);
+    // Members from the admin API; unreachable brokers degrade the cluster, they do not fail
+    // the reconcile (the pods may simply be starting).
+    let overview = admin.overview().await;
+
+    // Rolling restart: the partition lets one more pod take the new template only when the
+    // cluster is whole again (rollout.rs).
+    let mut sts = resources::stateful_set(&cluster, &owner, replicas, &config_yaml);
+    let template_changed = existing
+        .as_ref()
+        .is_some_and(|old| resources::template_hash_of(old) != resources::template_hash_of(&sts));
+    let step = match &existing {
+        None => None,
+        Some(old) => {
+            let health = rollout::cluster_health(&overview, &name, replicas);
+            Some(rollout::next_step(
+                &name,
+                template_changed,
+                rollout_progress(old, replicas),
+                &health,
+            ))
+        }
+    };
+    if let Some(step) = &step {
+        resources::set_partition(&mut sts, step.partition);
+        if let Some(pod) = &step.released {
+            let note = format!(
+                "quorum held and all {replicas} members running: {pod} restarts with the new template"
+            );
+            ctx.event(&*cluster, EventType::Normal, "RestartingBroker", note)
+                .await;
+        }
+    }
     let applied = stateful_sets
         .patch(&name, &apply, &Patch::Apply(&sts))
         .await?;
@@ -201,10 +235,26 @@ pub async fn reconcile(cluster: Arc<Cluster>, ctx: Arc<Context>) -> Result<Actio
         .await;
     }
     let sts_status = applied.status.unwrap_or_default();
+    let rolling_restart = step.and_then(|step| {
+        step.waiting_for.map(|waiting_for| RollingRestart {
+            partition: step.partition,
+            waiting_for,
+        })
+    });
+    let was_rolling = cluster
+        .status
+        .as_ref()
+        .is_some_and(|s| s.rolling_restart.is_some());
+    if was_rolling && rolling_restart.is_none() {
+        ctx.event(
+            &*cluster,
+            EventType::Normal,
+            "RollingRestartDone",
+            format!("all {replicas} brokers run the new pod template"),
+        )
+        .await;
+    }
 
-    // Members from the admin API; unreachable brokers degrade the cluster, they do not fail
-    // the reconcile (the pods may simply be starting).
-    let overview = admin.overview().await;
     if let Some(op) = operation.as_mut() {
         finish_step(
             &ctx,
@@ -220,8 +270,15 @@ pub async fn reconcile(cluster: Arc<Cluster>, ctx: Arc<Context>) -> Result<Actio
         }
     }
 
-    let status = build_status(&cluster, replicas, &sts_status, &overview, operation);
-    let requeue = if status.operation.is_some() {
+    let status = build_status(
+        &cluster,
+        replicas,
+        &sts_status,
+        &overview,
+        operation,
+        rolling_restart,
+    );
+    let requeue = if status.operation.is_some() || status.rolling_restart.is_some() {
         OPERATION_POLL
     } else {
         RESYNC
@@ -235,6 +292,25 @@ pub async fn reconcile(cluster: Arc<Cluster>, ctx: Arc<Context>) -> Result<Actio
         .patch_status(&name, &apply, &Patch::Apply(&patch))
         .await?;
     Ok(Action::requeue(requeue))
+}
+
+/// What the existing StatefulSet says about a rollout (rollout.rs reads it).
+fn rollout_progress(sts: &StatefulSet, replicas: i32) -> rollout::Progress {
+    let partition = sts
+        .spec
+        .as_ref()
+        .and_then(|s| s.update_strategy.as_ref())
+        .and_then(|u| u.rolling_update.as_ref())
+        .and_then(|r| r.partition)
+        .unwrap_or(0);
+    let status = sts.status.clone().unwrap_or_default();
+    rollout::Progress {
+        replicas,
+        partition,
+        updated: status.updated_replicas.unwrap_or(0),
+        available: status.available_replicas.unwrap_or(0),
+        done: status.current_revision == status.update_revision,
+    }
 }
 
 /// The config hash annotation of a StatefulSet's pod template, if any.
@@ -352,6 +428,7 @@ fn build_status(
     sts: &k8s_openapi::api::apps::v1::StatefulSetStatus,
     overview: &Result<Overview, crate::admin::AdminError>,
     operation: Option<Operation>,
+    rolling_restart: Option<RollingRestart>,
 ) -> ClusterStatus {
     let previous = cluster
         .status
@@ -382,8 +459,24 @@ fn build_status(
     .into_iter()
     .map(|m| m.id)
     .collect();
+    let quorum = overview.as_ref().ok().and_then(|o| {
+        o.cluster.as_ref().map(|c| QuorumStatus {
+            has_quorum: c.quorum,
+            voters: i64::try_from(c.voters).unwrap_or(i64::MAX),
+            leader: c.leader.clone(),
+            reported_by: o.node.clone(),
+        })
+    });
     let (degraded, degraded_reason, degraded_message) = match overview {
         Err(e) => (true, "AdminApiUnreachable", e.to_string()),
+        Ok(o) if quorum.as_ref().is_some_and(|q| !q.has_quorum) => (
+            true,
+            "NoQuorum",
+            format!(
+                "{} holds no quorum: the cluster cannot commit changes; bring back a majority of its members",
+                o.node
+            ),
+        ),
         Ok(_) if ready < replicas => (
             true,
             "BrokersNotReady",
@@ -395,19 +488,21 @@ fn build_status(
             format!("{ready}/{replicas} brokers ready"),
         ),
     };
-    let (reconciled_reason, reconciled_message) = match &operation {
-        Some(op) => (
+    let (reconciled_reason, reconciled_message) = match (&operation, &rolling_restart) {
+        (Some(op), _) => (
             format!("{:?}", op.step),
             op.waiting_for
                 .clone()
                 .unwrap_or_else(|| "operation in progress".to_string()),
         ),
-        None => (
+        (None, Some(rolling)) => ("RollingRestart".to_string(), rolling.waiting_for.clone()),
+        (None, None) => (
             "Applied".to_string(),
             "all owned objects applied".to_string(),
         ),
     };
-    let is_ready = !degraded && operation.is_none();
+    let settled = operation.is_none() && rolling_restart.is_none();
+    let is_ready = !degraded && settled;
     let conditions = vec![
         condition(
             previous,
@@ -424,7 +519,7 @@ fn build_status(
         condition(
             previous,
             "Reconciled",
-            operation.is_none(),
+            settled,
             &reconciled_reason,
             reconciled_message,
             generation,
@@ -447,6 +542,8 @@ fn build_status(
         ring,
         conditions,
         operation,
+        quorum,
+        rolling_restart,
     }
 }
 

@@ -40,10 +40,36 @@ async fn existing_children(v: &mut ApiServerVerifier) {
     v.not_found(SM_CRD).await;
 }
 
+/// The pod template the operator applies for the fixture cluster (replicas do not change
+/// it): an existing StatefulSet with it has no rollout to do.
+fn current_template() -> Value {
+    use kube::Resource;
+    let c = fixtures::cluster(3, None);
+    let owner = c.controller_owner_ref(&()).expect("uid");
+    let config = serde_saphyr::to_string(&crate::resources::broker_config(&c)).expect("config");
+    let sts = crate::resources::stateful_set(&c, &owner, 3, &config);
+    serde_json::to_value(sts.spec.expect("spec").template).expect("template")
+}
+
+/// A settled StatefulSet: the current template, every pod updated, ready and available.
 fn sts_with_replicas(replicas: i32) -> Value {
     json!({"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": "ringmq", "namespace": "default"},
-           "spec": {"replicas": replicas, "serviceName": "ringmq-nodes", "selector": {}, "template": {}},
-           "status": {"replicas": replicas, "readyReplicas": replicas}})
+           "spec": {"replicas": replicas, "serviceName": "ringmq-nodes", "selector": {}, "template": current_template(),
+                    "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"partition": 0}}},
+           "status": {"replicas": replicas, "readyReplicas": replicas, "availableReplicas": replicas,
+                      "updatedReplicas": replicas, "currentRevision": "ringmq-1", "updateRevision": "ringmq-1"}})
+}
+
+/// A StatefulSet in a rollout: the current template applied at `partition`, `updated` pods
+/// on the new revision, `available` pods ready for minReadySeconds, 3 pods.
+fn sts_rolling(partition: i32, updated: i32, available: i32) -> Value {
+    let mut sts = sts_with_replicas(3);
+    sts["spec"]["updateStrategy"]["rollingUpdate"]["partition"] = json!(partition);
+    sts["status"]["updatedReplicas"] = json!(updated);
+    sts["status"]["availableReplicas"] = json!(available);
+    sts["status"]["readyReplicas"] = json!(available);
+    sts["status"]["updateRevision"] = json!("ringmq-2");
+    sts
 }
 
 /// Expects the StatefulSet apply, asserts its replicas, answers with the given pod counts.
@@ -417,6 +443,157 @@ async fn a_config_change_is_announced_in_an_event() {
     )
     .await;
     result.expect("reconcile succeeds");
+}
+
+/// One reconcile of the 3-broker fixture cluster against `existing` (the StatefulSet the API
+/// server holds) and brokers `admin`; expects the Events named in `before` (ahead of the
+/// StatefulSet apply) and `after` (behind it). Returns the applied partition and the status.
+async fn reconcile_rollout(
+    admin: FakeAdmin,
+    previous: Option<ClusterStatus>,
+    existing: Value,
+    before: &'static [&'static str],
+    after: &'static [&'static str],
+) -> (i64, Value, ClusterStatus) {
+    let (ctx, verifier) = Context::test(admin);
+    let (result, out) = run_scripted(
+        verifier,
+        cluster::reconcile(Arc::new(fixtures::cluster(3, previous)), ctx),
+        |mut v| async move {
+            existing_children(&mut v).await;
+            v.get(STS, existing).await;
+            for reason in before {
+                v.event(reason).await;
+            }
+            let sts = apply_sts(&mut v, 3, 3, 3).await;
+            for reason in after {
+                v.event(reason).await;
+            }
+            let s = status(&mut v).await;
+            (v, (sts, s))
+        },
+    )
+    .await;
+    result.expect("reconcile succeeds");
+    let (sts, status) = out;
+    let partition = sts["spec"]["updateStrategy"]["rollingUpdate"]["partition"]
+        .as_i64()
+        .expect("partition applied");
+    (partition, sts, status)
+}
+
+fn healthy_brokers() -> FakeAdmin {
+    let admin = FakeAdmin::default();
+    admin.state().members = members(3);
+    admin
+}
+
+#[tokio::test]
+async fn a_template_change_restarts_one_broker_at_a_time_each_after_quorum_and_all_members_are_back()
+ {
+    // 1. The config changed: every pod is held (partition 3), minReadySeconds set.
+    let mut old = sts_with_replicas(3);
+    old["spec"]["template"] =
+        json!({"metadata": {"annotations": {"ringmq.io/config-hash": "0000000000000000"}}});
+    let (partition, sts, status1) =
+        reconcile_rollout(healthy_brokers(), None, old, &[], &["ConfigChanged"]).await;
+    assert_eq!(
+        partition, 3,
+        "no pod replaced by the StatefulSet on its own"
+    );
+    assert_eq!(sts["spec"]["minReadySeconds"], 10);
+    assert_eq!(sts["spec"]["updateStrategy"]["type"], "RollingUpdate");
+    let rolling = status1
+        .rolling_restart
+        .clone()
+        .expect("rolling restart recorded");
+    assert_eq!(rolling.partition, 3);
+    let reconciled = condition(&status1.conditions, "Reconciled");
+    assert_eq!(
+        (reconciled.status.as_str(), reconciled.reason.as_str()),
+        ("False", "RollingRestart")
+    );
+    assert_eq!(condition(&status1.conditions, "Ready").status, "False");
+
+    // 2. Whole cluster: the highest pod goes first.
+    let (partition, _, status2) = reconcile_rollout(
+        healthy_brokers(),
+        Some(status1),
+        sts_rolling(3, 0, 3),
+        &["RestartingBroker"],
+        &[],
+    )
+    .await;
+    assert_eq!(partition, 2);
+    let quorum = status2.quorum.clone().expect("quorum reported");
+    assert!(quorum.has_quorum);
+    assert_eq!(
+        (quorum.voters, quorum.reported_by.as_str()),
+        (3, "ringmq-0")
+    );
+
+    // 3. ringmq-2 is back on the new template, but the answering member lost quorum: hold.
+    let no_quorum = healthy_brokers();
+    no_quorum.state().no_quorum = true;
+    let (partition, _, status3) = reconcile_rollout(
+        no_quorum,
+        Some(status2.clone()),
+        sts_rolling(2, 1, 3),
+        &[],
+        &[],
+    )
+    .await;
+    assert_eq!(partition, 2, "no restart without quorum");
+    let waiting = status3
+        .rolling_restart
+        .clone()
+        .expect("still rolling")
+        .waiting_for;
+    assert!(waiting.contains("no quorum"), "{waiting}");
+    assert_eq!(
+        condition(&status3.conditions, "Degraded").reason,
+        "NoQuorum"
+    );
+    assert_eq!(status3.quorum.map(|q| q.has_quorum), Some(false));
+
+    // 4. Quorum, but ringmq-2 has not caught up (joining): hold.
+    let catching_up = healthy_brokers();
+    catching_up.state().joining = vec!["ringmq-2".into()];
+    let (partition, _, status4) = reconcile_rollout(
+        catching_up,
+        Some(status2.clone()),
+        sts_rolling(2, 1, 3),
+        &[],
+        &[],
+    )
+    .await;
+    assert_eq!(partition, 2, "no restart while a member is not running");
+    let waiting = status4.rolling_restart.expect("still rolling").waiting_for;
+    assert!(waiting.contains("ringmq-2"), "{waiting}");
+
+    // 5. ringmq-2 back and running: ringmq-1 next.
+    let (partition, _, _) = reconcile_rollout(
+        healthy_brokers(),
+        Some(status2.clone()),
+        sts_rolling(2, 1, 3),
+        &["RestartingBroker"],
+        &[],
+    )
+    .await;
+    assert_eq!(partition, 1);
+
+    // 6. The StatefulSet recorded the new revision everywhere: done.
+    let (partition, _, status6) = reconcile_rollout(
+        healthy_brokers(),
+        Some(status2),
+        sts_with_replicas(3),
+        &[],
+        &["RollingRestartDone"],
+    )
+    .await;
+    assert_eq!(partition, 0);
+    assert_eq!(status6.rolling_restart, None);
+    assert_eq!(condition(&status6.conditions, "Ready").status, "True");
 }
 
 #[tokio::test]
@@ -1045,4 +1222,104 @@ async fn queue_backups_and_pinned_primary_reach_a_real_broker_as_declare_argumen
         api.queue("/", "pinned-elsewhere").await.unwrap().is_none(),
         "nothing declared"
     );
+}
+
+#[tokio::test]
+async fn the_rollout_gate_reads_quorum_and_members_from_a_real_three_member_cluster() {
+    // Node ids ringmq-0..2, the pod names of a Cluster named ringmq; fixed ports, as a pod
+    // keeps its DNS name across a restart.
+    let secret = ringmq_tests::cluster::secret("operator-rollout");
+    let mut members: Vec<ringmq_tests::Broker> = Vec::new();
+    for i in 0..3 {
+        let ports = ringmq_tests::Ports::allocate();
+        let seeds: Vec<String> = members.iter().filter_map(|m| m.cluster.clone()).collect();
+        let seeds: Vec<&str> = seeds.iter().map(String::as_str).collect();
+        let yaml = ringmq_tests::cluster::member_yaml(&format!("ringmq-{i}"), &seeds, &secret);
+        let member = ringmq_tests::Broker::start_on_ports(&yaml, ports);
+        member.wait_ready(std::time::Duration::from_secs(30));
+        members.push(member);
+    }
+    let http = crate::admin::HttpConnectorFactory::default();
+    let admin_of = |m: &ringmq_tests::Broker| {
+        http.connect(crate::admin::AdminEndpoint {
+            base_url: m.admin_url(),
+            username: "guest".into(),
+            password: "guest".into(),
+        })
+    };
+    let api = admin_of(&members[0]);
+    // A ready member may still be `joining` in the others' view (its snapshot of the cluster
+    // map not delivered yet: seen for over 15 s with two suites on two cores), or the group
+    // between leaders: a bounded wait for the settled view.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let mut overview = api.overview().await;
+    while std::time::Instant::now() < deadline {
+        let settled = overview.as_ref().is_ok_and(|o| {
+            o.cluster.as_ref().is_some_and(|c| c.leader.is_some())
+                && crate::rollout::cluster_health(&Ok(o.clone()), "ringmq", 3).is_ok()
+        });
+        if settled {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        overview = api.overview().await;
+    }
+    let whole = overview.as_ref().expect("overview");
+    if whole.members.iter().any(|m| m.state != "running") {
+        let mut views = Vec::new();
+        for m in &members {
+            let o = admin_of(m).overview().await;
+            views.push(format!("{o:?}"));
+        }
+        panic!(
+            "a ready member is still not running after 60 s in the views of:\n{}",
+            views.join("\n")
+        );
+    }
+    let cluster = whole
+        .cluster
+        .clone()
+        .expect("a clustered broker reports its group");
+    assert!(cluster.quorum, "{whole:?}");
+    assert_eq!(cluster.voters, 3, "{whole:?}");
+    assert!(cluster.leader.is_some(), "{whole:?}");
+    assert!(
+        whole.members.iter().all(|m| m.state == "running"),
+        "{whole:?}"
+    );
+    assert_eq!(
+        crate::rollout::cluster_health(&overview, "ringmq", 3),
+        Ok(())
+    );
+
+    // ringmq-2 goes (a pod being replaced): the survivors keep quorum (2 of 3), and the gate
+    // holds the next restart until ringmq-2 is back. Bounded wait for the failure detector.
+    members[2].kill();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let mut last = None;
+    while std::time::Instant::now() < deadline {
+        let overview = api.overview().await;
+        let health = crate::rollout::cluster_health(&overview, "ringmq", 3);
+        if let Err(why) = &health {
+            let o = overview.expect("the survivor answers");
+            assert!(
+                o.cluster.as_ref().is_some_and(|c| c.quorum),
+                "two of three keep quorum: {o:?}"
+            );
+            assert!(why.contains("ringmq-2"), "{why}");
+            last = Some(health);
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    assert!(
+        last.is_some(),
+        "the survivors still list ringmq-2 as running 20 s after it was killed"
+    );
+
+    // Not asserted here: the gate opening again once ringmq-2 is back. In about one loaded
+    // run in eight, the survivors kept listing the restarted ringmq-2 as `joining` for over
+    // 60 s while it listed itself `running` (the broker's membership, not the operator; see
+    // docs/operator.md). The gate then holds the rollout and says which member it waits for.
+    let _ = std::fs::remove_file(secret);
 }
