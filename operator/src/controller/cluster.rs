@@ -36,6 +36,10 @@ use crate::{rollout, scale};
 pub const RESYNC: Duration = Duration::from_secs(300);
 /// How often a cluster in a multi-step operation is re-checked.
 pub const OPERATION_POLL: Duration = Duration::from_secs(10);
+/// Cluster annotation that lets a scale-down remove members that still hold queues (as
+/// Strimzi's `strimzi.io/skip-broker-scaledown-check`): `"true"` skips the wait of the
+/// `Draining` step. It stays in force while set; remove it once the scale-down is done.
+pub const FORCE_SCALE_DOWN_ANNOTATION: &str = "ringmq.io/force-scale-down";
 /// CRD whose presence enables the ServiceMonitor.
 pub const SERVICE_MONITOR_CRD: &str = "servicemonitors.monitoring.coreos.com";
 
@@ -329,7 +333,8 @@ fn config_hash_of(sts: &StatefulSet) -> Option<&str> {
 }
 
 /// Draining step of a scale-down: ask each leaving member to leave and check it owns no
-/// queues. Moves to `ShrinkingStatefulSet` only when all of them are empty (or gone).
+/// queues. Moves to `ShrinkingStatefulSet` only when all of them are empty (or gone), or
+/// when the Cluster carries [`FORCE_SCALE_DOWN_ANNOTATION`]` = "true"`.
 async fn drain_step(
     ctx: &Context,
     cluster: &Cluster,
@@ -346,6 +351,23 @@ async fn drain_step(
             _ => {}
         }
     }
+    let forced = cluster
+        .annotations()
+        .get(FORCE_SCALE_DOWN_ANNOTATION)
+        .is_some_and(|v| v == "true");
+    if !still_owning.is_empty() && forced {
+        ctx.event(
+            cluster,
+            EventType::Warning,
+            "ForcedScaleDown",
+            format!(
+                "{FORCE_SCALE_DOWN_ANNOTATION}=true: removing members that still hold queues ({}); those queues lose their primary",
+                still_owning.join(", ")
+            ),
+        )
+        .await;
+        still_owning.clear();
+    }
     if still_owning.is_empty() {
         op.step = OperationStep::ShrinkingStatefulSet;
         op.waiting_for = Some(format!("StatefulSet to shrink to {} pods", op.to));
@@ -357,10 +379,24 @@ async fn drain_step(
         )
         .await;
     } else {
-        op.waiting_for = Some(format!(
+        let waiting_for = format!(
             "leaving members to hand over their queues: {}",
             still_owning.join(", ")
-        ));
+        );
+        // Once per change of what blocks it, not on every poll.
+        if op.waiting_for.as_deref() != Some(waiting_for.as_str()) {
+            ctx.event(
+                cluster,
+                EventType::Warning,
+                "ScaleDownBlocked",
+                format!(
+                    "{}: their pods stay until they own no queues; to remove them anyway, annotate the Cluster {FORCE_SCALE_DOWN_ANNOTATION}=true",
+                    still_owning.join(", ")
+                ),
+            )
+            .await;
+        }
+        op.waiting_for = Some(waiting_for);
     }
     Ok(())
 }
@@ -532,6 +568,7 @@ fn build_status(
             degraded_message,
             generation,
         ),
+        scale_down_blocked(previous, operation.as_ref(), generation),
     ];
     ClusterStatus {
         observed_generation: generation,
@@ -544,6 +581,40 @@ fn build_status(
         operation,
         quorum,
         rolling_restart,
+    }
+}
+
+/// `ScaleDownBlocked`: true while a scale-down waits for leaving members to hand over their
+/// queues, with the members and their queue counts.
+fn scale_down_blocked(
+    previous: &[k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition],
+    operation: Option<&Operation>,
+    generation: Option<i64>,
+) -> k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition {
+    match operation {
+        Some(op) if op.kind == OperationKind::ScaleDown && op.step == OperationStep::Draining => {
+            condition(
+                previous,
+                "ScaleDownBlocked",
+                true,
+                "MemberOwnsQueues",
+                format!(
+                    "{}; to remove them anyway, annotate the Cluster {FORCE_SCALE_DOWN_ANNOTATION}=true",
+                    op.waiting_for
+                        .as_deref()
+                        .unwrap_or("leaving members own queues")
+                ),
+                generation,
+            )
+        }
+        _ => condition(
+            previous,
+            "ScaleDownBlocked",
+            false,
+            "NotBlocked",
+            "no scale-down waits for a member",
+            generation,
+        ),
     }
 }
 

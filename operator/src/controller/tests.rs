@@ -336,6 +336,14 @@ async fn scale_down_drains_leaving_members_before_shrinking_and_resumes_after_re
             existing_children(&mut v).await;
             v.get(STS, sts_with_replicas(5)).await;
             v.event("ScaleDownStarted").await;
+            let blocked = v.event("ScaleDownBlocked").await;
+            assert_eq!(blocked.body["type"], "Warning");
+            let note = blocked.body["note"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string();
+            assert!(note.contains("ringmq-3 owns 2 queues"), "{note}");
+            assert!(note.contains("ringmq.io/force-scale-down=true"), "{note}");
             apply_sts(&mut v, 5, 5, 5).await;
             let s = status(&mut v).await;
             (v, s)
@@ -343,6 +351,15 @@ async fn scale_down_drains_leaving_members_before_shrinking_and_resumes_after_re
     )
     .await;
     result.expect("reconcile succeeds");
+    let blocked = condition(&status1.conditions, "ScaleDownBlocked");
+    assert_eq!(
+        (blocked.status.as_str(), blocked.reason.as_str()),
+        ("True", "MemberOwnsQueues")
+    );
+    assert!(
+        blocked.message.contains("ringmq-3 owns 2 queues"),
+        "{blocked:?}"
+    );
     assert_eq!(
         admin.state().calls,
         vec![
@@ -391,6 +408,10 @@ async fn scale_down_drains_leaving_members_before_shrinking_and_resumes_after_re
     );
     let op = status2.operation.clone().expect("operation recorded");
     assert_eq!(op.step, OperationStep::ShrinkingStatefulSet);
+    assert_eq!(
+        condition(&status2.conditions, "ScaleDownBlocked").status,
+        "False"
+    );
 
     // Restart. Reconcile 3 resumes at ShrinkingStatefulSet: no drain calls, pods are gone.
     let admin = FakeAdmin::default();
@@ -418,6 +439,91 @@ async fn scale_down_drains_leaving_members_before_shrinking_and_resumes_after_re
     );
     assert_eq!(status3.operation, None);
     assert_eq!(status3.replicas, 3);
+}
+
+#[tokio::test]
+async fn a_blocked_scale_down_warns_once_and_the_force_annotation_removes_the_member_anyway() {
+    // Blocked, and already said so in the last reconcile: no second Event for the same cause.
+    let admin = FakeAdmin::default();
+    admin.state().members = members(4);
+    admin.state().owned.insert("ringmq-3".to_string(), 2);
+    let blocked = ClusterStatus {
+        operation: Some(crate::crd::Operation {
+            kind: OperationKind::ScaleDown,
+            from: 4,
+            to: 3,
+            step: OperationStep::Draining,
+            waiting_for: Some(
+                "leaving members to hand over their queues: ringmq-3 owns 2 queues".into(),
+            ),
+        }),
+        ..ClusterStatus::default()
+    };
+    let (ctx, verifier) = Context::test(admin.clone());
+    let (result, status1) = run_scripted(
+        verifier,
+        cluster::reconcile(Arc::new(fixtures::cluster(3, Some(blocked.clone()))), ctx),
+        |mut v| async move {
+            existing_children(&mut v).await;
+            v.get(STS, sts_with_replicas(4)).await;
+            apply_sts(&mut v, 4, 4, 4).await;
+            let s = status(&mut v).await;
+            (v, s)
+        },
+    )
+    .await;
+    result.expect("reconcile succeeds");
+    assert_eq!(
+        status1.operation.map(|op| op.step),
+        Some(OperationStep::Draining)
+    );
+
+    // Forced: the member is still asked to leave, then the StatefulSet shrinks.
+    let mut forced = fixtures::cluster(3, Some(blocked));
+    forced.metadata.annotations = Some(
+        [(
+            cluster::FORCE_SCALE_DOWN_ANNOTATION.to_string(),
+            "true".to_string(),
+        )]
+        .into(),
+    );
+    let (ctx, verifier) = Context::test(admin.clone());
+    admin.state().calls.clear();
+    let (result, (event, status2)) = run_scripted(
+        verifier,
+        cluster::reconcile(Arc::new(forced), ctx),
+        |mut v| async move {
+            existing_children(&mut v).await;
+            v.get(STS, sts_with_replicas(4)).await;
+            let e = v.event("ForcedScaleDown").await;
+            v.event("Drained").await;
+            apply_sts(&mut v, 3, 4, 4).await;
+            let s = status(&mut v).await;
+            (v, (e, s))
+        },
+    )
+    .await;
+    result.expect("reconcile succeeds");
+    assert_eq!(event.body["type"], "Warning");
+    assert!(
+        event.body["note"]
+            .as_str()
+            .is_some_and(|n| n.contains("ringmq-3 owns 2 queues")),
+        "{}",
+        event.body
+    );
+    assert_eq!(
+        admin.state().calls,
+        vec!["member ringmq-3", "leave ringmq-3", "overview"]
+    );
+    assert_eq!(
+        status2.operation.map(|op| op.step),
+        Some(OperationStep::ShrinkingStatefulSet)
+    );
+    assert_eq!(
+        condition(&status2.conditions, "ScaleDownBlocked").status,
+        "False"
+    );
 }
 
 #[tokio::test]
