@@ -13,7 +13,8 @@ use k8s_openapi::api::core::v1::{
     EnvVar, EnvVarSource, HTTPGetAction, ObjectFieldSelector, PersistentVolumeClaim,
     PersistentVolumeClaimSpec, PodSecurityContext, PodSpec, PodTemplateSpec, Probe, SeccompProfile,
     SecretKeySelector, SecretVolumeSource, SecurityContext, Service, ServicePort,
-    ServiceSpec as K8sServiceSpec, Volume, VolumeMount, VolumeResourceRequirements,
+    ServiceSpec as K8sServiceSpec, TopologySpreadConstraint, Volume, VolumeMount,
+    VolumeResourceRequirements,
 };
 use k8s_openapi::api::policy::v1::{PodDisruptionBudget, PodDisruptionBudgetSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
@@ -495,8 +496,7 @@ pub fn stateful_set(
             affinity: cluster.spec.affinity.clone(),
             tolerations: (!cluster.spec.tolerations.is_empty())
                 .then(|| cluster.spec.tolerations.clone()),
-            topology_spread_constraints: (!cluster.spec.topology_spread_constraints.is_empty())
-                .then(|| cluster.spec.topology_spread_constraints.clone()),
+            topology_spread_constraints: Some(topology_spread(cluster)),
             termination_grace_period_seconds: Some(TERMINATION_GRACE_SECONDS),
             // The image's non-root user; fsGroup makes a volume claim writable by it.
             security_context: Some(PodSecurityContext {
@@ -546,6 +546,33 @@ pub fn stateful_set(
         }),
         ..StatefulSet::default()
     }
+}
+
+/// Topology spread of the broker pods: `spec.topologySpreadConstraints` when given, else the
+/// operator's default, one broker more at most in any zone and on any node than in another
+/// (`maxSkew: 1` over `topology.kubernetes.io/zone` and `kubernetes.io/hostname`).
+///
+/// Why `ScheduleAnyway`: a cluster in one zone, or with more brokers than nodes, must still
+/// schedule; the planner interleaves the ring by zone, so an even spread is what lets a
+/// queue's backups sit in other zones than its primary. For a hard rule, set the constraints
+/// with `DoNotSchedule` in the spec (examples/cluster-production.yaml).
+pub fn topology_spread(cluster: &Cluster) -> Vec<TopologySpreadConstraint> {
+    if !cluster.spec.topology_spread_constraints.is_empty() {
+        return cluster.spec.topology_spread_constraints.clone();
+    }
+    ["topology.kubernetes.io/zone", "kubernetes.io/hostname"]
+        .into_iter()
+        .map(|key| TopologySpreadConstraint {
+            max_skew: 1,
+            topology_key: key.to_string(),
+            when_unsatisfiable: "ScheduleAnyway".to_string(),
+            label_selector: Some(LabelSelector {
+                match_labels: Some(selector_labels(cluster)),
+                ..LabelSelector::default()
+            }),
+            ..TopologySpreadConstraint::default()
+        })
+        .collect()
 }
 
 /// Sets the StatefulSet's rolling-update partition: pods from that ordinal up may be
@@ -655,6 +682,49 @@ mod tests {
         );
         assert_eq!(parsed.cluster_founder.as_deref(), Some("ringmq-0"));
         assert_eq!(parsed.cluster_seeds, ["ringmq-nodes.ns.svc:25672"]);
+    }
+
+    #[test]
+    fn brokers_spread_over_zones_and_nodes_unless_the_spec_says_otherwise() {
+        let c = cluster(serde_json::json!({"image": "ringmq:1"}));
+        let pod = sts(&c, 3).spec.expect("spec").template.spec.expect("pod");
+        let spread = pod.topology_spread_constraints.expect("a default spread");
+        let keys: Vec<(&str, i32, &str)> = spread
+            .iter()
+            .map(|t| {
+                (
+                    t.topology_key.as_str(),
+                    t.max_skew,
+                    t.when_unsatisfiable.as_str(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            keys,
+            [
+                ("topology.kubernetes.io/zone", 1, "ScheduleAnyway"),
+                ("kubernetes.io/hostname", 1, "ScheduleAnyway")
+            ]
+        );
+        assert_eq!(
+            spread[0]
+                .label_selector
+                .as_ref()
+                .and_then(|s| s.match_labels.clone()),
+            Some(selector_labels(&c)),
+            "counts this cluster's brokers only"
+        );
+        let own = cluster(
+            serde_json::json!({"image": "ringmq:1", "topologySpreadConstraints": [
+            {"maxSkew": 2, "topologyKey": "rack", "whenUnsatisfiable": "DoNotSchedule"}]}),
+        );
+        let pod = sts(&own, 3).spec.expect("spec").template.spec.expect("pod");
+        let spread = pod.topology_spread_constraints.expect("the spec's");
+        assert_eq!(
+            (spread.len(), spread[0].topology_key.as_str()),
+            (1, "rack"),
+            "the spec replaces the default"
+        );
     }
 
     fn port_names(svc: &Service) -> Vec<String> {
