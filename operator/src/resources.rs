@@ -534,6 +534,10 @@ pub fn stateful_set(
             // A restarted broker counts as available only after this long ready; the
             // operator releases the next pod only when all are available (rollout.rs).
             min_ready_seconds: Some(crate::rollout::MIN_READY_SECONDS),
+            // One broker at a time: a new pod only once the one before is ready, a removed
+            // one only once the one after it is gone (Kubernetes' default, stated because
+            // the scale and restart steps rely on it).
+            pod_management_policy: Some("OrderedReady".into()),
             update_strategy: Some(StatefulSetUpdateStrategy {
                 type_: Some("RollingUpdate".into()),
                 rolling_update: Some(RollingUpdateStatefulSetStrategy {

@@ -608,6 +608,7 @@ async fn a_template_change_restarts_one_broker_at_a_time_each_after_quorum_and_a
         "no pod replaced by the StatefulSet on its own"
     );
     assert_eq!(sts["spec"]["minReadySeconds"], 10);
+    assert_eq!(sts["spec"]["podManagementPolicy"], "OrderedReady");
     assert_eq!(sts["spec"]["updateStrategy"]["type"], "RollingUpdate");
     let rolling = status1
         .rolling_restart
