@@ -70,6 +70,24 @@ pub struct Overview {
     /// Cluster members.
     #[serde(default)]
     pub members: Vec<MemberInfo>,
+    /// The consensus group as the answering member sees it; `None` (JSON `null`) when the
+    /// broker runs alone, not in a cluster.
+    #[serde(default)]
+    pub cluster: Option<ClusterInfo>,
+}
+
+/// The `cluster` object of `GET /api/overview` (the broker's `admin/routes/overview.rs`).
+#[derive(Deserialize, Debug, Clone, Default, PartialEq)]
+pub struct ClusterInfo {
+    /// Whether the answering member holds the majority's lease at this instant.
+    #[serde(default)]
+    pub quorum: bool,
+    /// Voters of the consensus group, dead ones included until they are removed.
+    #[serde(default)]
+    pub voters: u64,
+    /// Node id of the consensus leader; `None` during an election or without quorum.
+    #[serde(default)]
+    pub leader: Option<String>,
 }
 
 /// A member as `GET /api/overview` or `GET /api/members/{id}` reports it.

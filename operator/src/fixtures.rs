@@ -18,8 +18,8 @@ use kube::{Client, Resource};
 use serde_json::{Value, json};
 
 use crate::admin::{
-    AdminApi, AdminConnector, AdminEndpoint, AdminError, Declared, MemberInfo, Overview,
-    QueueDeclaration, QueueInfo,
+    AdminApi, AdminConnector, AdminEndpoint, AdminError, ClusterInfo, Declared, MemberInfo,
+    Overview, QueueDeclaration, QueueInfo,
 };
 use crate::controller::Context;
 use crate::crd::{Cluster, ClusterSpec, ClusterStatus, Queue, QueueSpec, QueueStatus};
@@ -167,6 +167,25 @@ impl ApiServerVerifier {
         Seen { uri, body }
     }
 
+    /// Takes the next request, whatever it is, and returns its method and path; answers it
+    /// with an empty list (a watcher's initial list) so the client carries on.
+    pub async fn next_any(&mut self) -> Option<(Method, String)> {
+        let (request, send) = tokio::time::timeout(Duration::from_secs(5), self.0.next_request())
+            .await
+            .ok()??;
+        let method = request.method().clone();
+        let path = request.uri().path().to_string();
+        let list = json!({"apiVersion": "v1", "kind": "List", "metadata": {"resourceVersion": "1"}, "items": []});
+        send.send_response(
+            Response::builder()
+                .body(Body::from(
+                    serde_json::to_vec(&list).expect("list serializes"),
+                ))
+                .expect("response builds"),
+        );
+        Some((method, path))
+    }
+
     /// Asserts no further request arrives.
     pub async fn done(mut self) {
         let next = tokio::time::timeout(Duration::from_millis(100), self.0.next_request()).await;
@@ -207,6 +226,10 @@ pub struct FakeBroker {
     pub owned: BTreeMap<String, u64>,
     /// Members listed by the overview.
     pub members: Vec<String>,
+    /// Members the overview lists as `joining` (not caught up yet) instead of `running`.
+    pub joining: Vec<String>,
+    /// The answering member has lost the majority's lease (`cluster.quorum: false`).
+    pub no_quorum: bool,
     /// Calls received, e.g. `leave ringmq-3`.
     pub calls: Vec<String>,
     /// Endpoints connected to.
@@ -242,14 +265,28 @@ impl AdminApi for FakeAdmin {
                 .map(|id| MemberInfo {
                     id: id.clone(),
                     zone: "zone-a".into(),
-                    state: "up".into(),
+                    // The states a clustered broker reports (`admin/routes/members.rs`).
+                    state: if s.joining.contains(id) {
+                        "joining"
+                    } else {
+                        "running"
+                    }
+                    .into(),
                     owned_queues: 0,
                 })
                 .collect();
+            // The shape of a clustered broker's `cluster` object (`admin/routes/overview.rs`):
+            // the leader is unknown without quorum.
+            let cluster = ClusterInfo {
+                quorum: !s.no_quorum,
+                voters: s.members.len() as u64,
+                leader: (!s.no_quorum).then(|| s.members.first().cloned()).flatten(),
+            };
             Ok(Overview {
                 node: "ringmq-0".into(),
                 cluster_name: "ringmq".into(),
                 members,
+                cluster: Some(cluster),
             })
         })
     }

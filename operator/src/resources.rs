@@ -5,13 +5,16 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::apps::v1::{StatefulSet, StatefulSetSpec};
+use k8s_openapi::api::apps::v1::{
+    RollingUpdateStatefulSetStrategy, StatefulSet, StatefulSetSpec, StatefulSetUpdateStrategy,
+};
 use k8s_openapi::api::core::v1::{
     Capabilities, ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource,
     EnvVar, EnvVarSource, HTTPGetAction, ObjectFieldSelector, PersistentVolumeClaim,
     PersistentVolumeClaimSpec, PodSecurityContext, PodSpec, PodTemplateSpec, Probe, SeccompProfile,
     SecretKeySelector, SecretVolumeSource, SecurityContext, Service, ServicePort,
-    ServiceSpec as K8sServiceSpec, Volume, VolumeMount, VolumeResourceRequirements,
+    ServiceSpec as K8sServiceSpec, TopologySpreadConstraint, Volume, VolumeMount,
+    VolumeResourceRequirements,
 };
 use k8s_openapi::api::policy::v1::{PodDisruptionBudget, PodDisruptionBudgetSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
@@ -19,7 +22,7 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::ResourceExt;
 use kube::api::{ApiResource, DynamicObject, GroupVersionKind};
 
-use crate::crd::Cluster;
+use crate::crd::{Cluster, ServiceType};
 
 /// AMQP port.
 pub const AMQP_PORT: i32 = 5672;
@@ -41,10 +44,19 @@ pub const CONFIG_DIR: &str = "/etc/ringmq";
 pub const DATA_DIR: &str = "/var/lib/ringmq";
 /// Pod-template annotation carrying the config hash; a new value rolls the pods.
 pub const CONFIG_HASH_ANNOTATION: &str = "ringmq.io/config-hash";
+/// Pod-template annotation carrying the hash of the whole template (image, resources,
+/// config hash, ...): how the operator sees that an apply starts a rolling restart.
+pub const TEMPLATE_HASH_ANNOTATION: &str = "ringmq.io/template-hash";
 /// Key of the peer-authentication secret in the cluster Secret.
 pub const CLUSTER_SECRET_KEY: &str = "cluster-secret";
 /// Directory under [`CONFIG_DIR`] where the cluster secret is mounted as a file.
 pub const CLUSTER_SECRET_DIR: &str = "cluster";
+
+/// Label telling a cluster's Services apart: `nodes` (headless), `client`, `admin`.
+///
+/// Why: all three select the same pods, and a ServiceMonitor that matched them by the common
+/// labels scraped every broker once per Service; it selects `nodes` only.
+pub const SERVICE_ROLE_LABEL: &str = "ringmq.io/service";
 
 /// Labels selecting the brokers of one cluster; stable, because a StatefulSet's selector is
 /// immutable.
@@ -73,6 +85,15 @@ fn labels(cluster: &Cluster) -> BTreeMap<String, String> {
     l
 }
 
+fn service_meta(cluster: &Cluster, name: String, owner: &OwnerReference, role: &str) -> ObjectMeta {
+    let mut metadata = meta(cluster, name, owner);
+    metadata
+        .labels
+        .get_or_insert_with(BTreeMap::new)
+        .insert(SERVICE_ROLE_LABEL.to_string(), role.to_string());
+    metadata
+}
+
 fn meta(cluster: &Cluster, name: String, owner: &OwnerReference) -> ObjectMeta {
     ObjectMeta {
         name: Some(name),
@@ -92,11 +113,11 @@ pub fn seed_host(cluster: &Cluster) -> String {
     )
 }
 
-/// Base URL of the admin API through the client Service.
+/// Base URL of the admin API through the admin Service (cluster-internal, ready pods only).
 pub fn admin_base_url(cluster: &Cluster) -> String {
     format!(
         "http://{}.{}.svc:{ADMIN_PORT}",
-        cluster.name_any(),
+        cluster.admin_service_name(),
         cluster.namespace().unwrap_or_default()
     )
 }
@@ -117,6 +138,9 @@ pub fn broker_config(cluster: &Cluster) -> serde_json::Value {
         // Pod 0 finds nobody behind the headless Service on the first start: it founds.
         "cluster_founder": format!("{}-0", cluster.name_any()),
         "cluster_join_timeout_ms": 15_000,
+        // Backups of a queue declared without `qpid.cluster.backups` (a Queue without
+        // `backups`, or a client's declare).
+        "default_backups": cluster.spec.queue_backups,
     });
     if cluster.spec.tls.is_some() {
         config["amqps_listen"] = serde_json::json!(format!("0.0.0.0:{AMQPS_PORT}"));
@@ -169,7 +193,7 @@ fn port(name: &str, port: i32) -> ServicePort {
 /// ready yet, so a joining broker can be reached by its peers before it serves clients.
 pub fn headless_service(cluster: &Cluster, owner: &OwnerReference) -> Service {
     Service {
-        metadata: meta(cluster, cluster.headless_service_name(), owner),
+        metadata: service_meta(cluster, cluster.headless_service_name(), owner, "nodes"),
         spec: Some(K8sServiceSpec {
             cluster_ip: Some("None".to_string()),
             publish_not_ready_addresses: Some(true),
@@ -184,13 +208,20 @@ pub fn headless_service(cluster: &Cluster, owner: &OwnerReference) -> Service {
     }
 }
 
-/// Client Service: AMQP(S) and admin, of the type and with the annotations the spec asks for.
+/// Client Service: AMQP(S), of the type and with the annotations the spec asks for.
+///
+/// The admin port is on it only while it is a `ClusterIP` Service: a `LoadBalancer` or
+/// `NodePort` Service would publish the management API (user and queue administration)
+/// outside the cluster. The operator itself uses the [`admin_service`].
 pub fn client_service(cluster: &Cluster, owner: &OwnerReference) -> Service {
-    let mut metadata = meta(cluster, cluster.name_any(), owner);
+    let mut metadata = service_meta(cluster, cluster.name_any(), owner, "client");
     if !cluster.spec.service.annotations.is_empty() {
         metadata.annotations = Some(cluster.spec.service.annotations.clone());
     }
-    let mut ports = vec![port("amqp", AMQP_PORT), port("admin", ADMIN_PORT)];
+    let mut ports = vec![port("amqp", AMQP_PORT)];
+    if cluster.spec.service.type_ == ServiceType::ClusterIP {
+        ports.push(port("admin", ADMIN_PORT));
+    }
     if cluster.spec.tls.is_some() {
         ports.push(port("amqps", AMQPS_PORT));
     }
@@ -200,6 +231,21 @@ pub fn client_service(cluster: &Cluster, owner: &OwnerReference) -> Service {
             type_: Some(cluster.spec.service.type_.as_str().to_string()),
             selector: Some(selector_labels(cluster)),
             ports: Some(ports),
+            ..K8sServiceSpec::default()
+        }),
+        ..Service::default()
+    }
+}
+
+/// Admin Service: the admin API of the ready brokers, inside the cluster only (`ClusterIP`,
+/// whatever `spec.service.type` says). The operator's admin calls go through it.
+pub fn admin_service(cluster: &Cluster, owner: &OwnerReference) -> Service {
+    Service {
+        metadata: service_meta(cluster, cluster.admin_service_name(), owner, "admin"),
+        spec: Some(K8sServiceSpec {
+            type_: Some("ClusterIP".to_string()),
+            selector: Some(selector_labels(cluster)),
+            ports: Some(vec![port("admin", ADMIN_PORT)]),
             ..K8sServiceSpec::default()
         }),
         ..Service::default()
@@ -231,14 +277,19 @@ pub fn service_monitor_resource() -> ApiResource {
     ))
 }
 
-/// ServiceMonitor scraping the brokers' admin port.
+/// ServiceMonitor scraping the brokers' admin port, each broker once.
+///
+/// It selects the headless Service only: its endpoints are every pod exactly once, not-ready
+/// ones included (a broker that is starting or stuck is the one whose metrics you want).
 pub fn service_monitor(cluster: &Cluster, owner: &OwnerReference) -> DynamicObject {
     let mut obj = DynamicObject::new(&cluster.name_any(), &service_monitor_resource())
         .within(&cluster.namespace().unwrap_or_default());
     obj.metadata = meta(cluster, cluster.name_any(), owner);
+    let mut selector = selector_labels(cluster);
+    selector.insert(SERVICE_ROLE_LABEL.to_string(), "nodes".to_string());
     obj.data = serde_json::json!({
         "spec": {
-            "selector": { "matchLabels": selector_labels(cluster) },
+            "selector": { "matchLabels": selector },
             "endpoints": [{ "port": "admin", "path": "/metrics" }],
         }
     });
@@ -274,7 +325,8 @@ fn http_probe(path: &str, period_seconds: i32, failure_threshold: i32) -> Probe 
     }
 }
 
-/// The StatefulSet running the brokers, with `replicas` chosen by the scale state machine.
+/// The StatefulSet running the brokers, with `replicas` chosen by the scale state machine;
+/// its partition is 0 until [`set_partition`] sets what `rollout.rs` decides.
 ///
 /// `replicas` lives only in the StatefulSet spec, never in the pod template, so scaling does
 /// not roll existing pods; the template changes only with the image, resources or config.
@@ -429,6 +481,46 @@ pub fn stateful_set(
         "app.kubernetes.io/managed-by".into(),
         "ringmq-operator".into(),
     );
+    let mut template = PodTemplateSpec {
+        metadata: Some(ObjectMeta {
+            labels: Some(template_labels),
+            annotations: Some(BTreeMap::from([(
+                CONFIG_HASH_ANNOTATION.to_string(),
+                config_hash(config_yaml),
+            )])),
+            ..ObjectMeta::default()
+        }),
+        spec: Some(PodSpec {
+            containers: vec![container],
+            volumes: Some(volumes),
+            affinity: cluster.spec.affinity.clone(),
+            tolerations: (!cluster.spec.tolerations.is_empty())
+                .then(|| cluster.spec.tolerations.clone()),
+            topology_spread_constraints: Some(topology_spread(cluster)),
+            termination_grace_period_seconds: Some(TERMINATION_GRACE_SECONDS),
+            // The image's non-root user; fsGroup makes a volume claim writable by it.
+            security_context: Some(PodSecurityContext {
+                run_as_non_root: Some(true),
+                run_as_user: Some(BROKER_UID),
+                run_as_group: Some(BROKER_UID),
+                fs_group: Some(BROKER_UID),
+                seccomp_profile: Some(SeccompProfile {
+                    type_: "RuntimeDefault".into(),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..PodSpec::default()
+        }),
+    };
+    let template_hash = config_hash(&serde_json::to_string(&template).unwrap_or_default());
+    if let Some(annotations) = template
+        .metadata
+        .as_mut()
+        .and_then(|m| m.annotations.as_mut())
+    {
+        annotations.insert(TEMPLATE_HASH_ANNOTATION.to_string(), template_hash);
+    }
     StatefulSet {
         metadata: meta(cluster, name.clone(), owner),
         spec: Some(StatefulSetSpec {
@@ -438,47 +530,79 @@ pub fn stateful_set(
                 match_labels: Some(selector_labels(cluster)),
                 ..LabelSelector::default()
             },
-            template: PodTemplateSpec {
-                metadata: Some(ObjectMeta {
-                    labels: Some(template_labels),
-                    annotations: Some(BTreeMap::from([(
-                        CONFIG_HASH_ANNOTATION.to_string(),
-                        config_hash(config_yaml),
-                    )])),
-                    ..ObjectMeta::default()
+            template,
+            // A restarted broker counts as available only after this long ready; the
+            // operator releases the next pod only when all are available (rollout.rs).
+            min_ready_seconds: Some(crate::rollout::MIN_READY_SECONDS),
+            // One broker at a time: a new pod only once the one before is ready, a removed
+            // one only once the one after it is gone (Kubernetes' default, stated because
+            // the scale and restart steps rely on it).
+            pod_management_policy: Some("OrderedReady".into()),
+            update_strategy: Some(StatefulSetUpdateStrategy {
+                type_: Some("RollingUpdate".into()),
+                rolling_update: Some(RollingUpdateStatefulSetStrategy {
+                    partition: Some(0),
+                    ..Default::default()
                 }),
-                spec: Some(PodSpec {
-                    containers: vec![container],
-                    volumes: Some(volumes),
-                    affinity: cluster.spec.affinity.clone(),
-                    tolerations: (!cluster.spec.tolerations.is_empty())
-                        .then(|| cluster.spec.tolerations.clone()),
-                    topology_spread_constraints: (!cluster
-                        .spec
-                        .topology_spread_constraints
-                        .is_empty())
-                    .then(|| cluster.spec.topology_spread_constraints.clone()),
-                    termination_grace_period_seconds: Some(TERMINATION_GRACE_SECONDS),
-                    // The image's non-root user; fsGroup makes a volume claim writable by it.
-                    security_context: Some(PodSecurityContext {
-                        run_as_non_root: Some(true),
-                        run_as_user: Some(BROKER_UID),
-                        run_as_group: Some(BROKER_UID),
-                        fs_group: Some(BROKER_UID),
-                        seccomp_profile: Some(SeccompProfile {
-                            type_: "RuntimeDefault".into(),
-                            ..Default::default()
-                        }),
-                        ..Default::default()
-                    }),
-                    ..PodSpec::default()
-                }),
-            },
+            }),
             volume_claim_templates: claims,
             ..StatefulSetSpec::default()
         }),
         ..StatefulSet::default()
     }
+}
+
+/// Topology spread of the broker pods: `spec.topologySpreadConstraints` when given, else the
+/// operator's default, one broker more at most in any zone and on any node than in another
+/// (`maxSkew: 1` over `topology.kubernetes.io/zone` and `kubernetes.io/hostname`).
+///
+/// Why `ScheduleAnyway`: a cluster in one zone, or with more brokers than nodes, must still
+/// schedule; the planner interleaves the ring by zone, so an even spread is what lets a
+/// queue's backups sit in other zones than its primary. For a hard rule, set the constraints
+/// with `DoNotSchedule` in the spec (examples/cluster-production.yaml).
+pub fn topology_spread(cluster: &Cluster) -> Vec<TopologySpreadConstraint> {
+    if !cluster.spec.topology_spread_constraints.is_empty() {
+        return cluster.spec.topology_spread_constraints.clone();
+    }
+    ["topology.kubernetes.io/zone", "kubernetes.io/hostname"]
+        .into_iter()
+        .map(|key| TopologySpreadConstraint {
+            max_skew: 1,
+            topology_key: key.to_string(),
+            when_unsatisfiable: "ScheduleAnyway".to_string(),
+            label_selector: Some(LabelSelector {
+                match_labels: Some(selector_labels(cluster)),
+                ..LabelSelector::default()
+            }),
+            ..TopologySpreadConstraint::default()
+        })
+        .collect()
+}
+
+/// Sets the StatefulSet's rolling-update partition: pods from that ordinal up may be
+/// replaced by the new template.
+pub fn set_partition(sts: &mut StatefulSet, partition: i32) {
+    if let Some(rolling) = sts
+        .spec
+        .as_mut()
+        .and_then(|s| s.update_strategy.as_mut())
+        .and_then(|u| u.rolling_update.as_mut())
+    {
+        rolling.partition = Some(partition);
+    }
+}
+
+/// The pod-template hash annotation of a StatefulSet, if any.
+pub fn template_hash_of(sts: &StatefulSet) -> Option<&str> {
+    sts.spec
+        .as_ref()?
+        .template
+        .metadata
+        .as_ref()?
+        .annotations
+        .as_ref()?
+        .get(TEMPLATE_HASH_ANNOTATION)
+        .map(String::as_str)
 }
 
 #[cfg(test)]
@@ -540,14 +664,139 @@ mod tests {
 
     #[test]
     fn the_broker_accepts_the_config_the_operator_writes() {
-        let c = cluster(serde_json::json!({"image": "ringmq:1", "config": {"heartbeat_s": 10}}));
+        let c = cluster(
+            serde_json::json!({"image": "ringmq:1", "queueBackups": 2, "config": {"heartbeat_s": 10}}),
+        );
         let yaml = serde_saphyr::to_string(&broker_config(&c)).expect("config");
         let parsed = ringmq::config::Config::from_yaml(&yaml)
             .unwrap_or_else(|e| panic!("the broker refuses the operator's config: {e}\n{yaml}"));
         parsed.validate().expect("valid");
         assert_eq!(parsed.heartbeat_s, 10);
+        assert_eq!(
+            parsed.default_backups, 2,
+            "spec.queueBackups reaches the broker"
+        );
+        let default = cluster(serde_json::json!({"image": "ringmq:1"}));
+        let yaml = serde_saphyr::to_string(&broker_config(&default)).expect("config");
+        let parsed = ringmq::config::Config::from_yaml(&yaml).expect("parses");
+        assert_eq!(
+            parsed.default_backups,
+            ringmq::config::Config::default().default_backups,
+            "the CRD's default is the broker's"
+        );
         assert_eq!(parsed.cluster_founder.as_deref(), Some("ringmq-0"));
         assert_eq!(parsed.cluster_seeds, ["ringmq-nodes.ns.svc:25672"]);
+    }
+
+    #[test]
+    fn brokers_spread_over_zones_and_nodes_unless_the_spec_says_otherwise() {
+        let c = cluster(serde_json::json!({"image": "ringmq:1"}));
+        let pod = sts(&c, 3).spec.expect("spec").template.spec.expect("pod");
+        let spread = pod.topology_spread_constraints.expect("a default spread");
+        let keys: Vec<(&str, i32, &str)> = spread
+            .iter()
+            .map(|t| {
+                (
+                    t.topology_key.as_str(),
+                    t.max_skew,
+                    t.when_unsatisfiable.as_str(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            keys,
+            [
+                ("topology.kubernetes.io/zone", 1, "ScheduleAnyway"),
+                ("kubernetes.io/hostname", 1, "ScheduleAnyway")
+            ]
+        );
+        assert_eq!(
+            spread[0]
+                .label_selector
+                .as_ref()
+                .and_then(|s| s.match_labels.clone()),
+            Some(selector_labels(&c)),
+            "counts this cluster's brokers only"
+        );
+        let own = cluster(
+            serde_json::json!({"image": "ringmq:1", "topologySpreadConstraints": [
+            {"maxSkew": 2, "topologyKey": "rack", "whenUnsatisfiable": "DoNotSchedule"}]}),
+        );
+        let pod = sts(&own, 3).spec.expect("spec").template.spec.expect("pod");
+        let spread = pod.topology_spread_constraints.expect("the spec's");
+        assert_eq!(
+            (spread.len(), spread[0].topology_key.as_str()),
+            (1, "rack"),
+            "the spec replaces the default"
+        );
+    }
+
+    fn port_names(svc: &Service) -> Vec<String> {
+        svc.spec
+            .iter()
+            .flat_map(|s| s.ports.iter().flatten())
+            .filter_map(|p| p.name.clone())
+            .collect()
+    }
+
+    #[test]
+    fn the_admin_port_is_never_published_outside_the_cluster() {
+        for (type_, admin_on_client) in [
+            ("ClusterIP", true),
+            ("NodePort", false),
+            ("LoadBalancer", false),
+        ] {
+            let c = cluster(serde_json::json!({"image": "ringmq:1", "service": {"type": type_}}));
+            let owner = c.controller_owner_ref(&()).expect("uid");
+            let client = client_service(&c, &owner);
+            assert_eq!(
+                port_names(&client).contains(&"admin".to_string()),
+                admin_on_client,
+                "{type_}: {:?}",
+                port_names(&client)
+            );
+            let admin = admin_service(&c, &owner);
+            assert_eq!(
+                admin.spec.as_ref().and_then(|s| s.type_.as_deref()),
+                Some("ClusterIP"),
+                "the operator's own way in stays internal"
+            );
+            assert_eq!(port_names(&admin), ["admin"]);
+        }
+        let c = cluster(serde_json::json!({"image": "ringmq:1"}));
+        assert_eq!(admin_base_url(&c), "http://ringmq-admin.ns.svc:15672");
+    }
+
+    #[test]
+    fn the_service_monitor_selects_exactly_one_service_per_cluster() {
+        let c =
+            cluster(serde_json::json!({"image": "ringmq:1", "service": {"type": "LoadBalancer"}}));
+        let owner = c.controller_owner_ref(&()).expect("uid");
+        let monitor = service_monitor(&c, &owner);
+        let selector: BTreeMap<String, String> =
+            serde_json::from_value(monitor.data["spec"]["selector"]["matchLabels"].clone())
+                .expect("matchLabels");
+        let services = [
+            headless_service(&c, &owner),
+            client_service(&c, &owner),
+            admin_service(&c, &owner),
+        ];
+        let matched: Vec<String> = services
+            .iter()
+            .filter(|svc| {
+                let labels = svc.metadata.labels.clone().unwrap_or_default();
+                selector.iter().all(|(k, v)| labels.get(k) == Some(v))
+            })
+            .filter_map(|svc| svc.metadata.name.clone())
+            .collect();
+        assert_eq!(matched, ["ringmq-nodes"], "each broker scraped once");
+        assert_eq!(
+            headless_service(&c, &owner)
+                .spec
+                .and_then(|s| s.publish_not_ready_addresses),
+            Some(true),
+            "not-ready brokers are scraped too"
+        );
     }
 
     #[test]

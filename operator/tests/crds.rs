@@ -308,3 +308,46 @@ fn the_chart_ships_the_same_dashboard_the_broker_tests_check() {
         "charts/ringmq-operator/dashboards/ringmq-overview.json is stale: copy dashboards/ringmq-overview.json there"
     );
 }
+
+/// Helm cannot be installed here, so the chart is not rendered; this reads its values and
+/// templates as text for what leader election needs: more than one replica, election on,
+/// the identity and namespace the binary reads, and the Lease verbs the Lease manager uses
+/// (`leader::tests` records them against a Lease store: get, create, patch).
+#[test]
+fn the_chart_runs_replicas_under_leader_election_with_the_lease_rights_it_needs() {
+    let values: Value = serde_saphyr::from_str(
+        &std::fs::read_to_string(repo("charts/ringmq-operator/values.yaml")).expect("values"),
+    )
+    .expect("values.yaml parses");
+    assert_eq!(values["replicaCount"], json!(2));
+    assert_eq!(values["leaderElection"], json!(true));
+    assert_eq!(values["watchNamespace"], json!(""));
+    let deployment =
+        std::fs::read_to_string(repo("charts/ringmq-operator/templates/deployment.yaml"))
+            .expect("deployment template");
+    for needle in [
+        "replicas: {{ .Values.replicaCount }}",
+        "name: POD_NAME",
+        "name: POD_NAMESPACE",
+        "fieldPath: metadata.namespace",
+        "name: LEADER_ELECTION",
+        "name: WATCH_NAMESPACE",
+    ] {
+        assert!(
+            deployment.contains(needle),
+            "deployment.yaml lacks {needle}"
+        );
+    }
+    let rbac = std::fs::read_to_string(repo("charts/ringmq-operator/templates/rbac.yaml"))
+        .expect("rbac template");
+    let leases = rbac
+        .split("---")
+        .find(|doc| doc.contains("kind: Role\n") && doc.contains("leases"))
+        .expect("a Role on leases");
+    assert!(
+        leases.contains(r#"resources: ["leases"]"#)
+            && leases.contains(r#"verbs: ["get", "create", "patch"]"#)
+            && leases.contains("namespace: {{ .Release.Namespace }}"),
+        "{leases}"
+    );
+}

@@ -64,6 +64,7 @@ fn owned_objects_pass_kubernetes_validate_strict() {
         serde_json::to_value(resources::config_map(&cluster, &owner, &config)),
         serde_json::to_value(resources::headless_service(&cluster, &owner)),
         serde_json::to_value(resources::client_service(&cluster, &owner)),
+        serde_json::to_value(resources::admin_service(&cluster, &owner)),
         serde_json::to_value(resources::pod_disruption_budget(&cluster, &owner)),
         serde_json::to_value(resources::stateful_set(&cluster, &owner, 5, &config)),
     ];

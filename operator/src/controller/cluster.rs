@@ -25,14 +25,21 @@ use ringmq_planner::{Member, ring_order};
 use super::{Context, Error, FIELD_MANAGER};
 use crate::admin::{AdminApi, AdminEndpoint, Overview};
 use crate::conditions::condition;
-use crate::crd::{Cluster, ClusterStatus, MemberStatus, Operation, OperationKind, OperationStep};
+use crate::crd::{
+    Cluster, ClusterStatus, MemberStatus, Operation, OperationKind, OperationStep, QuorumStatus,
+    RollingRestart,
+};
 use crate::resources::{self, CLUSTER_SECRET_KEY};
-use crate::scale;
+use crate::{rollout, scale};
 
 /// How often a settled cluster is re-checked (members, drift of owned objects).
 pub const RESYNC: Duration = Duration::from_secs(300);
 /// How often a cluster in a multi-step operation is re-checked.
 pub const OPERATION_POLL: Duration = Duration::from_secs(10);
+/// Cluster annotation that lets a scale-down remove members that still hold queues (as
+/// Strimzi's `strimzi.io/skip-broker-scaledown-check`): `"true"` skips the wait of the
+/// `Draining` step. It stays in force while set; remove it once the scale-down is done.
+pub const FORCE_SCALE_DOWN_ANNOTATION: &str = "ringmq.io/force-scale-down";
 /// CRD whose presence enables the ServiceMonitor.
 pub const SERVICE_MONITOR_CRD: &str = "servicemonitors.monitoring.coreos.com";
 
@@ -110,6 +117,13 @@ pub async fn reconcile(cluster: Arc<Cluster>, ctx: Arc<Context>) -> Result<Actio
             &Patch::Apply(&resources::client_service(&cluster, &owner)),
         )
         .await?;
+    services
+        .patch(
+            &cluster.admin_service_name(),
+            &apply,
+            &Patch::Apply(&resources::admin_service(&cluster, &owner)),
+        )
+        .await?;
     Api::<PodDisruptionBudget>::namespaced(client.clone(), &ns)
         .patch(
             &name,
@@ -171,7 +185,38 @@ pub async fn reconcile(cluster: Arc<Cluster>, ctx: Arc<Context>) -> Result<Actio
         }
         Some(op) => op.to,
     };
-    let sts = resources::stateful_set(&cluster, &owner, replicas, &config_yaml);
+    // Members from the admin API; unreachable brokers degrade the cluster, they do not fail
+    // the reconcile (the pods may simply be starting).
+    let overview = admin.overview().await;
+
+    // Rolling restart: the partition lets one more pod take the new template only when the
+    // cluster is whole again (rollout.rs).
+    let mut sts = resources::stateful_set(&cluster, &owner, replicas, &config_yaml);
+    let template_changed = existing
+        .as_ref()
+        .is_some_and(|old| resources::template_hash_of(old) != resources::template_hash_of(&sts));
+    let step = match &existing {
+        None => None,
+        Some(old) => {
+            let health = rollout::cluster_health(&overview, &name, replicas);
+            Some(rollout::next_step(
+                &name,
+                template_changed,
+                rollout_progress(old, replicas),
+                &health,
+            ))
+        }
+    };
+    if let Some(step) = &step {
+        resources::set_partition(&mut sts, step.partition);
+        if let Some(pod) = &step.released {
+            let note = format!(
+                "quorum held and all {replicas} members running: {pod} restarts with the new template"
+            );
+            ctx.event(&*cluster, EventType::Normal, "RestartingBroker", note)
+                .await;
+        }
+    }
     let applied = stateful_sets
         .patch(&name, &apply, &Patch::Apply(&sts))
         .await?;
@@ -194,10 +239,26 @@ pub async fn reconcile(cluster: Arc<Cluster>, ctx: Arc<Context>) -> Result<Actio
         .await;
     }
     let sts_status = applied.status.unwrap_or_default();
+    let rolling_restart = step.and_then(|step| {
+        step.waiting_for.map(|waiting_for| RollingRestart {
+            partition: step.partition,
+            waiting_for,
+        })
+    });
+    let was_rolling = cluster
+        .status
+        .as_ref()
+        .is_some_and(|s| s.rolling_restart.is_some());
+    if was_rolling && rolling_restart.is_none() {
+        ctx.event(
+            &*cluster,
+            EventType::Normal,
+            "RollingRestartDone",
+            format!("all {replicas} brokers run the new pod template"),
+        )
+        .await;
+    }
 
-    // Members from the admin API; unreachable brokers degrade the cluster, they do not fail
-    // the reconcile (the pods may simply be starting).
-    let overview = admin.overview().await;
     if let Some(op) = operation.as_mut() {
         finish_step(
             &ctx,
@@ -213,8 +274,15 @@ pub async fn reconcile(cluster: Arc<Cluster>, ctx: Arc<Context>) -> Result<Actio
         }
     }
 
-    let status = build_status(&cluster, replicas, &sts_status, &overview, operation);
-    let requeue = if status.operation.is_some() {
+    let status = build_status(
+        &cluster,
+        replicas,
+        &sts_status,
+        &overview,
+        operation,
+        rolling_restart,
+    );
+    let requeue = if status.operation.is_some() || status.rolling_restart.is_some() {
         OPERATION_POLL
     } else {
         RESYNC
@@ -228,6 +296,25 @@ pub async fn reconcile(cluster: Arc<Cluster>, ctx: Arc<Context>) -> Result<Actio
         .patch_status(&name, &apply, &Patch::Apply(&patch))
         .await?;
     Ok(Action::requeue(requeue))
+}
+
+/// What the existing StatefulSet says about a rollout (rollout.rs reads it).
+fn rollout_progress(sts: &StatefulSet, replicas: i32) -> rollout::Progress {
+    let partition = sts
+        .spec
+        .as_ref()
+        .and_then(|s| s.update_strategy.as_ref())
+        .and_then(|u| u.rolling_update.as_ref())
+        .and_then(|r| r.partition)
+        .unwrap_or(0);
+    let status = sts.status.clone().unwrap_or_default();
+    rollout::Progress {
+        replicas,
+        partition,
+        updated: status.updated_replicas.unwrap_or(0),
+        available: status.available_replicas.unwrap_or(0),
+        done: status.current_revision == status.update_revision,
+    }
 }
 
 /// The config hash annotation of a StatefulSet's pod template, if any.
@@ -246,7 +333,8 @@ fn config_hash_of(sts: &StatefulSet) -> Option<&str> {
 }
 
 /// Draining step of a scale-down: ask each leaving member to leave and check it owns no
-/// queues. Moves to `ShrinkingStatefulSet` only when all of them are empty (or gone).
+/// queues. Moves to `ShrinkingStatefulSet` only when all of them are empty (or gone), or
+/// when the Cluster carries [`FORCE_SCALE_DOWN_ANNOTATION`]` = "true"`.
 async fn drain_step(
     ctx: &Context,
     cluster: &Cluster,
@@ -263,6 +351,23 @@ async fn drain_step(
             _ => {}
         }
     }
+    let forced = cluster
+        .annotations()
+        .get(FORCE_SCALE_DOWN_ANNOTATION)
+        .is_some_and(|v| v == "true");
+    if !still_owning.is_empty() && forced {
+        ctx.event(
+            cluster,
+            EventType::Warning,
+            "ForcedScaleDown",
+            format!(
+                "{FORCE_SCALE_DOWN_ANNOTATION}=true: removing members that still hold queues ({}); those queues lose their primary",
+                still_owning.join(", ")
+            ),
+        )
+        .await;
+        still_owning.clear();
+    }
     if still_owning.is_empty() {
         op.step = OperationStep::ShrinkingStatefulSet;
         op.waiting_for = Some(format!("StatefulSet to shrink to {} pods", op.to));
@@ -274,10 +379,24 @@ async fn drain_step(
         )
         .await;
     } else {
-        op.waiting_for = Some(format!(
+        let waiting_for = format!(
             "leaving members to hand over their queues: {}",
             still_owning.join(", ")
-        ));
+        );
+        // Once per change of what blocks it, not on every poll.
+        if op.waiting_for.as_deref() != Some(waiting_for.as_str()) {
+            ctx.event(
+                cluster,
+                EventType::Warning,
+                "ScaleDownBlocked",
+                format!(
+                    "{}: their pods stay until they own no queues; to remove them anyway, annotate the Cluster {FORCE_SCALE_DOWN_ANNOTATION}=true",
+                    still_owning.join(", ")
+                ),
+            )
+            .await;
+        }
+        op.waiting_for = Some(waiting_for);
     }
     Ok(())
 }
@@ -345,6 +464,7 @@ fn build_status(
     sts: &k8s_openapi::api::apps::v1::StatefulSetStatus,
     overview: &Result<Overview, crate::admin::AdminError>,
     operation: Option<Operation>,
+    rolling_restart: Option<RollingRestart>,
 ) -> ClusterStatus {
     let previous = cluster
         .status
@@ -375,8 +495,24 @@ fn build_status(
     .into_iter()
     .map(|m| m.id)
     .collect();
+    let quorum = overview.as_ref().ok().and_then(|o| {
+        o.cluster.as_ref().map(|c| QuorumStatus {
+            has_quorum: c.quorum,
+            voters: i64::try_from(c.voters).unwrap_or(i64::MAX),
+            leader: c.leader.clone(),
+            reported_by: o.node.clone(),
+        })
+    });
     let (degraded, degraded_reason, degraded_message) = match overview {
         Err(e) => (true, "AdminApiUnreachable", e.to_string()),
+        Ok(o) if quorum.as_ref().is_some_and(|q| !q.has_quorum) => (
+            true,
+            "NoQuorum",
+            format!(
+                "{} holds no quorum: the cluster cannot commit changes; bring back a majority of its members",
+                o.node
+            ),
+        ),
         Ok(_) if ready < replicas => (
             true,
             "BrokersNotReady",
@@ -388,19 +524,21 @@ fn build_status(
             format!("{ready}/{replicas} brokers ready"),
         ),
     };
-    let (reconciled_reason, reconciled_message) = match &operation {
-        Some(op) => (
+    let (reconciled_reason, reconciled_message) = match (&operation, &rolling_restart) {
+        (Some(op), _) => (
             format!("{:?}", op.step),
             op.waiting_for
                 .clone()
                 .unwrap_or_else(|| "operation in progress".to_string()),
         ),
-        None => (
+        (None, Some(rolling)) => ("RollingRestart".to_string(), rolling.waiting_for.clone()),
+        (None, None) => (
             "Applied".to_string(),
             "all owned objects applied".to_string(),
         ),
     };
-    let is_ready = !degraded && operation.is_none();
+    let settled = operation.is_none() && rolling_restart.is_none();
+    let is_ready = !degraded && settled;
     let conditions = vec![
         condition(
             previous,
@@ -417,7 +555,7 @@ fn build_status(
         condition(
             previous,
             "Reconciled",
-            operation.is_none(),
+            settled,
             &reconciled_reason,
             reconciled_message,
             generation,
@@ -430,6 +568,7 @@ fn build_status(
             degraded_message,
             generation,
         ),
+        scale_down_blocked(previous, operation.as_ref(), generation),
     ];
     ClusterStatus {
         observed_generation: generation,
@@ -440,6 +579,42 @@ fn build_status(
         ring,
         conditions,
         operation,
+        quorum,
+        rolling_restart,
+    }
+}
+
+/// `ScaleDownBlocked`: true while a scale-down waits for leaving members to hand over their
+/// queues, with the members and their queue counts.
+fn scale_down_blocked(
+    previous: &[k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition],
+    operation: Option<&Operation>,
+    generation: Option<i64>,
+) -> k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition {
+    match operation {
+        Some(op) if op.kind == OperationKind::ScaleDown && op.step == OperationStep::Draining => {
+            condition(
+                previous,
+                "ScaleDownBlocked",
+                true,
+                "MemberOwnsQueues",
+                format!(
+                    "{}; to remove them anyway, annotate the Cluster {FORCE_SCALE_DOWN_ANNOTATION}=true",
+                    op.waiting_for
+                        .as_deref()
+                        .unwrap_or("leaving members own queues")
+                ),
+                generation,
+            )
+        }
+        _ => condition(
+            previous,
+            "ScaleDownBlocked",
+            false,
+            "NotBlocked",
+            "no scale-down waits for a member",
+            generation,
+        ),
     }
 }
 

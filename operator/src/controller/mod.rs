@@ -140,24 +140,38 @@ pub fn error_policy<K>(_obj: Arc<K>, error: &Error, ctx: Arc<Context>) -> Action
     Action::requeue(RETRY_AFTER)
 }
 
+/// An `Api` over every namespace, or over `namespace` alone when one is given.
+pub fn scoped<K>(client: &Client, namespace: Option<&str>) -> Api<K>
+where
+    K: Resource<Scope = kube::core::NamespaceResourceScope>,
+    K::DynamicType: Default,
+{
+    match namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    }
+}
+
 /// Runs both controllers until shutdown.
-pub async fn run(ctx: Arc<Context>) {
+///
+/// With `watch_namespace`, every watch (Clusters, Queues and the objects they own) is
+/// restricted to that namespace, so the operator needs rights there only (the chart's
+/// `watchNamespace`); without it, it watches all namespaces.
+pub async fn run(ctx: Arc<Context>, watch_namespace: Option<&str>) {
     let client = ctx.client.clone();
-    let clusters = Api::<Cluster>::all(client.clone());
-    let queues = Api::<Queue>::all(client.clone());
+    let ns = watch_namespace;
+    let clusters = scoped::<Cluster>(&client, ns);
+    let queues = scoped::<Queue>(&client, ns);
     let config = watcher::Config::default().any_semantic();
     // Owned objects all carry our name label; watching only those keeps the operator from
     // caching every Secret and ConfigMap in the cluster.
     let owned = watcher::Config::default().labels("app.kubernetes.io/name=ringmq");
     let cluster_controller = Controller::new(clusters, config.clone())
-        .owns(Api::<StatefulSet>::all(client.clone()), owned.clone())
-        .owns(Api::<Service>::all(client.clone()), owned.clone())
-        .owns(Api::<ConfigMap>::all(client.clone()), owned.clone())
-        .owns(Api::<Secret>::all(client.clone()), owned.clone())
-        .owns(
-            Api::<PodDisruptionBudget>::all(client.clone()),
-            owned.clone(),
-        )
+        .owns(scoped::<StatefulSet>(&client, ns), owned.clone())
+        .owns(scoped::<Service>(&client, ns), owned.clone())
+        .owns(scoped::<ConfigMap>(&client, ns), owned.clone())
+        .owns(scoped::<Secret>(&client, ns), owned.clone())
+        .owns(scoped::<PodDisruptionBudget>(&client, ns), owned.clone())
         .shutdown_on_signal()
         .run(cluster::reconcile, error_policy, ctx.clone())
         .for_each(|r| async move {

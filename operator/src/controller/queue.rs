@@ -101,7 +101,7 @@ async fn apply(queue: &Queue, ctx: &Context, ns: &str) -> Result<Action, Error> 
     let declaration = QueueDeclaration {
         durable: queue.spec.durable,
         auto_delete: queue.spec.auto_delete,
-        arguments: queue.spec.arguments.clone().into_iter().collect(),
+        arguments: queue.declare_arguments(),
     };
     let (declared, reason, message, requeue) =
         match admin.declare_queue(&vhost, &name, &declaration).await {

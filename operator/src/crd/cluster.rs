@@ -36,6 +36,7 @@ use super::FreeFormMap;
     printcolumn = r#"{"name":"Replicas","type":"integer","jsonPath":".spec.replicas"}"#,
     printcolumn = r#"{"name":"Ready","type":"integer","jsonPath":".status.readyReplicas"}"#,
     printcolumn = r#"{"name":"Status","type":"string","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
+    printcolumn = r#"{"name":"Quorum","type":"boolean","jsonPath":".status.quorum.hasQuorum"}"#,
     printcolumn = r#"{"name":"Step","type":"string","jsonPath":".status.operation.step"}"#,
     printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
 )]
@@ -64,7 +65,8 @@ pub struct ClusterSpec {
     /// unset the operator creates `<name>-default-user` with a random password.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub default_user_secret: Option<String>,
-    /// Backups per queue (k): how many brokers after a queue's primary hold a copy.
+    /// Backups per queue (k): how many brokers after a queue's primary hold a copy, for
+    /// queues declared without their own (the brokers' `default_backups`).
     #[serde(default = "default_backups")]
     #[schemars(range(min = 1, max = 3))]
     pub queue_backups: i32,
@@ -177,6 +179,39 @@ pub struct ClusterStatus {
     /// The multi-step operation in progress, if any; it survives operator restarts.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub operation: Option<Operation>,
+    /// The consensus group as the member that answered the admin API sees it; absent when
+    /// the admin API does not answer or the broker runs alone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quorum: Option<QuorumStatus>,
+    /// The rolling restart in progress (after a pod template change), if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rolling_restart: Option<RollingRestart>,
+}
+
+/// Quorum of the brokers' consensus group, from `GET /api/overview`'s `cluster` object.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct QuorumStatus {
+    /// Whether the answering member holds the majority's lease.
+    pub has_quorum: bool,
+    /// Voters of the consensus group (dead ones count until they are removed).
+    pub voters: i64,
+    /// The consensus leader's member id; absent during an election or without quorum.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub leader: Option<String>,
+    /// The member that answered.
+    pub reported_by: String,
+}
+
+/// A rolling restart: pods from `partition` up run the new template; the operator lowers
+/// the partition one pod at a time, each only when the cluster is whole again.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RollingRestart {
+    /// The StatefulSet's `updateStrategy.rollingUpdate.partition`.
+    pub partition: i32,
+    /// What the next restart waits for, in words a person can act on.
+    pub waiting_for: String,
 }
 
 /// One broker as the admin API reports it.
@@ -244,6 +279,11 @@ impl Cluster {
             .default_user_secret
             .clone()
             .unwrap_or_else(|| format!("{}-default-user", kube::ResourceExt::name_any(self)))
+    }
+
+    /// Name of the cluster-internal Service of the admin API, which the operator calls.
+    pub fn admin_service_name(&self) -> String {
+        format!("{}-admin", kube::ResourceExt::name_any(self))
     }
 
     /// Name of the headless Service used for peer discovery.

@@ -8,7 +8,7 @@ pub mod queue;
 
 pub use cluster::{
     Cluster, ClusterSpec, ClusterStatus, MemberStatus, Operation, OperationKind, OperationStep,
-    Persistence, ServiceSpec, ServiceType, TlsSpec,
+    Persistence, QuorumStatus, RollingRestart, ServiceSpec, ServiceType, TlsSpec,
 };
 pub use queue::{ClusterRef, DeletionPolicy, Queue, QueueSpec, QueueStatus};
 

@@ -56,14 +56,17 @@ pub struct QueueSpec {
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     #[schemars(schema_with = "super::free_form_map")]
     pub arguments: FreeFormMap,
-    /// Backups (k) for this queue. Recorded now; enforced once brokers replicate.
-    #[serde(default = "default_backups")]
-    #[schemars(range(min = 1, max = 3))]
-    pub backups: i32,
+    /// Backups (k) for this queue: how many members after its primary hold a copy. Declared
+    /// as the argument `qpid.cluster.backups`; when unset, the Cluster's `queueBackups`
+    /// applies (the brokers' `default_backups`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 3))]
+    pub backups: Option<i32>,
     /// Spread the queue over several members in fragments. Recorded now; not yet enforced.
     #[serde(default)]
     pub fragmented: bool,
-    /// Member that should own the queue. Recorded now; not yet enforced.
+    /// Member (pod name) that should be the queue's primary. Declared as the argument
+    /// `qpid.cluster.primary`; the broker refuses a member it does not know.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pinned_primary: Option<String>,
     /// What deleting this resource does to the queue on the broker.
@@ -77,10 +80,6 @@ fn default_vhost() -> String {
 
 fn default_true() -> bool {
     true
-}
-
-fn default_backups() -> i32 {
-    1
 }
 
 /// Reference to a Cluster in the Queue's namespace.
@@ -123,7 +122,26 @@ pub struct QueueStatus {
     pub conditions: Vec<Condition>,
 }
 
+/// The declare argument for [`QueueSpec::backups`] (the broker's `core/args.rs`).
+pub const BACKUPS_ARGUMENT: &str = "qpid.cluster.backups";
+/// The declare argument for [`QueueSpec::pinned_primary`] (the broker's `broker/mod.rs`).
+pub const PRIMARY_ARGUMENT: &str = "qpid.cluster.primary";
+
 impl Queue {
+    /// The declare arguments: `spec.arguments`, with `backups` and `pinnedPrimary` as the
+    /// broker's cluster arguments on top (the typed fields win over the same key there).
+    pub fn declare_arguments(&self) -> serde_json::Map<String, serde_json::Value> {
+        let mut arguments: serde_json::Map<String, serde_json::Value> =
+            self.spec.arguments.clone().into_iter().collect();
+        if let Some(backups) = self.spec.backups {
+            arguments.insert(BACKUPS_ARGUMENT.to_string(), backups.into());
+        }
+        if let Some(primary) = &self.spec.pinned_primary {
+            arguments.insert(PRIMARY_ARGUMENT.to_string(), primary.clone().into());
+        }
+        arguments
+    }
+
     /// The queue name on the broker.
     pub fn queue_name(&self) -> String {
         self.spec
