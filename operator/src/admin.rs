@@ -104,6 +104,20 @@ pub struct MemberInfo {
     /// Queues whose primary this member is (only in `GET /api/members/{id}`).
     #[serde(default)]
     pub owned_queues: u64,
+    /// On a cluster: queues whose primary it is, by the cluster map (any member answers
+    /// the same).
+    #[serde(default)]
+    pub primaries: u64,
+    /// On a cluster: queues it is a backup of. A member is drained when both are 0.
+    #[serde(default)]
+    pub backups: u64,
+}
+
+impl MemberInfo {
+    /// Queue roles it holds, primary or backup: what must move off before its pod goes.
+    pub fn holds(&self) -> u64 {
+        self.primaries.max(self.owned_queues) + self.backups
+    }
 }
 
 /// `GET /api/queues/{vhost}/{name}`.
@@ -151,8 +165,11 @@ pub trait AdminApi: Send + Sync {
     fn overview(&self) -> BoxFuture<'_, Result<Overview, AdminError>>;
     /// `GET /api/members/{id}`; `None` when the member is unknown (already gone).
     fn member<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<MemberInfo>, AdminError>>;
-    /// `POST /api/members/{id}/leave`: ask a member to hand over its queues and leave.
-    fn leave<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), AdminError>>;
+    /// `POST /api/members/{id}/drain`: the cluster moves the member's primaries and
+    /// backups to the others and sends its clients elsewhere (asynchronously: read
+    /// [`AdminApi::member`] until it holds nothing). Any member answers; a 404 (no such
+    /// member) and a 400 (a single broker, nothing to drain to) are errors.
+    fn drain<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), AdminError>>;
     /// `GET /api/queues/{vhost}/{name}`; `None` on 404.
     fn queue<'a>(
         &'a self,
@@ -336,11 +353,11 @@ impl AdminApi for HttpAdmin {
         })
     }
 
-    fn leave<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), AdminError>> {
+    fn drain<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), AdminError>> {
         Box::pin(async move {
-            let path = format!("/api/members/{}/leave", encode_segment(id));
+            let path = format!("/api/members/{}/drain", encode_segment(id));
             match self.call(http::Method::POST, &path, None).await? {
-                (200..=204, _) | (404, _) => Ok(()),
+                (200..=204, _) => Ok(()),
                 (status, body) => Err(self.unexpected(&path, status, &body)),
             }
         })
@@ -476,7 +493,7 @@ mod tests {
                                 ("GET", "/api/members/ringmq-1") => {
                                     (200, r#"{"id":"ringmq-1","owned_queues":5}"#)
                                 }
-                                ("POST", "/api/members/ringmq-1/leave") => (202, ""),
+                                ("POST", "/api/members/ringmq-1/drain") => (202, ""),
                                 ("GET", "/api/overview-broken") => (200, "not json"),
                                 _ => (404, r#"{"error":"not_found","reason":"no such thing"}"#),
                             };
@@ -561,7 +578,11 @@ mod tests {
             admin.member("ringmq-9").await.expect("404 is not an error"),
             None
         );
-        admin.leave("ringmq-1").await.expect("202");
+        admin.drain("ringmq-1").await.expect("202");
+        admin
+            .drain("ringmq-9")
+            .await
+            .expect_err("a 404 is no drain: the member is not there");
 
         let log = log.lock().expect("log");
         let expected_auth = format!(

@@ -222,7 +222,7 @@ where
 pub struct FakeBroker {
     /// Queues by (vhost, name).
     pub queues: BTreeMap<(String, String), QueueDeclaration>,
-    /// Queues owned per member id; absent = member unknown.
+    /// Queue roles (primaries and backups) held per member id; absent = member unknown.
     pub owned: BTreeMap<String, u64>,
     /// Members listed by the overview.
     pub members: Vec<String>,
@@ -272,7 +272,7 @@ impl AdminApi for FakeAdmin {
                         "running"
                     }
                     .into(),
-                    owned_queues: 0,
+                    ..MemberInfo::default()
                 })
                 .collect();
             // The shape of a clustered broker's `cluster` object (`admin/routes/overview.rs`):
@@ -295,17 +295,19 @@ impl AdminApi for FakeAdmin {
         Box::pin(async move {
             let mut s = self.state();
             s.calls.push(format!("member {id}"));
+            // As a cluster member answers: what it holds by the cluster map.
             Ok(s.owned.get(id).map(|n| MemberInfo {
                 id: id.into(),
                 owned_queues: *n,
+                primaries: *n,
                 ..MemberInfo::default()
             }))
         })
     }
 
-    fn leave<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), AdminError>> {
+    fn drain<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), AdminError>> {
         Box::pin(async move {
-            self.state().calls.push(format!("leave {id}"));
+            self.state().calls.push(format!("drain {id}"));
             Ok(())
         })
     }

@@ -332,9 +332,10 @@ fn config_hash_of(sts: &StatefulSet) -> Option<&str> {
         .map(String::as_str)
 }
 
-/// Draining step of a scale-down: ask each leaving member to leave and check it owns no
-/// queues. Moves to `ShrinkingStatefulSet` only when all of them are empty (or gone), or
-/// when the Cluster carries [`FORCE_SCALE_DOWN_ANNOTATION`]` = "true"`.
+/// Draining step of a scale-down: drain each leaving member (the brokers move its
+/// primaries and backups to the others) and check it holds no queue. Moves to
+/// `ShrinkingStatefulSet` only when all of them hold nothing (or are gone), or when the
+/// Cluster carries [`FORCE_SCALE_DOWN_ANNOTATION`]` = "true"`.
 async fn drain_step(
     ctx: &Context,
     cluster: &Cluster,
@@ -344,9 +345,11 @@ async fn drain_step(
     let mut still_owning = Vec::new();
     for id in scale::leaving_members(&cluster.name_any(), op.from, op.to) {
         match admin.member(&id).await? {
-            Some(member) if member.owned_queues > 0 => {
-                admin.leave(&id).await?;
-                still_owning.push(format!("{id} owns {} queues", member.owned_queues));
+            Some(member) if member.holds() > 0 => {
+                // Asked again on every pass: a drain is idempotent, and a member that
+                // restarted meanwhile is drained still.
+                admin.drain(&id).await?;
+                still_owning.push(format!("{id} holds {} queues", member.holds()));
             }
             _ => {}
         }
@@ -375,7 +378,7 @@ async fn drain_step(
             cluster,
             EventType::Normal,
             "Drained",
-            format!("leaving members own no queues; shrinking to {}", op.to),
+            format!("leaving members hold no queues; shrinking to {}", op.to),
         )
         .await;
     } else {

@@ -342,7 +342,7 @@ async fn scale_down_drains_leaving_members_before_shrinking_and_resumes_after_re
                 .as_str()
                 .unwrap_or_default()
                 .to_string();
-            assert!(note.contains("ringmq-3 owns 2 queues"), "{note}");
+            assert!(note.contains("ringmq-3 holds 2 queues"), "{note}");
             assert!(note.contains("ringmq.io/force-scale-down=true"), "{note}");
             apply_sts(&mut v, 5, 5, 5).await;
             let s = status(&mut v).await;
@@ -357,14 +357,14 @@ async fn scale_down_drains_leaving_members_before_shrinking_and_resumes_after_re
         ("True", "MemberOwnsQueues")
     );
     assert!(
-        blocked.message.contains("ringmq-3 owns 2 queues"),
+        blocked.message.contains("ringmq-3 holds 2 queues"),
         "{blocked:?}"
     );
     assert_eq!(
         admin.state().calls,
         vec![
             "member ringmq-3",
-            "leave ringmq-3",
+            "drain ringmq-3",
             "member ringmq-4",
             "overview"
         ]
@@ -377,7 +377,7 @@ async fn scale_down_drains_leaving_members_before_shrinking_and_resumes_after_re
     assert!(
         op.waiting_for
             .as_deref()
-            .is_some_and(|w| w.contains("ringmq-3 owns 2 queues")),
+            .is_some_and(|w| w.contains("ringmq-3 holds 2 queues")),
         "{op:?}"
     );
 
@@ -454,7 +454,7 @@ async fn a_blocked_scale_down_warns_once_and_the_force_annotation_removes_the_me
             to: 3,
             step: OperationStep::Draining,
             waiting_for: Some(
-                "leaving members to hand over their queues: ringmq-3 owns 2 queues".into(),
+                "leaving members to hand over their queues: ringmq-3 holds 2 queues".into(),
             ),
         }),
         ..ClusterStatus::default()
@@ -478,7 +478,7 @@ async fn a_blocked_scale_down_warns_once_and_the_force_annotation_removes_the_me
         Some(OperationStep::Draining)
     );
 
-    // Forced: the member is still asked to leave, then the StatefulSet shrinks.
+    // Forced: the member is still asked to drain, then the StatefulSet shrinks.
     let mut forced = fixtures::cluster(3, Some(blocked));
     forced.metadata.annotations = Some(
         [(
@@ -508,13 +508,13 @@ async fn a_blocked_scale_down_warns_once_and_the_force_annotation_removes_the_me
     assert!(
         event.body["note"]
             .as_str()
-            .is_some_and(|n| n.contains("ringmq-3 owns 2 queues")),
+            .is_some_and(|n| n.contains("ringmq-3 holds 2 queues")),
         "{}",
         event.body
     );
     assert_eq!(
         admin.state().calls,
-        vec!["member ringmq-3", "leave ringmq-3", "overview"]
+        vec!["member ringmq-3", "drain ringmq-3", "overview"]
     );
     assert_eq!(
         status2.operation.map(|op| op.step),
@@ -1242,7 +1242,9 @@ async fn the_status_collector_reads_members_and_depth_from_a_real_broker() {
     let member = api.member(&me).await.unwrap().expect("the member is known");
     assert!(member.owned_queues >= 1, "{member:?}");
     assert!(api.member("no-such-member").await.unwrap().is_none());
-    api.leave(&me).await.expect("leave is accepted");
+    // A single broker has nobody to drain to: an error, never read as "drained".
+    let refused = api.drain(&me).await.expect_err("nothing to drain to");
+    assert!(refused.to_string().contains("400"), "{refused}");
     assert!(api.delete_queue("/", "depth").await.unwrap());
     assert!(!api.delete_queue("/", "depth").await.unwrap());
 }
@@ -1430,4 +1432,62 @@ async fn the_rollout_gate_reads_quorum_and_members_from_a_real_three_member_clus
     // 60 s while it listed itself `running` (the broker's membership, not the operator; see
     // docs/operator.md). The gate then holds the rollout and says which member it waits for.
     let _ = std::fs::remove_file(secret);
+}
+
+#[tokio::test]
+async fn the_drain_call_empties_a_member_of_a_real_three_member_cluster() {
+    // Node ids ringmq-0..2, the pod names of a Cluster named ringmq.
+    let (members, _secret) = ringmq_tests::cluster::start_cluster("ringmq", 3);
+    let http = crate::admin::HttpConnectorFactory::default();
+    let admin_of = |m: &ringmq_tests::Broker| {
+        http.connect(crate::admin::AdminEndpoint {
+            base_url: m.admin_url(),
+            username: "guest".into(),
+            password: "guest".into(),
+        })
+    };
+    let api = admin_of(&members[0]);
+    for q in ["drain-a", "drain-b"] {
+        let mut arguments = serde_json::Map::new();
+        arguments.insert("qpid.cluster.primary".into(), "ringmq-2".into());
+        arguments.insert("qpid.cluster.backups".into(), 1.into());
+        let declaration = crate::admin::QueueDeclaration {
+            durable: true,
+            auto_delete: false,
+            arguments,
+        };
+        api.declare_queue("/", q, &declaration)
+            .await
+            .expect("declared on ringmq-2");
+    }
+    let before = api.member("ringmq-2").await.unwrap().expect("a member");
+    assert_eq!(before.primaries, 2, "{before:?}");
+    assert!(before.holds() >= 2, "{before:?}");
+    // Asked through another member than the one drained, and answered the same by all.
+    admin_of(&members[1])
+        .drain("ringmq-2")
+        .await
+        .expect("the drain is accepted");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let m = api
+            .member("ringmq-2")
+            .await
+            .unwrap()
+            .expect("still a member");
+        if m.holds() == 0 {
+            assert_eq!(m.state, "draining", "{m:?}");
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "never drained: {m:?}");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let seen_by_2 = admin_of(&members[2]).member("ringmq-2").await.unwrap();
+    assert_eq!(seen_by_2.map(|m| m.holds()), Some(0));
+    let moved = api.queue("/", "drain-a").await.unwrap().expect("the queue");
+    assert_ne!(moved.owner.as_deref(), Some("ringmq-2"), "{moved:?}");
+    assert!(
+        admin_of(&members[0]).drain("no-such-member").await.is_err(),
+        "an unknown member is an error, not a drain"
+    );
 }
