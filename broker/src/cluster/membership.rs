@@ -54,8 +54,8 @@ pub struct MemberState {
 pub struct Membership {
     members: Vec<MemberState>,
     /// Agreed index of the newest event that changed the ring — a configuration change or a
-    /// hello — which is what every queue's primary follows: two members that name this same
-    /// index name the same primaries. The fault suite's two-primaries checker compares
+    /// hello — or switched a queue's primary by a planned move, which is what every queue's
+    /// primary follows: two members that name this same index name the same primaries. The fault suite's two-primaries checker compares
     /// members' claims only within one configuration (0 in a map saved before it existed).
     #[serde(default)]
     configuration: u64,

@@ -729,6 +729,9 @@ impl<H: ClusterHost> Applier<H> {
                     *self.cluster.membership.write() = self.map.membership().clone();
                     self.publish_known_hosts();
                 }
+                Action::MembershipChanged => {
+                    *self.cluster.membership.write() = self.map.membership().clone();
+                }
                 Action::Synced => {
                     let roles = self.map.roles().clone();
                     // The broker follows every queue's roles from here: which copy serves,

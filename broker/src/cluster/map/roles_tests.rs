@@ -87,6 +87,8 @@ impl Model {
             match a {
                 // The session directory has its own tests (`session::directory`).
                 Action::SessionChanged { .. } => {}
+                // Only the admin API's copy of the membership follows it.
+                Action::MembershipChanged => {}
                 Action::SendHello => {
                     let info = MemberInfo {
                         node_id: node_name(node.node),

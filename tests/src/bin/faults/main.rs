@@ -388,7 +388,8 @@ fn main() {
                 &history,
             ))
         };
-        let outcome = nemesis.run(&cluster, &queues[0].0, args.length, &mut rng, &mut probe);
+        let names: Vec<String> = queues.iter().map(|(q, _)| q.clone()).collect();
+        let outcome = nemesis.run(&cluster, &names, args.length, &mut rng, &mut probe);
         if !cluster.all_ready(Duration::from_secs(60)) {
             eprintln!(
                 "faults: {}: not every member serves 60 s after the last fault",

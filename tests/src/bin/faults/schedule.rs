@@ -4,6 +4,7 @@
 
 use crate::cluster::{Cluster, Member};
 use crate::workload::Rng;
+use serde_json::json;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -70,11 +71,17 @@ pub enum Nemesis {
     /// The cluster split in two: a minority (1 of 3, 2 of 5) holding the queue's primary,
     /// and the majority, then healed.
     Split,
+    /// The queue's primary moved to another member on request (`POST …/move`: catch-up,
+    /// seal, switch) — a planned change, not a failure.
+    MovePrimary,
+    /// A member drained (`POST /api/members/{id}/drain`: its primaries and backups move
+    /// off, its clients are closed and sent elsewhere), held drained, then undrained.
+    Drain,
 }
 
 impl Nemesis {
     /// Every schedule, in the order the suite runs them.
-    pub const ALL: [Nemesis; 10] = [
+    pub const ALL: [Nemesis; 12] = [
         Nemesis::KillOne,
         Nemesis::KillPrimary,
         Nemesis::KillMinority,
@@ -86,6 +93,8 @@ impl Nemesis {
         // Last, so that the seeds recorded for the others rerun the same choices.
         Nemesis::PauseOne,
         Nemesis::Split,
+        Nemesis::MovePrimary,
+        Nemesis::Drain,
     ];
 
     pub fn name(self) -> &'static str {
@@ -100,6 +109,8 @@ impl Nemesis {
             Nemesis::Bridge => "bridge",
             Nemesis::KillAll => "kill-all",
             Nemesis::Split => "split",
+            Nemesis::MovePrimary => "move-primary",
+            Nemesis::Drain => "drain",
         }
     }
 
@@ -107,11 +118,12 @@ impl Nemesis {
     /// 4 s), each followed by the cluster's recovery — every member serving again — and a
     /// quiet 1 to 2 s, so the cluster is whole at the end. A member cut off from the
     /// majority is probed (`probe`: `Ok` it refused, `Err` what it served) a second into
-    /// the cut, once its lease has run out.
+    /// the cut, once its lease has run out. The nemeses aimed at a primary aim at the first
+    /// of `queues`'s; a move moves every one of them.
     pub fn run(
         self,
         cluster: &Arc<Cluster>,
-        queue: &str,
+        queues: &[String],
         length: Duration,
         rng: &mut Rng,
         probe: &mut dyn FnMut(&Member) -> Result<String, String>,
@@ -127,7 +139,7 @@ impl Nemesis {
         while Instant::now() + Duration::from_secs(4) < deadline {
             outcome.faults += 1;
             let fault_for = Duration::from_millis(2_000 + rng.next() % 2_000);
-            if let Some(m) = self.once(cluster, queue, fault_for, rng) {
+            if let Some(m) = self.once(cluster, queues, fault_for, rng) {
                 match probe(&m) {
                     Ok(how) => crate::workload::debug(&format!(
                         "cut-off {} served nobody: {how}",
@@ -161,10 +173,11 @@ impl Nemesis {
     fn once(
         self,
         cluster: &Arc<Cluster>,
-        queue: &str,
+        queues: &[String],
         fault_for: Duration,
         rng: &mut Rng,
     ) -> Option<Arc<Member>> {
+        let queue = &queues[0];
         let members = &cluster.members;
         let n = members.len();
         let random = |rng: &mut Rng| Arc::clone(&members[rng.below(n)]);
@@ -223,9 +236,95 @@ impl Nemesis {
                     cluster.hold_down(m, false);
                 }
             }
+            Nemesis::MovePrimary => {
+                // Every queue at once, each to another member than its primary.
+                let mut asked = Vec::new();
+                for queue in queues {
+                    let from = primary_of(cluster, queue).unwrap_or_else(|| random(rng));
+                    let others: Vec<&Arc<Member>> = members
+                        .iter()
+                        .filter(|m| m.node_id != from.node_id)
+                        .collect();
+                    let to = others[rng.below(others.len())].node_id.clone();
+                    let path = format!("/api/queues/%2f/{queue}/move");
+                    match random(rng)
+                        .admin()
+                        .call("POST", &path, Some(&json!({"to": to})))
+                    {
+                        Ok(a) if a.status == 202 => asked.push((queue, to)),
+                        Ok(a) => eprintln!(
+                            "faults: move-primary of {queue} to {to} refused: {} {}",
+                            a.status, a.body
+                        ),
+                        Err(e) => eprintln!("faults: move-primary: {e}"),
+                    }
+                }
+                for (queue, to) in asked {
+                    let moved = wait_for(OPERATION_LIMIT, || {
+                        primary_of(cluster, queue).is_some_and(|p| p.node_id == to)
+                    });
+                    if !moved {
+                        eprintln!(
+                            "faults: move-primary: {queue} not on {to} after {OPERATION_LIMIT:?}"
+                        );
+                    }
+                }
+            }
+            Nemesis::Drain => {
+                let m = random(rng);
+                let path = format!("/api/members/{}", m.node_id);
+                let asked = random(rng);
+                match asked.admin().call("POST", &format!("{path}/drain"), None) {
+                    Ok(a) if a.status == 202 => {
+                        let drained = wait_for(OPERATION_LIMIT, || {
+                            asked
+                                .admin()
+                                .get(&path)
+                                .is_ok_and(|a| a.body["primaries"] == 0 && a.body["backups"] == 0)
+                        });
+                        if !drained {
+                            eprintln!(
+                                "faults: drain: {} still holds queues after {OPERATION_LIMIT:?}",
+                                m.node_id
+                            );
+                        }
+                        std::thread::sleep(fault_for);
+                    }
+                    Ok(a) => eprintln!(
+                        "faults: drain of {} refused: {} {}",
+                        m.node_id, a.status, a.body
+                    ),
+                    Err(e) => eprintln!("faults: drain: {e}"),
+                }
+                // Undrained through whichever member answers, until one does.
+                let undrained = wait_for(OPERATION_LIMIT, || {
+                    random(rng)
+                        .admin()
+                        .call("POST", &format!("{path}/undrain"), None)
+                        .is_ok_and(|a| a.status == 202)
+                });
+                if !undrained {
+                    eprintln!("faults: undrain of {} not accepted", m.node_id);
+                }
+            }
         }
         None
     }
+}
+
+/// Longest wait for a planned operation (a move, a drain) to finish.
+const OPERATION_LIMIT: Duration = Duration::from_secs(30);
+
+/// Polls `done` every 100 ms for at most `limit`; whether it became true.
+fn wait_for(limit: Duration, mut done: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if done() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    false
 }
 
 /// The member that serves as `queue`'s primary now (the first that claims it).

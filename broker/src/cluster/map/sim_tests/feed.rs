@@ -111,6 +111,8 @@ impl World {
         match action {
             // The session directory has its own tests (`session::directory`).
             Action::SessionChanged { .. } => {}
+            // Only the admin API's copy of the membership follows it.
+            Action::MembershipChanged => {}
             Action::SendHello => {
                 let info = MemberInfo {
                     node_id: node,
