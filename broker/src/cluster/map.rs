@@ -542,7 +542,13 @@ impl ClusterMap {
                         actions.push(Action::Answer { request, outcome });
                     }
                 }
-                Some(ClusterMsg::Snapshot(s)) => self.membership.on_snapshot(s.to),
+                Some(ClusterMsg::Snapshot(s)) => {
+                    // The joiner holds the map from here: the admin API's copy says so too
+                    // (it used to wait for the next membership change, which, when the
+                    // joiner's hello came first, left it `joining` there for good).
+                    self.membership.on_snapshot(s.to);
+                    actions.push(Action::MembershipChanged);
+                }
                 None => return Err(MapError::Undecodable { index, sender }),
             },
             // Handled in `on_event` before any other event.

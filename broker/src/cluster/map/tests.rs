@@ -492,3 +492,46 @@ fn a_restarted_member_failed_meanwhile_joins_again_and_never_founds_alone() {
     map.on_event(conf(8, &[2], &[2], &[]), &mut store).unwrap();
     assert!(!map.is_synced());
 }
+
+#[test]
+fn a_snapshot_delivered_to_a_joiner_is_reported_after_its_hello() {
+    let mut store = Store::new(1);
+    let mut map = ClusterMap::new(1, true);
+    map.on_event(started(1, false), &mut store).unwrap();
+    map.on_event(conf(2, &[1], &[1], &[]), &mut store).unwrap();
+    map.on_event(conf(3, &[1, 2], &[2], &[]), &mut store)
+        .unwrap();
+    let hello = ClusterMsg::Hello(MemberInfo {
+        node_id: "n2".into(),
+        amqp: "a2".into(),
+        admin: String::new(),
+        zone: String::new(),
+        default_backups: 1,
+        process: 7,
+    });
+    let deliver = |index: u64, sender: MemberId, msg: &ClusterMsg| CpgEvent::Deliver {
+        group: "ringmq".into(),
+        index,
+        sender,
+        payload: Bytes::from(msg.encode()),
+    };
+    // The joiner's hello before the map it was sent: the membership changes (reported), the
+    // joiner not synced yet.
+    let actions = map.on_event(deliver(4, 2, &hello), &mut store).unwrap();
+    assert!(actions.contains(&Action::HostsChanged));
+    assert!(!map.membership().is_synced(2));
+    let snapshot = ClusterMsg::Snapshot(Box::new(Snapshot {
+        to: 2,
+        through: 3,
+        membership: map.membership().clone(),
+        vhosts: BTreeMap::new(),
+        sessions: Default::default(),
+    }));
+    let actions = map.on_event(deliver(5, 1, &snapshot), &mut store).unwrap();
+    assert!(map.membership().is_synced(2));
+    assert_eq!(
+        actions,
+        vec![Action::MembershipChanged],
+        "what the admin API reads follows, or it shows the joiner `joining` until the next change"
+    );
+}
