@@ -93,9 +93,34 @@ impl Ports {
 /// and the restarted member could not bind it (seen once in CI: a member exited at start).
 const TEST_PORTS: std::ops::Range<u16> = 20_000..32_000;
 
-/// A free 127.0.0.1 port from [`TEST_PORTS`], picked at random and checked by binding it,
-/// then released. Another test may take it before the broker binds it (a small race the
-/// tests accept: one pick in 12,000).
+/// How long a port [`free_port`] handed out stays reserved for the test that asked: longer
+/// than any test runs.
+const PORT_RESERVATION: Duration = Duration::from_secs(20 * 60);
+
+/// Reserves `port` for this test process across the tests running beside it (each in its
+/// own process under nextest): a file named after the port, created only if absent or older
+/// than [`PORT_RESERVATION`]. Without it, two tests picking the same port at the same
+/// moment both found it free, and the second broker to bind it exited at start (seen in CI
+/// twice: `five_members_and_two_backups_…`, "Address already in use").
+fn reserve(port: u16) -> bool {
+    let dir = std::env::temp_dir().join("ringmq-test-ports");
+    let _ = std::fs::create_dir_all(&dir);
+    let path = dir.join(port.to_string());
+    let stale = std::fs::metadata(&path)
+        .and_then(|m| m.modified())
+        .is_ok_and(|at| at.elapsed().is_ok_and(|age| age > PORT_RESERVATION));
+    if stale {
+        let _ = std::fs::remove_file(&path);
+    }
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&path)
+        .is_ok()
+}
+
+/// A free 127.0.0.1 port from [`TEST_PORTS`], picked at random, checked by binding it, then
+/// released — and reserved (see [`reserve`]) so that no other test is handed it meanwhile.
 pub fn free_port() -> u16 {
     static CALLS: AtomicU32 = AtomicU32::new(0);
     let seed = std::time::SystemTime::now()
@@ -112,7 +137,7 @@ pub fn free_port() -> u16 {
         z ^= z >> 31;
         let span = u64::from(TEST_PORTS.end - TEST_PORTS.start);
         let port = TEST_PORTS.start + u16::try_from(z % span).expect("within the span");
-        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() && reserve(port) {
             return port;
         }
     }
