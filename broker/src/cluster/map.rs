@@ -617,13 +617,7 @@ impl ClusterMap {
             } => (queue, *incarnation, node, false),
             _ => return None,
         };
-        let sender_node = self
-            .membership
-            .members()
-            .iter()
-            .find(|m| m.id == sender)
-            .and_then(|m| m.info.as_ref())
-            .map(|i| i.node_id.as_str());
+        let sender_node = self.membership.node_id_of(sender);
         let Some(was) = self
             .roles
             .get(vhost, queue)
@@ -675,13 +669,7 @@ impl ClusterMap {
         (to, step): (&str, MoveStep),
         actions: &mut Vec<Action>,
     ) -> Result<(), AmqpError> {
-        let sender_node = self
-            .membership
-            .members()
-            .iter()
-            .find(|m| m.id == sender)
-            .and_then(|m| m.info.as_ref())
-            .map(|i| i.node_id.clone());
+        let sender_node = self.membership.node_id_of(sender).map(str::to_owned);
         let Some(was) = self
             .roles
             .get(vhost, queue)

@@ -147,6 +147,16 @@ impl Membership {
         self.members.iter().any(|m| m.id == id && m.synced)
     }
 
+    /// The node id member `id` announced (`None` before its hello, or for a stranger): who
+    /// sent an op, in the terms roles use.
+    pub fn node_id_of(&self, id: MemberId) -> Option<&str> {
+        self.members
+            .iter()
+            .find(|m| m.id == id)
+            .and_then(|m| m.info.as_ref())
+            .map(|i| i.node_id.as_str())
+    }
+
     /// The members in ring order.
     pub fn members(&self) -> &[MemberState] {
         &self.members

@@ -3,13 +3,14 @@
 //! new ones refused, `/readyz` answers 503, and it ends holding nothing — with every
 //! confirmed message still there. `cluster undrain` makes it a serving member again.
 
+use crate::ctl;
 use lapin::BasicProperties;
 use lapin::options::{
     BasicGetOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
 use ringmq_tests::cluster::start_cluster;
-use ringmq_tests::{Broker, binary, reply_code};
+use ringmq_tests::{Broker, reply_code};
 use serde_json::Value;
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -18,27 +19,6 @@ use std::time::{Duration, Instant};
 
 /// Queues, two with their primary on each member.
 const QUEUES: usize = 6;
-
-/// `ringmqctl` against `b`'s admin API; (success, stdout and stderr).
-async fn ctl(b: &Broker, args: &[&str]) -> (bool, String) {
-    let admin = b.admin_url();
-    let args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
-    let out = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(binary("ringmqctl"))
-            .args(["--admin", &admin, "--user", "guest", "--password", "guest"])
-            .args(&args)
-            .output()
-            .expect("ringmqctl runs")
-    })
-    .await
-    .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.success(), text)
-}
 
 /// `GET path` on `b`'s admin API: status and body.
 async fn get(b: &Broker, path: &str) -> (u16, Value) {

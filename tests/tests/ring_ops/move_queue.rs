@@ -4,6 +4,7 @@
 //! consumer keeps consuming. Nothing confirmed is lost, a message comes twice only marked
 //! redelivered, and the consumer goes on after each cancel notification.
 
+use crate::ctl;
 use futures_lite::StreamExt;
 use lapin::BasicProperties;
 use lapin::options::{
@@ -11,8 +12,8 @@ use lapin::options::{
     ConfirmSelectOptions, QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
+use ringmq_tests::Broker;
 use ringmq_tests::cluster::start_cluster;
-use ringmq_tests::{Broker, binary};
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -196,35 +197,14 @@ async fn a_primary_moved_twice_under_confirmed_load_loses_nothing() {
 
     // To its in-sync backup, the consumer's member, by ringmqctl.
     halfway(MESSAGES / 2).await;
-    let admin_url = members[0].admin_url();
     let to = node(1);
-    let out = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(binary("ringmqctl"))
-            .args([
-                "--admin",
-                &admin_url,
-                "--user",
-                "guest",
-                "--password",
-                "guest",
-            ])
-            .args(["cluster", "move-queue", "/", QUEUE, "--to", &to, "--wait"])
-            .output()
-            .expect("ringmqctl runs")
-    })
-    .await
-    .unwrap();
-    assert!(
-        out.status.success(),
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        String::from_utf8_lossy(&out.stdout).contains(&format!("its primary is {}", node(1))),
-        "{}",
-        String::from_utf8_lossy(&out.stdout)
-    );
+    let (ok, out) = ctl(
+        &members[0],
+        &["cluster", "move-queue", "/", QUEUE, "--to", &to, "--wait"],
+    )
+    .await;
+    assert!(ok, "{out}");
+    assert!(out.contains(&format!("its primary is {to}")), "{out}");
 
     publisher.await.unwrap();
     let (seen, cancels) = consumer.await.unwrap();
