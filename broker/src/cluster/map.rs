@@ -557,6 +557,17 @@ impl ClusterMap {
         Ok(())
     }
 
+    /// Sets one queue's roles, and reports the change.
+    fn set_roles(&mut self, vhost: &str, queue: &str, now: QueueRoles, actions: &mut Vec<Action>) {
+        let was = self.roles.set(vhost, queue, Some(now.clone()));
+        actions.push(Action::RolesChanged {
+            vhost: vhost.to_owned(),
+            queue: queue.to_owned(),
+            was,
+            now: Some(now),
+        });
+    }
+
     /// Applies `f` to every queue's roles, and reports each change.
     fn update_roles(&mut self, actions: &mut Vec<Action>, f: impl FnMut(&mut QueueRoles)) {
         for (vhost, queue, was, now) in self.roles.update_all(f) {
@@ -640,13 +651,7 @@ impl ClusterMap {
         if changed {
             // A backup in sync may let a draining one go (`QueueRoles::reconcile_with`).
             now.reconcile_with(&roles::ring(&self.membership), self.membership.draining());
-            let was = self.roles.set(vhost, queue, Some(now.clone()));
-            actions.push(Action::RolesChanged {
-                vhost: vhost.to_owned(),
-                queue: queue.to_owned(),
-                was,
-                now: Some(now),
-            });
+            self.set_roles(vhost, queue, now, actions);
             Some(Ok(()))
         } else if in_sync && !now.in_sync.contains(node) {
             Some(Err(AmqpError::precondition(format!(
@@ -710,13 +715,7 @@ impl ClusterMap {
                 self.membership.changed_at(index);
                 actions.push(Action::MembershipChanged);
             }
-            let was = self.roles.set(vhost, queue, Some(now.clone()));
-            actions.push(Action::RolesChanged {
-                vhost: vhost.to_owned(),
-                queue: queue.to_owned(),
-                was,
-                now: Some(now),
-            });
+            self.set_roles(vhost, queue, now, actions);
         }
         Ok(())
     }
@@ -791,13 +790,7 @@ impl ClusterMap {
                 let ring = roles::ring(&self.membership);
                 let mut now = QueueRoles::new(index, home, k, &ring);
                 now.reconcile_with(&ring, self.membership.draining());
-                let was = self.roles.set(vhost, name, Some(now.clone()));
-                actions.push(Action::RolesChanged {
-                    vhost: vhost.to_owned(),
-                    queue: name.clone(),
-                    was,
-                    now: Some(now),
-                });
+                self.set_roles(vhost, name, now, actions);
             }
             WiringOp::DeleteQueue { name, .. } if !matches!(outcome, Some(Err(_))) => {
                 if let Some(was) = self.roles.set(vhost, name, None) {
