@@ -1,0 +1,273 @@
+//! Scaling a Cluster: up (waiting for the members to join), down (draining the leaving
+//! members first), blocked and forced.
+
+use super::*;
+
+#[tokio::test]
+async fn scale_up_raises_statefulset_then_waits_for_members_to_join_across_a_restart() {
+    // Reconcile 1: 3 -> 5 starts; pods are not ready yet.
+    let admin = FakeAdmin::default();
+    admin.state().members = members(3);
+    let (ctx, verifier) = Context::test(admin.clone());
+    let (result, status1) = run_scripted(
+        verifier,
+        cluster::reconcile(Arc::new(fixtures::cluster(5, None)), ctx),
+        |mut v| async move {
+            existing_children(&mut v).await;
+            v.get(STS, sts_with_replicas(3)).await;
+            v.event("ScaleUpStarted").await;
+            apply_sts(&mut v, 5, 5, 3).await;
+            let s = status(&mut v).await;
+            (v, s)
+        },
+    )
+    .await;
+    result.expect("reconcile succeeds");
+    let op = status1.operation.clone().expect("operation recorded");
+    assert_eq!(
+        (op.kind, op.from, op.to, op.step),
+        (
+            OperationKind::ScaleUp,
+            3,
+            5,
+            OperationStep::WaitingForMembers
+        )
+    );
+    assert!(
+        op.waiting_for
+            .as_deref()
+            .is_some_and(|w| w.contains("ringmq-3, ringmq-4")),
+        "{op:?}"
+    );
+    assert_eq!(condition(&status1.conditions, "Reconciled").status, "False");
+
+    // Operator restarts. Reconcile 2 resumes from status: members joined, pods ready.
+    let admin = FakeAdmin::default();
+    admin.state().members = members(5);
+    let (ctx, verifier) = Context::test(admin);
+    let c = fixtures::cluster(5, Some(status1));
+    let (result, status2) = run_scripted(
+        verifier,
+        cluster::reconcile(Arc::new(c), ctx),
+        |mut v| async move {
+            existing_children(&mut v).await;
+            v.get(STS, sts_with_replicas(5)).await;
+            apply_sts(&mut v, 5, 5, 5).await;
+            v.event("ScaledUp").await;
+            let s = status(&mut v).await;
+            (v, s)
+        },
+    )
+    .await;
+    result.expect("reconcile succeeds");
+    assert_eq!(status2.operation, None);
+    assert_eq!(condition(&status2.conditions, "Ready").status, "True");
+    assert_eq!(status2.ring.len(), 5);
+}
+
+#[tokio::test]
+async fn scale_down_drains_leaving_members_before_shrinking_and_resumes_after_restart() {
+    // Reconcile 1: 5 -> 3; ringmq-3 still owns queues, so the StatefulSet stays at 5.
+    let admin = FakeAdmin::default();
+    admin.state().members = members(5);
+    admin
+        .state()
+        .owned
+        .extend([("ringmq-3".to_string(), 2), ("ringmq-4".to_string(), 0)]);
+    let (ctx, verifier) = Context::test(admin.clone());
+    let (result, status1) = run_scripted(
+        verifier,
+        cluster::reconcile(Arc::new(fixtures::cluster(3, None)), ctx),
+        |mut v| async move {
+            existing_children(&mut v).await;
+            v.get(STS, sts_with_replicas(5)).await;
+            v.event("ScaleDownStarted").await;
+            let blocked = v.event("ScaleDownBlocked").await;
+            assert_eq!(blocked.body["type"], "Warning");
+            let note = blocked.body["note"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string();
+            assert!(note.contains("ringmq-3 holds 2 queues"), "{note}");
+            assert!(note.contains("ringmq.io/force-scale-down=true"), "{note}");
+            apply_sts(&mut v, 5, 5, 5).await;
+            let s = status(&mut v).await;
+            (v, s)
+        },
+    )
+    .await;
+    result.expect("reconcile succeeds");
+    let blocked = condition(&status1.conditions, "ScaleDownBlocked");
+    assert_eq!(
+        (blocked.status.as_str(), blocked.reason.as_str()),
+        ("True", "MemberOwnsQueues")
+    );
+    assert!(
+        blocked.message.contains("ringmq-3 holds 2 queues"),
+        "{blocked:?}"
+    );
+    assert_eq!(
+        admin.state().calls,
+        vec![
+            "member ringmq-3",
+            "drain ringmq-3",
+            "member ringmq-4",
+            "overview"
+        ]
+    );
+    let op = status1.operation.clone().expect("operation recorded");
+    assert_eq!(
+        (op.kind, op.from, op.to, op.step),
+        (OperationKind::ScaleDown, 5, 3, OperationStep::Draining)
+    );
+    assert!(
+        op.waiting_for
+            .as_deref()
+            .is_some_and(|w| w.contains("ringmq-3 holds 2 queues")),
+        "{op:?}"
+    );
+
+    // Restart. Reconcile 2: drained now, so the StatefulSet shrinks; pods still terminating.
+    let admin = FakeAdmin::default();
+    admin.state().members = members(5);
+    admin.state().owned.insert("ringmq-3".into(), 0);
+    let (ctx, verifier) = Context::test(admin.clone());
+    let c = fixtures::cluster(3, Some(status1));
+    let (result, status2) = run_scripted(
+        verifier,
+        cluster::reconcile(Arc::new(c), ctx),
+        |mut v| async move {
+            existing_children(&mut v).await;
+            v.get(STS, sts_with_replicas(5)).await;
+            v.event("Drained").await;
+            apply_sts(&mut v, 3, 5, 5).await;
+            let s = status(&mut v).await;
+            (v, s)
+        },
+    )
+    .await;
+    result.expect("reconcile succeeds");
+    assert_eq!(
+        admin.state().calls,
+        vec!["member ringmq-3", "member ringmq-4", "overview"],
+        "ringmq-4 is unknown = gone"
+    );
+    let op = status2.operation.clone().expect("operation recorded");
+    assert_eq!(op.step, OperationStep::ShrinkingStatefulSet);
+    assert_eq!(
+        condition(&status2.conditions, "ScaleDownBlocked").status,
+        "False"
+    );
+
+    // Restart. Reconcile 3 resumes at ShrinkingStatefulSet: no drain calls, pods are gone.
+    let admin = FakeAdmin::default();
+    admin.state().members = members(3);
+    let (ctx, verifier) = Context::test(admin.clone());
+    let c = fixtures::cluster(3, Some(status2));
+    let (result, status3) = run_scripted(
+        verifier,
+        cluster::reconcile(Arc::new(c), ctx),
+        |mut v| async move {
+            existing_children(&mut v).await;
+            v.get(STS, sts_with_replicas(3)).await;
+            apply_sts(&mut v, 3, 3, 3).await;
+            v.event("ScaledDown").await;
+            let s = status(&mut v).await;
+            (v, s)
+        },
+    )
+    .await;
+    result.expect("reconcile succeeds");
+    assert_eq!(
+        admin.state().calls,
+        vec!["overview"],
+        "no drain calls once shrinking"
+    );
+    assert_eq!(status3.operation, None);
+    assert_eq!(status3.replicas, 3);
+}
+
+#[tokio::test]
+async fn a_blocked_scale_down_warns_once_and_the_force_annotation_removes_the_member_anyway() {
+    // Blocked, and already said so in the last reconcile: no second Event for the same cause.
+    let admin = FakeAdmin::default();
+    admin.state().members = members(4);
+    admin.state().owned.insert("ringmq-3".to_string(), 2);
+    let blocked = ClusterStatus {
+        operation: Some(crate::crd::Operation {
+            kind: OperationKind::ScaleDown,
+            from: 4,
+            to: 3,
+            step: OperationStep::Draining,
+            waiting_for: Some(
+                "leaving members to hand over their queues: ringmq-3 holds 2 queues".into(),
+            ),
+        }),
+        ..ClusterStatus::default()
+    };
+    let (ctx, verifier) = Context::test(admin.clone());
+    let (result, status1) = run_scripted(
+        verifier,
+        cluster::reconcile(Arc::new(fixtures::cluster(3, Some(blocked.clone()))), ctx),
+        |mut v| async move {
+            existing_children(&mut v).await;
+            v.get(STS, sts_with_replicas(4)).await;
+            apply_sts(&mut v, 4, 4, 4).await;
+            let s = status(&mut v).await;
+            (v, s)
+        },
+    )
+    .await;
+    result.expect("reconcile succeeds");
+    assert_eq!(
+        status1.operation.map(|op| op.step),
+        Some(OperationStep::Draining)
+    );
+
+    // Forced: the member is still asked to drain, then the StatefulSet shrinks.
+    let mut forced = fixtures::cluster(3, Some(blocked));
+    forced.metadata.annotations = Some(
+        [(
+            cluster::FORCE_SCALE_DOWN_ANNOTATION.to_string(),
+            "true".to_string(),
+        )]
+        .into(),
+    );
+    let (ctx, verifier) = Context::test(admin.clone());
+    admin.state().calls.clear();
+    let (result, (event, status2)) = run_scripted(
+        verifier,
+        cluster::reconcile(Arc::new(forced), ctx),
+        |mut v| async move {
+            existing_children(&mut v).await;
+            v.get(STS, sts_with_replicas(4)).await;
+            let e = v.event("ForcedScaleDown").await;
+            v.event("Drained").await;
+            apply_sts(&mut v, 3, 4, 4).await;
+            let s = status(&mut v).await;
+            (v, (e, s))
+        },
+    )
+    .await;
+    result.expect("reconcile succeeds");
+    assert_eq!(event.body["type"], "Warning");
+    assert!(
+        event.body["note"]
+            .as_str()
+            .is_some_and(|n| n.contains("ringmq-3 holds 2 queues")),
+        "{}",
+        event.body
+    );
+    assert_eq!(
+        admin.state().calls,
+        vec!["member ringmq-3", "drain ringmq-3", "overview"]
+    );
+    assert_eq!(
+        status2.operation.map(|op| op.step),
+        Some(OperationStep::ShrinkingStatefulSet)
+    );
+    assert_eq!(
+        condition(&status2.conditions, "ScaleDownBlocked").status,
+        "False"
+    );
+}
