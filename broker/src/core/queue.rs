@@ -103,6 +103,12 @@ impl Queue {
         elsewhere.then_some(home)
     }
 
+    /// Whether this member serves the queue's deliveries now: its primary, and not sealed
+    /// for a move (`node` as for [`Queue::primary_elsewhere`]).
+    pub fn served_here(&self, node: Option<&str>) -> bool {
+        !self.sealed && self.primary_elsewhere(node).is_none()
+    }
+
     /// A new, empty queue.
     pub fn new(
         name: Arc<str>,

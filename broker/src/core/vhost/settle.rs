@@ -154,7 +154,7 @@ impl VHost {
             let Some(entry) = self
                 .queues
                 .get(&u.queue)
-                .filter(|q| !q.sealed && q.primary_elsewhere(self.node.as_deref()).is_none())
+                .filter(|q| q.served_here(self.node.as_deref()))
                 .and_then(|q| q.unacked(u.id))
             else {
                 continue;
@@ -176,10 +176,11 @@ impl VHost {
     /// leaves the delivery to the new primary, which requeued it: an ack or requeue here
     /// would change a copy that is now a replica of the new primary's.
     fn served_unacked(&mut self, u: &Unacked) -> Option<&mut Queue> {
-        let node = self.node.clone();
-        self.queues.get_mut(&u.queue).filter(|q| {
-            !q.sealed && q.primary_elsewhere(node.as_deref()).is_none() && q.unacked(u.id).is_some()
-        })
+        // Borrowed apart (no clone of the node id per ack).
+        let Self { queues, node, .. } = self;
+        queues
+            .get_mut(&u.queue)
+            .filter(|q| q.served_here(node.as_deref()) && q.unacked(u.id).is_some())
     }
 
     fn settle(&mut self, key: ChannelKey, tag: u64, multiple: bool) -> CoreResult<Vec<Unacked>> {
