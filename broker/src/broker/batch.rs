@@ -4,7 +4,7 @@
 
 use super::Broker;
 use crate::clock::now_ms;
-use crate::core::{DeadLetter, DiskBody, Effects, Message, VHost};
+use crate::core::{DiskBody, Effects, Message, VHost};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
@@ -30,21 +30,17 @@ impl Broker {
             if fx.paged_dead_letters.is_empty() {
                 break;
             }
-            let dead = std::mem::take(&mut fx.paged_dead_letters);
-            let keys: Vec<DiskBody> = dead
+            let mut dead = std::mem::take(&mut fx.paged_dead_letters);
+            let (at, keys): (Vec<usize>, Vec<DiskBody>) = dead
                 .iter()
-                .map(|d| d.message.body.on_disk().expect("paged dead letter"))
-                .collect();
-            let bodies = self.read_bodies(&keys);
-            let resolved = dead
-                .into_iter()
-                .zip(bodies)
-                .map(|(d, body)| DeadLetter {
-                    message: Arc::new(d.message.with_body(body)),
-                    ..d
-                })
-                .collect();
-            vhost.dead_letter_resolved(resolved, now_ms(), fx);
+                .enumerate()
+                .filter_map(|(i, d)| d.message.body.on_disk().map(|k| (i, k)))
+                .unzip();
+            for (i, body) in at.into_iter().zip(self.read_bodies(&keys)) {
+                let d = &mut dead[i];
+                d.message = Arc::new(d.message.with_body(body));
+            }
+            vhost.dead_letter_resolved(dead, now_ms(), fx);
         }
         if !fx.paged_dead_letters.is_empty() {
             tracing::warn!(

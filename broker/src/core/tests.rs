@@ -119,6 +119,66 @@ fn time_is_an_input_ttl_expires_only_when_told() {
     assert_eq!(v.queue("q").unwrap().ready_count(), 0);
 }
 
+#[test]
+fn messages_expiring_together_are_dead_lettered_in_order_whether_paged_out_or_not() {
+    let mut v = VHost::new("/", 1);
+    v.channel_open(CH);
+    v.set_limits(vhost::Limits {
+        queue_memory_budget_bytes: Some(4),
+        ..Default::default()
+    });
+    let mut args = FieldTable::default();
+    args.insert("x-message-ttl".into(), crate::amqp::AMQPValue::LongInt(100));
+    args.insert(
+        "x-dead-letter-exchange".into(),
+        crate::amqp::AMQPValue::LongString("".into()),
+    );
+    args.insert(
+        "x-dead-letter-routing-key".into(),
+        crate::amqp::AMQPValue::LongString("dead".into()),
+    );
+    for (name, arguments) in [("q", args), ("dead", FieldTable::default())] {
+        let declare = QueueDeclare {
+            name: name.into(),
+            durable: true,
+            arguments,
+            ..Default::default()
+        };
+        v.queue_declare(1, declare, 0).unwrap();
+    }
+    let mut fx = Effects::default();
+    for b in ["aa", "bb", "cc"] {
+        v.publish("", "q", msg(b), 0, &mut fx).unwrap();
+    }
+    // "cc" went over the budget and is paged out; taking the first two makes room, so "dd"
+    // stays resident behind it.
+    for _ in 0..2 {
+        v.basic_get(CH, "q", true, 0, &mut fx).unwrap().unwrap();
+    }
+    v.publish("", "q", msg("dd"), 50, &mut fx).unwrap();
+    let resident: Vec<bool> = v
+        .queue("q")
+        .unwrap()
+        .ready()
+        .map(|e| e.message.body.in_memory().is_some())
+        .collect();
+    assert_eq!(resident, [false, true]);
+    let mut fx = Effects::default();
+    v.tick(150, &mut fx);
+    assert_eq!(v.queue("dead").unwrap().ready_count(), 0, "dd overtook cc");
+    let mut dead = std::mem::take(&mut fx.paged_dead_letters);
+    assert_eq!(dead.len(), 2);
+    dead[0].message = Arc::new(dead[0].message.with_body(Bytes::from_static(b"cc")));
+    v.dead_letter_resolved(dead, 150, &mut fx);
+    let bodies: Vec<Bytes> = v
+        .queue("dead")
+        .unwrap()
+        .ready()
+        .map(|e| e.message.body.in_memory().cloned().unwrap_or_default())
+        .collect();
+    assert_eq!(bodies, [&b"cc"[..], &b"dd"[..]]);
+}
+
 #[derive(Debug, Clone)]
 enum Cmd {
     Publish,

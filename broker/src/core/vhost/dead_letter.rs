@@ -17,6 +17,10 @@ impl VHost {
         self.dead_letter_all(dead, now_ms, fx);
     }
 
+    /// Dead-letters messages in their order. The first whose body is only on disk defers it
+    /// and every later one to [`Effects::paged_dead_letters`], resident or not: dead-lettering
+    /// the resident ones at once would put them on the dead-letter queue ahead of older
+    /// messages that were merely paged out.
     pub(super) fn dead_letter_all(
         &mut self,
         mut dead: Vec<DeadLetter>,
@@ -27,6 +31,7 @@ impl VHost {
         while !dead.is_empty() && hops < MAX_ROUTING_HOPS {
             hops += 1;
             let mut next = Vec::new();
+            let mut deferring = false;
             for d in dead.drain(..) {
                 let Some(q) = self.queues.get(&d.queue) else {
                     continue;
@@ -34,7 +39,8 @@ impl VHost {
                 let Some(dlx) = q.args.dead_letter_exchange.clone() else {
                     continue;
                 };
-                if d.message.body.on_disk().is_some() {
+                deferring |= d.message.body.on_disk().is_some();
+                if deferring {
                     fx.paged_dead_letters.push(d);
                     continue;
                 }

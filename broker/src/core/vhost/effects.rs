@@ -51,7 +51,8 @@ pub struct Effects {
     pub page_released: Vec<(u64, u64)>,
     /// Queues (uid) deleted while holding page records: the store forgets all of them.
     pub queues_released: Vec<u64>,
-    /// Dead letters whose body is only on disk: the server reads the bodies, before it
+    /// Dead letters whose body is only on disk, with every later one of their pass so that
+    /// they keep their order: the server reads the paged bodies, before it
     /// hands this batch's removals to the journal, and passes them back with
     /// [`VHost::dead_letter_resolved`](super::VHost::dead_letter_resolved).
     pub paged_dead_letters: Vec<DeadLetter>,
