@@ -46,6 +46,14 @@ pub enum PlanError {
     /// Resource ids must be unique.
     #[error("resource {0} appears twice: resource ids must be unique")]
     DuplicateResource(String),
+    /// A resource's primary must be a member of the ring.
+    #[error("the primary {primary} of resource {resource} is not on the ring")]
+    PrimaryOffRing {
+        /// The resource.
+        resource: String,
+        /// Its primary.
+        primary: String,
+    },
 }
 
 /// Where one resource lives.
@@ -101,6 +109,36 @@ impl Placement {
             ring,
             resources: placed,
         })
+    }
+
+    /// The placement a running cluster holds: its ring in the order it keeps (a broker's
+    /// ring is its join order, not [`ring_order`]'s) and each resource's current primary.
+    /// This is what a rebalance starts from; [`Placement::initial`] is for a fresh ring.
+    pub fn existing(
+        ring: Vec<Member>,
+        resources: BTreeMap<String, Assignment>,
+    ) -> Result<Self, PlanError> {
+        let mut seen = BTreeSet::new();
+        for m in &ring {
+            if !seen.insert(m.id.as_str()) {
+                return Err(PlanError::DuplicateMember(m.id.clone()));
+            }
+        }
+        if ring.is_empty() && !resources.is_empty() {
+            return Err(PlanError::NoMembers);
+        }
+        for (id, a) in &resources {
+            if a.backups > MAX_BACKUPS {
+                return Err(PlanError::TooManyBackups(id.clone()));
+            }
+            if !seen.contains(a.primary.as_str()) {
+                return Err(PlanError::PrimaryOffRing {
+                    resource: id.clone(),
+                    primary: a.primary.clone(),
+                });
+            }
+        }
+        Ok(Self { ring, resources })
     }
 
     /// The ring order in force.

@@ -4,8 +4,8 @@ use std::collections::BTreeSet;
 
 use proptest::prelude::*;
 use ringmq_planner::{
-    Member, Placement, RebalanceBounds, Resource, insertion_cost, insertion_point,
-    min_same_zone_neighbours, rebalance_plan, ring_order, same_zone_neighbours,
+    Assignment, Member, Placement, PlanError, RebalanceBounds, Resource, insertion_cost,
+    insertion_point, min_same_zone_neighbours, rebalance_plan, ring_order, same_zone_neighbours,
 };
 
 fn members_strategy() -> impl Strategy<Value = Vec<Member>> {
@@ -141,6 +141,58 @@ proptest! {
         // Deterministic.
         prop_assert_eq!(&unbounded, &rebalance_plan(&grown, RebalanceBounds { max_ownership_moves: usize::MAX, max_backup_ships: usize::MAX }));
     }
+}
+
+proptest! {
+    #[test]
+    fn a_running_clusters_placement_keeps_its_ring_order_and_an_unbounded_plan_evens_it(
+        members in members_strategy(), resources in resources_strategy(), skew in any::<prop::sample::Index>()
+    ) {
+        // A cluster whose queues were all declared on one member, ring in join order.
+        let ring: Vec<Member> = members.clone();
+        let on = ring[skew.index(ring.len())].id.clone();
+        let assigned = resources
+            .iter()
+            .map(|r| (r.id.clone(), Assignment { primary: on.clone(), backups: r.backups }))
+            .collect();
+        let p = Placement::existing(ring.clone(), assigned).expect("valid placement");
+        prop_assert_eq!(p.ring(), &ring[..]);
+        let plan = rebalance_plan(&p, RebalanceBounds { max_ownership_moves: usize::MAX, max_backup_ships: usize::MAX });
+        let load = plan.result.load();
+        let spread = load.values().max().copied().unwrap_or(0) - load.values().min().copied().unwrap_or(0);
+        prop_assert!(spread <= 1, "{load:?}");
+        prop_assert!(plan.ownership_moves.iter().all(|m| m.from == on && m.to != on));
+        assert_backups_valid(&plan.result);
+    }
+}
+
+#[test]
+fn an_existing_placement_refuses_a_primary_off_the_ring_and_a_repeated_member() {
+    let ring = vec![Member::new("a", "z"), Member::new("b", "z")];
+    let assigned = |primary: &str| {
+        [(
+            "q".to_owned(),
+            Assignment {
+                primary: primary.to_owned(),
+                backups: 1,
+            },
+        )]
+        .into_iter()
+        .collect()
+    };
+    assert_eq!(
+        Placement::existing(ring.clone(), assigned("c")),
+        Err(PlanError::PrimaryOffRing {
+            resource: "q".into(),
+            primary: "c".into()
+        })
+    );
+    let twice = vec![Member::new("a", "z"), Member::new("a", "y")];
+    assert_eq!(
+        Placement::existing(twice, assigned("a")),
+        Err(PlanError::DuplicateMember("a".into()))
+    );
+    assert!(Placement::existing(ring, assigned("b")).is_ok());
 }
 
 /// Replays a plan's moves one at a time and counts ships by diffing each step.

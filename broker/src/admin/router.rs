@@ -323,6 +323,7 @@ mod tests {
         let documented = [
             "bindings",
             "channels",
+            "cluster",
             "connections",
             "definitions",
             "exchanges",

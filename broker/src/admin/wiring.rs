@@ -233,6 +233,7 @@ fn check(op: &WiringOp, v: &VHost, vh: &str) -> Result<Checked> {
         | WiringOp::BackupOutOfSync { .. }
         | WiringOp::MovePrimary { .. }
         | WiringOp::DrainMember { .. }
+        | WiringOp::Rebalance(_)
         | WiringOp::Session(_) => {}
     }
     Ok(checked)

@@ -4,9 +4,12 @@
 //! take images and commit in-sync changes.
 
 use super::Broker;
+use crate::amqp::{AMQPClass, FieldTable, exchange};
 use crate::clock::now_ms;
 use crate::cluster::QueueRoles;
 use crate::core::{DiskBody, Effects, MoveStep, VHost, WiringOp};
+use crate::proxy::link::Links;
+use crate::proxy::upstream_link::Replied;
 use crate::replication::replicator::{ReplicaSet, ReplicationHost, Replicator};
 use futures::future::BoxFuture;
 use std::sync::atomic::Ordering;
@@ -211,9 +214,10 @@ impl Broker {
 
     /// The second half of a planned move of `queue`'s primary to `to`, once this member
     /// sealed the queue: when every in-sync backup acknowledged the batches up to `stamp`
-    /// (the queue's last ops among them), `to` holds every op there is and the switch is
-    /// committed; if that takes longer than [`MOVE_ACK_PATIENCE`], the move is called off
-    /// and the queue served here again.
+    /// (the queue's last ops among them), `to` holds every op there is, and once `to`
+    /// answers a round trip on its link (it still serves) the switch is committed; if
+    /// either takes longer than [`MOVE_ACK_PATIENCE`], the move is called off and the
+    /// queue served here again.
     fn switch_when_acked(
         &self,
         vhost: &str,
@@ -226,14 +230,26 @@ impl Broker {
             return;
         };
         let mut acked = self.replicator.acked();
+        let links = self.proxies().links.clone();
         let (vhost, queue) = (vhost.to_owned(), queue.to_owned());
         tokio::spawn(async move {
             let caught_up = matches!(
                 tokio::time::timeout(MOVE_ACK_PATIENCE, acked.wait_for(|&a| a >= stamp)).await,
                 Ok(Ok(_))
             );
-            let step = if caught_up {
+            // An idle queue's target acknowledged everything long ago: a round trip on its
+            // link shows it still serves, so a primary never moves to a member that stopped
+            // (it would only be elected away again, to a backup that may not be in sync).
+            let answers = caught_up
+                && matches!(
+                    tokio::time::timeout(MOVE_ACK_PATIENCE, answers(&links, &to, &vhost)).await,
+                    Ok(true)
+                );
+            let step = if answers {
                 MoveStep::Switch
+            } else if caught_up {
+                tracing::warn!(%vhost, %queue, %to, "the move's target did not answer on its link in time: the move is called off");
+                MoveStep::Cancel
             } else {
                 tracing::warn!(%vhost, %queue, %to, "the move's target did not acknowledge the queue's last ops in time: the move is called off");
                 MoveStep::Cancel
@@ -271,4 +287,33 @@ impl Broker {
             }
         }
     }
+}
+
+/// Whether cluster member `node` answers a round trip on its upstream link for `vhost`: a
+/// passive declare of `amq.direct`, which every vhost has and the member answers itself.
+async fn answers(links: &Links, node: &str, vhost: &str) -> bool {
+    let Ok(link) = links.upstream_link(node, vhost).await else {
+        return false;
+    };
+    let Ok(ch) = link.open_channel().await else {
+        return false;
+    };
+    let passive = AMQPClass::Exchange(exchange::AMQPMethod::Declare(exchange::Declare {
+        exchange: "amq.direct".into(),
+        kind: "direct".into(),
+        passive: true,
+        durable: false,
+        auto_delete: false,
+        internal: false,
+        nowait: false,
+        arguments: FieldTable::default(),
+    }));
+    let answered = matches!(
+        ch.call(passive).await,
+        Ok(Replied::Method(AMQPClass::Exchange(
+            exchange::AMQPMethod::DeclareOk(_)
+        )))
+    );
+    ch.close();
+    answered
 }

@@ -7,11 +7,12 @@
 
 use super::membership::Membership;
 use super::message::{ClusterMsg, Snapshot};
+use super::rebalance::Rebalance;
 use super::roles::{self, QueueRoles, Roles};
 use crate::core::AmqpError;
 use crate::core::args::QueueArgs;
 use crate::core::wiring::Wiring;
-use crate::core::{MoveStep, OpReply, WiringOp, is_foreign};
+use crate::core::{MoveStep, OpReply, RebalanceStep, WiringOp, is_foreign};
 use crate::cpg::{CpgEvent, MemberId};
 use crate::session::directory::{SessionChange, SessionDirectory, SessionRecord};
 use serde::{Deserialize, Serialize};
@@ -53,6 +54,10 @@ pub struct Checkpoint {
     /// session directory existed).
     #[serde(default)]
     pub sessions: SessionDirectory,
+    /// The newest rebalance, under way or finished (none in a checkpoint written before
+    /// rebalances existed).
+    #[serde(default)]
+    pub rebalance: Option<Rebalance>,
 }
 
 /// What the node must do after an event.
@@ -92,6 +97,9 @@ pub enum Action {
     /// switch's configuration index): what the admin API reads follows, clients are not
     /// told.
     MembershipChanged,
+    /// The rebalance (`cluster rebalance`) started, stopped, or one of its moves started or
+    /// ended: what the admin API reads follows.
+    RebalanceChanged,
     /// This member now holds the map: let clients in.
     Synced,
     /// Join the cluster group (a new incarnation that is not, or no longer, in it).
@@ -159,6 +167,8 @@ pub struct ClusterMap {
     roles: Roles,
     /// Every resumable session: where it lives, whether attached.
     sessions: SessionDirectory,
+    /// The newest rebalance of the primaries, under way or finished.
+    rebalance: Option<Rebalance>,
     /// This process's own hello has been applied: the others know it is back (for a member
     /// restarted in place, that hello is what hands its primaries over to in-sync backups;
     /// see [`ClusterMap::is_announced`]).
@@ -179,6 +189,7 @@ impl ClusterMap {
             through: 0,
             roles: Roles::default(),
             sessions: SessionDirectory::default(),
+            rebalance: None,
             announced: false,
         }
     }
@@ -197,6 +208,7 @@ impl ClusterMap {
             through: checkpoint.through,
             roles: checkpoint.roles,
             sessions: checkpoint.sessions,
+            rebalance: checkpoint.rebalance,
             announced: false,
         }
     }
@@ -209,6 +221,7 @@ impl ClusterMap {
             membership: self.membership.clone(),
             roles: self.roles.clone(),
             sessions: self.sessions.clone(),
+            rebalance: self.rebalance.clone(),
         })
     }
 
@@ -247,6 +260,11 @@ impl ClusterMap {
         &self.sessions
     }
 
+    /// The newest rebalance as this member sees it.
+    pub fn rebalance(&self) -> Option<&Rebalance> {
+        self.rebalance.as_ref()
+    }
+
     /// Handles one event of the cluster group.
     pub fn on_event(
         &mut self,
@@ -267,6 +285,7 @@ impl ClusterMap {
                 return Ok(actions);
             }
             self.handle(ev, store, &mut actions)?;
+            self.advance_rebalance(&mut actions);
             return Ok(self.live_only(actions));
         }
         match &ev {
@@ -353,6 +372,7 @@ impl ClusterMap {
         self.membership = Membership::default();
         self.roles = Roles::default();
         self.sessions = SessionDirectory::default();
+        self.rebalance = None;
     }
 
     /// Whether `ev` ends this member's membership of the group (a failure the others declared).
@@ -387,6 +407,7 @@ impl ClusterMap {
             membership: self.membership.clone(),
             vhosts,
             sessions: self.sessions.clone(),
+            rebalance: self.rebalance.clone(),
         }))
     }
 
@@ -420,6 +441,8 @@ impl ClusterMap {
             }
         }
         self.sessions = s.sessions;
+        self.rebalance = s.rebalance;
+        actions.push(Action::RebalanceChanged);
         store.install(s.vhosts, s.through);
         self.membership.install(s.membership);
         self.membership.on_snapshot(self.me);
@@ -435,6 +458,7 @@ impl ClusterMap {
         for ev in std::mem::take(&mut self.buffered) {
             if ev.index() > s.through {
                 self.handle(ev, store, actions)?;
+                self.advance_rebalance(actions);
             }
         }
         actions.push(Action::HostsChanged);
@@ -615,6 +639,9 @@ impl ClusterMap {
             self.apply_drain_op(node, *draining, actions);
             return Some(Ok(()));
         }
+        if let WiringOp::Rebalance(step) = op {
+            return Some(self.apply_rebalance_op(index, *step, actions));
+        }
         let (queue, incarnation, node, in_sync) = match op {
             WiringOp::BackupInSync {
                 queue,
@@ -739,6 +766,63 @@ impl ClusterMap {
             r.reconcile_with(&ring, &marked);
         });
         actions.push(Action::MembershipChanged);
+    }
+
+    /// [`WiringOp::Rebalance`]: a start plans the moves from the roles now and starts the
+    /// first ones (refused while another rebalance has moves left); a stop skips the moves
+    /// not started yet.
+    fn apply_rebalance_op(
+        &mut self,
+        index: u64,
+        step: RebalanceStep,
+        actions: &mut Vec<Action>,
+    ) -> Result<(), AmqpError> {
+        match step {
+            RebalanceStep::Start { concurrency } => {
+                if let Some(r) = self.rebalance.as_ref().filter(|r| !r.finished()) {
+                    let left = (r.moves.iter())
+                        .filter(|m| {
+                            matches!(
+                                m.state,
+                                super::MoveState::Pending | super::MoveState::Running
+                            )
+                        })
+                        .count();
+                    return Err(AmqpError::precondition(format!(
+                        "a rebalance is under way ({left} of its {} moves left): wait for it \
+                         or stop it first",
+                        r.moves.len()
+                    )));
+                }
+                let plan = Rebalance::start(index, concurrency, &self.roles, &self.membership);
+                self.rebalance = Some(plan);
+                actions.push(Action::RebalanceChanged);
+                self.advance_rebalance(actions);
+            }
+            RebalanceStep::Stop => {
+                if self.rebalance.as_mut().is_some_and(Rebalance::stop) {
+                    actions.push(Action::RebalanceChanged);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Moves the rebalance on after an event: records the moves that switched or were
+    /// called off, and starts the next ones (their queues' roles change here, as a
+    /// [`MoveStep::Request`] would change them).
+    fn advance_rebalance(&mut self, actions: &mut Vec<Action>) {
+        let Some(r) = self.rebalance.as_mut().filter(|r| !r.finished()) else {
+            return;
+        };
+        let ring = roles::ring(&self.membership);
+        let (requests, changed) = r.advance(&self.roles, &ring, self.membership.draining());
+        for (vhost, queue, now) in requests {
+            self.set_roles(&vhost, &queue, now, actions);
+        }
+        if changed {
+            actions.push(Action::RebalanceChanged);
+        }
     }
 
     /// Keeps the roles in step with the queues: a declare that created a clustered queue

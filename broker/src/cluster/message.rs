@@ -41,6 +41,9 @@ pub struct Snapshot {
     /// Every session of the cluster (none from a member before the session directory).
     #[serde(default)]
     pub sessions: crate::session::directory::SessionDirectory,
+    /// The newest rebalance, under way or finished (none from a member before rebalances).
+    #[serde(default)]
+    pub rebalance: Option<super::rebalance::Rebalance>,
 }
 
 impl ClusterMsg {

@@ -13,8 +13,10 @@ pub mod message;
 pub mod node;
 pub mod notice;
 pub mod placement;
+pub mod rebalance;
 pub mod roles;
 
 pub use membership::{MemberInfo, MemberState, Membership};
 pub use node::{Cluster, ClusterError, ClusterHost, ClusterSettings, OpOutcome};
+pub use rebalance::{MoveState, PlannedMove, Rebalance};
 pub use roles::{Held, QueueRoles, Roles};

@@ -5,6 +5,7 @@
 use super::map::{Action, Checkpoint, ClusterMap, WiringStore};
 use super::membership::{MemberInfo, MemberState, Membership};
 use super::message::ClusterMsg;
+use super::rebalance::{PlannedMove, Rebalance};
 use super::roles::{QueueRoles, Roles};
 use crate::core::AmqpError;
 use crate::core::{OpReply, WiringOp};
@@ -113,6 +114,8 @@ pub struct Cluster {
     roles: RwLock<Roles>,
     /// Every resumable session, as of the newest cluster event applied.
     sessions: RwLock<SessionDirectory>,
+    /// The newest rebalance, as of the newest cluster event applied.
+    rebalance: RwLock<Option<Rebalance>>,
     progress: Mutex<Progress>,
     link_password: String,
     /// How long a lapse of readiness is ridden out before clients are turned away
@@ -204,6 +207,7 @@ impl Cluster {
             membership: RwLock::new(Membership::default()),
             roles: RwLock::new(Roles::default()),
             sessions: RwLock::new(SessionDirectory::default()),
+            rebalance: RwLock::new(None),
             progress: Mutex::new(Progress::default()),
             link_password: crate::proxy::link::link_password(&settings.secret),
             serving_grace: grace,
@@ -423,6 +427,20 @@ impl Cluster {
                 (id.to_owned(), r.clone(), keeper)
             })
             .collect()
+    }
+
+    /// The newest rebalance (`cluster rebalance --apply`), under way or finished, as of
+    /// the newest cluster event applied here.
+    pub fn rebalance(&self) -> Option<Rebalance> {
+        self.rebalance.read().clone()
+    }
+
+    /// The moves a rebalance started now would plan (`cluster rebalance` without
+    /// `--apply`): the same plan every member would make from the map it holds now.
+    pub fn rebalance_plan(&self) -> Vec<PlannedMove> {
+        let roles = self.roles.read();
+        let membership = self.membership.read();
+        super::rebalance::plan(&roles, &membership)
     }
 
     /// Node ids of the members that announced themselves, in ring order.
@@ -732,6 +750,9 @@ impl<H: ClusterHost> Applier<H> {
                 Action::MembershipChanged => {
                     *self.cluster.membership.write() = self.map.membership().clone();
                 }
+                Action::RebalanceChanged => {
+                    *self.cluster.rebalance.write() = self.map.rebalance().cloned();
+                }
                 Action::Synced => {
                     let roles = self.map.roles().clone();
                     // The broker follows every queue's roles from here: which copy serves,
@@ -741,6 +762,7 @@ impl<H: ClusterHost> Applier<H> {
                     }
                     *self.cluster.roles.write() = roles;
                     *self.cluster.sessions.write() = self.map.sessions().clone();
+                    *self.cluster.rebalance.write() = self.map.rebalance().cloned();
                     self.cluster.progress.lock().synced = true;
                 }
                 Action::RolesChanged {

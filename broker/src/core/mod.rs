@@ -24,7 +24,7 @@ pub use vhost::{
     Consume, DeadLetter, Delivery, Effects, ExchangeDeclare, Feed, Feeds, GetOk, PageOut,
     PublishOutcome, QueueDeclare, QueueDeclared, VHost,
 };
-pub use wiring_op::{MoveStep, NO_CONNECTION, OWNER_ARGUMENT, OpReply, WiringOp};
+pub use wiring_op::{MoveStep, NO_CONNECTION, OWNER_ARGUMENT, OpReply, RebalanceStep, WiringOp};
 
 /// The declare argument that makes a queue or an exchange a proxy for the one of the same
 /// name elsewhere: another AMQP broker (`amqp://user:pass@host:port/vhost`, a foreign proxy)

@@ -177,6 +177,24 @@ pub enum WiringOp {
     /// each resumable session lives and whether a connection holds it. The cluster map's,
     /// not the vhost's wiring (the vhost named is the connection's, or empty before open).
     Session(crate::session::directory::SessionOp),
+    /// A rebalance of the primaries over the active members (`cluster rebalance --apply`)
+    /// starts or stops. Every member plans it from the same map at the same point of the
+    /// agreed order, so the plan and its progress are the map's, not one member's
+    /// (submitted under any vhost).
+    Rebalance(RebalanceStep),
+}
+
+/// What a [`WiringOp::Rebalance`] asks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RebalanceStep {
+    /// Plan the moves that even out the primaries and carry them out, at most
+    /// `concurrency` at once. Refused while another rebalance has moves left.
+    Start {
+        /// Most moves under way at once.
+        concurrency: u32,
+    },
+    /// Start none of the plan's remaining moves (those under way finish).
+    Stop,
 }
 
 /// The steps of a planned primary move ([`WiringOp::MovePrimary`]).
@@ -438,6 +456,7 @@ impl WiringOp {
             | WiringOp::BackupOutOfSync { .. }
             | WiringOp::MovePrimary { .. }
             | WiringOp::DrainMember { .. }
+            | WiringOp::Rebalance(_)
             | WiringOp::Session(_) => Ok(OpReply::default()),
         }
     }

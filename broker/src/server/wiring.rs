@@ -248,7 +248,7 @@ pub fn required_access(op: &WiringOp) -> Vec<(Access, Resource<'_>)> {
         }
         // A member sends these for its clients' sessions, which need no resource; a drain
         // only the admin API makes, for an administrator.
-        WiringOp::Session(_) | WiringOp::DrainMember { .. } => Vec::new(),
+        WiringOp::Session(_) | WiringOp::DrainMember { .. } | WiringOp::Rebalance(_) => Vec::new(),
     }
 }
 

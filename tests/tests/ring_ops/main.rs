@@ -1,9 +1,10 @@
 //! Ring operations on a live cluster of real broker processes (issue #15): a queue's primary
-//! moved to another member under confirmed load, by the admin API and by `ringmqctl`, and
-//! a member drained.
+//! moved to another member under confirmed load, by the admin API and by `ringmqctl`, a
+//! member drained, and the primaries rebalanced.
 
 mod drain;
 mod move_queue;
+mod rebalance;
 
 use ringmq_tests::{Broker, binary};
 

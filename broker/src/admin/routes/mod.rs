@@ -16,6 +16,7 @@ mod members;
 mod overview;
 mod permissions;
 mod queues;
+mod rebalance;
 mod sessions;
 mod users;
 mod vhosts;
@@ -43,6 +44,9 @@ pub(super) static ROUTES: &[Route] = &[
     Route::post("/api/members/{id}/leave", members::leave),
     Route::post_async("/api/members/{id}/drain", members::drain),
     Route::post_async("/api/members/{id}/undrain", members::undrain),
+    Route::get("/api/cluster/rebalance", rebalance::show),
+    Route::post_async("/api/cluster/rebalance", rebalance::start),
+    Route::post_async("/api/cluster/rebalance/stop", rebalance::stop),
     Route::get("/api/sessions", sessions::list),
     Route::get("/api/sessions/{id}", sessions::get),
     Route::get("/api/vhosts", vhosts::list),

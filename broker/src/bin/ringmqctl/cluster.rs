@@ -1,6 +1,7 @@
 //! `ringmqctl cluster …`: the cluster as one ring — its members in ring order and what each
 //! holds — answered by any member from the cluster map (`GET /api/members`), and the ring
-//! operations that change it (a queue's primary moved).
+//! operations that change it (a queue's primary moved, a member drained, the primaries
+//! rebalanced).
 
 use crate::admin::{Conn, cells, client, send, table};
 use anyhow::bail;
@@ -54,6 +55,28 @@ pub enum ClusterCommand {
         /// Node id of the member.
         node: String,
     },
+    /// Prints the moves of queue primaries that would even them out over the active
+    /// members (each within one of an even share); --apply starts them, a few at a time,
+    /// each a catch-up then a switch.
+    Rebalance {
+        /// Starts the plan (every member plans the same from the cluster map and carries
+        /// it out; the plan survives the crash of any member).
+        #[arg(long, conflicts_with = "stop")]
+        apply: bool,
+        /// Moves under way at once (1 to 64).
+        #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=64))]
+        concurrency: u32,
+        /// Waits until the rebalance under way is over; exits non-zero if a move failed
+        /// or it did not end within --timeout.
+        #[arg(long)]
+        wait: bool,
+        /// Seconds --wait waits at most.
+        #[arg(long, default_value_t = 600)]
+        timeout: u64,
+        /// Stops the rebalance under way: moves not started yet are skipped.
+        #[arg(long)]
+        stop: bool,
+    },
 }
 
 /// Runs `ringmqctl cluster <command>`.
@@ -78,6 +101,21 @@ pub fn run(conn: &Conn, command: &ClusterCommand) -> anyhow::Result<()> {
             wait,
             timeout,
         } => drain(conn, node, wait.then(|| Duration::from_secs(*timeout))),
+        ClusterCommand::Rebalance {
+            apply,
+            concurrency,
+            wait,
+            timeout,
+            stop,
+        } => rebalance(
+            conn,
+            RebalanceAsk {
+                apply: *apply,
+                concurrency: *concurrency,
+                stop: *stop,
+            },
+            wait.then(|| Duration::from_secs(*timeout)),
+        ),
         ClusterCommand::Undrain { node } => {
             let path = format!("/api/members/{}/undrain", seg(node));
             send(&client(conn), "POST", &path, None)?;
@@ -85,6 +123,94 @@ pub fn run(conn: &Conn, command: &ClusterCommand) -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+/// What `cluster rebalance` was asked to do besides showing the plan.
+struct RebalanceAsk {
+    apply: bool,
+    concurrency: u32,
+    stop: bool,
+}
+
+/// `cluster rebalance`: shows the plan, or starts or stops it, then with `wait` follows the
+/// one under way until it is over.
+fn rebalance(conn: &Conn, ask: RebalanceAsk, wait: Option<Duration>) -> anyhow::Result<()> {
+    const PATH: &str = "/api/cluster/rebalance";
+    let c = client(conn);
+    let view = send(&c, "GET", PATH, None)?.body;
+    if ask.stop {
+        let now = send(&c, "POST", &format!("{PATH}/stop"), None)?.body;
+        println!("rebalance: {}", summary(&now));
+    } else if ask.apply {
+        let body = json!({"concurrency": ask.concurrency});
+        let now = send(&c, "POST", PATH, Some(&body))?.body;
+        if conn.json {
+            println!("{now}");
+        } else {
+            print_moves(&now["moves"]);
+            println!("rebalance started: {}", summary(&now));
+        }
+    } else if conn.json {
+        println!("{view}");
+    } else {
+        print_moves(&view["plan"]);
+        println!("primaries per member now: {}", view["primaries"]);
+        match view["balanced"].as_bool() {
+            Some(true) => println!("balanced: nothing to move"),
+            _ => println!("not applied: run again with --apply to start it"),
+        }
+    }
+    let Some(patience) = wait else {
+        return Ok(());
+    };
+    let deadline = Instant::now() + patience;
+    loop {
+        let current = send(&c, "GET", PATH, None)?.body["current"].clone();
+        match current["status"].as_str() {
+            None => bail!("no rebalance was ever started on this cluster"),
+            Some("running") if Instant::now() >= deadline => bail!(
+                "rebalance still running after {} s: {}",
+                patience.as_secs(),
+                summary(&current)
+            ),
+            Some("running") => std::thread::sleep(Duration::from_millis(200)),
+            Some("done") => {
+                println!("rebalance done: {}", summary(&current));
+                return Ok(());
+            }
+            Some(status) => {
+                let failed: Vec<String> = (current["moves"].as_array().into_iter().flatten())
+                    .filter(|m| m["state"] == "failed")
+                    .map(|m| format!("{} ({})", m["queue"], m["reason"]))
+                    .collect();
+                bail!(
+                    "rebalance {status}: {}{}",
+                    summary(&current),
+                    if failed.is_empty() {
+                        String::new()
+                    } else {
+                        format!("; failed: {}", failed.join(", "))
+                    }
+                )
+            }
+        }
+    }
+}
+
+/// One line for a rebalance: how many of its moves are where.
+fn summary(r: &serde_json::Value) -> String {
+    format!(
+        "{} moves: {} done, {} running, {} pending, {} failed, {} skipped",
+        r["total"], r["done"], r["running"], r["pending"], r["failed"], r["skipped"]
+    )
+}
+
+fn print_moves(moves: &serde_json::Value) {
+    let cols = ["vhost", "queue", "from", "to", "state"];
+    let rows: Vec<Vec<String>> = (moves.as_array().into_iter().flatten())
+        .map(|m| cells(m, &cols))
+        .collect();
+    table(&["vhost", "queue", "from", "to", "state"], &rows);
 }
 
 /// `cluster drain`: marks the member draining, then with `wait` follows what it holds until

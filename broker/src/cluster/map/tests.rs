@@ -95,8 +95,9 @@ impl Model {
                 match a {
                     // The session directory has its own tests (`session::directory`).
                     Action::SessionChanged { .. } => {}
-                    // Only the admin API's copy of the membership follows it.
-                    Action::MembershipChanged => {}
+                    // Only the admin API's copies of the membership and the rebalance follow
+                    // them.
+                    Action::MembershipChanged | Action::RebalanceChanged => {}
                     Action::SendHello => {
                         let info = MemberInfo {
                             node_id: format!("n{}", node.id),
@@ -480,6 +481,7 @@ fn a_restarted_member_failed_meanwhile_joins_again_and_never_founds_alone() {
         membership: Membership::default(),
         roles: Roles::default(),
         sessions: Default::default(),
+        rebalance: None,
     };
     let mut map = ClusterMap::resume(2, checkpoint);
     // The replay shows the others declaring it failed while it was down.
@@ -526,6 +528,7 @@ fn a_snapshot_delivered_to_a_joiner_is_reported_after_its_hello() {
         membership: map.membership().clone(),
         vhosts: BTreeMap::new(),
         sessions: Default::default(),
+        rebalance: None,
     }));
     let actions = map.on_event(deliver(5, 1, &snapshot), &mut store).unwrap();
     assert!(map.membership().is_synced(2));

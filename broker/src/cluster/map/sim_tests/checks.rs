@@ -105,7 +105,7 @@ impl World {
             self.stats.wedged += 1;
             return;
         }
-        let mut newest: Option<(u64, usize, Membership, Roles)> = None;
+        let mut newest: Option<(u64, usize, Membership, Roles, Option<Rebalance>)> = None;
         for i in running {
             let Some(m) = self.running(i, net) else {
                 continue;
@@ -115,19 +115,25 @@ impl World {
                 continue;
             }
             let (ms, rs) = (m.map.membership().clone(), m.map.roles().clone());
+            let rb = m.map.rebalance().cloned();
             match &newest {
-                Some((applied, j, ms0, rs0)) if *applied == m.applied => {
-                    if *ms0 != ms || *rs0 != rs {
-                        let why =
-                            format!("at quiescence slots {j} and {i} disagree: {rs0:?} / {rs:?}");
+                Some((applied, j, ms0, rs0, rb0)) if *applied == m.applied => {
+                    if *ms0 != ms || *rs0 != rs || *rb0 != rb {
+                        let why = format!(
+                            "at quiescence slots {j} and {i} disagree: {rs0:?} {rb0:?} / {rs:?} {rb:?}"
+                        );
                         self.fail(why);
                     }
                 }
                 Some((applied, ..)) if *applied > m.applied => {}
-                _ => newest = Some((m.applied, i, ms, rs)),
+                _ => newest = Some((m.applied, i, ms, rs, rb)),
             }
         }
-        if let Some((_, _, _, roles)) = newest {
+        if let Some((_, _, _, _, Some(rb))) = &newest {
+            let done = rb.moves.iter().filter(|m| m.state == MoveState::Done);
+            self.stats.rebalanced += done.count() as u64;
+        }
+        if let Some((_, _, _, roles, _)) = newest {
             for (_, queue, r) in roles.iter() {
                 if !r.unavailable {
                     let key = (queue.to_owned(), r.incarnation);

@@ -58,6 +58,16 @@ impl World {
                 .clone();
             let draining = self.rng.gen_bool(0.5);
             self.submit(world, slot, WiringOp::DrainMember { node, draining }, None);
+        } else if roll == 11 && self.rng.gen_bool(0.3) {
+            // A rebalance started (refused while one has moves left) or stopped.
+            let step = if self.rng.gen_bool(0.8) {
+                RebalanceStep::Start {
+                    concurrency: self.rng.gen_range(1..=3),
+                }
+            } else {
+                RebalanceStep::Stop
+            };
+            self.submit(world, slot, WiringOp::Rebalance(step), None);
         } else if roll < 10 {
             // A planned move to any node (a member or not), now and then called off.
             let incarnation = self.slots[slot]

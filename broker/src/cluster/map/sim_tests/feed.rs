@@ -111,8 +111,8 @@ impl World {
         match action {
             // The session directory has its own tests (`session::directory`).
             Action::SessionChanged { .. } => {}
-            // Only the admin API's copy of the membership follows it.
-            Action::MembershipChanged => {}
+            // Only the admin API's copies of the membership and the rebalance follow them.
+            Action::MembershipChanged | Action::RebalanceChanged => {}
             Action::SendHello => {
                 let info = MemberInfo {
                     node_id: node,

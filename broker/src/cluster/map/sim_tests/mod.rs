@@ -56,6 +56,7 @@ use super::*;
 use crate::amqp::{AMQPValue, FieldTable};
 use crate::cluster::MemberInfo;
 use crate::cluster::node::GROUP;
+use crate::cluster::rebalance::{MoveState, Rebalance};
 use crate::cluster::roles::BACKUPS_ARGUMENT;
 use crate::cpg::sim::{App, Links, Proc, run_app};
 use crate::cpg::{Cpg, CpgError};
@@ -129,6 +130,8 @@ struct Stats {
     elections: u64,
     /// Of those, planned moves' switches.
     moves: u64,
+    /// Moves a rebalance made, as the newest map at quiescence reports them.
+    rebalanced: u64,
     unavailable: u64,
     in_sync_marks: u64,
     out_of_sync_marks: u64,
@@ -142,6 +145,7 @@ impl std::ops::AddAssign for Stats {
     fn add_assign(&mut self, o: Stats) {
         self.elections += o.elections;
         self.moves += o.moves;
+        self.rebalanced += o.rebalanced;
         self.unavailable += o.unavailable;
         self.in_sync_marks += o.in_sync_marks;
         self.out_of_sync_marks += o.out_of_sync_marks;
@@ -349,6 +353,10 @@ fn check_part(part: u64) {
     if seeds.len() >= 20 {
         assert!(stats.elections > 0, "no election in {stats:?}");
         assert!(stats.moves > 0, "no planned move in {stats:?}");
+        assert!(
+            stats.rebalanced > 0,
+            "no rebalance moved a primary in {stats:?}"
+        );
         assert!(stats.in_sync_marks > 0, "no in-sync mark in {stats:?}");
         assert!(
             stats.out_of_sync_marks > 0,

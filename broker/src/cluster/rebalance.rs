@@ -1,0 +1,262 @@
+//! Rebalancing the primaries (`cluster rebalance`): a plan of planned primary moves that
+//! evens out how many queues each active member is the primary of, carried out by the
+//! cluster map a bounded number at a time.
+//!
+//! The plan is made by [`ringmq_planner::rebalance_plan`] from the map's roles when the
+//! [`RebalanceStep::Start`](crate::core::RebalanceStep::Start) op is applied — on every
+//! member, at the same point of the agreed order, so every member holds the same plan
+//! without anyone sending it. Its progress lives in the map too: after every event the map
+//! looks at the queues whose moves are under way ([`QueueRoles::moving_to`]), records the
+//! ones that switched or were called off, and starts the next ones. A crash of any member
+//! (the one whose administrator asked included) changes nothing of that: the survivors hold
+//! the same plan and go on; a move whose target is lost is called off by the roles, and the
+//! plan records it as failed. Each move is an ordinary planned move (catch-up, then switch),
+//! so nothing confirmed is ever at risk.
+
+use super::membership::Membership;
+use super::roles::{self, QueueRoles, Roles};
+use ringmq_planner::{Assignment, Member, Placement, RebalanceBounds, rebalance_plan};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
+
+/// Moves under way at once when the caller does not say: each one is a catch-up of the
+/// queue on its target, which competes with the clients' traffic.
+pub const DEFAULT_CONCURRENCY: u32 = 2;
+
+/// Most moves under way at once a caller may ask for.
+pub const MAX_CONCURRENCY: u32 = 64;
+
+/// Where one planned move is.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MoveState {
+    /// Not started yet.
+    Pending,
+    /// The queue's roles record the move (`moving_to`): the target catches up, then the
+    /// primary switches.
+    Running,
+    /// The target is the primary.
+    Done,
+    /// It could not be made, or was called off; the reason says why.
+    Failed(String),
+    /// The rebalance was stopped before it started.
+    Skipped,
+}
+
+/// One queue's primary moving, as the plan has it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PlannedMove {
+    /// Vhost of the queue.
+    pub vhost: String,
+    /// The queue.
+    pub queue: String,
+    /// The incarnation planned for: a queue deleted and declared again is not moved.
+    pub incarnation: u64,
+    /// Its primary when planned.
+    pub from: String,
+    /// The member that takes it over.
+    pub to: String,
+    /// How far it got.
+    pub state: MoveState,
+}
+
+/// A rebalance the map carries out (or carried out: the last one stays for its report).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Rebalance {
+    /// Agreed index of the op that started it.
+    pub started_at: u64,
+    /// Most moves under way at once.
+    pub concurrency: u32,
+    /// No more moves start (`cluster rebalance --stop`).
+    pub stopped: bool,
+    /// The plan, in the order its moves start.
+    pub moves: Vec<PlannedMove>,
+}
+
+impl Rebalance {
+    /// A rebalance started at agreed `index` over the roles and members now, not yet
+    /// advanced (the map calls [`Rebalance::advance`] next).
+    pub fn start(index: u64, concurrency: u32, roles: &Roles, membership: &Membership) -> Self {
+        Self {
+            started_at: index,
+            concurrency: concurrency.clamp(1, MAX_CONCURRENCY),
+            stopped: false,
+            moves: plan(roles, membership),
+        }
+    }
+
+    /// Whether no move is pending or under way.
+    pub fn finished(&self) -> bool {
+        !self
+            .moves
+            .iter()
+            .any(|m| matches!(m.state, MoveState::Pending | MoveState::Running))
+    }
+
+    /// One word for where it is: `running`, `done` (every move made), `failed` (some could
+    /// not be), `stopped`.
+    pub fn status(&self) -> &'static str {
+        let failed = (self.moves.iter()).any(|m| matches!(m.state, MoveState::Failed(_)));
+        match (self.finished(), self.stopped, failed) {
+            (false, _, _) => "running",
+            (true, _, true) => "failed",
+            (true, true, false) => "stopped",
+            (true, false, false) => "done",
+        }
+    }
+
+    /// Stops it: the moves not started yet are skipped (those under way finish). Returns
+    /// whether anything changed.
+    pub fn stop(&mut self) -> bool {
+        if self.stopped {
+            return false;
+        }
+        self.stopped = true;
+        for m in &mut self.moves {
+            if m.state == MoveState::Pending {
+                m.state = MoveState::Skipped;
+            }
+        }
+        true
+    }
+
+    /// Records what the roles say of the moves under way, and starts the next ones up to
+    /// the concurrency. Returns the queues whose roles must change to start a move
+    /// (vhost, queue, new roles), and whether the plan itself changed.
+    pub fn advance(
+        &mut self,
+        roles: &Roles,
+        ring: &[String],
+        draining: &BTreeSet<String>,
+    ) -> (Vec<(String, String, QueueRoles)>, bool) {
+        let mut changed = false;
+        let current = |m: &PlannedMove| {
+            roles
+                .get(&m.vhost, &m.queue)
+                .filter(|r| r.incarnation == m.incarnation)
+        };
+        for m in &mut self.moves {
+            if m.state != MoveState::Running {
+                continue;
+            }
+            let next = match current(m) {
+                None => MoveState::Failed("the queue was deleted".to_owned()),
+                Some(r) if r.moving_to.as_deref() == Some(m.to.as_str()) => continue,
+                Some(r) if r.primary == m.to => MoveState::Done,
+                Some(_) => MoveState::Failed(
+                    "the move was called off (its target left, restarted or was drained, or \
+                     did not catch up in time)"
+                        .to_owned(),
+                ),
+            };
+            m.state = next;
+            changed = true;
+        }
+        let mut requests = Vec::new();
+        let running = |moves: &[PlannedMove]| {
+            (moves.iter())
+                .filter(|m| m.state == MoveState::Running)
+                .count()
+        };
+        let mut under_way = running(&self.moves);
+        for m in &mut self.moves {
+            if self.stopped || under_way >= self.concurrency as usize {
+                break;
+            }
+            if m.state != MoveState::Pending {
+                continue;
+            }
+            changed = true;
+            let Some(r) = current(m) else {
+                m.state = MoveState::Failed("the queue was deleted".to_owned());
+                continue;
+            };
+            if r.primary == m.to {
+                m.state = MoveState::Done;
+                continue;
+            }
+            if r.primary != m.from {
+                m.state = MoveState::Failed(format!(
+                    "its primary changed to '{}' since the plan was made",
+                    r.primary
+                ));
+                continue;
+            }
+            if draining.contains(&m.to) {
+                m.state = MoveState::Failed(format!("'{}' is being drained", m.to));
+                continue;
+            }
+            let mut now = r.clone();
+            match now.request_move(&m.to, ring) {
+                Ok(started) => {
+                    if started {
+                        now.reconcile_with(ring, draining);
+                        requests.push((m.vhost.clone(), m.queue.clone(), now));
+                    }
+                    m.state = MoveState::Running;
+                    under_way += 1;
+                }
+                Err(why) => m.state = MoveState::Failed(why),
+            }
+        }
+        (requests, changed)
+    }
+}
+
+/// The moves that even out the primaries over the active members (in the map's ring,
+/// not draining), all pending. Queues that are unavailable, already moving, or whose
+/// primary is draining or gone stay out of it (a drain or an election decides those).
+pub fn plan(roles: &Roles, membership: &Membership) -> Vec<PlannedMove> {
+    let draining = membership.draining();
+    let zones: BTreeMap<&str, &str> = (membership.members().iter())
+        .filter_map(|m| m.info.as_ref())
+        .map(|i| (i.node_id.as_str(), i.zone.as_str()))
+        .collect();
+    let ring: Vec<Member> = roles::ring(membership)
+        .into_iter()
+        .filter(|n| !draining.contains(n))
+        .map(|n| {
+            let zone = zones.get(n.as_str()).copied().unwrap_or_default();
+            Member::new(n, zone)
+        })
+        .collect();
+    let active: BTreeSet<&str> = ring.iter().map(|m| m.id.as_str()).collect();
+    // Resource ids that sort as (vhost, queue) and cannot collide.
+    let mut queues: BTreeMap<String, (&str, &str, &QueueRoles)> = BTreeMap::new();
+    for (vhost, queue, r) in roles.iter() {
+        if r.unavailable || r.moving_to.is_some() || !active.contains(r.primary.as_str()) {
+            continue;
+        }
+        queues.insert(format!("{}:{vhost}{queue}", vhost.len()), (vhost, queue, r));
+    }
+    let assigned = (queues.iter())
+        .map(|(id, (_, _, r))| {
+            let backups = usize::from(r.wanted_backups).min(ringmq_planner::MAX_BACKUPS);
+            let primary = r.primary.clone();
+            (id.clone(), Assignment { primary, backups })
+        })
+        .collect();
+    let placement = Placement::existing(ring, assigned)
+        .expect("the ring has distinct members and every primary planned is on it");
+    let unbounded = RebalanceBounds {
+        max_ownership_moves: usize::MAX,
+        max_backup_ships: usize::MAX,
+    };
+    rebalance_plan(&placement, unbounded)
+        .ownership_moves
+        .into_iter()
+        .map(|m| {
+            let (vhost, queue, r) = queues[&m.resource];
+            PlannedMove {
+                vhost: vhost.to_owned(),
+                queue: queue.to_owned(),
+                incarnation: r.incarnation,
+                from: m.from,
+                to: m.to,
+                state: MoveState::Pending,
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,189 @@
+//! The rebalance's plan and its progress, driven by hand-made roles: no map, no I/O.
+
+use super::*;
+use crate::cluster::MemberInfo;
+
+/// Members n1..=n`count` in ring order, all announced.
+fn membership(count: u64) -> Membership {
+    let mut m = Membership::default();
+    let ids: Vec<u64> = (1..=count).collect();
+    m.on_conf_change(&ids);
+    for id in ids {
+        m.on_hello(
+            id,
+            MemberInfo {
+                node_id: format!("n{id}"),
+                amqp: String::new(),
+                admin: String::new(),
+                zone: String::new(),
+                default_backups: 1,
+                process: 0,
+            },
+        );
+    }
+    m
+}
+
+/// `count` queues q0.. with their primary on n1 and one backup, every backup in sync.
+fn all_on_n1(count: usize, ring: &[String]) -> Roles {
+    let mut roles = Roles::default();
+    for i in 0..count {
+        let mut r = QueueRoles::new(i as u64 + 1, "n1", 1, ring);
+        for b in r.backups.clone() {
+            r.mark_in_sync(&b);
+        }
+        roles.set("/", &format!("q{i}"), Some(r));
+    }
+    roles
+}
+
+fn states(r: &Rebalance) -> Vec<&MoveState> {
+    r.moves.iter().map(|m| &m.state).collect()
+}
+
+/// Applies the requests `advance` returned, as the map does.
+fn apply(roles: &mut Roles, requests: Vec<(String, String, QueueRoles)>) {
+    for (vhost, queue, now) in requests {
+        roles.set(&vhost, &queue, Some(now));
+    }
+}
+
+/// Switches every move under way, as the primaries would once their targets caught up.
+fn switch_all(roles: &mut Roles, ring: &[String]) {
+    let moving: Vec<(String, String)> = roles
+        .iter()
+        .filter(|(_, _, r)| r.moving_to.is_some())
+        .map(|(v, q, _)| (v.to_owned(), q.to_owned()))
+        .collect();
+    for (v, q) in moving {
+        let mut r = roles.get(&v, &q).unwrap().clone();
+        let to = r.moving_to.clone().unwrap();
+        r.mark_in_sync(&to);
+        assert!(r.switch(&to, ring));
+        roles.set(&v, &q, Some(r));
+    }
+}
+
+#[test]
+fn the_plan_evens_primaries_over_the_active_members_and_leaves_moving_queues_alone() {
+    let m = membership(3);
+    let ring = roles::ring(&m);
+    let mut roles = all_on_n1(9, &ring);
+    let mut busy = roles.get("/", "q0").unwrap().clone();
+    busy.request_move("n2", &ring).unwrap();
+    roles.set("/", "q0", Some(busy));
+    let moves = plan(&roles, &m);
+    assert_eq!(moves.len(), 5, "8 plannable queues on n1: 3 stay, 5 move");
+    assert!(moves.iter().all(|p| p.from == "n1" && p.queue != "q0"));
+    let to = |n: &str| moves.iter().filter(|p| p.to == n).count();
+    // q0 counts for nobody while it moves: n1 keeps 3, n2 and n3 get 3 and 2 (or 2 and 3).
+    assert_eq!(to("n2") + to("n3"), 5);
+    assert!(to("n2").abs_diff(to("n3")) <= 1);
+    // Deterministic: every member plans the same.
+    assert_eq!(moves, plan(&roles, &m));
+}
+
+#[test]
+fn a_draining_member_gets_nothing_and_its_queues_are_not_planned() {
+    let mut m = membership(3);
+    let ring = roles::ring(&m);
+    let roles = all_on_n1(6, &ring);
+    m.set_draining("n3", true);
+    let moves = plan(&roles, &m);
+    assert_eq!(moves.len(), 3);
+    assert!(moves.iter().all(|p| p.to == "n2"));
+    m.set_draining("n1", true);
+    assert!(plan(&roles, &m).is_empty(), "the drain moves n1's queues");
+}
+
+#[test]
+fn moves_start_within_the_concurrency_and_the_plan_ends_done() {
+    let m = membership(3);
+    let ring = roles::ring(&m);
+    let mut roles = all_on_n1(6, &ring);
+    let mut r = Rebalance::start(10, 2, &roles, &m);
+    assert_eq!(r.moves.len(), 4);
+    let none = BTreeSet::new();
+    let mut rounds = 0;
+    while !r.finished() {
+        rounds += 1;
+        assert!(rounds < 10, "{r:?}");
+        let (requests, _) = r.advance(&roles, &ring, &none);
+        let running = states(&r)
+            .iter()
+            .filter(|s| ***s == MoveState::Running)
+            .count();
+        assert!(running <= 2, "{r:?}");
+        apply(&mut roles, requests);
+        switch_all(&mut roles, &ring);
+    }
+    assert_eq!(r.status(), "done");
+    let held = roles.held();
+    let primaries: Vec<u64> = ring.iter().map(|n| held[n].primaries).collect();
+    assert_eq!(primaries, [2, 2, 2]);
+}
+
+#[test]
+fn a_move_called_off_fails_a_deleted_queue_fails_and_a_stop_skips_the_rest() {
+    let m = membership(3);
+    let ring = roles::ring(&m);
+    let mut roles = all_on_n1(9, &ring);
+    let mut r = Rebalance::start(10, 2, &roles, &m);
+    assert_eq!(r.moves.len(), 6);
+    let none = BTreeSet::new();
+    let (requests, changed) = r.advance(&roles, &ring, &none);
+    assert!(changed);
+    assert_eq!(requests.len(), 2);
+    apply(&mut roles, requests);
+    // The first move's target restarted: the roles call it off.
+    let first = r.moves[0].clone();
+    let mut q = roles.get("/", &first.queue).unwrap().clone();
+    q.restarted(&first.to, &ring);
+    roles.set("/", &first.queue, Some(q));
+    // The second one's queue is deleted.
+    roles.set("/", &r.moves[1].queue.clone(), None);
+    let (requests, _) = r.advance(&roles, &ring, &none);
+    assert!(matches!(r.moves[0].state, MoveState::Failed(_)), "{r:?}");
+    assert!(matches!(r.moves[1].state, MoveState::Failed(_)), "{r:?}");
+    assert_eq!(requests.len(), 2, "two more start in their place");
+    apply(&mut roles, requests);
+    assert!(r.stop());
+    assert!(!r.stop(), "stopping twice changes nothing");
+    assert_eq!(r.status(), "running", "the two under way finish");
+    switch_all(&mut roles, &ring);
+    let (requests, _) = r.advance(&roles, &ring, &none);
+    assert!(requests.is_empty());
+    assert_eq!(
+        states(&r)
+            .iter()
+            .filter(|s| ***s == MoveState::Skipped)
+            .count(),
+        2
+    );
+    assert_eq!(r.status(), "failed");
+}
+
+#[test]
+fn a_queue_whose_primary_changed_since_the_plan_is_not_moved() {
+    let m = membership(3);
+    let ring = roles::ring(&m);
+    let mut roles = all_on_n1(3, &ring);
+    let mut r = Rebalance::start(10, 1, &roles, &m);
+    let planned = r.moves[0].clone();
+    // An election (or another move) put the queue elsewhere before its turn.
+    let mut q = roles.get("/", &planned.queue).unwrap().clone();
+    let other = ring
+        .iter()
+        .find(|n| **n != planned.to && **n != "n1")
+        .unwrap();
+    q.request_move(other, &ring).unwrap();
+    q.mark_in_sync(other);
+    assert!(q.switch(other, &ring));
+    roles.set("/", &planned.queue, Some(q));
+    let (requests, _) = r.advance(&roles, &ring, &BTreeSet::new());
+    assert!(
+        matches!(&r.moves[0].state, MoveState::Failed(why) if why.contains("primary changed")),
+        "{r:?}"
+    );
+    assert_eq!(requests.len(), 1, "the next one starts instead");
+}

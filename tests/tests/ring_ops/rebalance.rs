@@ -1,0 +1,245 @@
+//! `ringmqctl cluster rebalance`: thirty queues made on one member, with messages, are
+//! rebalanced over three — primaries even, every message still there. The plan is the
+//! cluster map's: the member that asked for it can be killed with -9 and the others carry
+//! it out; a receiving member lost half-way fails only the moves to it. Nothing is lost.
+
+use crate::ctl;
+use lapin::BasicProperties;
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
+use lapin::types::{AMQPValue, FieldTable};
+use ringmq_tests::cluster::{member_yaml, start_cluster};
+use ringmq_tests::{Broker, bodies, queue_counts};
+use serde_json::Value;
+use std::time::{Duration, Instant};
+
+/// Queues, all declared through the first member (so all its primaries).
+const QUEUES: usize = 30;
+/// Persistent messages in each.
+const MESSAGES: usize = 10;
+
+fn queue(i: usize) -> String {
+    format!("rb-{i:02}")
+}
+
+/// `GET path` on `b`'s admin API.
+async fn get(b: &Broker, path: &str) -> Value {
+    let admin = b.admin_client();
+    let path = path.to_owned();
+    tokio::task::spawn_blocking(move || admin.get(&path).expect("admin API answers").body)
+        .await
+        .unwrap()
+}
+
+/// Declares the queues through `b` (one backup each) and publishes their messages,
+/// every one confirmed.
+async fn fill(b: &Broker) {
+    let (_c, ch) = b.channel().await;
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let mut args = FieldTable::default();
+    args.insert("qpid.cluster.backups".into(), AMQPValue::LongInt(1));
+    for i in 0..QUEUES {
+        let durable = QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        };
+        ch.queue_declare(queue(i).as_str().into(), durable, args.clone())
+            .await
+            .unwrap();
+        for m in 0..MESSAGES {
+            let confirm = ch
+                .basic_publish(
+                    "".into(),
+                    queue(i).as_str().into(),
+                    BasicPublishOptions::default(),
+                    format!("{}-m{m}", queue(i)).as_bytes(),
+                    BasicProperties::default().with_delivery_mode(2),
+                )
+                .await
+                .unwrap();
+            assert!(confirm.await.unwrap().is_ack());
+        }
+    }
+}
+
+/// Primaries per member by `b`'s answer, in ring order.
+async fn primaries(b: &Broker) -> Vec<(String, u64)> {
+    let members = get(b, "/api/members").await;
+    (members.as_array().into_iter().flatten())
+        .map(|m| {
+            let id = m["id"].as_str().unwrap().to_owned();
+            (id, m["primaries"].as_u64().unwrap())
+        })
+        .collect()
+}
+
+/// Every queue still holds every one of its messages, read through `b` (most of them
+/// proxied to primaries elsewhere); a queue whose primary cannot be reached yet (an
+/// election under way) is asked again, for at most 30 s.
+async fn assert_all_there(b: &Broker) {
+    for i in 0..QUEUES {
+        let t = Instant::now();
+        loop {
+            let (_c, ch) = b.channel().await;
+            match queue_counts(&ch, &queue(i)).await {
+                Ok((n, _)) => {
+                    assert_eq!(n as usize, MESSAGES, "{}", queue(i));
+                    break;
+                }
+                Err(e) => eprintln!("{} {:?} after {:?}", queue(i), e, t.elapsed()),
+            }
+            assert!(t.elapsed() < Duration::from_secs(30));
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn thirty_queues_made_on_one_member_are_rebalanced_over_three_with_every_message() {
+    let name = "ring-rebalance";
+    let (members, _secret) = start_cluster(name, 3);
+    fill(&members[0]).await;
+    let before = primaries(&members[2]).await;
+    assert_eq!(before.iter().map(|(_, n)| n).sum::<u64>(), QUEUES as u64);
+    assert_eq!(before[0].1, QUEUES as u64, "{before:?}");
+
+    // The plan alone, from any member: twenty moves off the first member, none applied.
+    let (ok, out) = ctl(&members[1], &["cluster", "rebalance"]).await;
+    assert!(ok, "{out}");
+    assert!(out.contains("not applied"), "{out}");
+    let view = get(&members[2], "/api/cluster/rebalance").await;
+    assert_eq!(view["balanced"], false, "{view}");
+    assert_eq!(view["plan"].as_array().map(Vec::len), Some(20), "{view}");
+    assert_eq!(view["current"], Value::Null, "{view}");
+
+    let started = Instant::now();
+    let (ok, out) = ctl(
+        &members[1],
+        &[
+            "cluster",
+            "rebalance",
+            "--apply",
+            "--concurrency",
+            "4",
+            "--wait",
+        ],
+    )
+    .await;
+    assert!(ok, "{out}");
+    assert!(out.contains("rebalance done: 20 moves: 20 done"), "{out}");
+    eprintln!("20 primaries moved in {:?}", started.elapsed());
+    let after = primaries(&members[0]).await;
+    assert!(after.iter().all(|(_, n)| *n == 10), "{after:?}");
+    let view = get(&members[0], "/api/cluster/rebalance").await;
+    assert_eq!(view["balanced"], true, "{view}");
+    assert_eq!(view["current"]["status"], "done", "{view}");
+    assert_all_there(&members[2]).await;
+    let (_c, ch) = members[1].channel().await;
+    let mut got = bodies(&ch, &queue(7)).await;
+    got.sort();
+    let mut want: Vec<String> = (0..MESSAGES)
+        .map(|m| format!("{}-m{m}", queue(7)))
+        .collect();
+    want.sort();
+    assert_eq!(got, want);
+
+    // Balanced: a second rebalance has nothing to do and is done at once.
+    let (ok, out) = ctl(&members[2], &["cluster", "rebalance", "--apply", "--wait"]).await;
+    assert!(ok, "{out}");
+    assert!(out.contains("rebalance done: 0 moves"), "{out}");
+}
+
+/// Starts member `i` again after its kill, with the others as seeds, and waits until it
+/// serves.
+fn restart(members: &mut [Broker], i: usize, name: &str, secret: &std::path::Path) {
+    let seeds: Vec<String> = (members.iter().enumerate())
+        .filter(|(j, _)| *j != i)
+        .filter_map(|(_, m)| m.cluster.clone())
+        .collect();
+    let seeds: Vec<&str> = seeds.iter().map(String::as_str).collect();
+    members[i].restart_with_config(&member_yaml(&format!("{name}-{i}"), &seeds, secret));
+    members[i].wait_ready(Duration::from_secs(30));
+}
+
+/// The rebalance as `b` reports it.
+async fn current(b: &Broker) -> Value {
+    get(b, "/api/cluster/rebalance").await["current"].clone()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rebalance_goes_on_when_the_member_that_asked_for_it_is_killed() {
+    let name = "ring-rebalance-asker";
+    let (mut members, secret) = start_cluster(name, 3);
+    fill(&members[0]).await;
+    let admin = members[1].admin_client();
+    let answer = tokio::task::spawn_blocking(move || {
+        let body = serde_json::json!({"concurrency": 1});
+        admin
+            .call("POST", "/api/cluster/rebalance", Some(&body))
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    assert_eq!(answer.status, 202, "{}", answer.body);
+    assert_eq!(answer.body["total"], 20, "{}", answer.body);
+    members[1].kill();
+
+    // Every member planned the same when the op committed: the survivors carry it to its
+    // end. Moves to the killed member made before its kill stand, the others fail.
+    let (ok, out) = ctl(&members[2], &["cluster", "rebalance", "--wait"]).await;
+    let now = current(&members[0]).await;
+    eprintln!("{out}\n{now}");
+    assert_eq!(now, current(&members[2]).await);
+    assert_eq!(
+        (now["pending"].as_u64(), now["running"].as_u64()),
+        (Some(0), Some(0))
+    );
+    match now["status"].as_str() {
+        Some("done") => assert!(ok, "{out}"),
+        Some("failed") => assert!(!ok && out.contains("rebalance failed"), "{out}"),
+        other => panic!("ended {other:?}: {now}"),
+    }
+    assert_eq!(now["done"], 20 - now["failed"].as_u64().unwrap(), "{now}");
+
+    // A queue whose primary had just moved to the killed member may wait for it (its old
+    // primary had not caught up as a backup yet): restarted, it brings them all back.
+    restart(&mut members, 1, name, &secret);
+    assert_all_there(&members[2]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_receiving_member_lost_half_way_fails_its_moves_and_the_others_are_made() {
+    let name = "ring-rebalance-lost";
+    let (mut members, secret) = start_cluster(name, 3);
+    fill(&members[0]).await;
+    // The second member stops before the plan is made, and is declared failed a moment
+    // after: the move to it under way stalls until then and is called off, the later ones
+    // to it are refused, the ones to the third member are made.
+    members[1].pause();
+    let (ok, out) = ctl(
+        &members[2],
+        &[
+            "cluster",
+            "rebalance",
+            "--apply",
+            "--concurrency",
+            "1",
+            "--wait",
+        ],
+    )
+    .await;
+    let now = current(&members[0]).await;
+    eprintln!("{out}\n{now}");
+    assert!(!ok && out.contains("rebalance failed"), "{out}");
+    assert_eq!(now, current(&members[2]).await);
+    assert_eq!(now["status"], "failed", "{now}");
+    assert_eq!(now["done"], 10, "every move to the third member: {now}");
+    assert_eq!(now["failed"], 10, "every move to the lost one: {now}");
+    members[1].kill();
+    assert_all_there(&members[2]).await;
+
+    // Back, it serves its copies again.
+    restart(&mut members, 1, name, &secret);
+    assert_all_there(&members[1]).await;
+}
