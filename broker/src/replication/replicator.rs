@@ -324,8 +324,8 @@ impl Replicator {
 
     /// The map changed the roles of `queue` (this member is its primary with these roles;
     /// `None`: not, or no longer). Call it under `vhost`'s lock (`v`): a backup new to the
-    /// queue starts a catch-up from an image taken now, so the stream continues right after
-    /// the image.
+    /// queue, or one the map put out of sync, starts a catch-up from an image taken now, so
+    /// the stream continues right after the image.
     pub fn set_roles(
         self: &Arc<Self>,
         host: &Arc<dyn ReplicationHost>,
@@ -341,7 +341,8 @@ impl Replicator {
             Some(r) => state.roles.insert(key.clone(), r),
             None => state.roles.remove(&key),
         };
-        let old_backups = before.map(|r| r.backups).unwrap_or_default();
+        let (old_backups, old_in_sync) =
+            before.map_or_else(Default::default, |r| (r.backups, r.in_sync));
         let backups = roles
             .as_ref()
             .map(|r| r.backups.clone())
@@ -363,8 +364,15 @@ impl Replicator {
         let mut started = Vec::new();
         if let Some(roles) = &roles {
             let now = Instant::now();
-            for backup in roles.backups.iter().filter(|b| !old_backups.contains(b)) {
-                if roles.in_sync.contains(backup) {
+            for backup in roles.backups.iter().filter(|b| !roles.in_sync.contains(b)) {
+                // A new backup, or one the map put out of sync while it stayed a backup (its
+                // member restarted in place: what it held in memory is gone). The second
+                // needs a catch-up of its own when its link never saw a failure — an idle
+                // link's does not reach the watcher, which would otherwise start it.
+                let dropped = old_in_sync.contains(backup)
+                    && !(state.links.get(&(backup.clone(), vhost.clone())))
+                        .is_some_and(|l| l.catch_ups.contains_key(&name));
+                if old_backups.contains(backup) && !dropped {
                     continue;
                 }
                 if self.start_catch_up(&mut state, v, backup, queue, roles.incarnation, now) {

@@ -203,9 +203,39 @@ async fn a_rebalance_goes_on_when_the_member_that_asked_for_it_is_killed() {
     assert_eq!(now["done"], 20 - now["failed"].as_u64().unwrap(), "{now}");
 
     // A queue whose primary had just moved to the killed member may wait for it (its old
-    // primary had not caught up as a backup yet): restarted, it brings them all back.
+    // primary had not caught up as a backup yet): restarted, it brings them all back, and
+    // catches up again as a backup wherever it is one — idle queues included, whose links
+    // never saw it fail.
     restart(&mut members, 1, name, &secret);
     assert_all_there(&members[2]).await;
+    assert_backups_in_sync(&members[0]).await;
+    let (ok, out) = ctl(&members[0], &["cluster", "rebalance", "--apply", "--wait"]).await;
+    assert!(ok, "{out}");
+    let after = primaries(&members[1]).await;
+    assert!(after.iter().all(|(_, n)| *n == 10), "{after:?}");
+    assert_all_there(&members[1]).await;
+}
+
+/// Waits (30 s at most) until every queue's backups are all in sync, by `b`'s answer.
+async fn assert_backups_in_sync(b: &Broker) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let queues = get(b, "/api/queues/%2F").await;
+        let behind: Vec<String> = (queues.as_array().into_iter().flatten())
+            .filter(|q| q["backup_nodes"] != q["in_sync_backup_nodes"])
+            .map(|q| {
+                format!(
+                    "{} {} {}",
+                    q["name"], q["backup_nodes"], q["in_sync_backup_nodes"]
+                )
+            })
+            .collect();
+        if behind.is_empty() {
+            return;
+        }
+        assert!(Instant::now() < deadline, "backups not in sync: {behind:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -239,7 +269,12 @@ async fn a_receiving_member_lost_half_way_fails_its_moves_and_the_others_are_mad
     members[1].kill();
     assert_all_there(&members[2]).await;
 
-    // Back, it serves its copies again.
+    // Back, it catches up as a backup again and takes its share with the next rebalance.
     restart(&mut members, 1, name, &secret);
+    assert_backups_in_sync(&members[2]).await;
+    let (ok, out) = ctl(&members[2], &["cluster", "rebalance", "--apply", "--wait"]).await;
+    assert!(ok, "{out}");
+    let after = primaries(&members[0]).await;
+    assert!(after.iter().all(|(_, n)| *n == 10), "{after:?}");
     assert_all_there(&members[1]).await;
 }
