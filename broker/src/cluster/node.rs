@@ -443,6 +443,15 @@ impl Cluster {
         super::rebalance::plan(&roles, &membership)
     }
 
+    /// The backup moves a rebalance would plan if the primaries stayed where they are now
+    /// (a rebalance plans them once its primary moves are done).
+    pub fn rebalance_backup_plan(&self) -> Vec<PlannedMove> {
+        let roles = self.roles.read();
+        let membership = self.membership.read();
+        let ring = super::roles::ring(&membership);
+        super::rebalance::backup_plan(&roles, &ring, membership.draining())
+    }
+
     /// Node ids of the members that announced themselves, in ring order.
     pub fn ring(&self) -> Vec<String> {
         super::roles::ring(&self.membership.read())

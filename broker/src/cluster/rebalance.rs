@@ -1,6 +1,7 @@
-//! Rebalancing the primaries (`cluster rebalance`): a plan of planned primary moves that
-//! evens out how many queues each active member is the primary of, carried out by the
-//! cluster map a bounded number at a time.
+//! Rebalancing (`cluster rebalance`): a plan of planned primary moves that evens out how
+//! many queues each active member is the primary of, then of backup moves that put every
+//! queue's backups on its primary's ring successors (which evens the backups), carried out
+//! by the cluster map a bounded number at a time.
 //!
 //! The plan is made by [`ringmq_planner::rebalance_plan`] from the map's roles when the
 //! [`RebalanceStep::Start`](crate::core::RebalanceStep::Start) op is applied — on every
@@ -42,7 +43,7 @@ pub enum MoveState {
     Skipped,
 }
 
-/// One queue's primary moving, as the plan has it.
+/// One queue's primary moving, or one of its backups replaced, as the plan has it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PlannedMove {
     /// Vhost of the queue.
@@ -51,10 +52,13 @@ pub struct PlannedMove {
     pub queue: String,
     /// The incarnation planned for: a queue deleted and declared again is not moved.
     pub incarnation: u64,
-    /// Its primary when planned.
+    /// Its primary when planned (a backup move: the backup that goes).
     pub from: String,
-    /// The member that takes it over.
+    /// The member that takes it over (a backup move: the new backup).
     pub to: String,
+    /// A backup move ([`QueueRoles::request_replace`]) rather than a primary move.
+    #[serde(default)]
+    pub backup: bool,
     /// How far it got.
     pub state: MoveState,
 }
@@ -68,8 +72,12 @@ pub struct Rebalance {
     pub concurrency: u32,
     /// No more moves start (`cluster rebalance --stop`).
     pub stopped: bool,
-    /// The plan, in the order its moves start.
+    /// The plan, in the order its moves start: the primary moves planned at the start,
+    /// then the backup moves, planned once the primaries are where they go.
     pub moves: Vec<PlannedMove>,
+    /// The backup moves were planned and appended.
+    #[serde(default)]
+    pub backups_planned: bool,
 }
 
 impl Rebalance {
@@ -81,15 +89,17 @@ impl Rebalance {
             concurrency: concurrency.clamp(1, MAX_CONCURRENCY),
             stopped: false,
             moves: plan(roles, membership),
+            backups_planned: false,
         }
     }
 
-    /// Whether no move is pending or under way.
+    /// Whether no move is pending or under way, and none is left to plan.
     pub fn finished(&self) -> bool {
-        !self
-            .moves
-            .iter()
-            .any(|m| matches!(m.state, MoveState::Pending | MoveState::Running))
+        (self.backups_planned || self.stopped)
+            && !self
+                .moves
+                .iter()
+                .any(|m| matches!(m.state, MoveState::Pending | MoveState::Running))
     }
 
     /// One word for where it is: `running`, `done` (every move made), `failed` (some could
@@ -138,8 +148,20 @@ impl Rebalance {
             if m.state != MoveState::Running {
                 continue;
             }
+            let replacing = |r: &QueueRoles| {
+                (r.replacing.as_deref()).is_some_and(|x| x.old == m.from && x.new == m.to)
+            };
+            let replaced =
+                |r: &QueueRoles| r.backups.contains(&m.to) && !r.backups.contains(&m.from);
             let next = match current(m) {
                 None => MoveState::Failed("the queue was deleted".to_owned()),
+                Some(r) if m.backup && replacing(r) => continue,
+                Some(r) if m.backup && replaced(r) => MoveState::Done,
+                Some(_) if m.backup => MoveState::Failed(
+                    "the backup's replacement was called off (the new backup left, restarted \
+                     or was drained, or the primary changed)"
+                        .to_owned(),
+                ),
                 Some(r) if r.moving_to.as_deref() == Some(m.to.as_str()) => continue,
                 Some(r) if r.primary == m.to => MoveState::Done,
                 Some(_) => MoveState::Failed(
@@ -151,18 +173,25 @@ impl Rebalance {
             m.state = next;
             changed = true;
         }
+        let open = |m: &PlannedMove| matches!(m.state, MoveState::Pending | MoveState::Running);
+        if !self.stopped && !self.backups_planned && !self.moves.iter().any(open) {
+            // The primaries are where the plan put them: now the backups follow the ring.
+            self.moves.extend(backup_plan(roles, ring, draining));
+            self.backups_planned = true;
+            changed = true;
+        }
         let mut requests = Vec::new();
-        let running = |moves: &[PlannedMove]| {
-            (moves.iter())
-                .filter(|m| m.state == MoveState::Running)
-                .count()
-        };
-        let mut under_way = running(&self.moves);
+        let mut busy: BTreeSet<(String, String)> = (self.moves.iter())
+            .filter(|m| m.state == MoveState::Running)
+            .map(|m| (m.vhost.clone(), m.queue.clone()))
+            .collect();
+        let mut under_way = busy.len();
         for m in &mut self.moves {
             if self.stopped || under_way >= self.concurrency as usize {
                 break;
             }
-            if m.state != MoveState::Pending {
+            if m.state != MoveState::Pending || busy.contains(&(m.vhost.clone(), m.queue.clone())) {
+                // One change of a queue's roles at a time.
                 continue;
             }
             changed = true;
@@ -170,6 +199,26 @@ impl Rebalance {
                 m.state = MoveState::Failed("the queue was deleted".to_owned());
                 continue;
             };
+            if m.backup {
+                if draining.contains(&m.to) {
+                    m.state = MoveState::Failed(format!("'{}' is being drained", m.to));
+                    continue;
+                }
+                let mut now = r.clone();
+                match now.request_replace(&m.from, &m.to, ring) {
+                    Ok(started) => {
+                        if started {
+                            now.reconcile_with(ring, draining);
+                            requests.push((m.vhost.clone(), m.queue.clone(), now));
+                        }
+                        m.state = MoveState::Running;
+                        busy.insert((m.vhost.clone(), m.queue.clone()));
+                        under_way += 1;
+                    }
+                    Err(why) => m.state = MoveState::Failed(why),
+                }
+                continue;
+            }
             if r.primary == m.to {
                 m.state = MoveState::Done;
                 continue;
@@ -193,6 +242,7 @@ impl Rebalance {
                         requests.push((m.vhost.clone(), m.queue.clone(), now));
                     }
                     m.state = MoveState::Running;
+                    busy.insert((m.vhost.clone(), m.queue.clone()));
                     under_way += 1;
                 }
                 Err(why) => m.state = MoveState::Failed(why),
@@ -200,6 +250,44 @@ impl Rebalance {
         }
         (requests, changed)
     }
+}
+
+/// The backup moves that put every queue's backups on its primary's successors in the
+/// ring of active members (not draining) — with even primaries, that evens the backups
+/// too: each member backs its `k` predecessors' queues. A misplaced backup is paired with
+/// a missing successor; queues that are unavailable or whose roles are changing now stay
+/// out of it.
+pub fn backup_plan(
+    roles: &Roles,
+    ring: &[String],
+    draining: &BTreeSet<String>,
+) -> Vec<PlannedMove> {
+    let active: Vec<&String> = ring.iter().filter(|n| !draining.contains(*n)).collect();
+    let mut moves = Vec::new();
+    for (vhost, queue, r) in roles.iter() {
+        if r.unavailable || r.moving_to.is_some() || r.replacing.is_some() {
+            continue;
+        }
+        let Some(at) = active.iter().position(|n| **n == r.primary) else {
+            continue;
+        };
+        let k = usize::from(r.wanted_backups).min(active.len() - 1);
+        let wanted: Vec<&String> = (1..=k).map(|d| active[(at + d) % active.len()]).collect();
+        let misplaced = r.backups.iter().filter(|b| !wanted.contains(b));
+        let missing = wanted.iter().filter(|w| !r.backups.contains(w));
+        for (old, new) in misplaced.zip(missing) {
+            moves.push(PlannedMove {
+                vhost: vhost.to_owned(),
+                queue: queue.to_owned(),
+                incarnation: r.incarnation,
+                from: old.clone(),
+                to: (*new).clone(),
+                backup: true,
+                state: MoveState::Pending,
+            });
+        }
+    }
+    moves
 }
 
 /// The moves that even out the primaries over the active members (in the map's ring,
@@ -252,6 +340,7 @@ pub fn plan(roles: &Roles, membership: &Membership) -> Vec<PlannedMove> {
                 incarnation: r.incarnation,
                 from: m.from,
                 to: m.to,
+                backup: false,
                 state: MoveState::Pending,
             }
         })

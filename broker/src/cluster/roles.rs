@@ -56,6 +56,23 @@ pub struct QueueRoles {
     /// election or membership change that makes the move moot.
     #[serde(default)]
     pub moving_to: Option<String>,
+    /// A backup being replaced by another (`cluster rebalance` puts the backups on the
+    /// primary's ring successors): `(old, new)`. `new` is a backup beside `old` — one more
+    /// than `k` — and catches up; once it is in sync `old` goes, so the queue never has
+    /// fewer in-sync copies than before. Called off when either stops being a backup, `new`
+    /// leaves, restarts or is drained, or the primary changes.
+    #[serde(default)]
+    pub replacing: Option<Box<Replacement>>,
+}
+
+/// A backup being replaced by another ([`QueueRoles::replacing`]); boxed there, as it is
+/// rare and the roles travel in every role-change action.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Replacement {
+    /// The backup that goes once `new` is in sync.
+    pub old: String,
+    /// The backup that catches up to take its place.
+    pub new: String,
 }
 
 impl QueueRoles {
@@ -70,6 +87,7 @@ impl QueueRoles {
             wanted_backups: k.min(MAX_BACKUPS),
             unavailable: false,
             moving_to: None,
+            replacing: None,
         };
         roles.reconcile(ring);
         roles
@@ -96,6 +114,24 @@ impl QueueRoles {
             || (self.moving_to.as_ref()).is_some_and(|to| !live(to) || draining.contains(to))
         {
             self.end_move();
+        }
+        if let Some(Replacement { old, new }) = self.replacing.as_deref().cloned() {
+            if !live(&old) || !self.backups.contains(&old) {
+                // The old backup goes anyway: the new one stays, as an ordinary backup.
+                self.replacing = None;
+            } else if !live(&self.primary)
+                || draining.contains(&self.primary)
+                || !live(&new)
+                || draining.contains(&new)
+                || !self.backups.contains(&new)
+            {
+                self.end_replace();
+            } else if self.in_sync.contains(&new) {
+                // The new backup holds everything: the old one goes.
+                self.replacing = None;
+                self.backups.retain(|b| *b != old);
+                self.in_sync.retain(|b| *b != old);
+            }
         }
         if !live(&self.primary) {
             let promoted = self
@@ -152,6 +188,12 @@ impl QueueRoles {
             .retain(|b| !draining.contains(b) || (in_sync.contains(b) && !staying_in_sync));
         let backups = &self.backups;
         self.in_sync.retain(|n| backups.contains(n));
+        if (self.replacing.as_deref())
+            .is_some_and(|r| !self.backups.contains(&r.old) || !self.backups.contains(&r.new))
+        {
+            // A drain took one of the two away: what is left is ordinary backups.
+            self.replacing = None;
+        }
         assert!(
             serving(&self.backups) <= self.most_backups(),
             "more backups than k: {self:?}"
@@ -168,6 +210,11 @@ impl QueueRoles {
         }
         if self.primary == node || self.moving_to.as_deref() == Some(node) {
             self.end_move();
+        }
+        if self.primary == node || self.replacing.as_deref().is_some_and(|r| r.new == node) {
+            // What it held is gone: it no longer counts as the replacement's in-sync copy.
+            self.in_sync.retain(|n| n != node);
+            self.end_replace();
         }
         if self.primary == node {
             let promoted = self
@@ -198,6 +245,9 @@ impl QueueRoles {
         if let Some(other) = &self.moving_to {
             return Err(format!("its primary is already moving to '{other}'"));
         }
+        if let Some(Replacement { old, new }) = self.replacing.as_deref() {
+            return Err(format!("its backup '{old}' is being replaced by '{new}'"));
+        }
         if !ring.iter().any(|n| n == to) {
             return Err(format!("'{to}' is not a member of the cluster"));
         }
@@ -207,6 +257,66 @@ impl QueueRoles {
         }
         self.assert_invariants();
         Ok(true)
+    }
+
+    /// Backup `old` is to be replaced by `new` (`cluster rebalance`): `new` becomes a backup
+    /// beside it and catches up; [`QueueRoles::reconcile_with`] drops `old` once `new` is in
+    /// sync. `Ok(false)` when that replacement is under way already; an error, for the
+    /// rebalance's record, when it cannot be made now.
+    pub fn request_replace(
+        &mut self,
+        old: &str,
+        new: &str,
+        ring: &[String],
+    ) -> Result<bool, String> {
+        if (self.replacing.as_deref()).is_some_and(|r| r.old == old && r.new == new) {
+            return Ok(false);
+        }
+        if self.unavailable {
+            return Err("the queue is unavailable: its primary is lost".to_owned());
+        }
+        if let Some(to) = &self.moving_to {
+            return Err(format!("its primary is moving to '{to}'"));
+        }
+        if let Some(r) = self.replacing.as_deref() {
+            return Err(format!(
+                "its backup '{}' is being replaced by '{}'",
+                r.old, r.new
+            ));
+        }
+        if !self.backups.iter().any(|b| b == old) {
+            return Err(format!("'{old}' is not one of its backups"));
+        }
+        if self.primary == new || self.backups.iter().any(|b| b == new) {
+            return Err(format!("'{new}' holds a copy already"));
+        }
+        if !ring.iter().any(|n| n == new) {
+            return Err(format!("'{new}' is not a member of the cluster"));
+        }
+        self.replacing = Some(Box::new(Replacement {
+            old: old.to_owned(),
+            new: new.to_owned(),
+        }));
+        self.backups.push(new.to_owned());
+        self.assert_invariants();
+        Ok(true)
+    }
+
+    /// The replacement under way is called off: the new backup goes again unless it is in
+    /// sync already (then it is the old one that goes, as if it had finished).
+    fn end_replace(&mut self) {
+        let Some(Replacement { old, new }) = self.replacing.take().map(|r| *r) else {
+            return;
+        };
+        let gone = if self.in_sync.contains(&new) {
+            old
+        } else {
+            new
+        };
+        if self.backups.len() > usize::from(self.wanted_backups) {
+            self.backups.retain(|b| *b != gone);
+            self.in_sync.retain(|b| *b != gone);
+        }
     }
 
     /// The primary stopped the queue's ops and `to` acknowledged every one of them: `to`
@@ -259,9 +369,12 @@ impl QueueRoles {
         }
     }
 
-    /// Most backups the queue may have now: `k`, and one more for a planned move's target.
+    /// Most backups the queue may have now: `k`, one more for a planned move's target, and
+    /// one more for a backup replacing another.
     fn most_backups(&self) -> usize {
-        usize::from(self.wanted_backups) + usize::from(self.moving_to.is_some())
+        usize::from(self.wanted_backups)
+            + usize::from(self.moving_to.is_some())
+            + usize::from(self.replacing.is_some())
     }
 
     /// Whether `node` holds a copy of the queue by these roles: its primary or a backup.
@@ -308,6 +421,12 @@ impl QueueRoles {
                 .as_ref()
                 .is_none_or(|to| *to != self.primary && self.backups.contains(to)),
             "a move's target is a backup: {self:?}"
+        );
+        assert!(
+            self.replacing.as_deref().is_none_or(|r| r.old != r.new
+                && self.backups.contains(&r.old)
+                && self.backups.contains(&r.new)),
+            "a replacement's two backups are backups: {self:?}"
         );
         for (i, b) in self.backups.iter().enumerate() {
             assert!(!self.backups[..i].contains(b), "backup {b} twice: {self:?}");
@@ -436,6 +555,10 @@ impl Roles {
                         wanted_backups: r.wanted_backups,
                         unavailable: r.unavailable,
                         moving_to: r.moving_to.clone(),
+                        replacing: r
+                            .replacing
+                            .as_deref()
+                            .map(|r| (r.old.clone(), r.new.clone())),
                     };
                 }
             }
@@ -463,6 +586,10 @@ impl Roles {
                         wanted_backups: r.wanted_backups,
                         unavailable: r.unavailable,
                         moving_to: r.moving_to.clone(),
+                        replacing: r
+                            .replacing
+                            .clone()
+                            .map(|(old, new)| Box::new(Replacement { old, new })),
                     }),
                 );
             }

@@ -99,6 +99,9 @@ pub struct WiringRoles {
     /// The member a planned move of the primary goes to, while it is under way.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub moving_to: Option<String>,
+    /// A backup being replaced (old, new), while the new one catches up.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replacing: Option<(String, String)>,
 }
 
 fn is_zero<T: Default + PartialEq>(n: &T) -> bool {
@@ -684,6 +687,7 @@ mod tests {
                 wanted_backups: 2,
                 unavailable: true,
                 moving_to: Some("n3".into()),
+                replacing: Some(("n2".into(), "n4".into())),
             },
         };
         let json = serde_json::to_string(&q).unwrap();

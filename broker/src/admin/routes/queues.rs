@@ -286,10 +286,17 @@ fn queue_json(b: &Broker, vh: &str, q: &Queue) -> Value {
     // Its backups (node ids, in ring order) and which of them may take over: the cluster
     // map's, so every member answers the same.
     let roles = b.cluster().and_then(|c| c.queue_roles(vh, &q.name));
-    let (backups, in_sync, unavailable, moving_to) = match roles {
-        Some(r) => (r.backups, r.in_sync, r.unavailable, r.moving_to),
-        None => (Vec::new(), Vec::new(), false, None),
+    let (backups, in_sync, unavailable, moving_to, replacing) = match roles {
+        Some(r) => (
+            r.backups,
+            r.in_sync,
+            r.unavailable,
+            r.moving_to,
+            r.replacing,
+        ),
+        None => (Vec::new(), Vec::new(), false, None, None),
     };
+    let replacing = replacing.map(|r| json!({"from": r.old, "to": r.new}));
     let local_copy = local_copy_json(b, node, &backups, q);
     json!({
         "name": q.name.as_ref(),
@@ -308,6 +315,7 @@ fn queue_json(b: &Broker, vh: &str, q: &Queue) -> Value {
         "in_sync_backup_nodes": in_sync,
         "unavailable": unavailable,
         "moving_to": moving_to,
+        "replacing_backup": replacing,
         "local_copy": local_copy,
         "type": "classic",
         "state": "running",

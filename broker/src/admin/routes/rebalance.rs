@@ -14,27 +14,30 @@ use serde_json::{Value, json};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-/// `GET /api/cluster/rebalance`: the moves a rebalance started now would make (`plan`;
-/// empty when the primaries are even), the primaries each active member holds, and the
-/// newest rebalance under way or finished (`current`, `null` before the first).
+/// `GET /api/cluster/rebalance`: the primary moves a rebalance started now would make
+/// (`plan`), the backup moves it would make if the primaries stayed (`backup_plan`; it plans
+/// them once its primary moves are done), the primaries and backups each active member
+/// holds, whether there is nothing to move (`balanced`), and the newest rebalance under way
+/// or finished (`current`, `null` before the first).
 pub(super) fn show(c: &Ctx<'_>) -> Result<Reply> {
     let cluster = clustered(c)?;
     let plan = cluster.rebalance_plan();
-    let mut primaries: BTreeMap<String, u64> = cluster
-        .ring()
-        .into_iter()
+    let backup_plan = cluster.rebalance_backup_plan();
+    let active: Vec<String> = (cluster.ring().into_iter())
         .filter(|n| !cluster.is_draining(n))
-        .map(|n| (n, 0))
         .collect();
-    for (node, held) in cluster.held() {
-        if let Some(n) = primaries.get_mut(&node) {
-            *n = held.primaries;
-        }
-    }
+    let held = cluster.held();
+    let count = |f: fn(&crate::cluster::Held) -> u64| -> BTreeMap<&str, u64> {
+        (active.iter())
+            .map(|n| (n.as_str(), held.get(n).map_or(0, f)))
+            .collect()
+    };
     ok(json!({
-        "balanced": plan.is_empty(),
-        "primaries": primaries,
+        "balanced": plan.is_empty() && backup_plan.is_empty(),
+        "primaries": count(|h| h.primaries),
+        "backups": count(|h| h.backups),
         "plan": plan.iter().map(move_json).collect::<Vec<_>>(),
+        "backup_plan": backup_plan.iter().map(move_json).collect::<Vec<_>>(),
         "current": cluster.rebalance().as_ref().map(rebalance_json),
     }))
 }
@@ -129,6 +132,7 @@ fn move_json(m: &PlannedMove) -> Value {
     json!({
         "vhost": m.vhost,
         "queue": m.queue,
+        "kind": if m.backup { "backup" } else { "primary" },
         "from": m.from,
         "to": m.to,
         "state": state,

@@ -57,7 +57,8 @@ pub enum ClusterCommand {
     },
     /// Prints the moves of queue primaries that would even them out over the active
     /// members (each within one of an even share); --apply starts them, a few at a time,
-    /// each a catch-up then a switch.
+    /// each a catch-up then a switch, and then moves the backups onto each primary's ring
+    /// successors (which evens them too), each a catch-up of the new backup first.
     Rebalance {
         /// Starts the plan (every member plans the same from the cluster map and carries
         /// it out; the plan survives the crash of any member).
@@ -154,7 +155,12 @@ fn rebalance(conn: &Conn, ask: RebalanceAsk, wait: Option<Duration>) -> anyhow::
         println!("{view}");
     } else {
         print_moves(&view["plan"]);
+        let backups = view["backup_plan"].as_array().map_or(0, Vec::len);
+        println!(
+            "then the backups follow the ring ({backups} backup moves if the primaries stayed)"
+        );
         println!("primaries per member now: {}", view["primaries"]);
+        println!("backups per member now: {}", view["backups"]);
         match view["balanced"].as_bool() {
             Some(true) => println!("balanced: nothing to move"),
             _ => println!("not applied: run again with --apply to start it"),
@@ -206,11 +212,11 @@ fn summary(r: &serde_json::Value) -> String {
 }
 
 fn print_moves(moves: &serde_json::Value) {
-    let cols = ["vhost", "queue", "from", "to", "state"];
+    let cols = ["vhost", "queue", "kind", "from", "to", "state"];
     let rows: Vec<Vec<String>> = (moves.as_array().into_iter().flatten())
         .map(|m| cells(m, &cols))
         .collect();
-    table(&["vhost", "queue", "from", "to", "state"], &rows);
+    table(&["vhost", "queue", "kind", "from", "to", "state"], &rows);
 }
 
 /// `cluster drain`: marks the member draining, then with `wait` follows what it holds until

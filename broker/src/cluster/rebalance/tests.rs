@@ -48,18 +48,24 @@ fn apply(roles: &mut Roles, requests: Vec<(String, String, QueueRoles)>) {
     }
 }
 
-/// Switches every move under way, as the primaries would once their targets caught up.
+/// Finishes every change under way, as the primaries would once the new copies caught up:
+/// moves switch, replacements drop the old backup.
 fn switch_all(roles: &mut Roles, ring: &[String]) {
-    let moving: Vec<(String, String)> = roles
+    let changing: Vec<(String, String)> = roles
         .iter()
-        .filter(|(_, _, r)| r.moving_to.is_some())
+        .filter(|(_, _, r)| r.moving_to.is_some() || r.replacing.is_some())
         .map(|(v, q, _)| (v.to_owned(), q.to_owned()))
         .collect();
-    for (v, q) in moving {
+    for (v, q) in changing {
         let mut r = roles.get(&v, &q).unwrap().clone();
-        let to = r.moving_to.clone().unwrap();
-        r.mark_in_sync(&to);
-        assert!(r.switch(&to, ring));
+        if let Some(to) = r.moving_to.clone() {
+            r.mark_in_sync(&to);
+            assert!(r.switch(&to, ring));
+        } else if let Some(new) = r.replacing.as_deref().map(|x| x.new.clone()) {
+            r.mark_in_sync(&new);
+            r.reconcile(ring);
+            assert!(r.replacing.is_none(), "{r:?}");
+        }
         roles.set(&v, &q, Some(r));
     }
 }
@@ -121,6 +127,55 @@ fn moves_start_within_the_concurrency_and_the_plan_ends_done() {
     let held = roles.held();
     let primaries: Vec<u64> = ring.iter().map(|n| held[n].primaries).collect();
     assert_eq!(primaries, [2, 2, 2]);
+    // Then the backups followed the ring: each member backs its predecessor's two queues.
+    let backups: Vec<u64> = ring.iter().map(|n| held[n].backups).collect();
+    assert_eq!(backups, [2, 2, 2]);
+    assert!(r.moves.iter().any(|m| m.backup), "{r:?}");
+    assert!(backup_plan(&roles, &ring, &none).is_empty());
+    for (_, _, q) in roles.iter() {
+        let at = ring.iter().position(|n| *n == q.primary).unwrap();
+        assert_eq!(q.backups, [ring[(at + 1) % 3].clone()], "{q:?}");
+    }
+}
+
+#[test]
+fn a_replaced_backup_goes_only_once_the_new_one_is_in_sync() {
+    let m = membership(3);
+    let ring = roles::ring(&m);
+    let mut r = QueueRoles::new(1, "n1", 1, &ring);
+    r.mark_in_sync("n2");
+    assert_eq!(r.request_replace("n2", "n3", &ring), Ok(true));
+    assert_eq!(r.request_replace("n2", "n3", &ring), Ok(false));
+    assert!(r.request_move("n3", &ring).is_err(), "one change at a time");
+    r.reconcile(&ring);
+    assert_eq!(r.backups, ["n2", "n3"], "both while the new one catches up");
+    assert_eq!(r.in_sync, ["n2"]);
+    r.mark_in_sync("n3");
+    r.reconcile(&ring);
+    assert_eq!(
+        (r.backups.clone(), r.in_sync.clone()),
+        (vec!["n3".to_owned()], vec!["n3".to_owned()])
+    );
+    assert_eq!(r.replacing, None);
+    // Called off when the new backup restarts: it goes, the old one stays.
+    let mut r = QueueRoles::new(1, "n1", 1, &ring);
+    r.mark_in_sync("n2");
+    r.request_replace("n2", "n3", &ring).unwrap();
+    r.mark_in_sync("n3");
+    r.restarted("n3", &ring);
+    assert_eq!(
+        (r.backups.clone(), r.replacing.clone()),
+        (vec!["n2".to_owned()], None)
+    );
+    assert_eq!(r.in_sync, ["n2"]);
+    assert!(
+        r.request_replace("n1", "n3", &ring).is_err(),
+        "the primary is no backup"
+    );
+    assert!(
+        r.request_replace("n2", "n2", &ring).is_err(),
+        "a copy already"
+    );
 }
 
 #[test]
