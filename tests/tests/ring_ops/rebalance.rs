@@ -1,7 +1,8 @@
 //! `ringmqctl cluster rebalance`: thirty queues made on one member, with messages, are
 //! rebalanced over three — primaries even, every message still there. The plan is the
 //! cluster map's: the member that asked for it can be killed with -9 and the others carry
-//! it out; a receiving member lost half-way fails only the moves to it. Nothing is lost.
+//! it out; a receiving member lost half-way fails only the moves to it. Nothing is lost. A
+//! fourth member that joins gets its share.
 
 use crate::ctl;
 use lapin::BasicProperties;
@@ -305,4 +306,52 @@ async fn a_receiving_member_lost_half_way_fails_its_moves_and_the_others_are_mad
     let after = primaries(&members[0]).await;
     assert!(after.iter().all(|(_, n)| *n == 10), "{after:?}");
     assert_all_there(&members[1]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fourth_member_that_joins_gets_its_share_of_primaries_and_backups() {
+    let name = "ring-rebalance-join";
+    let (mut members, secret) = start_cluster(name, 3);
+    fill(&members[0]).await;
+    let (ok, out) = ctl(&members[1], &["cluster", "rebalance", "--apply", "--wait"]).await;
+    assert!(ok, "{out}");
+
+    // A new member joins: it holds nothing until the rebalance hands it its share.
+    let seeds: Vec<String> = members.iter().filter_map(|m| m.cluster.clone()).collect();
+    let seeds: Vec<&str> = seeds.iter().map(String::as_str).collect();
+    members.push(Broker::start_with_config(&member_yaml(
+        &format!("{name}-3"),
+        &seeds,
+        &secret,
+    )));
+    members[3].wait_ready(Duration::from_secs(30));
+    let view = get(&members[3], "/api/cluster/rebalance").await;
+    assert_eq!(view["primaries"][format!("{name}-3")], 0, "{view}");
+    assert_eq!(view["balanced"], false, "{view}");
+    let (ok, out) = ctl(&members[3], &["cluster", "rebalance", "--apply", "--wait"]).await;
+    assert!(ok, "{out}");
+    let members_json = get(&members[0], "/api/members").await;
+    let held: Vec<(u64, u64)> = (members_json.as_array().into_iter().flatten())
+        .map(|m| {
+            (
+                m["primaries"].as_u64().unwrap(),
+                m["backups"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(held.len(), 4, "{members_json}");
+    // 30 over 4: 8, 8, 7, 7 in some order; each member backs its predecessor's queues.
+    let mut primaries: Vec<u64> = held.iter().map(|h| h.0).collect();
+    primaries.sort_unstable();
+    assert_eq!(primaries, [7, 7, 8, 8], "{members_json}");
+    assert!(
+        held.iter().all(|h| (7..=8).contains(&h.1)),
+        "{members_json}"
+    );
+    assert_eq!(
+        get(&members[2], "/api/cluster/rebalance").await["balanced"],
+        true
+    );
+    assert_backups_in_sync(&members[1]).await;
+    assert_all_there(&members[3]).await;
 }
