@@ -4,7 +4,7 @@
 //! take images and commit in-sync changes.
 
 use super::Broker;
-use crate::amqp::{AMQPClass, FieldTable, exchange};
+use crate::amqp::{AMQPClass, exchange};
 use crate::clock::now_ms;
 use crate::cluster::QueueRoles;
 use crate::core::{DiskBody, Effects, MoveStep, VHost, WiringOp};
@@ -289,8 +289,9 @@ impl Broker {
     }
 }
 
-/// Whether cluster member `node` answers a round trip on its upstream link for `vhost`: a
-/// passive declare of `amq.direct`, which every vhost has and the member answers itself.
+/// Whether cluster member `node` answers a round trip on its upstream link for `vhost`:
+/// the catch-up declare of the proxies (a passive default-exchange declare) for index 0,
+/// which every member has applied, so the member answers it at once, itself.
 async fn answers(links: &Links, node: &str, vhost: &str) -> bool {
     let Ok(link) = links.upstream_link(node, vhost).await else {
         return false;
@@ -298,18 +299,8 @@ async fn answers(links: &Links, node: &str, vhost: &str) -> bool {
     let Ok(ch) = link.open_channel().await else {
         return false;
     };
-    let passive = AMQPClass::Exchange(exchange::AMQPMethod::Declare(exchange::Declare {
-        exchange: "amq.direct".into(),
-        kind: "direct".into(),
-        passive: true,
-        durable: false,
-        auto_delete: false,
-        internal: false,
-        nowait: false,
-        arguments: FieldTable::default(),
-    }));
     let answered = matches!(
-        ch.call(passive).await,
+        ch.call(crate::proxy::catch_up::declare(0)).await,
         Ok(Replied::Method(AMQPClass::Exchange(
             exchange::AMQPMethod::DeclareOk(_)
         )))

@@ -780,17 +780,10 @@ impl ClusterMap {
         match step {
             RebalanceStep::Start { concurrency } => {
                 if let Some(r) = self.rebalance.as_ref().filter(|r| !r.finished()) {
-                    let left = (r.moves.iter())
-                        .filter(|m| {
-                            matches!(
-                                m.state,
-                                super::MoveState::Pending | super::MoveState::Running
-                            )
-                        })
-                        .count();
                     return Err(AmqpError::precondition(format!(
-                        "a rebalance is under way ({left} of its {} moves left): wait for it \
-                         or stop it first",
+                        "a rebalance is under way ({} of its {} moves left): wait for it or \
+                         stop it first",
+                        r.moves_left(),
                         r.moves.len()
                     )));
                 }

@@ -43,6 +43,13 @@ pub enum MoveState {
     Skipped,
 }
 
+impl MoveState {
+    /// Pending or under way: not over.
+    fn is_open(&self) -> bool {
+        matches!(self, Self::Pending | Self::Running)
+    }
+}
+
 /// One queue's primary moving, or one of its backups replaced, as the plan has it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PlannedMove {
@@ -95,11 +102,12 @@ impl Rebalance {
 
     /// Whether no move is pending or under way, and none is left to plan.
     pub fn finished(&self) -> bool {
-        (self.backups_planned || self.stopped)
-            && !self
-                .moves
-                .iter()
-                .any(|m| matches!(m.state, MoveState::Pending | MoveState::Running))
+        (self.backups_planned || self.stopped) && self.moves_left() == 0
+    }
+
+    /// The moves pending or under way.
+    pub fn moves_left(&self) -> usize {
+        self.moves.iter().filter(|m| m.state.is_open()).count()
     }
 
     /// One word for where it is: `running`, `done` (every move made), `failed` (some could
@@ -145,36 +153,14 @@ impl Rebalance {
                 .filter(|r| r.incarnation == m.incarnation)
         };
         for m in &mut self.moves {
-            if m.state != MoveState::Running {
-                continue;
+            if m.state == MoveState::Running
+                && let Some(ended) = m.ended(current(m))
+            {
+                m.state = ended;
+                changed = true;
             }
-            let replacing = |r: &QueueRoles| {
-                (r.replacing.as_deref()).is_some_and(|x| x.old == m.from && x.new == m.to)
-            };
-            let replaced =
-                |r: &QueueRoles| r.backups.contains(&m.to) && !r.backups.contains(&m.from);
-            let next = match current(m) {
-                None => MoveState::Failed("the queue was deleted".to_owned()),
-                Some(r) if m.backup && replacing(r) => continue,
-                Some(r) if m.backup && replaced(r) => MoveState::Done,
-                Some(_) if m.backup => MoveState::Failed(
-                    "the backup's replacement was called off (the new backup left, restarted \
-                     or was drained, or the primary changed)"
-                        .to_owned(),
-                ),
-                Some(r) if r.moving_to.as_deref() == Some(m.to.as_str()) => continue,
-                Some(r) if r.primary == m.to => MoveState::Done,
-                Some(_) => MoveState::Failed(
-                    "the move was called off (its target left, restarted or was drained, or \
-                     did not catch up in time)"
-                        .to_owned(),
-                ),
-            };
-            m.state = next;
-            changed = true;
         }
-        let open = |m: &PlannedMove| matches!(m.state, MoveState::Pending | MoveState::Running);
-        if !self.stopped && !self.backups_planned && !self.moves.iter().any(open) {
+        if !self.stopped && !self.backups_planned && self.moves_left() == 0 {
             // The primaries are where the plan put them: now the backups follow the ring.
             self.moves.extend(backup_plan(roles, ring, draining));
             self.backups_planned = true;
@@ -185,70 +171,100 @@ impl Rebalance {
             .filter(|m| m.state == MoveState::Running)
             .map(|m| (m.vhost.clone(), m.queue.clone()))
             .collect();
-        let mut under_way = busy.len();
         for m in &mut self.moves {
-            if self.stopped || under_way >= self.concurrency as usize {
+            if self.stopped || busy.len() >= self.concurrency as usize {
                 break;
             }
-            if m.state != MoveState::Pending || busy.contains(&(m.vhost.clone(), m.queue.clone())) {
+            let queue = (m.vhost.clone(), m.queue.clone());
+            if m.state != MoveState::Pending || busy.contains(&queue) {
                 // One change of a queue's roles at a time.
                 continue;
             }
             changed = true;
-            let Some(r) = current(m) else {
-                m.state = MoveState::Failed("the queue was deleted".to_owned());
-                continue;
+            m.state = match m.start(current(m), ring, draining) {
+                Ok(Start::Made) => MoveState::Done,
+                Ok(Start::Running(change)) => {
+                    if let Some(now) = change {
+                        requests.push((queue.0.clone(), queue.1.clone(), now));
+                    }
+                    busy.insert(queue);
+                    MoveState::Running
+                }
+                Err(why) => MoveState::Failed(why),
             };
-            if m.backup {
-                if draining.contains(&m.to) {
-                    m.state = MoveState::Failed(format!("'{}' is being drained", m.to));
-                    continue;
-                }
-                let mut now = r.clone();
-                match now.request_replace(&m.from, &m.to, ring) {
-                    Ok(started) => {
-                        if started {
-                            now.reconcile_with(ring, draining);
-                            requests.push((m.vhost.clone(), m.queue.clone(), now));
-                        }
-                        m.state = MoveState::Running;
-                        busy.insert((m.vhost.clone(), m.queue.clone()));
-                        under_way += 1;
-                    }
-                    Err(why) => m.state = MoveState::Failed(why),
-                }
-                continue;
-            }
-            if r.primary == m.to {
-                m.state = MoveState::Done;
-                continue;
-            }
-            if r.primary != m.from {
-                m.state = MoveState::Failed(format!(
-                    "its primary changed to '{}' since the plan was made",
-                    r.primary
-                ));
-                continue;
-            }
-            if draining.contains(&m.to) {
-                m.state = MoveState::Failed(format!("'{}' is being drained", m.to));
-                continue;
-            }
-            let mut now = r.clone();
-            match now.request_move(&m.to, ring) {
-                Ok(started) => {
-                    if started {
-                        now.reconcile_with(ring, draining);
-                        requests.push((m.vhost.clone(), m.queue.clone(), now));
-                    }
-                    m.state = MoveState::Running;
-                    busy.insert((m.vhost.clone(), m.queue.clone()));
-                    under_way += 1;
-                }
-                Err(why) => m.state = MoveState::Failed(why),
-            }
         }
         (requests, changed)
+    }
+}
+
+/// What starting a pending move came to.
+enum Start {
+    /// Nothing to do: the target is the primary already.
+    Made,
+    /// Under way, with the roles to set (`None` when they record it already).
+    Running(Option<QueueRoles>),
+}
+
+impl PlannedMove {
+    /// Where this move, under way, stands by the queue's roles now (`None`: the queue is
+    /// gone or another incarnation): `None` while it runs, else done or failed.
+    fn ended(&self, roles: Option<&QueueRoles>) -> Option<MoveState> {
+        let Some(r) = roles else {
+            return Some(MoveState::Failed("the queue was deleted".to_owned()));
+        };
+        let (running, done, why) = if self.backup {
+            (
+                (r.replacing.as_deref()).is_some_and(|x| x.old == self.from && x.new == self.to),
+                r.backups.contains(&self.to) && !r.backups.contains(&self.from),
+                "the backup's replacement was called off (the new backup left, restarted or \
+                 was drained, or the primary changed)",
+            )
+        } else {
+            (
+                r.moving_to.as_deref() == Some(self.to.as_str()),
+                r.primary == self.to,
+                "the move was called off (its target left, restarted or was drained, or did \
+                 not catch up in time)",
+            )
+        };
+        match (running, done) {
+            (true, _) => None,
+            (false, true) => Some(MoveState::Done),
+            (false, false) => Some(MoveState::Failed(why.to_owned())),
+        }
+    }
+
+    /// Starts this pending move on the queue's roles now, or says why it cannot be made.
+    fn start(
+        &self,
+        roles: Option<&QueueRoles>,
+        ring: &[String],
+        draining: &BTreeSet<String>,
+    ) -> Result<Start, String> {
+        let r = roles.ok_or("the queue was deleted")?;
+        if !self.backup && r.primary == self.to {
+            return Ok(Start::Made);
+        }
+        if !self.backup && r.primary != self.from {
+            return Err(format!(
+                "its primary changed to '{}' since the plan was made",
+                r.primary
+            ));
+        }
+        if draining.contains(&self.to) {
+            return Err(format!("'{}' is being drained", self.to));
+        }
+        let mut now = r.clone();
+        let started = if self.backup {
+            now.request_replace(&self.from, &self.to, ring)?
+        } else {
+            now.request_move(&self.to, ring)?
+        };
+        if !started {
+            return Ok(Start::Running(None));
+        }
+        now.reconcile_with(ring, draining);
+        Ok(Start::Running(Some(now)))
     }
 }
 

@@ -57,10 +57,10 @@ pub struct QueueRoles {
     #[serde(default)]
     pub moving_to: Option<String>,
     /// A backup being replaced by another (`cluster rebalance` puts the backups on the
-    /// primary's ring successors): `(old, new)`. `new` is a backup beside `old` — one more
-    /// than `k` — and catches up; once it is in sync `old` goes, so the queue never has
-    /// fewer in-sync copies than before. Called off when either stops being a backup, `new`
-    /// leaves, restarts or is drained, or the primary changes.
+    /// primary's ring successors): `new` is a backup beside `old` — one more than `k` — and
+    /// catches up; once it is in sync `old` goes, so the queue never has fewer in-sync
+    /// copies than before. Called off when `new` leaves, restarts or is drained, or the
+    /// primary changes; over when `old` leaves (or is drained away) first.
     #[serde(default)]
     pub replacing: Option<Box<Replacement>>,
 }
@@ -116,14 +116,13 @@ impl QueueRoles {
             self.end_move();
         }
         if let Some(Replacement { old, new }) = self.replacing.as_deref().cloned() {
-            if !live(&old) || !self.backups.contains(&old) {
+            if !live(&old) {
                 // The old backup goes anyway: the new one stays, as an ordinary backup.
                 self.replacing = None;
             } else if !live(&self.primary)
                 || draining.contains(&self.primary)
                 || !live(&new)
                 || draining.contains(&new)
-                || !self.backups.contains(&new)
             {
                 self.end_replace();
             } else if self.in_sync.contains(&new) {

@@ -138,7 +138,6 @@ struct RebalanceAsk {
 fn rebalance(conn: &Conn, ask: RebalanceAsk, wait: Option<Duration>) -> anyhow::Result<()> {
     const PATH: &str = "/api/cluster/rebalance";
     let c = client(conn);
-    let view = send(&c, "GET", PATH, None)?.body;
     if ask.stop {
         let now = send(&c, "POST", &format!("{PATH}/stop"), None)?.body;
         println!("rebalance: {}", summary(&now));
@@ -152,8 +151,9 @@ fn rebalance(conn: &Conn, ask: RebalanceAsk, wait: Option<Duration>) -> anyhow::
             println!("rebalance started: {}", summary(&now));
         }
     } else if conn.json {
-        println!("{view}");
+        println!("{}", send(&c, "GET", PATH, None)?.body);
     } else {
+        let view = send(&c, "GET", PATH, None)?.body;
         print_moves(&view["plan"]);
         let backups = view["backup_plan"].as_array().map_or(0, Vec::len);
         println!(
