@@ -117,6 +117,11 @@ pub struct Config {
     pub cluster_name: String,
     /// Failure zone of this node (free text, e.g. a rack or availability zone).
     pub zone: String,
+    /// Where this member goes on the cluster's ring when it first joins: among the members
+    /// with a `ring_order`, after those with a lower or equal one (a StatefulSet's pod
+    /// ordinal, say). Unset, the planner picks the gap that keeps zones apart and ships the
+    /// fewest backups. A member keeps its place when it restarts.
+    pub ring_order: Option<u32>,
     /// Also put the per-queue gauges of `/metrics/detailed` on `/metrics`.
     pub metrics_per_queue: bool,
     /// At most this many queues get per-queue series (bounds label cardinality).
@@ -236,6 +241,7 @@ impl Default for Config {
             node_id: default_node_id(),
             cluster_name: "ringmq".to_owned(),
             zone: String::new(),
+            ring_order: None,
             metrics_per_queue: false,
             metrics_max_queues: 10_000,
             data_dir: PathBuf::from("data"),

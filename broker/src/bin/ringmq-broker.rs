@@ -41,6 +41,14 @@ struct Args {
     /// This node's id in the admin API and the cluster [default: ringmq@HOSTNAME].
     #[arg(long, env = "RINGMQ_NODE_ID", value_name = "ID")]
     node_id: Option<String>,
+    /// Failure zone of this node (a rack or availability zone): the ring keeps members of
+    /// one zone apart, so a queue's backups sit in other zones than its primary.
+    #[arg(long, env = "RINGMQ_ZONE", value_name = "ZONE")]
+    zone: Option<String>,
+    /// Where this member goes on the ring when it first joins (see `ring_order` in the
+    /// README's configuration table).
+    #[arg(long, env = "RINGMQ_RING_ORDER", value_name = "N")]
+    ring_order: Option<u32>,
     /// An administrator user to create at start (with --default-pass); how the operator
     /// hands a cluster its default user from a Kubernetes Secret.
     #[arg(
@@ -226,6 +234,12 @@ fn load_config(args: Args) -> anyhow::Result<Config> {
     if let Some(host) = args.advertise_host {
         config.advertise_host = Some(host);
     }
+    if let Some(zone) = args.zone {
+        config.zone = zone;
+    }
+    if let Some(order) = args.ring_order {
+        config.ring_order = Some(order);
+    }
     if let Some(id) = args.node_id {
         config.node_id = id;
     }
@@ -329,6 +343,8 @@ async fn join_cluster(
             admin: advertised(admin_addr),
             zone: config.zone.clone(),
             default_backups: config.default_backups,
+            ring_order: config.ring_order,
+            places_ring: true,
             process: rand08::random::<u64>().max(1),
         },
         join_timeout: std::time::Duration::from_millis(config.cluster_join_timeout_ms),

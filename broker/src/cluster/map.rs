@@ -7,7 +7,7 @@
 
 use super::membership::Membership;
 use super::message::{ClusterMsg, Snapshot};
-use super::rebalance::Rebalance;
+use super::rebalance::{self, Rebalance};
 use super::roles::{self, QueueRoles, Roles};
 use crate::core::AmqpError;
 use crate::core::args::QueueArgs;
@@ -477,7 +477,7 @@ impl ClusterMap {
                 let ids: Vec<MemberId> = members.iter().map(|m| m.id).collect();
                 self.membership.on_conf_change(&ids);
                 self.membership.changed_at(index);
-                let ring = roles::ring(&self.membership);
+                let ring = self.membership.ring();
                 let draining = self.membership.draining().clone();
                 self.update_roles(actions, |r| r.reconcile_with(&ring, &draining));
                 let lost = self.sessions.members_are(&ring);
@@ -507,12 +507,21 @@ impl ClusterMap {
                                 && (old.process == 0 || old.process != info.process)
                         })
                         .then(|| info.node_id.clone());
+                    let at = rebalance::insertion(&self.roles, &self.membership, &info);
+                    let (node, order) = (info.node_id.clone(), info.ring_order);
                     self.membership.on_hello(sender, info);
+                    if self.membership.place(&node, order, at) {
+                        tracing::info!(
+                            member = %node,
+                            ring = ?self.membership.ring(),
+                            "a new member took its place on the ring"
+                        );
+                    }
                     self.membership.changed_at(index);
                     if sender == self.me && self.live {
                         self.announced = true;
                     }
-                    let ring = roles::ring(&self.membership);
+                    let ring = self.membership.ring();
                     let draining = self.membership.draining().clone();
                     match restarted {
                         Some(node) => {
@@ -640,7 +649,7 @@ impl ClusterMap {
             return Some(Ok(()));
         }
         if let WiringOp::Rebalance(step) = op {
-            return Some(self.apply_rebalance_op(index, *step, actions));
+            return Some(self.apply_rebalance_op(index, step.clone(), actions));
         }
         let (queue, incarnation, node, in_sync) = match op {
             WiringOp::BackupInSync {
@@ -677,7 +686,7 @@ impl ClusterMap {
         };
         if changed {
             // A backup in sync may let a draining one go (`QueueRoles::reconcile_with`).
-            now.reconcile_with(&roles::ring(&self.membership), self.membership.draining());
+            now.reconcile_with(&self.membership.ring(), self.membership.draining());
             self.set_roles(vhost, queue, now, actions);
             Some(Ok(()))
         } else if in_sync && !now.in_sync.contains(node) {
@@ -714,7 +723,7 @@ impl ClusterMap {
                 ))),
             };
         };
-        let ring = roles::ring(&self.membership);
+        let ring = self.membership.ring();
         let draining = self.membership.draining();
         if step == MoveStep::Request && draining.contains(to) {
             return Err(AmqpError::precondition(format!(
@@ -753,7 +762,7 @@ impl ClusterMap {
         if !self.membership.set_draining(node, draining) {
             return;
         }
-        let ring = roles::ring(&self.membership);
+        let ring = self.membership.ring();
         let marked = self.membership.draining().clone();
         self.update_roles(actions, |r| {
             // Undrained: a move the drain started, not switched yet, is called off.
@@ -797,6 +806,35 @@ impl ClusterMap {
                     actions.push(Action::RebalanceChanged);
                 }
             }
+            RebalanceStep::Join { node } => {
+                if !self.membership.take_newcomer(&node) {
+                    // Its share was handed over already (a retried send).
+                    return Ok(());
+                }
+                actions.push(Action::MembershipChanged);
+                if self.roles.iter().next().is_none() {
+                    return Ok(());
+                }
+                if let Some(r) = self.rebalance.as_ref().filter(|r| !r.finished()) {
+                    tracing::warn!(
+                        member = %node,
+                        moves_left = r.moves_left(),
+                        "a new member joined during a rebalance: it gets its share from the \
+                         next `cluster rebalance --apply`"
+                    );
+                    return Ok(());
+                }
+                let plan = Rebalance::join(index, &node, &self.roles, &self.membership);
+                tracing::info!(
+                    member = %node,
+                    between = ?plan.scope,
+                    primary_moves = plan.moves.len(),
+                    "handing a new member its share of the queues"
+                );
+                self.rebalance = Some(plan);
+                actions.push(Action::RebalanceChanged);
+                self.advance_rebalance(actions);
+            }
         }
         Ok(())
     }
@@ -808,7 +846,7 @@ impl ClusterMap {
         let Some(r) = self.rebalance.as_mut().filter(|r| !r.finished()) else {
             return;
         };
-        let ring = roles::ring(&self.membership);
+        let ring = self.membership.ring();
         let (requests, changed) = r.advance(&self.roles, &ring, self.membership.draining());
         for (vhost, queue, now) in requests {
             self.set_roles(&vhost, &queue, now, actions);
@@ -864,7 +902,7 @@ impl ClusterMap {
                         .and_then(|m| m.info.as_ref())
                         .map_or(roles::DEFAULT_BACKUPS, |i| i.default_backups)
                 });
-                let ring = roles::ring(&self.membership);
+                let ring = self.membership.ring();
                 let mut now = QueueRoles::new(index, home, k, &ring);
                 now.reconcile_with(&ring, self.membership.draining());
                 self.set_roles(vhost, name, now, actions);

@@ -7,6 +7,30 @@ use crate::cpg::MemberId;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
 
+/// Where a member goes in the ring when it is new: a configured order (`ring_order`), or
+/// before a member the planner chose, or at the end.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Insertion {
+    /// Among the members with a configured order, after those with a lower or equal one.
+    Order(u32),
+    /// Before this member (the planner's choice of gap).
+    Before(String),
+    /// After every member.
+    End,
+}
+
+/// One place on the ring. It outlives the member's stay in the group, so that a member
+/// that restarts or comes back after a partition takes its old place, and its neighbours
+/// keep backing the same queues.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RingSlot {
+    /// Node id of the member the place is for.
+    pub node: String,
+    /// Its configured `ring_order`, if it had one when it was placed.
+    #[serde(default)]
+    pub order: Option<u32>,
+}
+
 /// What a member announces about itself once it has joined.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MemberInfo {
@@ -26,6 +50,16 @@ pub struct MemberInfo {
     /// announces none: [`super::roles::DEFAULT_BACKUPS`]).
     #[serde(default = "default_backups")]
     pub default_backups: u8,
+    /// Its configured `ring_order`: where a new member goes on the ring (among the members
+    /// with one, after those with a lower or equal order). `None`: the planner picks the gap.
+    #[serde(default)]
+    pub ring_order: Option<u32>,
+    /// It keeps the ring's places ([`RingSlot`]); false from a member that predates them,
+    /// which orders the ring by join order. Until every announced member keeps them, nobody
+    /// is placed and the ring is join order on every member, so a rolling upgrade never has
+    /// two members disagree on it (nor sends a claim an old member cannot read).
+    #[serde(default)]
+    pub places_ring: bool,
     /// A random nonce of the process that announced it: a second hello with the same nonce
     /// is that process retrying a send that timed out, not a restart in place (which hands
     /// its primaries over to in-sync backups while it may still be serving them). 0 from a
@@ -49,10 +83,18 @@ pub struct MemberState {
     pub synced: bool,
 }
 
-/// The members in ring order (join order).
+/// The members of the group (in join order) and the ring they sit on.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Membership {
     members: Vec<MemberState>,
+    /// Every member ever placed, in ring order, present or not (see [`RingSlot`]). Empty in
+    /// a map saved before it existed: [`Membership::ring`] then falls back to join order.
+    #[serde(default)]
+    ring: Vec<RingSlot>,
+    /// Node ids placed on the ring as new members of a cluster that had members already,
+    /// whose share of the queues has not been handed to them yet (`RebalanceStep::Join`).
+    #[serde(default)]
+    newcomers: BTreeSet<String>,
     /// Agreed index of the newest event that changed the ring — a configuration change or a
     /// hello — or switched a queue's primary by a planned move, which is what every queue's
     /// primary follows: two members that name this same index name the same primaries. The fault suite's two-primaries checker compares
@@ -89,6 +131,101 @@ impl Membership {
         if let Some(m) = self.members.iter_mut().find(|m| m.id == id) {
             m.info = Some(info);
         }
+    }
+
+    /// Whether `node` has a place on the ring (it was placed before, present or not).
+    pub fn is_placed(&self, node: &str) -> bool {
+        self.ring.iter().any(|s| s.node == node)
+    }
+
+    /// Gives `node` its place on the ring, unless it has one: where `at` says. A node that
+    /// joins a ring with members already is a newcomer until its share is handed to it
+    /// ([`Membership::take_newcomer`]). Returns whether it is new to the ring.
+    pub fn place(&mut self, node: &str, order: Option<u32>, at: Insertion) -> bool {
+        if !self.all_place_ring() {
+            return false;
+        }
+        self.adopt_unplaced(node);
+        if self.is_placed(node) {
+            return false;
+        }
+        let index = match at {
+            Insertion::Order(mine) => self
+                .ring
+                .iter()
+                .position(|s| s.order.is_some_and(|o| o > mine))
+                .unwrap_or(self.ring.len()),
+            Insertion::Before(other) => {
+                (self.ring.iter().position(|s| s.node == other)).unwrap_or(self.ring.len())
+            }
+            Insertion::End => self.ring.len(),
+        };
+        let slot = RingSlot {
+            node: node.to_owned(),
+            order,
+        };
+        self.ring.insert(index, slot);
+        if self.ring().iter().any(|n| n != node) {
+            self.newcomers.insert(node.to_owned());
+        }
+        true
+    }
+
+    /// Places the announced members a map from before the ring existed knows only by join
+    /// order, at the end in that order (all but `except`, which is being placed).
+    fn adopt_unplaced(&mut self, except: &str) {
+        for m in &self.members {
+            if let Some(info) = &m.info
+                && info.node_id != except
+                && !self.ring.iter().any(|s| s.node == info.node_id)
+            {
+                self.ring.push(RingSlot {
+                    node: info.node_id.clone(),
+                    order: info.ring_order,
+                });
+            }
+        }
+    }
+
+    /// Whether every announced member keeps the ring's places (see
+    /// [`MemberInfo::places_ring`]).
+    fn all_place_ring(&self) -> bool {
+        (self.members.iter())
+            .filter_map(|m| m.info.as_ref())
+            .all(|i| i.places_ring)
+    }
+
+    /// Whether `node` was placed as a newcomer and still waits for its share.
+    pub fn is_newcomer(&self, node: &str) -> bool {
+        self.newcomers.contains(node)
+    }
+
+    /// `node` got its share (or will not): it is a newcomer no more. Returns whether it was.
+    pub fn take_newcomer(&mut self, node: &str) -> bool {
+        self.newcomers.remove(node)
+    }
+
+    /// Node ids of the members whose hello arrived, in ring order: who may hold a role now.
+    /// Placed members first, in their places; then any announced member not placed (a map
+    /// from before the ring existed), in join order. Join order alone while a member that
+    /// predates the places is announced.
+    pub fn ring(&self) -> Vec<String> {
+        let announced: Vec<&str> = (self.members.iter())
+            .filter_map(|m| m.info.as_ref().map(|i| i.node_id.as_str()))
+            .collect();
+        if !self.all_place_ring() {
+            return announced.into_iter().map(str::to_owned).collect();
+        }
+        let mut ring: Vec<String> = (self.ring.iter())
+            .filter(|s| announced.contains(&s.node.as_str()))
+            .map(|s| s.node.clone())
+            .collect();
+        for n in announced {
+            if !ring.iter().any(|r| r == n) {
+                ring.push(n.to_owned());
+            }
+        }
+        ring
     }
 
     /// The ring changed at agreed `index` (a configuration change or a hello was applied).
@@ -183,6 +320,8 @@ mod tests {
             admin: String::new(),
             zone: String::new(),
             default_backups: 1,
+            ring_order: None,
+            places_ring: true,
             process: 0,
         }
     }
@@ -221,5 +360,33 @@ mod tests {
         assert_eq!(m.known_hosts(), vec!["127.0.0.1:5673", "127.0.0.1:5671"]);
         m.on_conf_change(&[10]);
         assert_eq!(m.known_hosts(), vec!["127.0.0.1:5671"]);
+    }
+
+    #[test]
+    fn while_a_member_predates_the_places_the_ring_is_join_order_and_nobody_is_placed() {
+        let mut m = Membership::default();
+        m.on_conf_change(&[10]);
+        m.on_hello(10, info(1));
+        assert!(m.place("n1", None, Insertion::End), "alone: placed");
+        m.on_conf_change(&[10, 20, 30]);
+        m.on_hello(
+            20,
+            MemberInfo {
+                places_ring: false,
+                ..info(2)
+            },
+        );
+        m.on_hello(30, info(3));
+        assert!(!m.place("n3", Some(0), Insertion::Order(0)), "n2 is old");
+        assert_eq!(m.ring(), ["n1", "n2", "n3"]);
+        assert!(!m.is_newcomer("n3"), "no claim an old member cannot read");
+        // n2 upgraded (restarted in place): from its next hello on, places are kept, the
+        // members announced before placed in join order.
+        m.on_hello(20, info(2));
+        m.on_conf_change(&[10, 20, 30, 40]);
+        m.on_hello(40, info(4));
+        assert!(m.place("n4", None, Insertion::Before("n2".into())));
+        assert_eq!(m.ring(), ["n1", "n4", "n2", "n3"]);
+        assert!(m.is_newcomer("n4"));
     }
 }

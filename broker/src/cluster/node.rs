@@ -8,7 +8,7 @@ use super::message::ClusterMsg;
 use super::rebalance::{PlannedMove, Rebalance};
 use super::roles::{QueueRoles, Roles};
 use crate::core::AmqpError;
-use crate::core::{OpReply, WiringOp};
+use crate::core::{OpReply, RebalanceStep, WiringOp};
 use crate::cpg::{Cpg, CpgConfig, CpgError, CpgEvent, CpgEvents, MemberId, SyncPoint};
 use crate::session::directory::{SessionDirectory, SessionRecord};
 use bytes::Bytes;
@@ -225,6 +225,7 @@ impl Cluster {
             saving: None,
             last_save: Instant::now(),
             sync_point: None,
+            share_claimed: false,
         };
         tokio::spawn(applier.run(events));
         tracing::info!(
@@ -281,6 +282,8 @@ impl Cluster {
             Some("waiting for this member's own announcement to the cluster to be applied".into())
         } else if !p.caught_up {
             Some("catching up with the cluster's newest changes".into())
+        } else if self.membership.read().is_newcomer(&self.node_id) {
+            Some("new to the ring: waiting for its share of the queues to be handed over".into())
         } else {
             None
         }
@@ -440,7 +443,7 @@ impl Cluster {
     pub fn rebalance_plan(&self) -> Vec<PlannedMove> {
         let roles = self.roles.read();
         let membership = self.membership.read();
-        super::rebalance::plan(&roles, &membership)
+        super::rebalance::plan(&roles, &membership, None)
     }
 
     /// The backup moves a rebalance would plan if the primaries stayed where they are now
@@ -448,13 +451,13 @@ impl Cluster {
     pub fn rebalance_backup_plan(&self) -> Vec<PlannedMove> {
         let roles = self.roles.read();
         let membership = self.membership.read();
-        let ring = super::roles::ring(&membership);
+        let ring = membership.ring();
         super::rebalance::backup_plan(&roles, &ring, membership.draining())
     }
 
     /// Node ids of the members that announced themselves, in ring order.
     pub fn ring(&self) -> Vec<String> {
-        super::roles::ring(&self.membership.read())
+        self.membership.read().ring()
     }
 
     /// AMQP addresses of the live members (`known-hosts`).
@@ -599,6 +602,8 @@ struct Applier<H> {
     last_save: Instant,
     /// The read index this member catches up to before it serves.
     sync_point: Option<SyncPoint>,
+    /// This process asked for its share of the queues as a member new to the ring.
+    share_claimed: bool,
 }
 
 impl<H: ClusterHost> Applier<H> {
@@ -653,6 +658,7 @@ impl<H: ClusterHost> Applier<H> {
         self.cluster.event_begun.store(index, Ordering::SeqCst);
         let actions = self.map.on_event(ev, &mut self.host)?;
         self.act(actions);
+        self.claim_share();
         self.cluster.event_ended.store(index, Ordering::SeqCst);
         if !started && self.map.is_synced() {
             self.host.event_applied(index);
@@ -834,6 +840,29 @@ impl<H: ClusterHost> Applier<H> {
     fn announce(&self) {
         let msg = ClusterMsg::Hello(self.info.clone());
         self.multicast_until_committed(msg, "announcing this member to the cluster");
+    }
+
+    /// A member new to the ring, once it holds the map, asks for its share of the queues
+    /// ([`RebalanceStep::Join`]): once per process, and again by the next process if this
+    /// one dies before it commits (the map keeps it a newcomer until then). Not through
+    /// [`Cluster::submit`], which waits for readiness: a newcomer is not ready until then.
+    fn claim_share(&mut self) {
+        let me = &self.cluster.node_id;
+        if self.share_claimed
+            || !self.map.is_synced()
+            || !self.map.is_live()
+            || !self.map.membership().is_newcomer(me)
+        {
+            return;
+        }
+        self.share_claimed = true;
+        let msg = ClusterMsg::Op {
+            origin: self.cluster.me,
+            request: self.cluster.next_request.fetch_add(1, Ordering::Relaxed),
+            vhost: String::new(),
+            op: WiringOp::Rebalance(RebalanceStep::Join { node: me.clone() }),
+        };
+        self.multicast_until_committed(msg, "claiming this new member's share of the queues");
     }
 
     /// Multicasts `msg` again after every failure until it commits or this member stops.

@@ -14,9 +14,11 @@
 //! plan records it as failed. Each move is an ordinary planned move (catch-up, then switch),
 //! so nothing confirmed is ever at risk.
 
-use super::membership::Membership;
-use super::roles::{self, QueueRoles, Roles};
-use ringmq_planner::{Assignment, Member, Placement, RebalanceBounds, rebalance_plan};
+use super::membership::{Insertion, MemberInfo, Membership};
+use super::roles::{QueueRoles, Roles};
+use ringmq_planner::{
+    Assignment, Member, Placement, RebalanceBounds, insertion_point, rebalance_plan,
+};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -85,6 +87,16 @@ pub struct Rebalance {
     /// The backup moves were planned and appended.
     #[serde(default)]
     pub backups_planned: bool,
+    /// The member whose join started it ([`RebalanceStep::Join`]): it and its neighbours
+    /// on the ring hand it its share; `None` for `cluster rebalance --apply`.
+    ///
+    /// [`RebalanceStep::Join`]: crate::core::RebalanceStep::Join
+    #[serde(default)]
+    pub joined: Option<String>,
+    /// The members that take part: a join's new member and its neighbours. Empty: every
+    /// active member.
+    #[serde(default)]
+    pub scope: Vec<String>,
 }
 
 impl Rebalance {
@@ -95,9 +107,39 @@ impl Rebalance {
             started_at: index,
             concurrency: concurrency.clamp(1, MAX_CONCURRENCY),
             stopped: false,
-            moves: plan(roles, membership),
+            moves: plan(roles, membership, None),
             backups_planned: false,
+            joined: None,
+            scope: Vec::new(),
         }
+    }
+
+    /// The handover to `node`, new to the ring, started at agreed `index`: it and its ring
+    /// neighbours even out their primaries, then every queue whose backups should now be on
+    /// it ships it a copy (and the queues of the three get their backups on their ring
+    /// successors). `cluster rebalance --apply` evens out the rest of the ring.
+    pub fn join(index: u64, node: &str, roles: &Roles, membership: &Membership) -> Self {
+        let scope = join_scope(membership, node);
+        Self {
+            started_at: index,
+            concurrency: DEFAULT_CONCURRENCY,
+            stopped: false,
+            moves: plan(roles, membership, Some(&scope)),
+            backups_planned: false,
+            joined: Some(node.to_owned()),
+            scope,
+        }
+    }
+
+    /// Whether a planned backup move is this rebalance's to make: any, unless it is a
+    /// join's handover, which ships copies to the new member and fixes the backups of the
+    /// queues its scope is the primary of.
+    fn takes_part(&self, m: &PlannedMove, roles: &Roles) -> bool {
+        let Some(joined) = &self.joined else {
+            return true;
+        };
+        m.to == *joined
+            || (roles.get(&m.vhost, &m.queue)).is_some_and(|r| self.scope.contains(&r.primary))
     }
 
     /// Whether no move is pending or under way, and none is left to plan.
@@ -162,7 +204,11 @@ impl Rebalance {
         }
         if !self.stopped && !self.backups_planned && self.moves_left() == 0 {
             // The primaries are where the plan put them: now the backups follow the ring.
-            self.moves.extend(backup_plan(roles, ring, draining));
+            let backups = backup_plan(roles, ring, draining);
+            let ours: Vec<PlannedMove> = (backups.into_iter())
+                .filter(|m| self.takes_part(m, roles))
+                .collect();
+            self.moves.extend(ours);
             self.backups_planned = true;
             changed = true;
         }
@@ -306,28 +352,36 @@ pub fn backup_plan(
     moves
 }
 
-/// The moves that even out the primaries over the active members (in the map's ring,
-/// not draining), all pending. Queues that are unavailable, already moving, or whose
-/// primary is draining or gone stay out of it (a drain or an election decides those).
-pub fn plan(roles: &Roles, membership: &Membership) -> Vec<PlannedMove> {
+/// The members of the ring, in ring order, with their zones, as the planner takes them:
+/// those in `scope` if there is one, never the draining ones.
+fn planner_ring(membership: &Membership, scope: Option<&[String]>) -> Vec<Member> {
     let draining = membership.draining();
     let zones: BTreeMap<&str, &str> = (membership.members().iter())
         .filter_map(|m| m.info.as_ref())
         .map(|i| (i.node_id.as_str(), i.zone.as_str()))
         .collect();
-    let ring: Vec<Member> = roles::ring(membership)
+    membership
+        .ring()
         .into_iter()
-        .filter(|n| !draining.contains(n))
+        .filter(|n| !draining.contains(n) && scope.is_none_or(|s| s.contains(n)))
         .map(|n| {
             let zone = zones.get(n.as_str()).copied().unwrap_or_default();
             Member::new(n, zone)
         })
-        .collect();
-    let active: BTreeSet<&str> = ring.iter().map(|m| m.id.as_str()).collect();
-    // Resource ids that sort as (vhost, queue) and cannot collide.
-    let mut queues: BTreeMap<String, (&str, &str, &QueueRoles)> = BTreeMap::new();
+        .collect()
+}
+
+/// Queues a plan may move, by resource id: (vhost, queue, roles).
+type Plannable<'r> = BTreeMap<String, (&'r str, &'r str, &'r QueueRoles)>;
+
+/// The queues whose primary is on `ring` and may be planned for (not unavailable, not
+/// moving), keyed by resource ids that sort as (vhost, queue) and cannot collide, and the
+/// planner's placement of them.
+fn placement(roles: &Roles, ring: Vec<Member>) -> (Placement, Plannable<'_>) {
+    let on_ring: BTreeSet<String> = ring.iter().map(|m| m.id.clone()).collect();
+    let mut queues = BTreeMap::new();
     for (vhost, queue, r) in roles.iter() {
-        if r.unavailable || r.moving_to.is_some() || !active.contains(r.primary.as_str()) {
+        if r.unavailable || r.moving_to.is_some() || !on_ring.contains(&r.primary) {
             continue;
         }
         queues.insert(format!("{}:{vhost}{queue}", vhost.len()), (vhost, queue, r));
@@ -341,6 +395,53 @@ pub fn plan(roles: &Roles, membership: &Membership) -> Vec<PlannedMove> {
         .collect();
     let placement = Placement::existing(ring, assigned)
         .expect("the ring has distinct members and every primary planned is on it");
+    (placement, queues)
+}
+
+/// Where a member new to the ring goes: its configured `ring_order`, or else the gap the
+/// planner picks (zones kept apart first, then the fewest backups to ship); a gap before
+/// the first member is the end of the ring (the ring is a circle, and so the order of a
+/// cluster without queues or zones stays its join order).
+pub fn insertion(roles: &Roles, membership: &Membership, new: &MemberInfo) -> Insertion {
+    if let Some(order) = new.ring_order {
+        return Insertion::Order(order);
+    }
+    let ring: Vec<Member> = planner_ring(membership, None)
+        .into_iter()
+        .filter(|m| m.id != new.node_id)
+        .collect();
+    let (placement, _) = placement(roles, ring);
+    match insertion_point(&placement, &Member::new(&new.node_id, &new.zone)) {
+        Ok(point) if point.index > 0 => Insertion::Before(placement.ring()[point.index].id.clone()),
+        _ => Insertion::End,
+    }
+}
+
+/// The members a new member's join hands queues over between: it and its neighbours on
+/// the ring of active members (fewer when the ring is smaller).
+pub fn join_scope(membership: &Membership, node: &str) -> Vec<String> {
+    let draining = membership.draining();
+    let active: Vec<String> = (membership.ring().into_iter())
+        .filter(|n| !draining.contains(n))
+        .collect();
+    let Some(at) = active.iter().position(|n| n == node) else {
+        return Vec::new();
+    };
+    let n = active.len();
+    let mut scope = vec![active[(at + n - 1) % n].clone(), node.to_owned()];
+    scope.push(active[(at + 1) % n].clone());
+    scope.dedup();
+    scope.sort();
+    scope.dedup();
+    scope
+}
+
+/// The moves that even out the primaries over the active members (in the map's ring,
+/// not draining; of those, the ones in `scope` if there is one), all pending. Queues that
+/// are unavailable, already moving, or whose primary is draining, gone or out of the scope
+/// stay out of it (a drain or an election decides those).
+pub fn plan(roles: &Roles, membership: &Membership, scope: Option<&[String]>) -> Vec<PlannedMove> {
+    let (placement, queues) = placement(roles, planner_ring(membership, scope));
     let unbounded = RebalanceBounds {
         max_ownership_moves: usize::MAX,
         max_backup_ships: usize::MAX,

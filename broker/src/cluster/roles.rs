@@ -19,7 +19,6 @@
 //! [`WiringOp::BackupInSync`]: crate::core::WiringOp::BackupInSync
 //! [`WiringOp::BackupOutOfSync`]: crate::core::WiringOp::BackupOutOfSync
 
-use super::membership::Membership;
 use crate::core::wiring::{Wiring, WiringRoles};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
@@ -435,19 +434,6 @@ impl QueueRoles {
             "{self:?}"
         );
     }
-}
-
-/// Node ids of the members whose hello arrived, in ring order: who may hold a role now.
-pub fn ring(membership: &Membership) -> Vec<String> {
-    let mut ring: Vec<String> = Vec::new();
-    for m in membership.members() {
-        if let Some(info) = &m.info
-            && !ring.contains(&info.node_id)
-        {
-            ring.push(info.node_id.clone());
-        }
-    }
-    ring
 }
 
 /// What one member holds of the cluster's queues, by the roles: what a drain must move off it

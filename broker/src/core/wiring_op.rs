@@ -185,7 +185,7 @@ pub enum WiringOp {
 }
 
 /// What a [`WiringOp::Rebalance`] asks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum RebalanceStep {
     /// Plan the moves that even out the primaries and carry them out, at most
     /// `concurrency` at once. Refused while another rebalance has moves left.
@@ -195,6 +195,14 @@ pub enum RebalanceStep {
     },
     /// Start none of the plan's remaining moves (those under way finish).
     Stop,
+    /// Member `node`, new to the ring, holds the map: it and its ring neighbours hand it
+    /// its share of the primaries and the backups (a rebalance over the three). Sent by
+    /// the new member itself once; one that finds a rebalance under way waits for
+    /// `cluster rebalance --apply`.
+    Join {
+        /// Node id of the new member.
+        node: String,
+    },
 }
 
 /// The steps of a planned primary move ([`WiringOp::MovePrimary`]).

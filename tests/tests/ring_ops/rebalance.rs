@@ -308,50 +308,95 @@ async fn a_receiving_member_lost_half_way_fails_its_moves_and_the_others_are_mad
     assert_all_there(&members[1]).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_fourth_member_that_joins_gets_its_share_of_primaries_and_backups() {
-    let name = "ring-rebalance-join";
-    let (mut members, secret) = start_cluster(name, 3);
-    fill(&members[0]).await;
-    let (ok, out) = ctl(&members[1], &["cluster", "rebalance", "--apply", "--wait"]).await;
-    assert!(ok, "{out}");
-
-    // A new member joins: it holds nothing until the rebalance hands it its share.
+/// Starts member `i` of cluster `name` with `ring_order: order`, the members before it as
+/// seeds.
+fn start_ordered(
+    members: &[Broker],
+    name: &str,
+    i: usize,
+    order: u32,
+    secret: &std::path::Path,
+) -> Broker {
     let seeds: Vec<String> = members.iter().filter_map(|m| m.cluster.clone()).collect();
     let seeds: Vec<&str> = seeds.iter().map(String::as_str).collect();
-    members.push(Broker::start_with_config(&member_yaml(
-        &format!("{name}-3"),
-        &seeds,
-        &secret,
-    )));
-    members[3].wait_ready(Duration::from_secs(30));
-    let view = get(&members[3], "/api/cluster/rebalance").await;
-    assert_eq!(view["primaries"][format!("{name}-3")], 0, "{view}");
-    assert_eq!(view["balanced"], false, "{view}");
-    let (ok, out) = ctl(&members[3], &["cluster", "rebalance", "--apply", "--wait"]).await;
-    assert!(ok, "{out}");
-    let members_json = get(&members[0], "/api/members").await;
-    let held: Vec<(u64, u64)> = (members_json.as_array().into_iter().flatten())
+    let yaml =
+        member_yaml(&format!("{name}-{i}"), &seeds, secret) + &format!("ring_order: {order}\n");
+    Broker::start_with_config(&yaml)
+}
+
+/// Member ids and primaries, backups by `b`'s `/api/members`, in ring order.
+async fn held(b: &Broker) -> Vec<(String, u64, u64)> {
+    let members = get(b, "/api/members").await;
+    (members.as_array().into_iter().flatten())
         .map(|m| {
             (
+                m["id"].as_str().unwrap().to_owned(),
                 m["primaries"].as_u64().unwrap(),
                 m["backups"].as_u64().unwrap(),
             )
         })
-        .collect();
-    assert_eq!(held.len(), 4, "{members_json}");
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fourth_member_that_joins_takes_its_place_and_its_neighbours_hand_it_its_share() {
+    let name = "ring-rebalance-join";
+    let secret = ringmq_tests::cluster::secret(name);
+    let mut members: Vec<Broker> = Vec::new();
+    for (i, order) in [0, 10, 20].into_iter().enumerate() {
+        let m = start_ordered(&members, name, i, order, &secret);
+        members.push(m);
+    }
+    for m in &members {
+        m.wait_ready(Duration::from_secs(30));
+    }
+    fill(&members[0]).await;
+    let (ok, out) = ctl(&members[1], &["cluster", "rebalance", "--apply", "--wait"]).await;
+    assert!(ok, "{out}");
+
+    // A new member with ring order 15 goes between the second and the third, and once it
+    // holds the map those two hand it its share; the first, no neighbour, keeps its own.
+    members.push(start_ordered(&members, name, 3, 15, &secret));
+    members[3].wait_ready(Duration::from_secs(30));
+    let ids = |h: &[(String, u64, u64)]| h.iter().map(|m| m.0.clone()).collect::<Vec<_>>();
+    let want: Vec<String> = [0, 1, 3, 2].iter().map(|i| format!("{name}-{i}")).collect();
+    assert_eq!(ids(&held(&members[0]).await), want, "ring order");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let handover = loop {
+        let r = current(&members[2]).await;
+        if r["joined"] == format!("{name}-3") && r["status"] != "running" {
+            break r;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no handover to the new member: {r}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(handover["status"], "done", "{handover}");
+    let scope: Vec<String> = [1, 2, 3].iter().map(|i| format!("{name}-{i}")).collect();
+    assert_eq!(handover["scope"], serde_json::json!(scope), "{handover}");
+    let h = held(&members[1]).await;
+    assert_eq!(h[0].1, 10, "the first member is no neighbour: {h:?}");
+    assert!((6..=7).contains(&h[2].1), "the new member's share: {h:?}");
+    assert_eq!(h[2].2, h[1].1, "it backs its predecessor's queues: {h:?}");
+    assert_backups_in_sync(&members[3]).await;
+    assert_all_there(&members[3]).await;
+
+    // `cluster rebalance --apply` evens out the rest of the ring.
+    let (ok, out) = ctl(&members[3], &["cluster", "rebalance", "--apply", "--wait"]).await;
+    assert!(ok, "{out}");
+    let h = held(&members[0]).await;
     // 30 over 4: 8, 8, 7, 7 in some order; each member backs its predecessor's queues.
-    let mut primaries: Vec<u64> = held.iter().map(|h| h.0).collect();
+    let mut primaries: Vec<u64> = h.iter().map(|m| m.1).collect();
     primaries.sort_unstable();
-    assert_eq!(primaries, [7, 7, 8, 8], "{members_json}");
-    assert!(
-        held.iter().all(|h| (7..=8).contains(&h.1)),
-        "{members_json}"
-    );
+    assert_eq!(primaries, [7, 7, 8, 8], "{h:?}");
+    assert!(h.iter().all(|m| (7..=8).contains(&m.2)), "{h:?}");
     assert_eq!(
         get(&members[2], "/api/cluster/rebalance").await["balanced"],
         true
     );
     assert_backups_in_sync(&members[1]).await;
     assert_all_there(&members[3]).await;
+    let _ = std::fs::remove_file(&secret);
 }

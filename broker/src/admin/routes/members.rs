@@ -142,12 +142,15 @@ pub(super) fn members(b: &Broker) -> Value {
         return json!([member(b)]);
     };
     let held = cluster.held();
+    let members = cluster.members();
     Value::Array(
         cluster
-            .members()
+            .ring()
             .iter()
             .enumerate()
-            .filter_map(|(position, m)| {
+            .filter_map(|(position, node)| {
+                let m = (members.iter())
+                    .find(|m| m.info.as_ref().is_some_and(|i| i.node_id == *node))?;
                 let info = m.info.as_ref()?;
                 let h = held.get(&info.node_id).copied().unwrap_or_default();
                 let draining = cluster.is_draining(&info.node_id);
@@ -164,6 +167,7 @@ pub(super) fn members(b: &Broker) -> Value {
                     "state": state,
                     "draining": draining,
                     "ring_position": position,
+                    "ring_order": info.ring_order,
                     "primaries": h.primaries,
                     "backups": h.backups,
                     "in_sync_backups": h.in_sync_backups,

@@ -111,6 +111,8 @@ fn rebalance_json(r: &Rebalance) -> Value {
         "started_at": r.started_at,
         "concurrency": r.concurrency,
         "stopped": r.stopped,
+        "joined": r.joined,
+        "scope": r.scope,
         "total": r.moves.len(),
         "pending": count(|s| *s == MoveState::Pending),
         "running": count(|s| *s == MoveState::Running),

@@ -16,7 +16,7 @@ use super::tests::{Store, member};
 use super::*;
 use crate::amqp::{AMQPValue, FieldTable};
 use crate::cluster::MemberInfo;
-use crate::cluster::roles::{BACKUPS_ARGUMENT, ring};
+use crate::cluster::roles::BACKUPS_ARGUMENT;
 use bytes::Bytes;
 use rand08::rngs::StdRng;
 use rand08::{Rng, SeedableRng};
@@ -96,6 +96,8 @@ impl Model {
                         admin: String::new(),
                         zone: String::new(),
                         default_backups: default_backups(node.node),
+                        ring_order: None,
+                        places_ring: true,
                         process: 0,
                     };
                     let delay = self.rng.gen_range(0..3);
@@ -175,7 +177,7 @@ impl Model {
             return;
         };
         let synced = self.nodes.iter().find(|n| n.map.is_synced()).expect("one");
-        let live = ring(synced.map.membership());
+        let live = synced.map.membership().ring();
         for (vhost, queue, r) in now.iter() {
             let what = format!("seed {seed}: queue {queue} {r:?}");
             assert!(
@@ -588,6 +590,8 @@ fn hello(index: u64, id: MemberId) -> CpgEvent {
         admin: String::new(),
         zone: String::new(),
         default_backups: 2,
+        ring_order: None,
+        places_ring: true,
         process: 0,
     };
     deliver(index, id, ClusterMsg::Hello(info))
@@ -871,6 +875,8 @@ fn a_hello_retried_by_the_same_process_is_not_a_restart() {
             admin: String::new(),
             zone: String::new(),
             default_backups: 2,
+            ring_order: None,
+            places_ring: true,
             process,
         };
         deliver(index, 1, ClusterMsg::Hello(info))

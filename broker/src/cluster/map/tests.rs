@@ -105,6 +105,8 @@ impl Model {
                             admin: String::new(),
                             zone: String::new(),
                             default_backups: 1,
+                            ring_order: None,
+                            places_ring: true,
                             process: 0,
                         };
                         let delay = self.rng.gen_range(0..4);
@@ -509,6 +511,8 @@ fn a_snapshot_delivered_to_a_joiner_is_reported_after_its_hello() {
         admin: String::new(),
         zone: String::new(),
         default_backups: 1,
+        ring_order: None,
+        places_ring: true,
         process: 7,
     });
     let deliver = |index: u64, sender: MemberId, msg: &ClusterMsg| CpgEvent::Deliver {

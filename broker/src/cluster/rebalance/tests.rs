@@ -17,6 +17,8 @@ fn membership(count: u64) -> Membership {
                 admin: String::new(),
                 zone: String::new(),
                 default_backups: 1,
+                ring_order: None,
+                places_ring: true,
                 process: 0,
             },
         );
@@ -73,12 +75,12 @@ fn switch_all(roles: &mut Roles, ring: &[String]) {
 #[test]
 fn the_plan_evens_primaries_over_the_active_members_and_leaves_moving_queues_alone() {
     let m = membership(3);
-    let ring = roles::ring(&m);
+    let ring = m.ring();
     let mut roles = all_on_n1(9, &ring);
     let mut busy = roles.get("/", "q0").unwrap().clone();
     busy.request_move("n2", &ring).unwrap();
     roles.set("/", "q0", Some(busy));
-    let moves = plan(&roles, &m);
+    let moves = plan(&roles, &m, None);
     assert_eq!(moves.len(), 5, "8 plannable queues on n1: 3 stay, 5 move");
     assert!(moves.iter().all(|p| p.from == "n1" && p.queue != "q0"));
     let to = |n: &str| moves.iter().filter(|p| p.to == n).count();
@@ -86,26 +88,29 @@ fn the_plan_evens_primaries_over_the_active_members_and_leaves_moving_queues_alo
     assert_eq!(to("n2") + to("n3"), 5);
     assert!(to("n2").abs_diff(to("n3")) <= 1);
     // Deterministic: every member plans the same.
-    assert_eq!(moves, plan(&roles, &m));
+    assert_eq!(moves, plan(&roles, &m, None));
 }
 
 #[test]
 fn a_draining_member_gets_nothing_and_its_queues_are_not_planned() {
     let mut m = membership(3);
-    let ring = roles::ring(&m);
+    let ring = m.ring();
     let roles = all_on_n1(6, &ring);
     m.set_draining("n3", true);
-    let moves = plan(&roles, &m);
+    let moves = plan(&roles, &m, None);
     assert_eq!(moves.len(), 3);
     assert!(moves.iter().all(|p| p.to == "n2"));
     m.set_draining("n1", true);
-    assert!(plan(&roles, &m).is_empty(), "the drain moves n1's queues");
+    assert!(
+        plan(&roles, &m, None).is_empty(),
+        "the drain moves n1's queues"
+    );
 }
 
 #[test]
 fn moves_start_within_the_concurrency_and_the_plan_ends_done() {
     let m = membership(3);
-    let ring = roles::ring(&m);
+    let ring = m.ring();
     let mut roles = all_on_n1(6, &ring);
     let mut r = Rebalance::start(10, 2, &roles, &m);
     assert_eq!(r.moves.len(), 4);
@@ -141,7 +146,7 @@ fn moves_start_within_the_concurrency_and_the_plan_ends_done() {
 #[test]
 fn a_replaced_backup_goes_only_once_the_new_one_is_in_sync() {
     let m = membership(3);
-    let ring = roles::ring(&m);
+    let ring = m.ring();
     let mut r = QueueRoles::new(1, "n1", 1, &ring);
     r.mark_in_sync("n2");
     assert_eq!(r.request_replace("n2", "n3", &ring), Ok(true));
@@ -181,7 +186,7 @@ fn a_replaced_backup_goes_only_once_the_new_one_is_in_sync() {
 #[test]
 fn a_move_called_off_fails_a_deleted_queue_fails_and_a_stop_skips_the_rest() {
     let m = membership(3);
-    let ring = roles::ring(&m);
+    let ring = m.ring();
     let mut roles = all_on_n1(9, &ring);
     let mut r = Rebalance::start(10, 2, &roles, &m);
     assert_eq!(r.moves.len(), 6);
@@ -221,7 +226,7 @@ fn a_move_called_off_fails_a_deleted_queue_fails_and_a_stop_skips_the_rest() {
 #[test]
 fn a_queue_whose_primary_changed_since_the_plan_is_not_moved() {
     let m = membership(3);
-    let ring = roles::ring(&m);
+    let ring = m.ring();
     let mut roles = all_on_n1(3, &ring);
     let mut r = Rebalance::start(10, 1, &roles, &m);
     let planned = r.moves[0].clone();
@@ -241,4 +246,112 @@ fn a_queue_whose_primary_changed_since_the_plan_is_not_moved() {
         "{r:?}"
     );
     assert_eq!(requests.len(), 1, "the next one starts instead");
+}
+
+/// Member `id` (node `n{id}`, in `zone`) joins: its conf change and hello, then its place
+/// on the ring, as the map gives it.
+fn join(m: &mut Membership, roles: &Roles, id: u64, zone: &str, order: Option<u32>) -> bool {
+    let mut ids: Vec<u64> = m.members().iter().map(|s| s.id).collect();
+    ids.push(id);
+    m.on_conf_change(&ids);
+    let info = MemberInfo {
+        node_id: format!("n{id}"),
+        amqp: String::new(),
+        admin: String::new(),
+        zone: zone.to_owned(),
+        default_backups: 1,
+        ring_order: order,
+        places_ring: true,
+        process: 0,
+    };
+    let at = insertion(roles, m, &info);
+    m.on_hello(id, info);
+    m.place(&format!("n{id}"), order, at)
+}
+
+#[test]
+fn a_new_member_goes_where_it_keeps_zones_apart() {
+    let mut m = Membership::default();
+    let roles = Roles::default();
+    for (id, zone) in [(1, "a"), (2, "a"), (3, "b")] {
+        assert!(join(&mut m, &roles, id, zone, None));
+    }
+    assert_eq!(m.ring(), ["n1", "n2", "n3"], "no better gap: the end");
+    assert!(join(&mut m, &roles, 4, "b", None));
+    assert_eq!(
+        m.ring(),
+        ["n1", "n4", "n2", "n3"],
+        "between the two of zone a"
+    );
+    assert!(!m.is_newcomer("n1"), "the founder joined nobody");
+    assert!(m.is_newcomer("n2") && m.is_newcomer("n4"));
+    assert!(m.take_newcomer("n4"));
+    assert!(!m.take_newcomer("n4"), "handed its share once");
+}
+
+#[test]
+fn a_configured_order_places_a_member_and_it_comes_back_to_its_place() {
+    let mut m = Membership::default();
+    let roles = Roles::default();
+    join(&mut m, &roles, 1, "", Some(0));
+    join(&mut m, &roles, 2, "", Some(4));
+    join(&mut m, &roles, 3, "", Some(2));
+    assert_eq!(m.ring(), ["n1", "n3", "n2"]);
+    m.on_conf_change(&[1, 2]);
+    assert_eq!(
+        m.ring(),
+        ["n1", "n2"],
+        "only members in the group hold a place"
+    );
+    assert!(
+        !join(&mut m, &roles, 3, "", Some(9)),
+        "not new: a changed order moves nobody"
+    );
+    assert_eq!(m.ring(), ["n1", "n3", "n2"], "back in its old place");
+}
+
+#[test]
+fn a_joiner_takes_its_share_from_its_neighbours_and_ships_backups_to_itself() {
+    let mut m = Membership::default();
+    let mut roles = Roles::default();
+    for id in 1..=3 {
+        join(&mut m, &roles, id, "", None);
+    }
+    let ring = m.ring();
+    for i in 0..30 {
+        let primary = &ring[i % 3];
+        let mut r = QueueRoles::new(i as u64 + 1, primary, 1, &ring);
+        for b in r.backups.clone() {
+            r.mark_in_sync(&b);
+        }
+        roles.set("/", &format!("q{i}"), Some(r));
+    }
+    assert!(join(&mut m, &roles, 4, "", None));
+    let ring = m.ring();
+    assert_eq!(ring, ["n1", "n2", "n3", "n4"]);
+    let mut r = Rebalance::join(40, "n4", &roles, &m);
+    assert_eq!(r.scope, ["n1", "n3", "n4"], "its neighbours on the ring");
+    assert!(
+        r.moves.iter().all(|p| p.to == "n4" && p.from != "n2"),
+        "{r:?}"
+    );
+    let none = BTreeSet::new();
+    let mut rounds = 0;
+    while !r.finished() {
+        rounds += 1;
+        assert!(rounds < 40, "{r:?}");
+        let (requests, _) = r.advance(&roles, &ring, &none);
+        apply(&mut roles, requests);
+        switch_all(&mut roles, &ring);
+    }
+    assert_eq!(r.status(), "done", "{r:?}");
+    let held = roles.held();
+    let primaries: Vec<u64> = ring.iter().map(|n| held[n].primaries).collect();
+    assert_eq!(primaries[1], 10, "n2 is no neighbour: {primaries:?}");
+    assert!((6..=7).contains(&primaries[3]), "{primaries:?}");
+    assert!(r.moves.iter().any(|p| p.backup && p.to == "n4"), "{r:?}");
+    for (_, q, qr) in roles.iter() {
+        let at = ring.iter().position(|n| *n == qr.primary).unwrap();
+        assert_eq!(qr.backups, [ring[(at + 1) % 4].clone()], "{q}: {qr:?}");
+    }
 }

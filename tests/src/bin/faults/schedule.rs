@@ -77,11 +77,17 @@ pub enum Nemesis {
     /// A member drained (`POST /api/members/{id}/drain`: its primaries and backups move
     /// off, its clients are closed and sent elsewhere), held drained, then undrained.
     Drain,
+    /// Every queue's primary gathered on one member (planned moves), then a rebalance
+    /// (`POST /api/cluster/rebalance`, one move at a time) and, a moment into it, a random
+    /// member killed with -9 — the one that asked, one giving or one receiving: the others
+    /// carry the cluster map's plan on, a move to the lost member fails, nothing confirmed
+    /// is lost.
+    Rebalance,
 }
 
 impl Nemesis {
     /// Every schedule, in the order the suite runs them.
-    pub const ALL: [Nemesis; 12] = [
+    pub const ALL: [Nemesis; 13] = [
         Nemesis::KillOne,
         Nemesis::KillPrimary,
         Nemesis::KillMinority,
@@ -95,6 +101,7 @@ impl Nemesis {
         Nemesis::Split,
         Nemesis::MovePrimary,
         Nemesis::Drain,
+        Nemesis::Rebalance,
     ];
 
     pub fn name(self) -> &'static str {
@@ -111,6 +118,7 @@ impl Nemesis {
             Nemesis::Split => "split",
             Nemesis::MovePrimary => "move-primary",
             Nemesis::Drain => "drain",
+            Nemesis::Rebalance => "rebalance",
         }
     }
 
@@ -305,6 +313,57 @@ impl Nemesis {
                 });
                 if !undrained {
                     eprintln!("faults: undrain of {} not accepted", m.node_id);
+                }
+            }
+            Nemesis::Rebalance => {
+                let gather = random(rng);
+                for queue in queues {
+                    if primary_of(cluster, queue).is_some_and(|p| p.node_id == gather.node_id) {
+                        continue;
+                    }
+                    let path = format!("/api/queues/%2f/{queue}/move");
+                    let body = json!({"to": gather.node_id});
+                    match random(rng).admin().call("POST", &path, Some(&body)) {
+                        Ok(a) if a.status == 202 => {}
+                        Ok(a) => eprintln!(
+                            "faults: rebalance: gathering {queue} on {} refused: {} {}",
+                            gather.node_id, a.status, a.body
+                        ),
+                        Err(e) => eprintln!("faults: rebalance: gathering {queue}: {e}"),
+                    }
+                }
+                let gathered = wait_for(OPERATION_LIMIT, || {
+                    (queues.iter()).all(|q| {
+                        primary_of(cluster, q).is_some_and(|p| p.node_id == gather.node_id)
+                    })
+                });
+                if !gathered {
+                    eprintln!(
+                        "faults: rebalance: the queues not all on {} after {OPERATION_LIMIT:?}",
+                        gather.node_id
+                    );
+                }
+                let body = json!({"concurrency": 1});
+                match (random(rng).admin()).call("POST", "/api/cluster/rebalance", Some(&body)) {
+                    Ok(a) if a.status == 202 => {
+                        std::thread::sleep(Duration::from_millis(rng.next() % 300));
+                        random(rng).kill();
+                        let ended = wait_for(OPERATION_LIMIT, || {
+                            random(rng)
+                                .admin()
+                                .get("/api/cluster/rebalance")
+                                .is_ok_and(|a| {
+                                    a.body["current"]["status"]
+                                        .as_str()
+                                        .is_some_and(|s| s != "running")
+                                })
+                        });
+                        if !ended {
+                            eprintln!("faults: rebalance still running after {OPERATION_LIMIT:?}");
+                        }
+                    }
+                    Ok(a) => eprintln!("faults: rebalance refused: {} {}", a.status, a.body),
+                    Err(e) => eprintln!("faults: rebalance: {e}"),
                 }
             }
         }

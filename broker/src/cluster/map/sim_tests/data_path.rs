@@ -26,6 +26,14 @@ impl World {
         if !ready {
             return;
         }
+        let newcomer = (self.slots[slot].member.as_ref())
+            .is_some_and(|m| m.map.membership().is_newcomer(&node));
+        if newcomer && self.rng.gen_bool(0.2) {
+            // A member new to the ring claims its share (sent again now and then, as a
+            // retried send would be).
+            let step = RebalanceStep::Join { node: node.clone() };
+            self.submit(world, slot, WiringOp::Rebalance(step), None);
+        }
         let name = format!("q{}", self.rng.gen_range(0..QUEUES));
         let roll = self.rng.gen_range(0..100);
         if roll < 6 {

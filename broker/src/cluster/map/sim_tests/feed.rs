@@ -120,6 +120,8 @@ impl World {
                     admin: String::new(),
                     zone: String::new(),
                     default_backups: u8::try_from(slot % 3).unwrap_or(1),
+                    ring_order: None,
+                    places_ring: true,
                     process: m.proc + 1,
                 };
                 spawn_announce(m.cpg.clone(), ClusterMsg::Hello(info));
