@@ -765,3 +765,59 @@ async fn delivery_tags_rise_while_another_connection_publishes_and_multiple_acks
     }
     let _publisher = publishing.await.unwrap();
 }
+
+/// Consumer priorities, as RabbitMQ has them: `x-priority` on basic.consume; the
+/// higher-priority consumer gets the messages while it has room, the lower one the rest;
+/// a priority that is not an integer is 406.
+#[tokio::test]
+async fn a_higher_priority_consumer_gets_messages_first_and_a_bad_priority_is_406() {
+    let b = Broker::start();
+    let (_c, ch) = b.channel().await;
+    declare(&ch, "prio").await;
+    let mut consumers = Vec::new();
+    for (tag, priority) in [("low", 0), ("high", 10)] {
+        let (c, consumer_ch) = b.channel().await;
+        consumer_ch
+            .basic_qos(2, BasicQosOptions::default())
+            .await
+            .unwrap();
+        let mut args = FieldTable::default();
+        args.insert("x-priority".into(), AMQPValue::LongInt(priority));
+        let consumer = consumer_ch
+            .basic_consume(
+                "prio".into(),
+                tag.into(),
+                BasicConsumeOptions::default(),
+                args,
+            )
+            .await
+            .unwrap();
+        consumers.push((c, consumer_ch, consumer));
+    }
+    for m in ["1", "2", "3"] {
+        publish(&ch, "prio", m.as_bytes()).await;
+    }
+    let body = |d: Delivery| String::from_utf8(d.data).unwrap();
+    let high = &mut consumers[1].2;
+    assert_eq!([body(next(high).await), body(next(high).await)], ["1", "2"]);
+    let low = &mut consumers[0].2;
+    assert_eq!(
+        body(next(low).await),
+        "3",
+        "the low one once the high one is full"
+    );
+
+    let (_c2, bad) = b.channel().await;
+    let mut args = FieldTable::default();
+    args.insert("x-priority".into(), AMQPValue::LongString("high".into()));
+    let e = bad
+        .basic_consume(
+            "prio".into(),
+            "bad".into(),
+            BasicConsumeOptions::default(),
+            args,
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(reply_code(&e), Some(406));
+}

@@ -157,9 +157,47 @@ impl QueueArgs {
     }
 }
 
+/// The consume argument `x-priority` (RabbitMQ's consumer priorities): any AMQP integer
+/// that fits 32 bits, 0 when absent; anything else is 406 PRECONDITION_FAILED naming it, as
+/// RabbitMQ answers.
+pub fn consumer_priority(arguments: &FieldTable, queue: &str, vhost: &str) -> CoreResult<i32> {
+    let Some(v) = arguments.inner().get("x-priority") else {
+        return Ok(0);
+    };
+    int_value(v)
+        .and_then(|n| i32::try_from(n).ok())
+        .ok_or_else(|| {
+            AmqpError::precondition(format!(
+                "invalid arg 'x-priority' for consumer of queue '{queue}' in vhost '{vhost}': \
+                 {v:?} is not a 32-bit integer"
+            ))
+        })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_consumer_priority_is_any_32_bit_integer_and_anything_else_is_refused() {
+        assert_eq!(consumer_priority(&table(&[]), "q", "/"), Ok(0));
+        for (v, want) in [
+            (AMQPValue::ShortShortInt(-3), -3),
+            (AMQPValue::ShortInt(10), 10),
+            (AMQPValue::LongLongInt(7), 7),
+        ] {
+            let t = table(&[("x-priority", v)]);
+            assert_eq!(consumer_priority(&t, "q", "/"), Ok(want));
+        }
+        for v in [
+            AMQPValue::LongString("10".into()),
+            AMQPValue::LongLongInt(1 << 40),
+        ] {
+            let e = consumer_priority(&table(&[("x-priority", v)]), "q", "/").unwrap_err();
+            assert_eq!(e.code, crate::amqp::codes::PRECONDITION_FAILED);
+            assert!(e.text.contains("x-priority"), "{e:?}");
+        }
+    }
 
     fn table(pairs: &[(&str, AMQPValue)]) -> FieldTable {
         let mut t = FieldTable::default();

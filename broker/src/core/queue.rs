@@ -38,6 +38,8 @@ pub struct ConsumerRef {
     pub channel: ChannelKey,
     /// Its tag on that channel.
     pub tag: Arc<str>,
+    /// Its priority ([`Consume::priority`](crate::core::Consume::priority)).
+    pub priority: i32,
 }
 
 /// A queue: its declaration and its content.

@@ -577,3 +577,41 @@ fn a_resumed_sessions_consumer_gets_its_unacked_again_before_anything_new() {
         "the lost connection's deliveries first, under their tags, then c and d"
     );
 }
+
+/// Consumer priorities (`x-priority`): the highest-priority consumers with room get the
+/// messages, round-robin among them; a lower one only while every higher one is full.
+#[test]
+fn higher_priority_consumers_get_the_messages_while_they_have_room() {
+    let mut v = vhost_with_queue();
+    let mut fx = Effects::default();
+    let low = ChannelKey {
+        conn: 1,
+        channel: 2,
+    };
+    v.channel_open(low);
+    for (key, tag, priority) in [(CH, "high-a", 5), (CH, "high-b", 5), (low, "low", 0)] {
+        v.basic_qos(key, 0, 2, false, 0, &mut fx);
+        let c = Consume {
+            queue: "q".into(),
+            tag: tag.into(),
+            priority,
+            ..Default::default()
+        };
+        v.basic_consume(key, c, 0, &mut fx).unwrap();
+    }
+    for b in ["1", "2", "3", "4", "5", "6"] {
+        v.publish("", "q", msg(b), 0, &mut fx).unwrap();
+    }
+    let to: Vec<&str> = fx.deliveries.iter().map(|d| &*d.consumer_tag).collect();
+    assert_eq!(
+        to,
+        ["high-a", "high-b", "high-a", "high-b", "low", "low"],
+        "round-robin over the two of priority 5 until both are full, then the low one"
+    );
+    fx.deliveries.clear();
+    // An ack makes room on the high-priority channel: the next message goes there.
+    v.basic_ack(CH, 1, false, 0, &mut fx).unwrap();
+    v.publish("", "q", msg("7"), 0, &mut fx).unwrap();
+    assert_eq!(fx.deliveries.len(), 1);
+    assert_eq!(&*fx.deliveries[0].consumer_tag, "high-a");
+}

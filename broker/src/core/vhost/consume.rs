@@ -29,6 +29,10 @@ pub struct Consume {
     /// and as first sent, before anything new — so that its client gets what the lost
     /// connection never delivered, in tag order (`docs/sessions.md`).
     pub resend_unacked: bool,
+    /// Its priority (`x-priority`, RabbitMQ's consumer priorities): a queue hands its
+    /// messages to the highest-priority consumers that have room, round-robin among them;
+    /// lower ones get messages only while every higher one is full. 0 by default.
+    pub priority: i32,
 }
 
 /// Reply to basic.get with a message.
@@ -174,6 +178,7 @@ impl VHost {
         q.consumers.push(ConsumerRef {
             channel: key,
             tag: tag.clone(),
+            priority: c.priority,
         });
         q.had_consumer = true;
         q.last_used_ms = now_ms;
@@ -368,7 +373,10 @@ impl VHost {
             } else {
                 q.consumers.len()
             };
-            let mut chosen = None;
+            // The first consumer with room in round-robin order among those of the highest
+            // priority that have room.
+            let top = q.consumers.iter().map(|r| r.priority).max().unwrap_or(0);
+            let mut chosen: Option<(usize, i32)> = None;
             for i in 0..candidates {
                 let at = if q.args.single_active_consumer {
                     0
@@ -376,16 +384,21 @@ impl VHost {
                     (q.next_consumer + i) % q.consumers.len()
                 };
                 let r = &q.consumers[at];
+                if chosen.is_some_and(|(_, p)| r.priority <= p) {
+                    continue;
+                }
                 if self
                     .channels
                     .get(&r.channel)
                     .is_some_and(|ch| ch.can_deliver(&r.tag, bytes))
                 {
-                    chosen = Some(at);
-                    break;
+                    chosen = Some((at, r.priority));
+                    if r.priority == top {
+                        break;
+                    }
                 }
             }
-            let Some(at) = chosen else { return };
+            let Some((at, _)) = chosen else { return };
             q.next_consumer = (at + 1) % q.consumers.len();
             let r = q.consumers[at].clone();
             let ch = self

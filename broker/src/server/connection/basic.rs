@@ -7,6 +7,7 @@ use super::{Connection, Lazy};
 use crate::amqp::{AMQPClass, basic, codes};
 use crate::auth::permissions::{Access, Resource};
 use crate::clock::now_ms;
+use crate::core::args::consumer_priority;
 use crate::core::{AmqpError, ChannelKey, Consume};
 use crate::server::channel::{BodyParts, HeldAck, PendingPublish};
 
@@ -60,6 +61,9 @@ impl Connection {
             basic::AMQPMethod::Consume(c) => {
                 let q = need_queue(c.queue.as_str())?;
                 permit(&self.perms, Access::Read, Resource::Queue(&q))?;
+                // Checked here for a proxied consumer too: the primary would refuse it the
+                // same way, later.
+                let priority = consumer_priority(&c.arguments, &q, v.get().name())?;
                 if let Some(primary) = v.get().remote_primary(&q) {
                     return self.consume_remote(id, c, q, primary, v);
                 }
@@ -82,6 +86,7 @@ impl Connection {
                     no_ack: c.no_ack,
                     exclusive: c.exclusive,
                     resend_unacked: self.session.is_some_and(|s| s.resumed),
+                    priority,
                 };
                 let tag = v.get().basic_consume(key, consume, now, &mut self.fx)?;
                 if !nowait {
