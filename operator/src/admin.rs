@@ -36,6 +36,9 @@ pub enum AdminError {
     /// The broker refused a declaration that conflicts with the existing queue.
     #[error("queue conflicts with the existing one: {0}; delete the queue or match its properties")]
     Conflict(String),
+    /// The cluster is busy with an operation of the same kind (a rebalance under way).
+    #[error("the cluster refused: {0}; wait for the operation under way")]
+    Busy(String),
     /// The broker answered with an unexpected status.
     #[error("admin API {url} answered {status}: {body}")]
     Unexpected {
@@ -111,6 +114,74 @@ pub struct MemberInfo {
     /// On a cluster: queues it is a backup of. A member is drained when both are 0.
     #[serde(default)]
     pub backups: u64,
+    /// On a cluster: of those, the ones it is in sync for (it may be promoted).
+    #[serde(default)]
+    pub in_sync_backups: u64,
+}
+
+/// `GET /api/cluster/rebalance` (the broker's `admin/routes/rebalance.rs`): what a
+/// rebalance started now would move, and the newest one.
+#[derive(Deserialize, Debug, Clone, Default, PartialEq)]
+pub struct RebalanceView {
+    /// Nothing to move: primaries and backups even over the active members.
+    #[serde(default)]
+    pub balanced: bool,
+    /// Primaries per active member.
+    #[serde(default)]
+    pub primaries: std::collections::BTreeMap<String, u64>,
+    /// Backups per active member.
+    #[serde(default)]
+    pub backups: std::collections::BTreeMap<String, u64>,
+    /// The primary moves a rebalance started now would make.
+    #[serde(default)]
+    pub plan: Vec<PlannedMove>,
+    /// The backup moves it would make if the primaries stayed where they are.
+    #[serde(default)]
+    pub backup_plan: Vec<PlannedMove>,
+    /// The newest rebalance; `None` before the first.
+    #[serde(default)]
+    pub current: Option<RebalanceProgress>,
+}
+
+/// One move of a rebalance plan.
+#[derive(Deserialize, Debug, Clone, Default, PartialEq)]
+pub struct PlannedMove {
+    /// Vhost of the queue.
+    pub vhost: String,
+    /// The queue.
+    pub queue: String,
+    /// `primary` or `backup`.
+    pub kind: String,
+    /// Member it moves from.
+    pub from: String,
+    /// Member it moves to.
+    pub to: String,
+}
+
+/// A rebalance the cluster carries out, as the broker reports it.
+#[derive(Deserialize, Debug, Clone, Default, PartialEq)]
+pub struct RebalanceProgress {
+    /// `running`, `done`, `failed` or `stopped`.
+    pub status: String,
+    /// Moves planned.
+    #[serde(default)]
+    pub total: u64,
+    /// Moves made.
+    #[serde(default)]
+    pub done: u64,
+    /// Moves that could not be made.
+    #[serde(default)]
+    pub failed: u64,
+    /// Moves not started yet.
+    #[serde(default)]
+    pub pending: u64,
+    /// Moves under way.
+    #[serde(default)]
+    pub running: u64,
+    /// The new member whose join started it (the brokers' own handover); `None` for one
+    /// asked for.
+    #[serde(default)]
+    pub joined: Option<String>,
 }
 
 impl MemberInfo {
@@ -170,6 +241,13 @@ pub trait AdminApi: Send + Sync {
     /// [`AdminApi::member`] until it holds nothing). Any member answers; a 404 (no such
     /// member) and a 400 (a single broker, nothing to drain to) are errors.
     fn drain<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), AdminError>>;
+    /// `GET /api/cluster/rebalance`. Any member answers, the same from each; a single
+    /// broker answers 400 (an error).
+    fn rebalance(&self) -> BoxFuture<'_, Result<RebalanceView, AdminError>>;
+    /// `POST /api/cluster/rebalance`: the cluster plans the moves and carries them out, at
+    /// most `concurrency` at once (read [`AdminApi::rebalance`] to follow it). A 409 (one
+    /// is under way) is [`AdminError::Busy`].
+    fn start_rebalance(&self, concurrency: u32) -> BoxFuture<'_, Result<(), AdminError>>;
     /// `GET /api/queues/{vhost}/{name}`; `None` on 404.
     fn queue<'a>(
         &'a self,
@@ -323,6 +401,14 @@ impl HttpAdmin {
     }
 }
 
+/// The `reason` of an error answer, else its text.
+fn reason(body: &Bytes) -> String {
+    serde_json::from_slice::<serde_json::Value>(body)
+        .ok()
+        .and_then(|v| v.get("reason").and_then(|r| r.as_str()).map(str::to_string))
+        .unwrap_or_else(|| String::from_utf8_lossy(body).into_owned())
+}
+
 fn queue_path(vhost: &str, name: &str) -> String {
     format!(
         "/api/queues/{}/{}",
@@ -363,6 +449,28 @@ impl AdminApi for HttpAdmin {
         })
     }
 
+    fn rebalance(&self) -> BoxFuture<'_, Result<RebalanceView, AdminError>> {
+        Box::pin(async move {
+            let path = "/api/cluster/rebalance";
+            match self.call(http::Method::GET, path, None).await? {
+                (200, body) => self.parse(path, &body),
+                (status, body) => Err(self.unexpected(path, status, &body)),
+            }
+        })
+    }
+
+    fn start_rebalance(&self, concurrency: u32) -> BoxFuture<'_, Result<(), AdminError>> {
+        Box::pin(async move {
+            let path = "/api/cluster/rebalance";
+            let body = serde_json::json!({ "concurrency": concurrency }).to_string();
+            match (self.call(http::Method::POST, path, Some(body.into_bytes()))).await? {
+                (202, _) => Ok(()),
+                (409, body) => Err(AdminError::Busy(reason(&body))),
+                (status, body) => Err(self.unexpected(path, status, &body)),
+            }
+        })
+    }
+
     fn queue<'a>(
         &'a self,
         vhost: &'a str,
@@ -393,13 +501,7 @@ impl AdminApi for HttpAdmin {
             match self.call(http::Method::PUT, &path, Some(body)).await? {
                 (201, _) => Ok(Declared::Created),
                 (204, _) => Ok(Declared::AlreadyThere),
-                (409, body) => {
-                    let reason = serde_json::from_slice::<serde_json::Value>(&body)
-                        .ok()
-                        .and_then(|v| v.get("reason").and_then(|r| r.as_str()).map(str::to_string))
-                        .unwrap_or_else(|| String::from_utf8_lossy(&body).into_owned());
-                    Err(AdminError::Conflict(reason))
-                }
+                (409, body) => Err(AdminError::Conflict(reason(&body))),
                 (status, body) => Err(self.unexpected(&path, status, &body)),
             }
         })

@@ -19,7 +19,7 @@ use serde_json::{Value, json};
 
 use crate::admin::{
     AdminApi, AdminConnector, AdminEndpoint, AdminError, ClusterInfo, Declared, MemberInfo,
-    Overview, QueueDeclaration, QueueInfo,
+    Overview, QueueDeclaration, QueueInfo, RebalanceProgress, RebalanceView,
 };
 use crate::controller::Context;
 use crate::crd::{Cluster, ClusterSpec, ClusterStatus, Queue, QueueSpec, QueueStatus};
@@ -230,6 +230,9 @@ pub struct FakeBroker {
     pub joining: Vec<String>,
     /// The answering member has lost the majority's lease (`cluster.quorum: false`).
     pub no_quorum: bool,
+    /// What `GET /api/cluster/rebalance` answers; a start makes `current` a running one
+    /// over the plan (as the brokers do), refused while one runs.
+    pub rebalance: RebalanceView,
     /// Calls received, e.g. `leave ringmq-3`.
     pub calls: Vec<String>,
     /// Endpoints connected to.
@@ -308,6 +311,32 @@ impl AdminApi for FakeAdmin {
     fn drain<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), AdminError>> {
         Box::pin(async move {
             self.state().calls.push(format!("drain {id}"));
+            Ok(())
+        })
+    }
+
+    fn rebalance(&self) -> BoxFuture<'_, Result<RebalanceView, AdminError>> {
+        Box::pin(async move {
+            let mut s = self.state();
+            s.calls.push("rebalance".into());
+            Ok(s.rebalance.clone())
+        })
+    }
+
+    fn start_rebalance(&self, concurrency: u32) -> BoxFuture<'_, Result<(), AdminError>> {
+        Box::pin(async move {
+            let mut s = self.state();
+            s.calls.push(format!("start-rebalance {concurrency}"));
+            if (s.rebalance.current.as_ref()).is_some_and(|c| c.status == "running") {
+                return Err(AdminError::Busy("a rebalance is under way".into()));
+            }
+            let total = (s.rebalance.plan.len() + s.rebalance.backup_plan.len()) as u64;
+            s.rebalance.current = Some(RebalanceProgress {
+                status: "running".into(),
+                total,
+                pending: total,
+                ..RebalanceProgress::default()
+            });
             Ok(())
         })
     }

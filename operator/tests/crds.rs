@@ -8,7 +8,7 @@ use std::path::PathBuf;
 
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::CustomResourceExt;
-use ringmq_operator::crd::{Cluster, Queue, render_yaml};
+use ringmq_operator::crd::{BackupRing, Cluster, Queue, render_yaml};
 use serde_json::{Value, json};
 
 fn repo(path: &str) -> PathBuf {
@@ -165,7 +165,7 @@ fn generated_crds_parse_back_and_carry_scale_and_printer_columns() {
         .filter(|d| !d.trim().is_empty())
         .map(|d| serde_saphyr::from_str(d).expect("each document is a CRD"))
         .collect();
-    assert_eq!(docs.len(), 2);
+    assert_eq!(docs.len(), 3);
     let cluster = &docs[0].spec.versions[0];
     let scale = cluster
         .subresources
@@ -189,6 +189,12 @@ fn generated_crds_parse_back_and_carry_scale_and_printer_columns() {
             .as_ref()
             .is_some_and(|c| c.iter().any(|c| c.name == "Primary"))
     );
+    assert!(
+        docs[2].spec.versions[0]
+            .additional_printer_columns
+            .as_ref()
+            .is_some_and(|c| c.iter().any(|c| c.name == "Balanced"))
+    );
 }
 
 #[test]
@@ -198,6 +204,7 @@ fn every_example_validates_against_the_generated_schema_and_deserializes() {
         ("examples/cluster-production.yaml", Cluster::crd()),
         ("examples/queue.yaml", Queue::crd()),
         ("examples/queue-retain.yaml", Queue::crd()),
+        ("examples/backupring.yaml", BackupRing::crd()),
     ];
     for (path, crd) in examples {
         let object = load(path);
@@ -209,6 +216,9 @@ fn every_example_validates_against_the_generated_schema_and_deserializes() {
     let _: Cluster =
         serde_json::from_value(load("examples/cluster-production.yaml")).expect("typed Cluster");
     let _: Queue = serde_json::from_value(load("examples/queue.yaml")).expect("typed Queue");
+    let ring: BackupRing =
+        serde_json::from_value(load("examples/backupring.yaml")).expect("typed BackupRing");
+    assert_eq!(ring.spec.rebalance.concurrency, 2);
 }
 
 #[test]

@@ -3,6 +3,7 @@
 //! Layout follows kube-rs controller-rs: one reconcile function per kind, an error policy
 //! that counts failures by reason and backs off, and a `run` that wires the watchers.
 
+pub mod backup_ring;
 pub mod cluster;
 pub mod queue;
 
@@ -19,7 +20,7 @@ use kube::runtime::watcher;
 use kube::{Api, Client, Resource};
 
 use crate::admin::{AdminConnector, AdminError};
-use crate::crd::{Cluster, Queue};
+use crate::crd::{BackupRing, Cluster, Queue};
 use crate::metrics::Metrics;
 
 /// Field manager for every server-side apply, so ownership of fields is clear in `managedFields`.
@@ -66,6 +67,7 @@ impl Error {
             Error::Kube(_) => "kube",
             Error::Admin(AdminError::Unreachable { .. }) => "admin_unreachable",
             Error::Admin(AdminError::Conflict(_)) => "admin_conflict",
+            Error::Admin(AdminError::Busy(_)) => "admin_busy",
             Error::Admin(_) => "admin",
             Error::MissingObjectKey(_) => "missing_object_key",
             Error::MissingSecret(_) | Error::MissingSecretKey { .. } => "missing_secret",
@@ -152,7 +154,7 @@ where
     }
 }
 
-/// Runs both controllers until shutdown.
+/// Runs the three controllers until shutdown.
 ///
 /// With `watch_namespace`, every watch (Clusters, Queues and the objects they own) is
 /// restricted to that namespace, so the operator needs rights there only (the chart's
@@ -162,6 +164,7 @@ pub async fn run(ctx: Arc<Context>, watch_namespace: Option<&str>) {
     let ns = watch_namespace;
     let clusters = scoped::<Cluster>(&client, ns);
     let queues = scoped::<Queue>(&client, ns);
+    let rings = scoped::<BackupRing>(&client, ns);
     let config = watcher::Config::default().any_semantic();
     // Owned objects all carry our name label; watching only those keeps the operator from
     // caching every Secret and ConfigMap in the cluster.
@@ -179,15 +182,25 @@ pub async fn run(ctx: Arc<Context>, watch_namespace: Option<&str>) {
                 tracing::debug!(error = %e, "cluster controller event");
             }
         });
-    let queue_controller = Controller::new(queues, config)
+    let queue_controller = Controller::new(queues, config.clone())
         .shutdown_on_signal()
-        .run(queue::reconcile, error_policy, ctx)
+        .run(queue::reconcile, error_policy, ctx.clone())
         .for_each(|r| async move {
             if let Err(e) = r {
                 tracing::debug!(error = %e, "queue controller event");
             }
         });
-    futures::join!(cluster_controller, queue_controller);
+    // Every change of a ring is reconciled, not only of its spec: the approval is an
+    // annotation.
+    let ring_controller = Controller::new(rings, config)
+        .shutdown_on_signal()
+        .run(backup_ring::reconcile, error_policy, ctx)
+        .for_each(|r| async move {
+            if let Err(e) = r {
+                tracing::debug!(error = %e, "backup ring controller event");
+            }
+        });
+    futures::join!(cluster_controller, queue_controller, ring_controller);
 }
 
 #[cfg(test)]

@@ -53,8 +53,18 @@ async fn admin_for(
     ns: &str,
     queue: &Queue,
 ) -> Result<Option<Arc<dyn AdminApi>>, Error> {
+    admin_for_cluster(ctx, ns, &queue.spec.cluster_ref.name).await
+}
+
+/// Admin client for Cluster `name` (as its default user), or `None` when the cluster or its
+/// default-user Secret is absent, or the cluster is being deleted.
+pub(super) async fn admin_for_cluster(
+    ctx: &Context,
+    ns: &str,
+    name: &str,
+) -> Result<Option<Arc<dyn AdminApi>>, Error> {
     let cluster = Api::<Cluster>::namespaced(ctx.client.clone(), ns)
-        .get_opt(&queue.spec.cluster_ref.name)
+        .get_opt(name)
         .await?;
     let Some(cluster) = cluster.filter(|c| c.meta().deletion_timestamp.is_none()) else {
         return Ok(None);

@@ -3,9 +3,14 @@
 //! The Rust types are the source of truth: `crdgen` prints the CRDs from them and a test
 //! fails when `crds/` drifts, so the schema users apply is always the one the code reads.
 
+pub mod backup_ring;
 pub mod cluster;
 pub mod queue;
 
+pub use backup_ring::{
+    APPROVE_ANNOTATION, BackupRing, BackupRingSpec, BackupRingStatus, Proposal, RebalanceMode,
+    RebalancePolicy, RebalanceStatus, RingMember,
+};
 pub use cluster::{
     Cluster, ClusterSpec, ClusterStatus, MemberStatus, Operation, OperationKind, OperationStep,
     Persistence, QuorumStatus, RollingRestart, ServiceSpec, ServiceType, TlsSpec,
@@ -37,7 +42,7 @@ pub type FreeFormMap = BTreeMap<String, serde_json::Value>;
 pub fn render_yaml() -> Result<String, serde_saphyr::ser::Error> {
     use kube::CustomResourceExt;
     let mut out = String::new();
-    for crd in [Cluster::crd(), Queue::crd()] {
+    for crd in [Cluster::crd(), Queue::crd(), BackupRing::crd()] {
         out.push_str("---\n");
         out.push_str(&serde_saphyr::to_string(&crd)?);
     }

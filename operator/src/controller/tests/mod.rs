@@ -9,6 +9,7 @@ mod children;
 mod finalizer;
 mod queues;
 mod real_brokers;
+mod rings;
 mod rollout;
 mod scale;
 
@@ -18,7 +19,7 @@ use http::Method;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use serde_json::{Value, json};
 
-use super::{cluster, queue};
+use super::{backup_ring, cluster, queue};
 use crate::admin::AdminConnector;
 use crate::controller::Context;
 use crate::crd::{ClusterStatus, OperationKind, OperationStep, QueueStatus};

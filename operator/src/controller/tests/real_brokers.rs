@@ -8,9 +8,9 @@ use super::*;
 // connector sends the calls to the test's broker, keeping the credentials the reconciler
 // read from the cluster's Secret.
 
-struct RealBroker {
-    base_url: String,
-    http: crate::admin::HttpConnectorFactory,
+pub(super) struct RealBroker {
+    pub(super) base_url: String,
+    pub(super) http: crate::admin::HttpConnectorFactory,
 }
 
 impl AdminConnector for RealBroker {

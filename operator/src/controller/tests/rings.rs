@@ -1,0 +1,306 @@
+//! The BackupRing reconciler: the ring and the proposal in the status, a rebalance started
+//! only when approved (the annotation then removed) or, `Automatic`, beyond the threshold.
+
+use super::*;
+use crate::admin::{PlannedMove, RebalanceProgress, RebalanceView};
+use crate::crd::{APPROVE_ANNOTATION, BackupRing, BackupRingSpec, BackupRingStatus};
+use kube::Resource;
+
+const RING: &str = "/apis/ringmq.io/v1alpha1/namespaces/default/backuprings/ringmq";
+const RING_STATUS: &str = "/apis/ringmq.io/v1alpha1/namespaces/default/backuprings/ringmq/status";
+
+fn ring(spec: Value, approved: bool) -> BackupRing {
+    let mut spec_json = json!({"clusterRef": {"name": "ringmq"}});
+    if let (Some(base), Some(extra)) = (spec_json.as_object_mut(), spec.as_object()) {
+        base.extend(extra.clone());
+    }
+    let spec: BackupRingSpec = serde_json::from_value(spec_json).expect("fixture spec");
+    let mut r = BackupRing::new("ringmq", spec);
+    r.meta_mut().namespace = Some("default".into());
+    r.meta_mut().generation = Some(1);
+    if approved {
+        r.meta_mut().annotations = Some([(APPROVE_ANNOTATION.into(), "approve".into())].into());
+    }
+    r
+}
+
+/// A broker whose cluster has its thirty queues' primaries on `primaries` per member.
+fn admin_with(primaries: [u64; 3], current: Option<&str>) -> FakeAdmin {
+    let admin = FakeAdmin::default();
+    {
+        let mut s = admin.state();
+        s.members = members(3);
+        let fewest = *primaries.iter().min().unwrap();
+        let plan: Vec<PlannedMove> = (0..(primaries[0] - fewest))
+            .map(|i| PlannedMove {
+                vhost: "/".into(),
+                queue: format!("q{i}"),
+                kind: "primary".into(),
+                from: "ringmq-0".into(),
+                to: "ringmq-1".into(),
+            })
+            .collect();
+        s.rebalance = RebalanceView {
+            balanced: plan.is_empty(),
+            primaries: members(3).into_iter().zip(primaries).collect(),
+            plan,
+            current: current.map(|status| RebalanceProgress {
+                status: status.into(),
+                total: 4,
+                done: 1,
+                running: 2,
+                pending: 1,
+                ..RebalanceProgress::default()
+            }),
+            ..RebalanceView::default()
+        };
+    }
+    admin
+}
+
+async fn ring_status(v: &mut ApiServerVerifier, r: &BackupRing) -> BackupRingStatus {
+    let object = serde_json::to_value(r).expect("ring serializes");
+    let seen = v
+        .expect_reply(Method::PATCH, RING_STATUS, 200, |body| {
+            let mut full = object.clone();
+            full["status"] = body["status"].clone();
+            full
+        })
+        .await;
+    assert!(seen.uri.contains("fieldManager=ringmq-operator") && seen.uri.contains("force=true"));
+    assert_eq!(seen.body["kind"], "BackupRing");
+    serde_json::from_value(seen.body["status"].clone()).expect("status parses")
+}
+
+/// The approval annotation removed by a merge patch.
+async fn approval_removed(v: &mut ApiServerVerifier, r: &BackupRing) {
+    let object = serde_json::to_value(r).expect("ring serializes");
+    let seen = v.expect(Method::PATCH, RING, 200, Some(object)).await;
+    assert_eq!(
+        seen.body,
+        json!({"metadata": {"annotations": {APPROVE_ANNOTATION: null}}})
+    );
+}
+
+#[tokio::test]
+async fn a_manual_ring_shows_its_proposal_and_starts_nothing_unapproved() {
+    let admin = admin_with([30, 0, 0], None);
+    let (ctx, verifier) = Context::test(admin.clone());
+    let r = ring(json!({}), false);
+    let (result, status) = run_scripted(
+        verifier,
+        backup_ring::reconcile(Arc::new(r.clone()), ctx),
+        |mut v| async move {
+            cluster_and_secret(&mut v).await;
+            let s = ring_status(&mut v, &r).await;
+            (v, s)
+        },
+    )
+    .await;
+    result.expect("reconcile succeeds");
+    assert_eq!(admin.state().calls, ["overview", "rebalance"]);
+    assert!(!status.balanced);
+    let proposal = status.proposal.expect("a proposal");
+    assert_eq!((proposal.moves, proposal.primary_moves), (30, 30));
+    assert_eq!(proposal.sample.len(), 10);
+    assert_eq!(proposal.sample[0], "//q0: ringmq-0 -> ringmq-1");
+    assert_eq!(status.ring.len(), 3);
+    let balanced = condition(&status.conditions, "Balanced");
+    assert_eq!(
+        (balanced.status.as_str(), balanced.reason.as_str()),
+        ("False", "Proposed")
+    );
+    assert!(balanced.message.contains("ringmq.io/rebalance=approve"));
+}
+
+#[tokio::test]
+async fn an_approved_proposal_is_started_and_the_approval_consumed() {
+    let admin = admin_with([30, 0, 0], Some("done"));
+    let (ctx, verifier) = Context::test(admin.clone());
+    let r = ring(json!({"rebalance": {"concurrency": 4}}), true);
+    let (result, (event, status)) = run_scripted(
+        verifier,
+        backup_ring::reconcile(Arc::new(r.clone()), ctx),
+        |mut v| async move {
+            cluster_and_secret(&mut v).await;
+            let e = v.event("RebalanceStarted").await;
+            approval_removed(&mut v, &r).await;
+            let s = ring_status(&mut v, &r).await;
+            (v, (e, s))
+        },
+    )
+    .await;
+    result.expect("reconcile succeeds");
+    assert_eq!(
+        admin.state().calls,
+        ["overview", "rebalance", "start-rebalance 4", "rebalance"]
+    );
+    assert!(event.body["note"].as_str().unwrap().contains("approved"));
+    assert_eq!(status.rebalance.expect("the new one").status, "running");
+    let balanced = condition(&status.conditions, "Balanced");
+    assert_eq!(balanced.reason, "Rebalancing");
+}
+
+#[tokio::test]
+async fn an_approval_while_one_runs_starts_nothing_and_is_consumed() {
+    let admin = admin_with([30, 0, 0], Some("running"));
+    let (ctx, verifier) = Context::test(admin.clone());
+    let r = ring(json!({}), true);
+    let (result, status) = run_scripted(
+        verifier,
+        backup_ring::reconcile(Arc::new(r.clone()), ctx),
+        |mut v| async move {
+            cluster_and_secret(&mut v).await;
+            v.event("NothingApproved").await;
+            approval_removed(&mut v, &r).await;
+            let s = ring_status(&mut v, &r).await;
+            (v, s)
+        },
+    )
+    .await;
+    let action = result.expect("reconcile succeeds");
+    assert_eq!(admin.state().calls, ["overview", "rebalance"]);
+    let progress = status.rebalance.expect("the one under way");
+    assert_eq!((progress.done, progress.left), (1, 3));
+    assert_eq!(
+        action,
+        kube::runtime::controller::Action::requeue(backup_ring::RUNNING_CHECK)
+    );
+}
+
+#[tokio::test]
+async fn an_automatic_ring_rebalances_only_beyond_its_threshold() {
+    // 11 / 9 / 10: a spread of 2, within a threshold of 2.
+    let admin = admin_with([11, 9, 10], None);
+    let (ctx, verifier) = Context::test(admin.clone());
+    let r = ring(
+        json!({"rebalance": {"mode": "Automatic", "threshold": 2}}),
+        false,
+    );
+    let first = r.clone();
+    let (result, status) = run_scripted(
+        verifier,
+        backup_ring::reconcile(Arc::new(r.clone()), ctx),
+        |mut v| async move {
+            cluster_and_secret(&mut v).await;
+            let s = ring_status(&mut v, &first).await;
+            (v, s)
+        },
+    )
+    .await;
+    result.expect("reconcile succeeds");
+    assert_eq!(admin.state().calls, ["overview", "rebalance"]);
+    assert_eq!(
+        condition(&status.conditions, "Balanced").reason,
+        "WithinThreshold"
+    );
+
+    // 30 / 0 / 0: started without any approval, nothing to remove.
+    let admin = admin_with([30, 0, 0], None);
+    let (ctx, verifier) = Context::test(admin.clone());
+    let (result, status) = run_scripted(
+        verifier,
+        backup_ring::reconcile(Arc::new(r.clone()), ctx),
+        |mut v| async move {
+            cluster_and_secret(&mut v).await;
+            let e = v.event("RebalanceStarted").await;
+            assert!(e.body["note"].as_str().unwrap().contains("automatic"));
+            let s = ring_status(&mut v, &r).await;
+            (v, s)
+        },
+    )
+    .await;
+    result.expect("reconcile succeeds");
+    assert_eq!(
+        admin.state().calls,
+        ["overview", "rebalance", "start-rebalance 2", "rebalance"]
+    );
+    assert_eq!(status.rebalance.expect("started").status, "running");
+}
+
+/// The reconciler and the admin client against a real three-member cluster: thirty queues
+/// declared through one member, an approved proposal started through another, and the
+/// brokers carry it out to even primaries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_approved_rebalance_evens_a_real_three_member_cluster() {
+    let secret = ringmq_tests::cluster::secret("operator-ring");
+    let users = "users:\n  - name: admin\n    password: s3cret\n    tags: [administrator]\n";
+    let mut members: Vec<ringmq_tests::Broker> = Vec::new();
+    for i in 0..3 {
+        let seeds: Vec<String> = members.iter().filter_map(|m| m.cluster.clone()).collect();
+        let seeds: Vec<&str> = seeds.iter().map(String::as_str).collect();
+        let yaml = ringmq_tests::cluster::member_yaml(&format!("ringmq-{i}"), &seeds, &secret);
+        members.push(ringmq_tests::Broker::start_with_config(&(yaml + users)));
+    }
+    for m in &members {
+        m.wait_ready(std::time::Duration::from_secs(30));
+    }
+    let http = crate::admin::HttpConnectorFactory::default();
+    let admin_of = |m: &ringmq_tests::Broker| {
+        http.connect(crate::admin::AdminEndpoint {
+            base_url: m.admin_url(),
+            username: "admin".into(),
+            password: "s3cret".into(),
+        })
+    };
+    let first = admin_of(&members[0]);
+    let decl = crate::admin::QueueDeclaration {
+        durable: true,
+        auto_delete: false,
+        arguments: Default::default(),
+    };
+    for i in 0..30 {
+        first
+            .declare_queue("/", &format!("ring-{i:02}"), &decl)
+            .await
+            .unwrap();
+    }
+    let view = first.rebalance().await.expect("the view");
+    assert!(!view.balanced, "{view:?}");
+    assert_eq!(view.primaries["ringmq-0"], 30, "{view:?}");
+    assert_eq!(view.plan.len(), 20, "{view:?}");
+
+    let connector = Arc::new(super::real_brokers::RealBroker {
+        base_url: members[1].admin_url(),
+        http: crate::admin::HttpConnectorFactory::default(),
+    });
+    let (ctx, verifier) = Context::test_with(connector);
+    let r = ring(json!({"rebalance": {"concurrency": 4}}), true);
+    let (result, status) = run_scripted(
+        verifier,
+        backup_ring::reconcile(Arc::new(r.clone()), ctx),
+        |mut v| async move {
+            cluster_and_secret(&mut v).await;
+            v.event("RebalanceStarted").await;
+            approval_removed(&mut v, &r).await;
+            let s = ring_status(&mut v, &r).await;
+            (v, s)
+        },
+    )
+    .await;
+    result.expect("reconcile succeeds against the real cluster");
+    let ids: Vec<&str> = status.ring.iter().map(|m| m.member.as_str()).collect();
+    assert_eq!(ids, ["ringmq-0", "ringmq-1", "ringmq-2"], "ring order");
+    assert!(status.rebalance.is_some(), "{status:?}");
+
+    // A second start while the first has moves left is refused as busy, or, if the first
+    // is over already, has nothing to do.
+    match admin_of(&members[2]).start_rebalance(2).await {
+        Ok(()) | Err(crate::admin::AdminError::Busy(_)) => {}
+        Err(e) => panic!("{e}"),
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let view = loop {
+        let view = admin_of(&members[2]).rebalance().await.expect("the view");
+        if view.balanced && view.current.as_ref().is_some_and(|c| c.status == "done") {
+            break view;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not balanced after 30 s: {view:?}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    };
+    assert!(view.primaries.values().all(|n| *n == 10), "{view:?}");
+    let _ = std::fs::remove_file(&secret);
+}
