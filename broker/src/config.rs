@@ -117,6 +117,14 @@ pub struct Config {
     pub cluster_name: String,
     /// Failure zone of this node (free text, e.g. a rack or availability zone).
     pub zone: String,
+    /// A file this node's zone is read from at start, over `zone`: either the zone alone,
+    /// or a Kubernetes downward API `labels` file (lines `key="value"`), whose
+    /// [`ZONE_LABEL`] is taken — the operator copies each broker pod's node zone onto the
+    /// pod under it, and the kubelet refreshes the file.
+    pub zone_file: Option<PathBuf>,
+    /// How long the broker waits at start for `zone_file` to name a zone, in seconds,
+    /// before it starts without one (logged).
+    pub zone_file_wait_s: u64,
     /// Where this member goes on the cluster's ring when it first joins: among the members
     /// with a `ring_order`, after those with a lower or equal one (a StatefulSet's pod
     /// ordinal, say). Unset, the planner picks the gap that keeps zones apart and ships the
@@ -242,6 +250,8 @@ impl Default for Config {
             cluster_name: "ringmq".to_owned(),
             zone: String::new(),
             ring_order: None,
+            zone_file: None,
+            zone_file_wait_s: 120,
             metrics_per_queue: false,
             metrics_max_queues: 10_000,
             data_dir: PathBuf::from("data"),
@@ -483,9 +493,91 @@ impl Config {
     }
 }
 
+/// The label a Kubernetes node's zone is under, which the operator copies onto each broker
+/// pod (its downward API `labels` file is then a `zone_file`).
+pub const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
+
+/// The zone `text` names: a downward API labels file's [`ZONE_LABEL`] (`key="value"`
+/// lines; a label value holds no quote or backslash to unescape) — empty when the label is
+/// there but empty, which the operator writes for a node that has no zone: no zone, and no
+/// more waiting — or, for a file without `=`, its one trimmed line. `None` when it names
+/// none (yet).
+pub fn zone_in(text: &str) -> Option<String> {
+    if !text.contains('=') {
+        let zone = text.trim();
+        return (!zone.is_empty() && !zone.contains('\n')).then(|| zone.to_owned());
+    }
+    text.lines().find_map(|line| {
+        let (key, value) = line.split_once('=')?;
+        if key.trim() != ZONE_LABEL {
+            return None;
+        }
+        let value = value.trim();
+        let value = value
+            .strip_prefix('"')
+            .and_then(|v| v.strip_suffix('"'))
+            .unwrap_or(value);
+        Some(value.to_owned())
+    })
+}
+
+impl Config {
+    /// Reads the zone from `zone_file`, if one is set, waiting up to `zone_file_wait_s` for
+    /// it to name one (checked every half second); without one by then the broker starts
+    /// with `zone` as configured, and says so.
+    pub fn read_zone_file(&mut self) {
+        let Some(path) = self.zone_file.clone() else {
+            return;
+        };
+        let deadline =
+            std::time::Instant::now() + std::time::Duration::from_secs(self.zone_file_wait_s);
+        loop {
+            if let Some(zone) = std::fs::read_to_string(&path)
+                .ok()
+                .as_deref()
+                .and_then(zone_in)
+            {
+                tracing::info!(zone, file = %path.display(), "zone read from the zone file");
+                self.zone = zone;
+                return;
+            }
+            if std::time::Instant::now() >= deadline {
+                tracing::warn!(
+                    file = %path.display(),
+                    waited_s = self.zone_file_wait_s,
+                    zone = self.zone,
+                    "the zone file names no zone (on Kubernetes: is the operator labelling the \
+                     pods with their node's {ZONE_LABEL}?); starting with the configured zone"
+                );
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(500));
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_zone_comes_from_a_labels_file_or_a_plain_one() {
+        let labels =
+            "app.kubernetes.io/name=\"ringmq\"\ntopology.kubernetes.io/zone=\"eu-west-1a\"\n";
+        assert_eq!(zone_in(labels).as_deref(), Some("eu-west-1a"));
+        assert_eq!(
+            zone_in("app.kubernetes.io/name=\"ringmq\"\n"),
+            None,
+            "not labelled yet"
+        );
+        assert_eq!(
+            zone_in("topology.kubernetes.io/zone=\"\"\n").as_deref(),
+            Some(""),
+            "labelled: the node has no zone"
+        );
+        assert_eq!(zone_in("rack-7\n").as_deref(), Some("rack-7"));
+        assert_eq!(zone_in("  \n"), None);
+    }
 
     #[test]
     fn an_empty_file_gives_the_defaults() {

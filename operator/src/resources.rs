@@ -9,12 +9,12 @@ use k8s_openapi::api::apps::v1::{
     RollingUpdateStatefulSetStrategy, StatefulSet, StatefulSetSpec, StatefulSetUpdateStrategy,
 };
 use k8s_openapi::api::core::v1::{
-    Capabilities, ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource,
-    EnvVar, EnvVarSource, HTTPGetAction, ObjectFieldSelector, PersistentVolumeClaim,
-    PersistentVolumeClaimSpec, PodSecurityContext, PodSpec, PodTemplateSpec, Probe, SeccompProfile,
-    SecretKeySelector, SecretVolumeSource, SecurityContext, Service, ServicePort,
-    ServiceSpec as K8sServiceSpec, TopologySpreadConstraint, Volume, VolumeMount,
-    VolumeResourceRequirements,
+    Capabilities, ConfigMap, ConfigMapVolumeSource, Container, ContainerPort,
+    DownwardAPIVolumeFile, DownwardAPIVolumeSource, EmptyDirVolumeSource, EnvVar, EnvVarSource,
+    HTTPGetAction, ObjectFieldSelector, PersistentVolumeClaim, PersistentVolumeClaimSpec,
+    PodSecurityContext, PodSpec, PodTemplateSpec, Probe, SeccompProfile, SecretKeySelector,
+    SecretVolumeSource, SecurityContext, Service, ServicePort, ServiceSpec as K8sServiceSpec,
+    TopologySpreadConstraint, Volume, VolumeMount, VolumeResourceRequirements,
 };
 use k8s_openapi::api::policy::v1::{PodDisruptionBudget, PodDisruptionBudgetSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
@@ -51,6 +51,10 @@ pub const TEMPLATE_HASH_ANNOTATION: &str = "ringmq.io/template-hash";
 pub const CLUSTER_SECRET_KEY: &str = "cluster-secret";
 /// Directory under [`CONFIG_DIR`] where the cluster secret is mounted as a file.
 pub const CLUSTER_SECRET_DIR: &str = "cluster";
+
+/// Directory under [`CONFIG_DIR`] of the pod's downward API files: `labels`, the broker's
+/// `zone_file` (the operator copies the node's zone onto the pod, see `controller::zone`).
+pub const PODINFO_DIR: &str = "podinfo";
 
 /// Label telling a cluster's Services apart: `nodes` (headless), `client`, `admin`.
 ///
@@ -367,7 +371,30 @@ pub fn stateful_set(
         read_only: Some(true),
         ..Default::default()
     });
+    mounts.push(VolumeMount {
+        name: "podinfo".into(),
+        mount_path: format!("{CONFIG_DIR}/{PODINFO_DIR}"),
+        read_only: Some(true),
+        ..Default::default()
+    });
     let mut volumes = vec![
+        // The pod's labels as a file the kubelet keeps current: the zone label the operator
+        // adds once the pod is scheduled reaches the broker without a restart of the pod.
+        Volume {
+            name: "podinfo".into(),
+            downward_api: Some(DownwardAPIVolumeSource {
+                items: Some(vec![DownwardAPIVolumeFile {
+                    path: "labels".into(),
+                    field_ref: Some(ObjectFieldSelector {
+                        field_path: "metadata.labels".into(),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                }]),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
         Volume {
             name: "config".into(),
             config_map: Some(ConfigMapVolumeSource {
@@ -447,6 +474,11 @@ pub fn stateful_set(
             EnvVar {
                 name: "RINGMQ_CONFIG".into(),
                 value: Some(format!("{CONFIG_DIR}/ringmq.yaml")),
+                ..Default::default()
+            },
+            EnvVar {
+                name: "RINGMQ_ZONE_FILE".into(),
+                value: Some(format!("{CONFIG_DIR}/{PODINFO_DIR}/labels")),
                 ..Default::default()
             },
             // Other members and clients reach this pod by its stable DNS name.

@@ -684,3 +684,57 @@ async fn a_member_that_joined_after_the_last_wiring_change_proxies_without_waiti
         first.log_tail(20)
     );
 }
+
+/// A member reads its zone from a zone file, waiting for it at start (the operator labels
+/// a scheduled pod with its node's zone, and the kubelet writes the pod's labels file):
+/// a Kubernetes labels file that names the zone only a second after the start, and a plain
+/// one; each member announces its zone and every member lists them.
+#[tokio::test]
+async fn a_member_waits_for_its_zone_file_and_announces_the_zone() {
+    let secret = secret("zone-file");
+    let labels = std::env::temp_dir().join(format!("ringmq-zone-labels-{}", std::process::id()));
+    std::fs::write(&labels, "app.kubernetes.io/name=\"ringmq\"\n").unwrap();
+    let writer = {
+        let labels = labels.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_secs(1));
+            std::fs::write(
+                &labels,
+                "app.kubernetes.io/name=\"ringmq\"\ntopology.kubernetes.io/zone=\"eu-west-1a\"\n",
+            )
+            .unwrap();
+        })
+    };
+    let started = Instant::now();
+    let first = Broker::start_with_config(&format!(
+        "{}zone_file: {}\nzone_file_wait_s: 30\n",
+        member_yaml("zone-0", &[], &secret),
+        labels.display()
+    ));
+    assert!(
+        started.elapsed() >= Duration::from_millis(900),
+        "it waited for its zone"
+    );
+    writer.join().unwrap();
+    let plain = std::env::temp_dir().join(format!("ringmq-zone-plain-{}", std::process::id()));
+    std::fs::write(&plain, "eu-west-1b\n").unwrap();
+    let second = Broker::start_with_config(&format!(
+        "{}zone_file: {}\n",
+        member_yaml("zone-1", &[first.cluster.as_deref().unwrap()], &secret),
+        plain.display()
+    ));
+    second.wait_ready(Duration::from_secs(30));
+    for b in [&first, &second] {
+        let members = b.admin_client().get("/api/members").unwrap().body;
+        let zones: Vec<(&str, &str)> = (members.as_array().into_iter().flatten())
+            .map(|m| (m["id"].as_str().unwrap(), m["zone"].as_str().unwrap()))
+            .collect();
+        assert_eq!(
+            zones,
+            [("zone-0", "eu-west-1a"), ("zone-1", "eu-west-1b")],
+            "{members}"
+        );
+    }
+    let _ = std::fs::remove_file(&labels);
+    let _ = std::fs::remove_file(&plain);
+}

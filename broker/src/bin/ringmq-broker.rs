@@ -45,6 +45,11 @@ struct Args {
     /// one zone apart, so a queue's backups sit in other zones than its primary.
     #[arg(long, env = "RINGMQ_ZONE", value_name = "ZONE")]
     zone: Option<String>,
+    /// A file the zone is read from at start (the zone alone, or a Kubernetes downward API
+    /// labels file, whose `topology.kubernetes.io/zone` is taken); waited for up to
+    /// `zone_file_wait_s`.
+    #[arg(long, env = "RINGMQ_ZONE_FILE", value_name = "FILE")]
+    zone_file: Option<PathBuf>,
     /// Where this member goes on the ring when it first joins (see `ring_order` in the
     /// README's configuration table).
     #[arg(long, env = "RINGMQ_RING_ORDER", value_name = "N")]
@@ -142,7 +147,8 @@ fn main() -> anyhow::Result<()> {
             }
         }
     }
-    let config = load_config(args)?;
+    let mut config = load_config(args)?;
+    config.read_zone_file();
     raise_open_file_limit();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -236,6 +242,9 @@ fn load_config(args: Args) -> anyhow::Result<Config> {
     }
     if let Some(zone) = args.zone {
         config.zone = zone;
+    }
+    if let Some(file) = args.zone_file {
+        config.zone_file = Some(file);
     }
     if let Some(order) = args.ring_order {
         config.ring_order = Some(order);

@@ -6,13 +6,14 @@
 pub mod backup_ring;
 pub mod cluster;
 pub mod queue;
+pub mod zone;
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::api::apps::v1::StatefulSet;
-use k8s_openapi::api::core::v1::{ConfigMap, Secret, Service};
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
@@ -154,7 +155,8 @@ where
     }
 }
 
-/// Runs the three controllers until shutdown.
+/// Runs the controllers (Clusters, Queues, BackupRings, and the zone labels of broker
+/// pods) until shutdown.
 ///
 /// With `watch_namespace`, every watch (Clusters, Queues and the objects they own) is
 /// restricted to that namespace, so the operator needs rights there only (the chart's
@@ -165,6 +167,7 @@ pub async fn run(ctx: Arc<Context>, watch_namespace: Option<&str>) {
     let clusters = scoped::<Cluster>(&client, ns);
     let queues = scoped::<Queue>(&client, ns);
     let rings = scoped::<BackupRing>(&client, ns);
+    let pods = scoped::<Pod>(&client, ns);
     let config = watcher::Config::default().any_semantic();
     // Owned objects all carry our name label; watching only those keeps the operator from
     // caching every Secret and ConfigMap in the cluster.
@@ -192,6 +195,14 @@ pub async fn run(ctx: Arc<Context>, watch_namespace: Option<&str>) {
         });
     // Every change of a ring is reconciled, not only of its spec: the approval is an
     // annotation.
+    let zone_controller = Controller::new(pods, owned.clone())
+        .shutdown_on_signal()
+        .run(zone::reconcile, error_policy, ctx.clone())
+        .for_each(|r| async move {
+            if let Err(e) = r {
+                tracing::debug!(error = %e, "zone controller event");
+            }
+        });
     let ring_controller = Controller::new(rings, config)
         .shutdown_on_signal()
         .run(backup_ring::reconcile, error_policy, ctx)
@@ -200,7 +211,12 @@ pub async fn run(ctx: Arc<Context>, watch_namespace: Option<&str>) {
                 tracing::debug!(error = %e, "backup ring controller event");
             }
         });
-    futures::join!(cluster_controller, queue_controller, ring_controller);
+    futures::join!(
+        cluster_controller,
+        queue_controller,
+        ring_controller,
+        zone_controller
+    );
 }
 
 #[cfg(test)]

@@ -12,6 +12,7 @@ mod real_brokers;
 mod rings;
 mod rollout;
 mod scale;
+mod zones;
 
 use std::sync::Arc;
 
@@ -19,7 +20,7 @@ use http::Method;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use serde_json::{Value, json};
 
-use super::{backup_ring, cluster, queue};
+use super::{backup_ring, cluster, queue, zone};
 use crate::admin::AdminConnector;
 use crate::controller::Context;
 use crate::crd::{ClusterStatus, OperationKind, OperationStep, QueueStatus};
