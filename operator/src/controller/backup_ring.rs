@@ -9,13 +9,13 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use kube::ResourceExt;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
-use kube::{Resource, ResourceExt};
 
 use super::queue::admin_for_cluster;
-use super::{Context, Error, FIELD_MANAGER};
+use super::{Context, Error, write_status};
 use crate::admin::{AdminError, Overview, RebalanceView};
 use crate::conditions::condition;
 use crate::crd::{
@@ -56,7 +56,7 @@ pub async fn reconcile(ring: Arc<BackupRing>, ctx: Arc<Context>) -> Result<Actio
             )],
             ..BackupRingStatus::default()
         };
-        write_status(&ctx, &ns, &ring, &status).await?;
+        write_status(&ctx, &ns, ring.as_ref(), &status).await?;
         return Ok(Action::requeue(CLUSTER_WAIT));
     };
     let overview = admin.overview().await?;
@@ -116,7 +116,7 @@ pub async fn reconcile(ring: Arc<BackupRing>, ctx: Arc<Context>) -> Result<Actio
             .await?;
     }
     let status = status(&previous, generation, &overview, &view, policy.mode);
-    write_status(&ctx, &ns, &ring, &status).await?;
+    write_status(&ctx, &ns, ring.as_ref(), &status).await?;
     Ok(Action::requeue(if is_running(&view) {
         RUNNING_CHECK
     } else {
@@ -212,25 +212,4 @@ fn status(
         proposal,
         rebalance,
     }
-}
-
-async fn write_status(
-    ctx: &Context,
-    ns: &str,
-    ring: &BackupRing,
-    status: &BackupRingStatus,
-) -> Result<(), Error> {
-    let patch = serde_json::json!({
-        "apiVersion": BackupRing::api_version(&()),
-        "kind": BackupRing::kind(&()),
-        "status": status,
-    });
-    Api::<BackupRing>::namespaced(ctx.client.clone(), ns)
-        .patch_status(
-            &ring.name_any(),
-            &PatchParams::apply(FIELD_MANAGER).force(),
-            &Patch::Apply(&patch),
-        )
-        .await?;
-    Ok(())
 }

@@ -128,6 +128,35 @@ impl Context {
 }
 
 /// Requeue delay after a failure; bounded so a broken cluster is retried but not hammered.
+/// Writes `status` as the status of `obj`, a namespaced resource of ours, by server-side
+/// apply (forced: the operator alone owns the status), as every reconciler ends.
+pub async fn write_status<K>(
+    ctx: &Context,
+    ns: &str,
+    obj: &K,
+    status: &impl serde::Serialize,
+) -> Result<(), Error>
+where
+    K: Resource<DynamicType = (), Scope = kube::core::NamespaceResourceScope>
+        + Clone
+        + serde::de::DeserializeOwned
+        + std::fmt::Debug,
+{
+    let patch = serde_json::json!({
+        "apiVersion": K::api_version(&()),
+        "kind": K::kind(&()),
+        "status": status,
+    });
+    Api::<K>::namespaced(ctx.client.clone(), ns)
+        .patch_status(
+            &kube::ResourceExt::name_any(obj),
+            &kube::api::PatchParams::apply(FIELD_MANAGER).force(),
+            &kube::api::Patch::Apply(&patch),
+        )
+        .await?;
+    Ok(())
+}
+
 pub const RETRY_AFTER: Duration = Duration::from_secs(15);
 
 /// Error policy shared by both controllers: count the failure by reason and retry later.

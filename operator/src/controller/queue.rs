@@ -8,14 +8,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Secret;
-use kube::api::{Api, Patch, PatchParams};
+use kube::api::Api;
 use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
 use kube::runtime::finalizer::{Event as Finalizer, finalizer};
 use kube::{Resource, ResourceExt};
 
 use super::cluster::secret_value;
-use super::{Context, Error, FIELD_MANAGER};
+use super::{Context, Error, write_status};
 use crate::admin::{AdminApi, AdminEndpoint, AdminError, Declared, QueueDeclaration};
 use crate::conditions::condition;
 use crate::crd::{Cluster, DeletionPolicy, Queue, QueueStatus};
@@ -222,25 +222,4 @@ async fn cleanup(queue: &Queue, ctx: &Context, ns: &str) -> Result<Action, Error
     };
     ctx.event(queue, EventType::Normal, "Deleted", note).await;
     Ok(Action::await_change())
-}
-
-async fn write_status(
-    ctx: &Context,
-    ns: &str,
-    queue: &Queue,
-    status: &QueueStatus,
-) -> Result<(), Error> {
-    let patch = serde_json::json!({
-        "apiVersion": Queue::api_version(&()),
-        "kind": Queue::kind(&()),
-        "status": status,
-    });
-    Api::<Queue>::namespaced(ctx.client.clone(), ns)
-        .patch_status(
-            &queue.name_any(),
-            &PatchParams::apply(FIELD_MANAGER).force(),
-            &Patch::Apply(&patch),
-        )
-        .await?;
-    Ok(())
 }
