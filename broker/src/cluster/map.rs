@@ -507,10 +507,15 @@ impl ClusterMap {
                                 && (old.process == 0 || old.process != info.process)
                         })
                         .then(|| info.node_id.clone());
-                    let at = rebalance::insertion(&self.roles, &self.membership, &info);
-                    let (node, order) = (info.node_id.clone(), info.ring_order);
+                    // Where it goes, if it is new to the ring (the planner's gap costs a
+                    // pass over every queue; a restart keeps its place).
+                    let node = info.node_id.clone();
+                    let at = (!self.membership.is_placed(&node))
+                        .then(|| rebalance::insertion(&self.roles, &self.membership, &info));
                     self.membership.on_hello(sender, info);
-                    if self.membership.place(&node, order, at) {
+                    if let Some(at) = at
+                        && self.membership.place(&node, at)
+                    {
                         tracing::info!(
                             member = %node,
                             ring = ?self.membership.ring(),

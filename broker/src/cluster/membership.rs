@@ -138,10 +138,11 @@ impl Membership {
         self.ring.iter().any(|s| s.node == node)
     }
 
-    /// Gives `node` its place on the ring, unless it has one: where `at` says. A node that
-    /// joins a ring with members already is a newcomer until its share is handed to it
+    /// Gives `node` its place on the ring, unless it has one: where `at` says (an
+    /// [`Insertion::Order`] is kept with the place, for the members placed after it). A node
+    /// that joins a ring with members already is a newcomer until its share is handed to it
     /// ([`Membership::take_newcomer`]). Returns whether it is new to the ring.
-    pub fn place(&mut self, node: &str, order: Option<u32>, at: Insertion) -> bool {
+    pub fn place(&mut self, node: &str, at: Insertion) -> bool {
         if !self.all_place_ring() {
             return false;
         }
@@ -149,6 +150,10 @@ impl Membership {
         if self.is_placed(node) {
             return false;
         }
+        let order = match at {
+            Insertion::Order(mine) => Some(mine),
+            _ => None,
+        };
         let index = match at {
             Insertion::Order(mine) => self
                 .ring
@@ -177,7 +182,7 @@ impl Membership {
         for m in &self.members {
             if let Some(info) = &m.info
                 && info.node_id != except
-                && !self.ring.iter().any(|s| s.node == info.node_id)
+                && !self.is_placed(&info.node_id)
             {
                 self.ring.push(RingSlot {
                     node: info.node_id.clone(),
@@ -367,7 +372,7 @@ mod tests {
         let mut m = Membership::default();
         m.on_conf_change(&[10]);
         m.on_hello(10, info(1));
-        assert!(m.place("n1", None, Insertion::End), "alone: placed");
+        assert!(m.place("n1", Insertion::End), "alone: placed");
         m.on_conf_change(&[10, 20, 30]);
         m.on_hello(
             20,
@@ -377,7 +382,7 @@ mod tests {
             },
         );
         m.on_hello(30, info(3));
-        assert!(!m.place("n3", Some(0), Insertion::Order(0)), "n2 is old");
+        assert!(!m.place("n3", Insertion::Order(0)), "n2 is old");
         assert_eq!(m.ring(), ["n1", "n2", "n3"]);
         assert!(!m.is_newcomer("n3"), "no claim an old member cannot read");
         // n2 upgraded (restarted in place): from its next hello on, places are kept, the
@@ -385,7 +390,7 @@ mod tests {
         m.on_hello(20, info(2));
         m.on_conf_change(&[10, 20, 30, 40]);
         m.on_hello(40, info(4));
-        assert!(m.place("n4", None, Insertion::Before("n2".into())));
+        assert!(m.place("n4", Insertion::Before("n2".into())));
         assert_eq!(m.ring(), ["n1", "n4", "n2", "n3"]);
         assert!(m.is_newcomer("n4"));
     }

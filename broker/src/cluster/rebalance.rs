@@ -428,12 +428,11 @@ pub fn join_scope(membership: &Membership, node: &str) -> Vec<String> {
         return Vec::new();
     };
     let n = active.len();
-    let mut scope = vec![active[(at + n - 1) % n].clone(), node.to_owned()];
-    scope.push(active[(at + 1) % n].clone());
-    scope.dedup();
-    scope.sort();
-    scope.dedup();
-    scope
+    let scope: BTreeSet<&String> = [(at + n - 1) % n, at, (at + 1) % n]
+        .into_iter()
+        .map(|i| &active[i])
+        .collect();
+    scope.into_iter().cloned().collect()
 }
 
 /// The moves that even out the primaries over the active members (in the map's ring,

@@ -14,8 +14,7 @@ use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
 
-use super::queue::admin_for_cluster;
-use super::{Context, Error, write_status};
+use super::{Context, Error, admin_for_cluster, write_status};
 use crate::admin::{AdminError, Overview, RebalanceView};
 use crate::conditions::condition;
 use crate::crd::{

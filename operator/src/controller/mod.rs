@@ -20,7 +20,7 @@ use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::watcher;
 use kube::{Api, Client, Resource};
 
-use crate::admin::{AdminConnector, AdminError};
+use crate::admin::{AdminApi, AdminConnector, AdminEndpoint, AdminError};
 use crate::crd::{BackupRing, Cluster, Queue};
 use crate::metrics::Metrics;
 
@@ -127,7 +127,33 @@ impl Context {
     }
 }
 
-/// Requeue delay after a failure; bounded so a broken cluster is retried but not hammered.
+/// Admin client for Cluster `name` (as its default user), or `None` when the cluster or its
+/// default-user Secret is absent, or the cluster is being deleted.
+pub async fn admin_for_cluster(
+    ctx: &Context,
+    ns: &str,
+    name: &str,
+) -> Result<Option<Arc<dyn AdminApi>>, Error> {
+    let cluster = Api::<Cluster>::namespaced(ctx.client.clone(), ns)
+        .get_opt(name)
+        .await?;
+    let Some(cluster) = cluster.filter(|c| c.meta().deletion_timestamp.is_none()) else {
+        return Ok(None);
+    };
+    let secret_name = cluster.default_user_secret_name();
+    let Some(secret) = Api::<Secret>::namespaced(ctx.client.clone(), ns)
+        .get_opt(&secret_name)
+        .await?
+    else {
+        return Ok(None);
+    };
+    Ok(Some(ctx.admin.connect(AdminEndpoint {
+        base_url: crate::resources::admin_base_url(&cluster),
+        username: cluster::secret_value(&secret, &secret_name, "username")?,
+        password: cluster::secret_value(&secret, &secret_name, "password")?,
+    })))
+}
+
 /// Writes `status` as the status of `obj`, a namespaced resource of ours, by server-side
 /// apply (forced: the operator alone owns the status), as every reconciler ends.
 pub async fn write_status<K>(
@@ -157,9 +183,10 @@ where
     Ok(())
 }
 
+/// Requeue delay after a failure; bounded so a broken cluster is retried but not hammered.
 pub const RETRY_AFTER: Duration = Duration::from_secs(15);
 
-/// Error policy shared by both controllers: count the failure by reason and retry later.
+/// Error policy shared by the controllers: count the failure by reason and retry later.
 pub fn error_policy<K>(_obj: Arc<K>, error: &Error, ctx: Arc<Context>) -> Action {
     tracing::warn!(error = %error, "reconcile failed");
     ctx.metrics.failure(

@@ -7,19 +7,16 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::Secret;
+use kube::ResourceExt;
 use kube::api::Api;
 use kube::runtime::controller::Action;
 use kube::runtime::events::EventType;
 use kube::runtime::finalizer::{Event as Finalizer, finalizer};
-use kube::{Resource, ResourceExt};
 
-use super::cluster::secret_value;
 use super::{Context, Error, write_status};
-use crate::admin::{AdminApi, AdminEndpoint, AdminError, Declared, QueueDeclaration};
+use crate::admin::{AdminApi, AdminError, Declared, QueueDeclaration};
 use crate::conditions::condition;
-use crate::crd::{Cluster, DeletionPolicy, Queue, QueueStatus};
-use crate::resources;
+use crate::crd::{DeletionPolicy, Queue, QueueStatus};
 
 /// Finalizer that deletes the broker's queue before the `Queue` object goes.
 pub const QUEUE_FINALIZER: &str = "ringmq.io/queue";
@@ -53,34 +50,7 @@ async fn admin_for(
     ns: &str,
     queue: &Queue,
 ) -> Result<Option<Arc<dyn AdminApi>>, Error> {
-    admin_for_cluster(ctx, ns, &queue.spec.cluster_ref.name).await
-}
-
-/// Admin client for Cluster `name` (as its default user), or `None` when the cluster or its
-/// default-user Secret is absent, or the cluster is being deleted.
-pub(super) async fn admin_for_cluster(
-    ctx: &Context,
-    ns: &str,
-    name: &str,
-) -> Result<Option<Arc<dyn AdminApi>>, Error> {
-    let cluster = Api::<Cluster>::namespaced(ctx.client.clone(), ns)
-        .get_opt(name)
-        .await?;
-    let Some(cluster) = cluster.filter(|c| c.meta().deletion_timestamp.is_none()) else {
-        return Ok(None);
-    };
-    let secret_name = cluster.default_user_secret_name();
-    let Some(secret) = Api::<Secret>::namespaced(ctx.client.clone(), ns)
-        .get_opt(&secret_name)
-        .await?
-    else {
-        return Ok(None);
-    };
-    Ok(Some(ctx.admin.connect(AdminEndpoint {
-        base_url: resources::admin_base_url(&cluster),
-        username: secret_value(&secret, &secret_name, "username")?,
-        password: secret_value(&secret, &secret_name, "password")?,
-    })))
+    super::admin_for_cluster(ctx, ns, &queue.spec.cluster_ref.name).await
 }
 
 async fn apply(queue: &Queue, ctx: &Context, ns: &str) -> Result<Action, Error> {

@@ -266,7 +266,7 @@ fn join(m: &mut Membership, roles: &Roles, id: u64, zone: &str, order: Option<u3
     };
     let at = insertion(roles, m, &info);
     m.on_hello(id, info);
-    m.place(&format!("n{id}"), order, at)
+    m.place(&format!("n{id}"), at)
 }
 
 #[test]

@@ -363,6 +363,8 @@ impl VHost {
         if q.consumers.is_empty() || q.sealed {
             return;
         }
+        // The consumers do not change while this call hands messages out.
+        let top = q.consumers.iter().map(|r| r.priority).max().unwrap_or(0);
         loop {
             expire_head(q, now_ms, false, record, fx, dead);
             let Some((id, bytes)) = q.peek().map(|h| (h.id, h.message.body_len() as u64)) else {
@@ -375,7 +377,6 @@ impl VHost {
             };
             // The first consumer with room in round-robin order among those of the highest
             // priority that have room.
-            let top = q.consumers.iter().map(|r| r.priority).max().unwrap_or(0);
             let mut chosen: Option<(usize, i32)> = None;
             for i in 0..candidates {
                 let at = if q.args.single_active_consumer {
