@@ -3,7 +3,7 @@
 //! export can be loaded into ringmq.
 //!
 //! Exported: users (with `password_hash`, never a password), vhosts, permissions, durable and
-//! transient non-exclusive queues, exchanges other than the predeclared ones, and bindings
+//! transient non-exclusive queues (not a fragmented queue's fragments: members make them), exchanges other than the predeclared ones, and bindings
 //! other than the default exchange's implicit ones. Every list is sorted so two exports of
 //! equal brokers are equal. Parameters and policies are exported empty and ignored on import.
 
@@ -54,7 +54,10 @@ pub fn export(b: &Broker) -> Value {
         vhosts.push(json!({"name": name, "limits": [], "metadata": {}}));
         {
             let v = v.lock();
-            let mut qs: Vec<_> = v.queues().filter(|q| q.exclusive_owner.is_none()).collect();
+            let mut qs: Vec<_> = v
+                .queues()
+                .filter(|q| q.exclusive_owner.is_none() && q.args.fragment.is_none())
+                .collect();
             qs.sort_by(|a, b| a.name.cmp(&b.name));
             for q in qs {
                 queues.push(json!({

@@ -46,7 +46,7 @@ pub fn totals(broker: &Broker) -> Totals {
         t.channels += v.channels().count() as u64;
         for q in v.queues() {
             t.queues += 1;
-            t.consumers += q.consumers.len() as u64;
+            t.consumers += q.consumer_count() as u64;
             t.ready += q.ready_count() as u64;
             t.unacked += q.unacked_count() as u64;
         }
@@ -282,7 +282,7 @@ fn register_per_queue(reg: &mut Registry, broker: &Broker) {
             unacked.get_or_create(&labels).set(q.unacked_count() as i64);
             consumers
                 .get_or_create(&labels)
-                .set(q.consumers.len() as i64);
+                .set(q.consumer_count() as i64);
         }
     }
     reg.register("queue_messages_ready", "Ready messages per queue", ready);

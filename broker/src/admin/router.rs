@@ -100,6 +100,14 @@ impl Route {
     pub(super) const fn post(pattern: &'static str, handler: Handler) -> Self {
         Self::new(Verb::Post, pattern, handler)
     }
+    /// `DELETE` on `pattern`, answered once what it asked of other members is done.
+    pub(super) const fn delete_async(pattern: &'static str, action: Reader) -> Self {
+        Self {
+            verb: Verb::Delete,
+            pattern,
+            action: Action::Read(action),
+        }
+    }
     /// `DELETE` on `pattern`.
     pub(super) const fn delete(pattern: &'static str, handler: Handler) -> Self {
         Self::new(Verb::Delete, pattern, handler)

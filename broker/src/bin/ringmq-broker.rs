@@ -369,6 +369,7 @@ async fn join_cluster(
     running.broker.joined(cluster.clone());
     ringmq::broker::majority::spawn_guard(running.broker.clone(), cluster.clone());
     ringmq::broker::drain::spawn_guard(running.broker.clone(), cluster.clone());
+    ringmq::broker::fragments::spawn(&running.broker, cluster.clone());
     running.broker.start_serving();
     Ok(cluster)
 }

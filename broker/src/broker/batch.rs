@@ -87,6 +87,7 @@ impl Broker {
                 message: self.resolve_message(f.message),
                 ticket: tracker.map(|t| (t.clone(), t.issue())),
                 after_index: proxies.applied.index(),
+                origin: f.origin,
             };
             match batches.iter_mut().find(|(p, _)| *p == f.primary) {
                 Some((_, jobs)) => jobs.push(job),

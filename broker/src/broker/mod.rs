@@ -12,6 +12,7 @@ mod batch;
 pub mod cluster_host;
 pub mod connections;
 pub mod drain;
+pub mod fragments;
 pub mod majority;
 pub mod outbox;
 mod persist;

@@ -39,6 +39,11 @@ pub struct QueueArgs {
     /// `qpid.cluster.backups` ([`BACKUPS_ARGUMENT`]): how many backups a clustered queue
     /// keeps (0..=[`MAX_BACKUPS`]); `None` takes the member's `default_backups`.
     pub backups: Option<u8>,
+    /// `qpid.cluster.fragmented` ([`super::fragments`]): the queue is one name over a
+    /// fragment per cluster member.
+    pub fragmented: bool,
+    /// Set on a fragment: whose fragment of which fragmented queue it is.
+    pub fragment: Option<super::fragments::FragmentOf>,
 }
 
 /// The declare argument naming how many backups a clustered queue keeps.
@@ -138,6 +143,9 @@ impl QueueArgs {
                             .ok_or_else(range)?,
                     );
                 }
+                super::fragments::FRAGMENTED_ARGUMENT => {
+                    args.fragmented = super::fragments::parse_fragmented(value).map_err(bad)?
+                }
                 "x-single-active-consumer" => {
                     args.single_active_consumer = match value {
                         AMQPValue::Boolean(b) => *b,
@@ -153,8 +161,35 @@ impl QueueArgs {
                  x-dead-letter-exchange must also be set"
             )));
         }
+        args.fragment = super::fragments::fragment_of(queue, arguments);
+        if args.fragmented {
+            check_fragmented(&args, queue, vhost)?;
+        }
         Ok(args)
     }
+}
+
+/// What a fragmented queue cannot have (406): a name too long for its fragments' names,
+/// and the arguments that need one queue's view of its consumers or use
+/// (`x-single-active-consumer`, `x-expires`), which fragments on several members lack.
+fn check_fragmented(args: &QueueArgs, queue: &str, vhost: &str) -> CoreResult<()> {
+    let why = if queue.len() > super::fragments::MAX_FRAGMENTED_NAME {
+        format!(
+            "a fragmented queue's name is at most {} bytes",
+            super::fragments::MAX_FRAGMENTED_NAME
+        )
+    } else if args.single_active_consumer {
+        "a fragmented queue has no single active consumer (its fragments are read on every member)"
+            .to_owned()
+    } else if args.expires_ms.is_some() {
+        "a fragmented queue cannot expire (x-expires)".to_owned()
+    } else {
+        return Ok(());
+    };
+    Err(AmqpError::precondition(format!(
+        "invalid arg '{}' for queue '{queue}' in vhost '{vhost}': {why}",
+        super::fragments::FRAGMENTED_ARGUMENT
+    )))
 }
 
 /// The consume argument `x-priority` (RabbitMQ's consumer priorities): any AMQP integer

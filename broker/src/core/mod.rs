@@ -6,6 +6,7 @@ pub mod args;
 pub mod channel;
 pub mod error;
 pub mod exchange;
+pub mod fragments;
 pub mod message;
 pub mod ops;
 pub mod queue;

@@ -6,7 +6,7 @@ use super::channel::ChannelKey;
 use super::message::{DiskBody, Message};
 use super::ops::{OpKind, QueueOp};
 use crate::amqp::FieldTable;
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
 mod image;
@@ -40,6 +40,8 @@ pub struct ConsumerRef {
     pub tag: Arc<str>,
     /// Its priority ([`Consume::priority`](crate::core::Consume::priority)).
     pub priority: i32,
+    /// Another member's pull ([`Consume::pull`](crate::core::Consume::pull)).
+    pub pull: bool,
 }
 
 /// A queue: its declaration and its content.
@@ -90,6 +92,11 @@ pub struct Queue {
     last_seq: u64,
     /// A replica installing an image chunk by chunk: where it stands.
     installing: Option<image::Installing>,
+    /// Ids of the messages, ready or unacked, that this member pulled in from another of a
+    /// fragmented queue's parts (`VHost::publish_pulled`): never handed to a pull again,
+    /// since a message moved twice lands behind later messages of its producer. Kept by
+    /// the primary only: after a failover they count as the new primary's own.
+    pulled_in: HashSet<u64>,
 }
 
 impl Queue {
@@ -146,7 +153,14 @@ impl Queue {
             next_id: 1,
             last_seq: 0,
             installing: None,
+            pulled_in: HashSet::new(),
         }
+    }
+
+    /// Consumers of the queue's own: its clients' (on every member), not other members'
+    /// pulls of a fragmented queue's messages ([`ConsumerRef::pull`]).
+    pub fn consumer_count(&self) -> usize {
+        self.consumers.iter().filter(|c| !c.pull).count()
     }
 
     /// Messages ready for delivery.
@@ -182,6 +196,23 @@ impl Queue {
     /// The id the next enqueued message gets.
     pub fn next_id(&self) -> u64 {
         self.next_id
+    }
+
+    /// Marks message `id` as pulled in from another fragment (see the field).
+    pub(crate) fn mark_pulled(&mut self, id: u64) {
+        self.pulled_in.insert(id);
+    }
+
+    /// Whether message `id` was pulled in from another fragment.
+    pub(crate) fn is_pulled(&self, id: u64) -> bool {
+        !self.pulled_in.is_empty() && self.pulled_in.contains(&id)
+    }
+
+    /// Message `id` left the queue: it is no pulled-in message any more.
+    pub(crate) fn forget_pulled(&mut self, id: u64) {
+        if !self.pulled_in.is_empty() {
+            self.pulled_in.remove(&id);
+        }
     }
 
     /// Puts back a message recovered from disk, with its original id, before the queue serves

@@ -615,3 +615,54 @@ fn higher_priority_consumers_get_the_messages_while_they_have_room() {
     assert_eq!(fx.deliveries.len(), 1);
     assert_eq!(&*fx.deliveries[0].consumer_tag, "high-a");
 }
+
+/// A fragmented queue's pulls (`Consume::pull`): a message a pull brought in
+/// (`VHost::publish_pulled`) waits for the member's own consumers and is never handed to
+/// another pull while there are any — no message moves twice and lands behind later ones
+/// of its producer — and a pull is no consumer in the counts.
+#[test]
+fn a_pulled_in_message_waits_for_the_members_own_consumers() {
+    let mut v = vhost_with_queue();
+    let mut fx = Effects::default();
+    let pulls = ChannelKey {
+        conn: 1,
+        channel: 2,
+    };
+    v.channel_open(pulls);
+    v.basic_qos(pulls, 0, 10, false, 0, &mut fx);
+    let pull = Consume {
+        queue: "q".into(),
+        tag: "pull".into(),
+        priority: crate::core::fragments::PULL_PRIORITY,
+        pull: true,
+        ..Default::default()
+    };
+    v.basic_consume(pulls, pull, 0, &mut fx).unwrap();
+    consume(&mut v, &mut fx, "own", 1);
+    assert_eq!(
+        v.queue("q").unwrap().consumer_count(),
+        1,
+        "a pull is no consumer"
+    );
+    v.publish("", "q", msg("first"), 0, &mut fx).unwrap();
+    v.publish_pulled("q", msg("pulled"), 0, &mut fx);
+    v.publish("", "q", msg("own"), 0, &mut fx).unwrap();
+    let to: Vec<&str> = fx.deliveries.iter().map(|d| &*d.consumer_tag).collect();
+    assert_eq!(
+        to,
+        ["own"],
+        "the pulled-in message waits for the full consumer"
+    );
+    fx.deliveries.clear();
+    v.basic_ack(CH, 1, false, 0, &mut fx).unwrap();
+    let to: Vec<(&str, &[u8])> = (fx.deliveries.iter())
+        .map(|d| (&*d.consumer_tag, &d.message.body.in_memory().unwrap()[..]))
+        .collect();
+    assert_eq!(to, [("own", &b"pulled"[..]), ("pull", &b"own"[..])]);
+    fx.deliveries.clear();
+    // With no consumer of the member's own left, a pull takes anything: nothing is stuck.
+    v.basic_cancel(CH, "own", 0, &mut fx);
+    v.publish_pulled("q", msg("pulled again"), 0, &mut fx);
+    let to: Vec<&str> = fx.deliveries.iter().map(|d| &*d.consumer_tag).collect();
+    assert_eq!(to, ["pull"]);
+}

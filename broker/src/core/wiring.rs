@@ -275,6 +275,7 @@ impl VHost {
             match self.new_queue(q, now_ms) {
                 Ok(mut queue) => {
                     queue.uid = uid;
+                    self.has_fragmented |= queue.args.fragmented;
                     self.queues.insert(queue.name.clone(), queue);
                 }
                 Err(why) => skipped.push(why),
@@ -355,6 +356,7 @@ impl VHost {
             // Another member's connection owns it (or, homed here, a connection of this
             // member's earlier run: retired below).
             queue.exclusive_owner = exclusive.then_some(NO_CONNECTION);
+            self.has_fragmented |= queue.args.fragmented;
             self.queues.insert(queue.name.clone(), queue);
         }
         self.restore_bindings(w.bindings, &mut skipped);

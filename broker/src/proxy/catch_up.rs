@@ -15,6 +15,12 @@ use tokio::sync::watch;
 /// sender had applied; honoured on links only.
 pub const AFTER_INDEX_ARGUMENT: &str = "x-ringmq-after-index";
 
+/// The argument of the passive default-exchange declare that tells the member at the other
+/// end of a forwarding link on whose behalf the publishes after it were made (a member's
+/// node id): it puts what they route to a fragmented queue in that member's fragment, as
+/// the sender did ([`crate::core::VHost::publish_forwarded_as`]). Honoured on links only.
+pub const ORIGIN_ARGUMENT: &str = "x-ringmq-publish-origin";
+
 /// How long a member waits to apply a change another member already applied before it
 /// answers anyway (and logs it): the cluster layer delivers committed changes to every
 /// live member within a failure timeout.
@@ -82,6 +88,28 @@ pub fn declare(index: u64) -> AMQPClass {
         nowait: false,
         arguments,
     }))
+}
+
+/// The passive default-exchange declare (no reply asked) that names the origin of the
+/// publishes after it on a link channel ([`ORIGIN_ARGUMENT`]); sent when it changes.
+pub fn origin_declare(origin: &str) -> AMQPClass {
+    let mut arguments = FieldTable::default();
+    arguments.insert(ORIGIN_ARGUMENT.into(), AMQPValue::LongString(origin.into()));
+    AMQPClass::Exchange(exchange::AMQPMethod::Declare(exchange::Declare {
+        exchange: ShortString::from(""),
+        kind: ShortString::from("direct"),
+        passive: true,
+        durable: false,
+        auto_delete: false,
+        internal: false,
+        nowait: true,
+        arguments,
+    }))
+}
+
+/// The origin an [`ORIGIN_ARGUMENT`] names, if the arguments carry one.
+pub fn origin(arguments: &FieldTable) -> Option<String> {
+    crate::core::args::str_value(arguments.inner().get(ORIGIN_ARGUMENT)?)
 }
 
 /// The index an [`AFTER_INDEX_ARGUMENT`] names, if the arguments carry one.

@@ -177,6 +177,9 @@ pub struct Job {
     /// The newest cluster change this member had applied when it routed the message: the
     /// primary applies it before the message ([`super::catch_up`]).
     pub after_index: u64,
+    /// On whose behalf it was published, for a fragmented queue's fragment
+    /// ([`crate::core::vhost::Forward::origin`]).
+    pub origin: Option<Arc<str>>,
 }
 
 /// The forwarding channels of this member: one task per (member, vhost), publishing in
@@ -357,6 +360,7 @@ async fn forward_one(
         message,
         ticket,
         after_index: _,
+        origin: _,
     } = job;
     let mut publish: Writing = Box::pin(async move {
         ch.basic_publish(

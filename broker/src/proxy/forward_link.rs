@@ -95,6 +95,8 @@ pub struct ForwardLink {
     heartbeat_s: u16,
     /// The newest cluster change the member was told about.
     told: u64,
+    /// The publish origin the member was told about last ([`super::catch_up::origin`]).
+    told_origin: Option<Arc<str>>,
     waiting: Arc<Mutex<Waiting>>,
     reader: tokio::task::JoinHandle<()>,
 }
@@ -148,6 +150,7 @@ impl ForwardLink {
             next_tag: 0,
             heartbeat_s,
             told: 0,
+            told_origin: None,
             waiting,
             reader,
         })
@@ -194,6 +197,12 @@ impl ForwardLink {
             self.told = job.after_index;
             self.out
                 .method(CHANNEL, super::catch_up::declare(job.after_index));
+        }
+        if job.origin.is_some() && job.origin != self.told_origin {
+            let origin = job.origin.clone().unwrap_or_default();
+            self.out
+                .method(CHANNEL, super::catch_up::origin_declare(&origin));
+            self.told_origin = job.origin.clone();
         }
         self.next_tag += 1;
         waiting.tickets.insert(self.next_tag, job.ticket);

@@ -192,6 +192,20 @@ impl Links {
         Ok(link)
     }
 
+    /// The `amqp://` URI of cluster member `node`'s `vhost` as a link logs in there: for
+    /// the few lapin links a member opens to another member (a fragmented queue's pulls,
+    /// `fragment_pull.rs`), which take a URI like a foreign broker's.
+    pub fn member_uri(&self, node: &str, vhost: &str) -> Result<String, LinkError> {
+        let (password, resolve) = self
+            .cluster
+            .get()
+            .ok_or_else(|| LinkError::UnknownMember(node.into()))?;
+        let addr = resolve(node).ok_or_else(|| LinkError::UnknownMember(node.into()))?;
+        let vhost =
+            percent_encoding::utf8_percent_encode(vhost, percent_encoding::NON_ALPHANUMERIC);
+        Ok(format!("amqp://{LINK_USER}:{password}@{addr}/{vhost}"))
+    }
+
     /// Opens a channel on the lapin link to the foreign broker at URI `node`.
     pub async fn channel(&self, node: &str, vhost: &str) -> Result<lapin::Channel, LinkError> {
         let connection = self.connection(node, vhost).await?;

@@ -23,6 +23,7 @@ pub mod feed;
 pub mod feeds;
 pub mod forward;
 pub mod forward_link;
+pub mod fragment_pull;
 pub mod link;
 pub mod stats;
 pub mod upstream;

@@ -440,6 +440,7 @@ impl Replicator {
             message: frame.clone(),
             ticket: Some((link.tracker.clone(), id)),
             after_index,
+            origin: None,
         })
     }
 

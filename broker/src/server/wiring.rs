@@ -100,6 +100,7 @@ pub fn op_for(
                 } else {
                     d.queue.to_string()
                 };
+                crate::core::fragments::refuse_reserved(&d.arguments, &name)?;
                 (
                     WiringOp::DeclareQueue {
                         name: name.clone(),

@@ -25,6 +25,11 @@ pub struct SessionRecord {
     pub member: String,
     /// A connection is attached to it on `member`.
     pub attached: bool,
+    /// Node id of the member it started on: it publishes into that member's fragment of a
+    /// fragmented queue wherever it is resumed, so its messages stay in order
+    /// ([`crate::core::fragments`]). Empty in records of members from before this field.
+    #[serde(default)]
+    pub origin: String,
 }
 
 /// A change to the session directory, committed through the cluster group.
@@ -175,6 +180,7 @@ impl SessionDirectory {
                 timeout_s: *timeout_s,
                 member: member.clone(),
                 attached: true,
+                origin: member.clone(),
             },
             (SessionOp::Start { .. }, Some(_)) => {
                 return Err(AmqpError::new(

@@ -1,8 +1,9 @@
 //! Ring operations on a live cluster of real broker processes (issue #15): a queue's primary
 //! moved to another member under confirmed load, by the admin API and by `ringmqctl`, a
-//! member drained, and the primaries rebalanced.
+//! member drained, the primaries rebalanced, and fragmented queues.
 
 mod drain;
+mod fragmented;
 mod move_queue;
 mod rebalance;
 

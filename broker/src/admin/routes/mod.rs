@@ -58,7 +58,7 @@ pub(super) static ROUTES: &[Route] = &[
     Route::get_async("/api/queues/{vhost}/{name}", queues::get),
     Route::wiring(Verb::Put, "/api/queues/{vhost}/{name}", queues::declare),
     Route::wiring(Verb::Delete, "/api/queues/{vhost}/{name}", queues::delete),
-    Route::delete("/api/queues/{vhost}/{name}/contents", queues::purge),
+    Route::delete_async("/api/queues/{vhost}/{name}/contents", queues::purge),
     Route::wiring(
         Verb::Post,
         "/api/queues/{vhost}/{name}/move",

@@ -29,6 +29,7 @@ pub(super) fn list_all<'a>(c: &'a Ctx<'a>) -> BoxFuture<'a, Result<Reply>> {
             .flat_map(|(n, v)| queues_json(b, n, v))
             .collect();
         primary_numbers(b, &mut all).await;
+        fragment_numbers(b, &mut all).await;
         ok(Value::Array(all))
     })
 }
@@ -40,6 +41,7 @@ pub(super) fn list<'a>(c: &'a Ctx<'a>) -> BoxFuture<'a, Result<Reply>> {
         let b = c.broker;
         let mut all = queues_json(b, vh, &*vhost(b, vh)?);
         primary_numbers(b, &mut all).await;
+        fragment_numbers(b, &mut all).await;
         ok(Value::Array(all))
     })
 }
@@ -57,6 +59,7 @@ pub(super) fn get<'a>(c: &'a Ctx<'a>) -> BoxFuture<'a, Result<Reply>> {
         };
         let mut one = vec![one.ok_or_else(|| no_queue(vh, name))?];
         primary_numbers(b, &mut one).await;
+        fragment_numbers(b, &mut one).await;
         ok(one.pop().expect("one queue"))
     })
 }
@@ -231,20 +234,32 @@ pub(super) fn move_primary<'a>(c: &Ctx<'a>) -> Result<Plan<'a>> {
     })
 }
 
-/// `DELETE /api/queues/{vhost}/{name}/contents`: drops the ready messages.
-pub(super) fn purge(c: &Ctx<'_>) -> Result<Reply> {
-    let [vh, name] = c.args();
-    let b = c.broker;
-    let v = vhost(b, vh)?;
-    let mut v = v.lock();
-    let owner = owner(&v, vh, name)?;
-    let mut fx = Effects::default();
-    let n = v
-        .queue_purge(owner, name, &mut fx)
-        .map_err(ApiError::from_amqp)?;
-    b.finish_batch(0, &mut v, &mut fx);
-    tracing::info!(vhost = %vh, queue = %name, messages = n, user = %c.call.user.name, "queue purged via admin API");
-    Ok(empty_reply(StatusCode::NO_CONTENT))
+/// `DELETE /api/queues/{vhost}/{name}/contents`: drops the ready messages (of a fragmented
+/// queue: of every fragment, on its primary).
+pub(super) fn purge<'a>(c: &'a Ctx<'a>) -> BoxFuture<'a, Result<Reply>> {
+    Box::pin(async move {
+        let [vh, name] = c.args();
+        let b = c.broker;
+        let fragmented = b.cluster().is_some() && vhost(b, vh)?.lock().is_fragmented(name);
+        let n = if fragmented {
+            // The whole queue: every fragment, on its primary.
+            crate::broker::fragments::purge(b, vh, name)
+                .await
+                .map_err(ApiError::from_amqp)?
+        } else {
+            let v = vhost(b, vh)?;
+            let mut v = v.lock();
+            let owner = owner(&v, vh, name)?;
+            let mut fx = Effects::default();
+            let n = v
+                .queue_purge(owner, name, &mut fx)
+                .map_err(ApiError::from_amqp)?;
+            b.finish_batch(0, &mut v, &mut fx);
+            n
+        };
+        tracing::info!(vhost = %vh, queue = %name, messages = n, user = %c.call.user.name, "queue purged via admin API");
+        Ok(empty_reply(StatusCode::NO_CONTENT))
+    })
 }
 
 /// `GET /api/queues/{vhost}/{name}/bindings`: the default exchange's implicit binding too.
@@ -308,7 +323,7 @@ fn queue_json(b: &Broker, vh: &str, q: &Queue) -> Value {
         "messages_ready": ready,
         "messages_unacknowledged": unacked,
         "messages": ready + unacked,
-        "consumers": q.consumers.len(),
+        "consumers": q.consumer_count(),
         "owner": node,
         "node": node,
         "backup_nodes": backups,
@@ -319,7 +334,45 @@ fn queue_json(b: &Broker, vh: &str, q: &Queue) -> Value {
         "local_copy": local_copy,
         "type": "classic",
         "state": "running",
+        "fragmented": q.args.fragmented,
+        "fragment_of": q.args.fragment.as_ref().map(|f| json!({"queue": &*f.queue, "member": &*f.member})),
     })
+}
+
+/// The numbers of each fragmented queue among `queues`: the sums over the queues that hold
+/// its messages (its fragments, wherever their primaries are, and its own record), and
+/// `fragments`, the names of its fragments with their members and primaries.
+async fn fragment_numbers(b: &Broker, queues: &mut [Value]) {
+    for q in queues.iter_mut().filter(|q| q["fragmented"] == true) {
+        let (vh, name) = (
+            q["vhost"].as_str().unwrap_or("").to_owned(),
+            q["name"].as_str().unwrap_or("").to_owned(),
+        );
+        let Ok(totals) = crate::broker::fragments::totals(b, &vh, &name).await else {
+            continue;
+        };
+        q["messages_ready"] = totals.ready.into();
+        q["messages_unacknowledged"] = totals.unacked.into();
+        q["messages"] = (totals.ready + totals.unacked).into();
+        q["consumers"] = totals.consumers.into();
+        let parts: Vec<Value> = match b.vhost(&vh) {
+            Some(v) => {
+                let v = v.lock();
+                (v.fragments(&name).into_iter())
+                    .filter_map(|(member, part)| {
+                        let primary = v.queue(&part)?.home.clone();
+                        Some(json!({
+                            "name": &*part,
+                            "member": member.as_deref()?,
+                            "node": primary.as_deref().unwrap_or(&b.config.node_id),
+                        }))
+                    })
+                    .collect()
+            }
+            None => Vec::new(),
+        };
+        q["fragments"] = Value::Array(parts);
+    }
 }
 
 /// What this member itself holds of queue `q`, whose primary is `node`: the counts above
@@ -362,6 +415,8 @@ pub(in crate::admin) fn declare_op(
     if name.is_empty() {
         return Err(ApiError::bad_request("a queue needs a non-empty name"));
     }
+    crate::core::fragments::refuse_reserved(&arguments, name)
+        .map_err(|e| ApiError::bad_request(e.text))?;
     Ok(WiringOp::DeclareQueue {
         name: name.to_owned(),
         durable,

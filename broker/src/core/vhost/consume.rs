@@ -33,6 +33,10 @@ pub struct Consume {
     /// messages to the highest-priority consumers that have room, round-robin among them;
     /// lower ones get messages only while every higher one is full. 0 by default.
     pub priority: i32,
+    /// Another member's pull of a fragmented queue's messages
+    /// ([`crate::core::fragments::PULL_ARGUMENT`]): not a consumer of the queue's own, so
+    /// left out of its consumer counts.
+    pub pull: bool,
 }
 
 /// Reply to basic.get with a message.
@@ -179,6 +183,7 @@ impl VHost {
             channel: key,
             tag: tag.clone(),
             priority: c.priority,
+            pull: c.pull,
         });
         q.had_consumer = true;
         q.last_used_ms = now_ms;
@@ -365,11 +370,15 @@ impl VHost {
         }
         // The consumers do not change while this call hands messages out.
         let top = q.consumers.iter().map(|r| r.priority).max().unwrap_or(0);
+        let own_consumers = q.consumers.iter().any(|r| !r.pull);
         loop {
             expire_head(q, now_ms, false, record, fx, dead);
             let Some((id, bytes)) = q.peek().map(|h| (h.id, h.message.body_len() as u64)) else {
                 return;
             };
+            // A message pulled in from another fragment stays for this member's consumers
+            // (while it has any: else nothing would ever take it).
+            let pulled = own_consumers && q.is_pulled(id);
             let candidates = if q.args.single_active_consumer {
                 1
             } else {
@@ -385,7 +394,7 @@ impl VHost {
                     (q.next_consumer + i) % q.consumers.len()
                 };
                 let r = &q.consumers[at];
-                if chosen.is_some_and(|(_, p)| r.priority <= p) {
+                if chosen.is_some_and(|(_, p)| r.priority <= p) || (pulled && r.pull) {
                     continue;
                 }
                 if self

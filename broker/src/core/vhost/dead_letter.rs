@@ -59,7 +59,9 @@ impl VHost {
                 let mut targets = Vec::new();
                 for key in &keys {
                     let mut routed = self.route(&dlx, key, &message, Some(&cycle));
-                    self.forward_remote(&mut routed, &dlx, key, &message, fx);
+                    self.route_to_fragments(&mut routed, None);
+                    let origin = self.has_fragmented.then(|| self.node.clone()).flatten();
+                    self.forward_remote(&mut routed, (&dlx, key, origin), &message, fx);
                     for t in routed {
                         if !targets.contains(&t) {
                             targets.push(t);

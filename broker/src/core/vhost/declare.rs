@@ -367,13 +367,17 @@ impl VHost {
             return Ok(QueueDeclared {
                 name: q.name.clone(),
                 message_count: q.ready_count() as u32,
-                consumer_count: q.consumers.len() as u32,
+                consumer_count: q.consumer_count() as u32,
             });
         }
         if d.passive {
             return Err(self.not_found_queue(&d.name));
         }
-        if d.name.starts_with("amq.") && !(server_named && d.name.starts_with("amq.gen-")) {
+        let fragment = crate::core::fragments::fragment_of(&d.name, &d.arguments).is_some();
+        if d.name.starts_with("amq.")
+            && !(server_named && d.name.starts_with("amq.gen-"))
+            && !fragment
+        {
             return Err(AmqpError::access_refused(format!(
                 "queue name '{}' contains reserved prefix 'amq.*'",
                 d.name
@@ -391,6 +395,13 @@ impl VHost {
             d.name.into()
         };
         let args = QueueArgs::parse(&d.arguments, &name, &vhost)?;
+        if args.fragmented && (d.exclusive || d.auto_delete) {
+            return Err(AmqpError::precondition(format!(
+                "queue '{name}' in vhost '{vhost}': a fragmented queue is shared by every \
+                 member, so it can be neither exclusive nor auto-delete"
+            )));
+        }
+        self.has_fragmented |= args.fragmented;
         let owner = d.exclusive.then_some(conn);
         let mut queue = Queue::new(
             name.clone(),

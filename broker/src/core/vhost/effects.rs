@@ -90,6 +90,9 @@ pub struct Forward {
     pub routing_key: Arc<str>,
     /// The message.
     pub message: Arc<Message>,
+    /// On whose behalf it was published, when it went to a fragmented queue's fragment:
+    /// the primary picks the same fragment ([`VHost::publish_forwarded_as`]).
+    pub origin: Option<Arc<str>>,
 }
 
 /// What became of a proxied delivery at its consumer's end.
@@ -153,8 +156,11 @@ pub(super) fn apply(q: &mut Queue, kind: OpKind, record: bool, fx: &mut Effects)
     );
     let op = q.op(kind);
     let out = q.apply(&op);
-    if leaves && let Some(e) = out.as_ref().filter(|e| e.owns_page) {
-        fx.page_released.push((q.uid, e.id));
+    if leaves && let Some(e) = out.as_ref() {
+        q.forget_pulled(e.id);
+        if e.owns_page {
+            fx.page_released.push((q.uid, e.id));
+        }
     }
     if record && (q.durable || q.replicated) && q.exclusive_owner.is_none() {
         fx.ops.push(op);
@@ -170,6 +176,9 @@ pub(super) fn purge(q: &mut Queue, ids: Vec<u64>, record: bool, fx: &mut Effects
         let uid = q.uid;
         fx.page_released
             .extend(q.ready().filter(|e| e.owns_page).map(|e| (uid, e.id)));
+    }
+    for id in &ids {
+        q.forget_pulled(*id);
     }
     apply(q, OpKind::Purge { ids }, record, fx);
 }

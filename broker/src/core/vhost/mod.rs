@@ -17,6 +17,7 @@ mod declare;
 mod effects;
 mod expiry;
 mod feeds;
+mod fragments;
 mod replica;
 mod routing;
 mod settle;
@@ -60,6 +61,8 @@ pub struct VHost {
     /// Some queue is (or was) a proxy for a queue on another AMQP broker: routing looks for
     /// remote targets even on a single broker.
     pub(super) has_foreign: bool,
+    /// Some queue is (or was) fragmented: routing looks for fragments to put messages in.
+    pub(super) has_fragmented: bool,
 }
 
 /// Per-vhost resource limits; 0 means none.
@@ -95,6 +98,7 @@ impl VHost {
             node: None,
             live_nodes: Vec::new(),
             has_foreign: false,
+            has_fragmented: false,
         };
         for (n, kind) in [
             ("", ExchangeKind::Direct),

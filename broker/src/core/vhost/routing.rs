@@ -35,9 +35,24 @@ pub const FLOW_READY_THRESHOLD: usize = 16384;
 pub(super) const MAX_ROUTING_HOPS: usize = 64;
 
 impl VHost {
-    /// basic.publish of a complete message.
+    /// basic.publish of a complete message, on behalf of this member.
     pub fn publish(
         &mut self,
+        exchange: &str,
+        routing_key: &str,
+        message: Arc<Message>,
+        now_ms: u64,
+        fx: &mut Effects,
+    ) -> CoreResult<PublishOutcome> {
+        self.publish_as(None, exchange, routing_key, message, now_ms, fx)
+    }
+
+    /// basic.publish of a complete message on behalf of member `origin` (this one when
+    /// `None`): a fragmented queue takes it in that member's fragment — a resumed session
+    /// publishes as the member it started on, so its messages stay in one fragment.
+    pub fn publish_as(
+        &mut self,
+        origin: Option<&str>,
         exchange: &str,
         routing_key: &str,
         message: Arc<Message>,
@@ -62,6 +77,7 @@ impl VHost {
                 exchange: ex.name.clone(),
                 routing_key: routing_key.into(),
                 message,
+                origin: None,
             });
             return Ok(PublishOutcome::Routed);
         }
@@ -69,7 +85,13 @@ impl VHost {
         if targets.is_empty() {
             return Ok(PublishOutcome::Unroutable);
         }
-        let unavailable = self.forward_remote(&mut targets, exchange, routing_key, &message, fx);
+        self.route_to_fragments(&mut targets, origin);
+        let origin = match self.has_fragmented {
+            true => origin.map(Arc::from).or_else(|| self.node.clone()),
+            false => None,
+        };
+        let unavailable =
+            self.forward_remote(&mut targets, (exchange, routing_key, origin), &message, fx);
         let mut dead = Vec::new();
         let rejected = self.enqueue_all(&targets, &message, now_ms, fx, &mut dead);
         self.dead_letter_all(dead, now_ms, fx);
@@ -101,8 +123,24 @@ impl VHost {
         now_ms: u64,
         fx: &mut Effects,
     ) -> PublishOutcome {
+        self.publish_forwarded_as(None, exchange, routing_key, message, now_ms, fx)
+    }
+
+    /// [`VHost::publish_forwarded`] of a message the sender published on behalf of member
+    /// `origin` (see [`VHost::publish_as`]): a fragmented queue takes it in the fragment
+    /// the sender picked, which must be one whose primary this member is.
+    pub fn publish_forwarded_as(
+        &mut self,
+        origin: Option<&str>,
+        exchange: &str,
+        routing_key: &str,
+        message: Arc<Message>,
+        now_ms: u64,
+        fx: &mut Effects,
+    ) -> PublishOutcome {
         let mut targets = self.route(exchange, routing_key, &message, None);
         let matched = !targets.is_empty();
+        self.route_to_fragments(&mut targets, origin);
         targets.retain(|name| {
             self.queues
                 .get(name)
@@ -152,14 +190,38 @@ impl VHost {
         }
     }
 
+    /// A message this member's pull took from another of a fragmented queue's parts, for
+    /// this member's fragment `queue` (`proxy/fragment_pull.rs`): enqueued as
+    /// [`VHost::publish_feed`] does, and marked so that no pull takes it on again.
+    pub fn publish_pulled(
+        &mut self,
+        queue: &str,
+        message: Arc<Message>,
+        now_ms: u64,
+        fx: &mut Effects,
+    ) -> PublishOutcome {
+        let Some(q) = self.queues.get_mut(queue) else {
+            return PublishOutcome::Unroutable;
+        };
+        // Marked before it is enqueued: the enqueue hands it out at once if it can.
+        let id = q.next_id();
+        q.mark_pulled(id);
+        let outcome = self.publish_feed(queue, message, now_ms, fx);
+        if outcome != PublishOutcome::Routed
+            && let Some(q) = self.queues.get_mut(queue)
+        {
+            q.forget_pulled(id);
+        }
+        outcome
+    }
+
     /// Takes the queues owned by other members out of `targets` and hands the message to
     /// each of those members once ([`Effects::forwards`]). Returns true when a queue's
     /// primary is not a live member: that queue does not get the message.
     pub(super) fn forward_remote(
         &self,
         targets: &mut Vec<Arc<str>>,
-        exchange: &str,
-        routing_key: &str,
+        (exchange, routing_key, origin): (&str, &str, Option<Arc<str>>),
         message: &Arc<Message>,
         fx: &mut Effects,
     ) -> bool {
@@ -181,6 +243,7 @@ impl VHost {
                         exchange: "".into(),
                         routing_key: name.clone(),
                         message: message.clone(),
+                        origin: None,
                     });
                     false
                 }
@@ -202,6 +265,7 @@ impl VHost {
                 exchange: exchange.into(),
                 routing_key: routing_key.into(),
                 message: message.clone(),
+                origin: origin.clone(),
             });
         }
         unavailable

@@ -8,6 +8,7 @@ use crate::amqp::{AMQPClass, basic, codes};
 use crate::auth::permissions::{Access, Resource};
 use crate::clock::now_ms;
 use crate::core::args::consumer_priority;
+use crate::core::fragments::PULL_ARGUMENT;
 use crate::core::{AmqpError, ChannelKey, Consume};
 use crate::server::channel::{BodyParts, HeldAck, PendingPublish};
 
@@ -64,6 +65,7 @@ impl Connection {
                 // Checked here for a proxied consumer too: the primary would refuse it the
                 // same way, later.
                 let priority = consumer_priority(&c.arguments, &q, v.get().name())?;
+                let q = self.read_target(q, v);
                 if let Some(primary) = v.get().remote_primary(&q) {
                     return self.consume_remote(id, c, q, primary, v);
                 }
@@ -87,6 +89,7 @@ impl Connection {
                     exclusive: c.exclusive,
                     resend_unacked: self.session.is_some_and(|s| s.resumed),
                     priority,
+                    pull: self.link && c.arguments.inner().contains_key(PULL_ARGUMENT),
                 };
                 let tag = v.get().basic_consume(key, consume, now, &mut self.fx)?;
                 if !nowait {
@@ -106,6 +109,7 @@ impl Connection {
                 }
                 v.get()
                     .basic_cancel(key, c.consumer_tag.as_str(), now, &mut self.fx);
+                self.flush_deliveries(v);
                 if !c.nowait {
                     self.writer.method(
                         id,
@@ -121,6 +125,7 @@ impl Connection {
             basic::AMQPMethod::Get(g) => {
                 let q = need_queue(g.queue.as_str())?;
                 permit(&self.perms, Access::Read, Resource::Queue(&q))?;
+                let q = self.read_target(q, v);
                 match v.get().remote_primary(&q) {
                     Some(primary) => self.get_remote(id, q, g.no_ack, primary)?,
                     None => self.basic_get(id, &q, g.no_ack, v)?,

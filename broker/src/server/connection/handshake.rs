@@ -330,6 +330,13 @@ impl Connection {
             self.id = attached.owner;
         }
         tracing::info!(conn = self.id, session = %attached.id, resumed = attached.resumed, timeout_s = attached.timeout.as_secs(), "session attached");
+        self.publish_origin = self
+            .broker
+            .cluster()
+            .and_then(|c| c.session(&attached.id.to_string()))
+            .map(|r| r.origin)
+            .filter(|origin| !origin.is_empty())
+            .map(Arc::from);
         self.session = Some(attached);
     }
 

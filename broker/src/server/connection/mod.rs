@@ -15,6 +15,7 @@
 
 mod basic;
 mod foreign;
+mod fragmented;
 mod frames;
 mod handshake;
 mod output;
@@ -175,6 +176,11 @@ struct Connection {
     /// This is another cluster member's link ([`crate::proxy::link`]): what it publishes is
     /// routed only into queues this member owns.
     link: bool,
+    /// On whose behalf this connection publishes into fragmented queues
+    /// ([`crate::core::VHost::publish_as`]): the member its session started on, or, on a
+    /// link, the member the sender named last ([`crate::proxy::catch_up::origin`]); this
+    /// member when `None`.
+    publish_origin: Option<Arc<str>>,
     /// Publishes forwarded to the primaries of their queues, for the confirm gate.
     forwards: Arc<ForwardTracker>,
     /// The forwards the output held so far already waits for.
@@ -248,6 +254,7 @@ where
         cluster_wait: None,
         session_wait: None,
         link: false,
+        publish_origin: None,
         forwards: Arc::default(),
         forwards_held: 0,
         awaiting_confirms: false,

@@ -185,6 +185,24 @@ impl Connection {
         self.end_batch(v);
     }
 
+    /// Ends the batch and writes every delivery dispatched to this connection so far, its
+    /// own and other connections': what must go out before a basic.cancel-ok, after which
+    /// the client gets nothing more for that consumer (AMQP 0-9-1). Written after it, they
+    /// reached a client that no longer knew the consumer, and went back to the queue only
+    /// when the channel closed — behind later messages (a fragmented queue's pulls, which
+    /// cancel and go on, saw their producers' order broken).
+    pub(super) fn flush_deliveries(&mut self, v: &mut Lazy) {
+        let batch = Lazy {
+            vhost: v.vhost,
+            guard: v.guard.take(),
+        };
+        self.end_batch(batch);
+        let mut earlier = std::mem::take(&mut self.spare.deliveries);
+        self.outbox.take_deliveries(&mut earlier);
+        self.write_own_effects(&mut earlier);
+        self.spare.deliveries = earlier;
+    }
+
     /// Ends a batch of vhost commands that took the vhost lock: this batch's publisher
     /// confirms go onto the write buffer, the broker finishes the batch (paged bodies read
     /// back, other connections' effects routed, durable changes handed to the journal), the

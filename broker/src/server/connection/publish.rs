@@ -194,8 +194,10 @@ impl Connection {
             return;
         }
         let forwards_before = self.fx.forwards.len();
+        let origin = self.publish_origin.as_deref();
         let outcome = if self.link {
-            Ok(v.get().publish_forwarded(
+            Ok(v.get().publish_forwarded_as(
+                origin,
                 &p.exchange,
                 &p.routing_key,
                 message.clone(),
@@ -203,7 +205,8 @@ impl Connection {
                 &mut self.fx,
             ))
         } else {
-            v.get().publish(
+            v.get().publish_as(
+                origin,
                 &p.exchange,
                 &p.routing_key,
                 message.clone(),

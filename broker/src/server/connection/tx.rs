@@ -97,7 +97,8 @@ impl Connection {
             channel: id,
         };
         for p in held.publishes {
-            let outcome = v.get().publish(
+            let outcome = v.get().publish_as(
+                self.publish_origin.as_deref(),
                 &p.exchange,
                 &p.routing_key,
                 p.message.clone(),

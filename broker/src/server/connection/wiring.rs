@@ -90,6 +90,17 @@ impl Connection {
             if_unused,
             if_empty,
         } = &op
+            && self.is_fragmented(name, v)
+        {
+            let (name, flags) = (name.clone(), (*if_unused, *if_empty));
+            self.fragmented_delete(id, name, flags, waiting.nowait);
+            return Ok(());
+        }
+        if let WiringOp::DeleteQueue {
+            name,
+            if_unused,
+            if_empty,
+        } = &op
             && let Some(primary) = v.get().remote_primary(name)
             && !is_foreign(&primary)
         {
@@ -192,6 +203,16 @@ impl Connection {
             .channels
             .get(&wait.channel)
             .is_some_and(|ch| !ch.closing);
+        if let (Awaited::QueueDeclared(name), Ok((_, journal_seq)), true) =
+            (&wait.waiting.awaited, &outcome, open)
+            && self.is_fragmented(name, &mut v)
+        {
+            // declare-ok waits for every active member's fragment and counts them all.
+            self.hold_output(*journal_seq);
+            let (name, nowait) = (name.clone(), wait.waiting.nowait);
+            self.fragmented_declare_ok(wait.channel, name, nowait, true);
+            return;
+        }
         let proxied_declare = match &wait.waiting.awaited {
             Awaited::QueueDeclared(name) if !wait.waiting.nowait => v
                 .get()
@@ -233,6 +254,20 @@ impl Connection {
         d: &exchange::Declare,
         v: &mut Lazy,
     ) -> Result<(), AmqpError> {
+        if self.link
+            && let Some(origin) = crate::proxy::catch_up::origin(&d.arguments)
+        {
+            // Another member's forwarding link: the publishes after this were made on
+            // behalf of `origin`.
+            self.publish_origin = Some(origin.into());
+            if !d.nowait {
+                self.writer.method(
+                    id,
+                    AMQPClass::Exchange(exchange::AMQPMethod::DeclareOk(exchange::DeclareOk {})),
+                );
+            }
+            return Ok(());
+        }
         if self.link
             && let Some(index) = crate::proxy::catch_up::after_index(&d.arguments)
             && self.broker.proxies().applied.index() < index
@@ -283,6 +318,10 @@ impl Connection {
             && let Some(which) = d.arguments.inner().get(STATS_ARGUMENT)
         {
             return self.queue_stats(id, &name, which, d.nowait, v);
+        }
+        if self.is_fragmented(&name, v) {
+            self.fragmented_declare_ok(id, name, d.nowait, false);
+            return Ok(());
         }
         if let Some(primary) = v.get().remote_primary(&name)
             && !d.exclusive
@@ -338,7 +377,7 @@ impl Connection {
         } else {
             q.ready_count()
         } as u32;
-        let consumer_count = q.consumers.len() as u32;
+        let consumer_count = q.consumer_count() as u32;
         if !nowait {
             self.writer.method(
                 id,
@@ -364,6 +403,10 @@ impl Connection {
             .queue_name(p.queue.as_str())
             .ok_or_else(|| AmqpError::not_found("no previously declared queue"))?;
         permit(&self.perms, Access::Read, Resource::Queue(&q))?;
+        if self.is_fragmented(&q, v) {
+            self.fragmented_purge(id, q, p.nowait);
+            return Ok(());
+        }
         if let Some(primary) = v.get().remote_primary(&q) {
             return self.purge_remote(id, q, p.nowait, primary);
         }
