@@ -97,6 +97,10 @@ pub struct Queue {
     /// since a message moved twice lands behind later messages of its producer. Kept by
     /// the primary only: after a failover they count as the new primary's own.
     pulled_in: HashSet<u64>,
+    /// The id of the message a pull is enqueueing whose source had delivered it before
+    /// (`VHost::publish_pulled`): it is enqueued marked redelivered, as the source would
+    /// have delivered it — a consumer may have seen it.
+    pulled_redelivered: Option<u64>,
 }
 
 impl Queue {
@@ -154,6 +158,7 @@ impl Queue {
             last_seq: 0,
             installing: None,
             pulled_in: HashSet::new(),
+            pulled_redelivered: None,
         }
     }
 
@@ -198,9 +203,11 @@ impl Queue {
         self.next_id
     }
 
-    /// Marks message `id` as pulled in from another fragment (see the field).
-    pub(crate) fn mark_pulled(&mut self, id: u64) {
+    /// Marks message `id`, about to be enqueued, as pulled in from another fragment (see the
+    /// field) and, when its source had delivered it before, as redelivered.
+    pub(crate) fn mark_pulled(&mut self, id: u64, redelivered: bool) {
         self.pulled_in.insert(id);
+        self.pulled_redelivered = redelivered.then_some(id);
     }
 
     /// Whether message `id` was pulled in from another fragment.
@@ -210,6 +217,9 @@ impl Queue {
 
     /// Message `id` left the queue: it is no pulled-in message any more.
     pub(crate) fn forget_pulled(&mut self, id: u64) {
+        if self.pulled_redelivered == Some(id) {
+            self.pulled_redelivered = None;
+        }
         if !self.pulled_in.is_empty() {
             self.pulled_in.remove(&id);
         }
@@ -399,11 +409,12 @@ impl Queue {
                 );
                 self.next_id = id + 1;
                 self.add_resident(message);
+                let redelivered = self.pulled_redelivered.take() == Some(*id);
                 self.insert_ready(Entry {
                     id: *id,
                     message: message.clone(),
                     expires_at_ms: *expires_at_ms,
-                    redelivered: false,
+                    redelivered,
                     owns_page: false,
                 });
                 None

@@ -645,7 +645,7 @@ fn a_pulled_in_message_waits_for_the_members_own_consumers() {
         "a pull is no consumer"
     );
     v.publish("", "q", msg("first"), 0, &mut fx).unwrap();
-    v.publish_pulled("q", msg("pulled"), 0, &mut fx);
+    v.publish_pulled("q", msg("pulled"), true, 0, &mut fx);
     v.publish("", "q", msg("own"), 0, &mut fx).unwrap();
     let to: Vec<&str> = fx.deliveries.iter().map(|d| &*d.consumer_tag).collect();
     assert_eq!(
@@ -659,10 +659,14 @@ fn a_pulled_in_message_waits_for_the_members_own_consumers() {
         .map(|d| (&*d.consumer_tag, &d.message.body.in_memory().unwrap()[..]))
         .collect();
     assert_eq!(to, [("own", &b"pulled"[..]), ("pull", &b"own"[..])]);
+    assert!(
+        fx.deliveries[0].redelivered,
+        "the source had delivered it before: redelivered here too"
+    );
     fx.deliveries.clear();
     // With no consumer of the member's own left, a pull takes anything: nothing is stuck.
     v.basic_cancel(CH, "own", 0, &mut fx);
-    v.publish_pulled("q", msg("pulled again"), 0, &mut fx);
+    v.publish_pulled("q", msg("pulled again"), false, 0, &mut fx);
     let to: Vec<&str> = fx.deliveries.iter().map(|d| &*d.consumer_tag).collect();
     assert_eq!(to, ["pull"]);
 }

@@ -159,8 +159,9 @@ async fn consume(
                 let Some(b) = broker.upgrade() else {
                     break Ok(());
                 };
-                let tag = d.delivery_tag;
-                match enqueue(&b, pull, d.exchange, d.routing_key, d.properties, d.data) {
+                let (tag, redelivered) = (d.delivery_tag, d.redelivered);
+                let message = (d.exchange, d.routing_key, d.properties, d.data);
+                match enqueue(&b, pull, message, redelivered) {
                     Some((journal_seq, stamp)) => {
                         let _ = settles.send(Settle::Ack {
                             tag,
@@ -182,15 +183,19 @@ async fn consume(
     ended
 }
 
-/// Puts one message of the source on this member's fragment: the journal sequence number
-/// and replication stamp its ack waits for, or `None` when the fragment did not take it.
+/// Puts one message of the source on this member's fragment (marked redelivered if the
+/// source delivered it so): the journal sequence number and replication stamp its ack
+/// waits for, or `None` when the fragment did not take it.
 fn enqueue(
     broker: &Broker,
     pull: &Pull,
-    exchange: lapin::types::ShortString,
-    routing_key: lapin::types::ShortString,
-    properties: crate::amqp::Properties,
-    body: Vec<u8>,
+    (exchange, routing_key, properties, body): (
+        lapin::types::ShortString,
+        lapin::types::ShortString,
+        crate::amqp::Properties,
+        Vec<u8>,
+    ),
+    redelivered: bool,
 ) -> Option<(Option<u64>, Option<u64>)> {
     let message = match super::upstream_foreign::message(exchange, routing_key, properties, body) {
         Ok(m) => Arc::new(m),
@@ -202,7 +207,7 @@ fn enqueue(
     let v = broker.vhost(&pull.vhost)?;
     let mut v = v.lock();
     let mut fx = Effects::default();
-    let outcome = v.publish_pulled(&pull.into, message, now_ms(), &mut fx);
+    let outcome = v.publish_pulled(&pull.into, message, redelivered, now_ms(), &mut fx);
     let journal_seq = broker.finish_batch(crate::core::NO_CONNECTION, &mut v, &mut fx);
     let stamp = fx.replica_stamp.take();
     (outcome == PublishOutcome::Routed).then_some((journal_seq, stamp))

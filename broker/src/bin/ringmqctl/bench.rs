@@ -25,6 +25,12 @@ pub struct BenchArgs {
     /// queue's, they consume through a proxy.
     #[arg(long, value_name = "URI")]
     pub(crate) consumer_uri: Option<String>,
+    /// Cluster members to spread the clients over, comma-separated AMQP URIs: producer i and
+    /// consumer i connect to the (i mod n)-th (instead of --uri and --consumer-uri) — one
+    /// producer and one consumer per member with --producers n --consumers n, as a
+    /// fragmented queue is meant to be used.
+    #[arg(long, value_name = "URIS", value_delimiter = ',')]
+    pub(crate) spread: Vec<String>,
     /// Where the queue is declared (default: --uri): on a cluster, the member that becomes
     /// its primary.
     #[arg(long, value_name = "URI")]
@@ -91,6 +97,11 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         .enable_all()
         .build()?;
     if args.failover {
+        if !args.spread.is_empty() {
+            bail!(
+                "--spread is for the raw clients: give the failover client its members with --uri"
+            );
+        }
         return runtime.block_on(crate::bench_failover::bench(args));
     }
     runtime.block_on(bench(args))
@@ -111,9 +122,23 @@ pub(crate) fn queue_arguments(args: &BenchArgs) -> anyhow::Result<FieldTable> {
 
 async fn bench(args: BenchArgs) -> anyhow::Result<()> {
     let queue_args = queue_arguments(&args)?;
-    let target = Target::parse(&args.uri)?;
-    let consumer_target = Target::parse(args.consumer_uri.as_deref().unwrap_or(&args.uri))?;
-    let queue_target = Target::parse(args.queue_uri.as_deref().unwrap_or(&args.uri))?;
+    let spread: Vec<Target> = (args.spread.iter())
+        .map(|uri| Target::parse(uri))
+        .collect::<Result<_, _>>()?;
+    let producer_targets = match spread.is_empty() {
+        true => vec![Target::parse(&args.uri)?],
+        false => spread.clone(),
+    };
+    let consumer_targets = match spread.is_empty() {
+        true => vec![Target::parse(
+            args.consumer_uri.as_deref().unwrap_or(&args.uri),
+        )?],
+        false => spread,
+    };
+    let queue_target = match (&args.queue_uri, args.spread.first()) {
+        (Some(uri), _) | (None, Some(uri)) => Target::parse(uri)?,
+        (None, None) => Target::parse(&args.uri)?,
+    };
     let mut admin = RawClient::connect(&queue_target)
         .await
         .with_context(|| format!("cannot connect to {}", queue_target.addr))?;
@@ -148,8 +173,9 @@ async fn bench(args: BenchArgs) -> anyhow::Result<()> {
     let load_start = start + Duration::from_millis(300);
     let deadline = load_start + Duration::from_secs(args.seconds);
     let mut consumers = Vec::new();
-    for _ in 0..args.consumers {
-        let client = RawClient::connect(&consumer_target)
+    for i in 0..args.consumers as usize {
+        let consumer_target = &consumer_targets[i % consumer_targets.len()];
+        let client = RawClient::connect(consumer_target)
             .await
             .with_context(|| format!("cannot connect to {}", consumer_target.addr))?;
         consumers.push(tokio::spawn(consume(
@@ -164,8 +190,11 @@ async fn bench(args: BenchArgs) -> anyhow::Result<()> {
     tokio::time::sleep_until(load_start.into()).await;
     let consumed_at_start = totals.consumed.load(Ordering::Relaxed);
     let mut producers = Vec::new();
-    for _ in 0..args.producers {
-        let client = RawClient::connect(&target).await?;
+    for i in 0..args.producers as usize {
+        let target = &producer_targets[i % producer_targets.len()];
+        let client = RawClient::connect(target)
+            .await
+            .with_context(|| format!("cannot connect to {}", target.addr))?;
         producers.push(tokio::spawn(publish(
             client,
             queue_name.clone(),

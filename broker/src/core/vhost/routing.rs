@@ -192,11 +192,14 @@ impl VHost {
 
     /// A message this member's pull took from another of a fragmented queue's parts, for
     /// this member's fragment `queue` (`proxy/fragment_pull.rs`): enqueued as
-    /// [`VHost::publish_feed`] does, and marked so that no pull takes it on again.
+    /// [`VHost::publish_feed`] does, and marked so that no pull takes it on again — and as
+    /// redelivered when the source delivered it `redelivered` (it may have reached a
+    /// consumer before: a pull that died before its ack).
     pub fn publish_pulled(
         &mut self,
         queue: &str,
         message: Arc<Message>,
+        redelivered: bool,
         now_ms: u64,
         fx: &mut Effects,
     ) -> PublishOutcome {
@@ -205,7 +208,7 @@ impl VHost {
         };
         // Marked before it is enqueued: the enqueue hands it out at once if it can.
         let id = q.next_id();
-        q.mark_pulled(id);
+        q.mark_pulled(id, redelivered);
         let outcome = self.publish_feed(queue, message, now_ms, fx);
         if outcome != PublishOutcome::Routed
             && let Some(q) = self.queues.get_mut(queue)
