@@ -62,12 +62,26 @@ pub struct FragmentOf {
 /// node id's length (a hash of it), and readable (the queue's name at the end). The admin
 /// API shows whose it is from its arguments.
 pub fn fragment_name(member: &str, queue: &str) -> String {
+    fragment_name_by_prefix(&fragment_prefix(member), queue)
+}
+
+/// What every fragment name of `member` starts with (the prefix and its hash, dotted): a
+/// member keeps its own, so a publish does not hash its node id again.
+pub fn fragment_prefix(member: &str) -> String {
     let digest = Sha256::digest(member.as_bytes());
     let hash: String = digest[..MEMBER_HASH_DIGITS / 2]
         .iter()
         .map(|b| format!("{b:02x}"))
         .collect();
-    format!("{FRAGMENT_PREFIX}{hash}.{queue}")
+    format!("{FRAGMENT_PREFIX}{hash}.")
+}
+
+/// The name of a fragment of `queue` whose member's [`fragment_prefix`] is `prefix`.
+pub fn fragment_name_by_prefix(prefix: &str, queue: &str) -> String {
+    let mut name = String::with_capacity(prefix.len() + queue.len());
+    name.push_str(prefix);
+    name.push_str(queue);
+    name
 }
 
 /// Arguments of a fragmented queue that its fragments do not take: the flag itself (a

@@ -3,7 +3,7 @@
 //! member a publish arrived at and the primary it is forwarded to pick the same fragment.
 
 use super::VHost;
-use crate::core::fragments::fragment_name;
+use crate::core::fragments::{fragment_name, fragment_name_by_prefix};
 use crate::core::queue::Queue;
 use std::sync::Arc;
 
@@ -13,10 +13,11 @@ impl VHost {
     /// fragment, or the queue's own record while the member has none (on a single broker
     /// always: there are no members).
     pub(super) fn fragment_for(&self, queue: &Queue, origin: Option<&str>) -> Arc<str> {
-        let Some(origin) = origin.or(self.node.as_deref()) else {
-            return queue.name.clone();
+        let name = match (origin, &self.fragment_prefix) {
+            (Some(origin), _) => fragment_name(origin, &queue.name),
+            (None, Some(prefix)) => fragment_name_by_prefix(prefix, &queue.name),
+            (None, None) => return queue.name.clone(),
         };
-        let name = fragment_name(origin, &queue.name);
         match self.queues.get_key_value(name.as_str()) {
             Some((name, _)) => name.clone(),
             None => queue.name.clone(),
@@ -29,17 +30,23 @@ impl VHost {
         if !self.has_fragmented {
             return;
         }
-        let mut out: Vec<Arc<str>> = Vec::with_capacity(targets.len());
-        for name in targets.drain(..) {
-            let name = match self.queues.get(&name) {
-                Some(q) if q.args.fragmented => self.fragment_for(q, origin),
-                _ => name,
-            };
-            if !out.contains(&name) {
-                out.push(name);
+        let mut replaced = false;
+        for name in targets.iter_mut() {
+            if let Some(q) = self.queues.get(name).filter(|q| q.args.fragmented) {
+                *name = self.fragment_for(q, origin);
+                replaced = true;
             }
         }
-        *targets = out;
+        if replaced && targets.len() > 1 {
+            let mut seen: Vec<Arc<str>> = Vec::with_capacity(targets.len());
+            targets.retain(|t| {
+                let first = !seen.contains(t);
+                if first {
+                    seen.push(t.clone());
+                }
+                first
+            });
+        }
     }
 
     /// The queue a consumer (or a basic.get) on this member reads when it names `queue`:

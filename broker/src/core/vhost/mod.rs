@@ -63,6 +63,8 @@ pub struct VHost {
     pub(super) has_foreign: bool,
     /// Some queue is (or was) fragmented: routing looks for fragments to put messages in.
     pub(super) has_fragmented: bool,
+    /// This member's [`crate::core::fragments::fragment_prefix`], hashed once.
+    pub(super) fragment_prefix: Option<String>,
 }
 
 /// Per-vhost resource limits; 0 means none.
@@ -99,6 +101,7 @@ impl VHost {
             live_nodes: Vec::new(),
             has_foreign: false,
             has_fragmented: false,
+            fragment_prefix: None,
         };
         for (n, kind) in [
             ("", ExchangeKind::Direct),
@@ -138,6 +141,7 @@ impl VHost {
     /// [`Effects::forwards`] to its primary, and its consumers are proxied by the server.
     pub fn set_node(&mut self, node: &str) {
         self.node = Some(node.into());
+        self.fragment_prefix = Some(crate::core::fragments::fragment_prefix(node));
     }
 
     /// The live members of the cluster: a queue whose primary is not among them cannot take
