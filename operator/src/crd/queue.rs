@@ -62,7 +62,10 @@ pub struct QueueSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0, max = 3))]
     pub backups: Option<i32>,
-    /// Spread the queue over several members in fragments. Recorded now; not yet enforced.
+    /// One fragment per member: each member stores what is published through it and serves
+    /// its own consumers, pulling from the others when they run dry. Declared as the
+    /// argument `qpid.cluster.fragmented`; not with `autoDelete`, `x-expires` or
+    /// `x-single-active-consumer`.
     #[serde(default)]
     pub fragmented: bool,
     /// Member (pod name) that should be the queue's primary. Declared as the argument
@@ -126,10 +129,13 @@ pub struct QueueStatus {
 pub const BACKUPS_ARGUMENT: &str = "qpid.cluster.backups";
 /// The declare argument for [`QueueSpec::pinned_primary`] (the broker's `broker/mod.rs`).
 pub const PRIMARY_ARGUMENT: &str = "qpid.cluster.primary";
+/// The declare argument for [`QueueSpec::fragmented`] (the broker's `core/fragments.rs`).
+pub const FRAGMENTED_ARGUMENT: &str = "qpid.cluster.fragmented";
 
 impl Queue {
-    /// The declare arguments: `spec.arguments`, with `backups` and `pinnedPrimary` as the
-    /// broker's cluster arguments on top (the typed fields win over the same key there).
+    /// The declare arguments: `spec.arguments`, with `backups`, `pinnedPrimary` and
+    /// `fragmented` as the broker's cluster arguments on top (the typed fields win over the
+    /// same key there).
     pub fn declare_arguments(&self) -> serde_json::Map<String, serde_json::Value> {
         let mut arguments: serde_json::Map<String, serde_json::Value> =
             self.spec.arguments.clone().into_iter().collect();
@@ -138,6 +144,9 @@ impl Queue {
         }
         if let Some(primary) = &self.spec.pinned_primary {
             arguments.insert(PRIMARY_ARGUMENT.to_string(), primary.clone().into());
+        }
+        if self.spec.fragmented {
+            arguments.insert(FRAGMENTED_ARGUMENT.to_string(), true.into());
         }
         arguments
     }

@@ -188,6 +188,19 @@ async fn queue_backups_and_pinned_primary_reach_a_real_broker_as_declare_argumen
     assert_eq!(seen["arguments"]["qpid.cluster.primary"], me, "{seen}");
     assert_eq!(seen["arguments"]["x-max-length"], 10, "{seen}");
 
+    // `fragmented` is the broker's fragmented-queue argument (on a single broker one queue).
+    let (ctx, verifier) = Context::test_with(connector.clone());
+    let q = fixtures::queue(json!({"name": "spread", "fragmented": true}), true, None);
+    let (result, _) = reconcile_declared(ctx, verifier, q).await;
+    result.expect("a fragmented queue is declared");
+    let seen = broker
+        .admin_client()
+        .get("/api/queues/%2F/spread")
+        .unwrap()
+        .body;
+    assert_eq!(seen["arguments"]["qpid.cluster.fragmented"], true, "{seen}");
+    assert_eq!(seen["fragmented"], true, "{seen}");
+
     // Declared again with the same spec: the broker finds it equivalent (no conflict).
     let (ctx, verifier) = Context::test_with(connector.clone());
     let q = fixtures::queue(
