@@ -21,7 +21,7 @@ const IDLE_NEW_SESSION: Duration = Duration::from_secs(15);
 /// each first on a member of `uris` picked by `first`. Its `reconnects` count the client's
 /// failovers and the sessions it had to start anew.
 pub async fn start(uris: Vec<String>, queue: String, k: i64, first: usize) -> Workload {
-    declare(&uris, &queue, k).await;
+    declare(&uris, &queue, &super::workload::queue_arguments(k, false)).await;
     Workload::spawn(|shared| {
         let session = |by: usize, stop: &Arc<AtomicBool>| {
             let mut rotated = uris.clone();

@@ -352,7 +352,8 @@ fn main() {
         let mut workloads: Vec<Workload> = queues
             .iter()
             .map(|(q, k)| {
-                runtime.block_on(Workload::start(uris.clone(), q.clone(), *k, 2, rng.clone()))
+                let args = workload::queue_arguments(*k, false);
+                runtime.block_on(Workload::start(uris.clone(), q.clone(), args, 2, rng.clone()))
             })
             .collect();
         let failover_queue = format!("faults-{}-failover", nemesis.name());
@@ -364,6 +365,17 @@ fn main() {
             first,
         )));
         queues.push((failover_queue, 1));
+        // A fragmented queue (k = 1): its publishers store into the fragments of the members
+        // they are connected to, its consumer's member pulls from the others.
+        let fragmented_queue = format!("faults-{}-fragmented", nemesis.name());
+        workloads.push(runtime.block_on(Workload::start(
+            uris.clone(),
+            fragmented_queue.clone(),
+            workload::queue_arguments(1, true),
+            2,
+            rng.clone(),
+        )));
+        queues.push((fragmented_queue, 1));
         let stop = Arc::new(AtomicBool::new(false));
         let two_primaries = Arc::new(AtomicU64::new(0));
         let sampler = {

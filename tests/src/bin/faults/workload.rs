@@ -135,16 +135,16 @@ pub struct Shared {
 }
 
 impl Workload {
-    /// Declares `queue` (durable, `k` backups) through any member that takes it, then starts
+    /// Declares `queue` (durable, with `args`) through any member that takes it, then starts
     /// `producers` publishers and one consumer.
     pub async fn start(
         uris: Vec<String>,
         queue: String,
-        k: i64,
+        args: FieldTable,
         producers: usize,
         rng: Rng,
     ) -> Workload {
-        declare(&uris, &queue, k).await;
+        declare(&uris, &queue, &args).await;
         Workload::spawn(|shared| {
             let client = |stop: &Arc<AtomicBool>, rng: Rng| Client {
                 uris: uris.clone(),
@@ -253,10 +253,19 @@ async fn connect(uri: &str) -> Option<Connection> {
     }
 }
 
-pub async fn declare(uris: &[String], queue: &str, k: i64) {
-    let deadline = Instant::now() + Duration::from_secs(60);
+/// The arguments of a workload's queue: `k` backups, and fragmented or not.
+pub fn queue_arguments(k: i64, fragmented: bool) -> FieldTable {
     let mut args = FieldTable::default();
     args.insert("qpid.cluster.backups".into(), AMQPValue::LongLongInt(k));
+    if fragmented {
+        args.insert("qpid.cluster.fragmented".into(), AMQPValue::Boolean(true));
+    }
+    args
+}
+
+/// Declares durable `queue` with `args` through any member that takes it.
+pub async fn declare(uris: &[String], queue: &str, args: &FieldTable) {
+    let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         for uri in uris {
             let Some(conn) = connect(uri).await else {
