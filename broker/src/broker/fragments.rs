@@ -4,10 +4,12 @@
 //!   fragmented queue. The declare that makes the queue makes the fragments of the members
 //!   active then ([`ensure_all`]); a member that joins later, or is undrained, makes its
 //!   own ([`spawn`]); fragments whose queue is gone are deleted.
-//! * **Pulls.** When this member's fragment has consumers and no ready message, it pulls
-//!   from the other queues holding the queue's messages; the fragments of members that are
-//!   gone or draining, and the queue's own record, it pulls from always, so they empty into
-//!   the active members' fragments ([`crate::proxy::fragment_pull`]).
+//! * **Pulls.** When a fragment served here (this member's own, or another member's after a
+//!   failover or a move) has consumers and no ready message, this member pulls into it from
+//!   the other queues holding the queue's messages; the fragments of members that are gone
+//!   or draining, and the queue's own record, an active member pulls into its own fragment
+//!   always, so they empty into the active members' fragments
+//!   ([`crate::proxy::fragment_pull`]). A draining member pulls nothing in.
 //! * **The whole queue.** Declare-ok's counts, purge and delete of a fragmented queue cover
 //!   every queue holding its messages, wherever their primaries are ([`totals`], [`purge`],
 //!   [`delete`]).
@@ -92,35 +94,45 @@ async fn run(broker: Weak<Broker>, cluster: Arc<Cluster>) {
                         tracing::info!(vhost, queue = %queue, fragment = own, "declaring this member's fragment");
                     }
                 }
-                let Some(fragment) = v.queue(&own).filter(|_| v.remote_primary(&own).is_none())
-                else {
+                if !active.contains(&me) {
+                    // A draining member takes nothing in: what it holds goes to the others.
                     continue;
-                };
-                let pulling = pulls
-                    .iter()
-                    .any(|(p, r)| p.vhost == vhost && p.into == own && !*r.stop.borrow());
-                let ready = fragment.ready_count();
-                let hungry = fragment.consumer_count() > 0
-                    && (ready == 0 || (pulling && ready < usize::from(CREDIT)));
-                for (member, source) in v.fragments(&queue) {
-                    if *source == *own {
-                        continue;
-                    }
-                    let orphan = member
+                }
+                let parts = v.fragments(&queue);
+                let orphan = |member: &Option<Arc<str>>| {
+                    member
                         .as_ref()
-                        .is_none_or(|m| !active.iter().any(|a| **a == **m));
-                    if !(hungry || orphan) {
+                        .is_none_or(|m| !active.iter().any(|a| **a == **m))
+                };
+                // Every fragment served here — this member's own, or another's after a
+                // failover or a move — pulls for its consumers when it runs dry; this
+                // member's own also empties the fragments of members gone or draining.
+                for (member, into) in parts.iter().filter(|(m, _)| m.is_some()) {
+                    let Some(fragment) = v.queue(into).filter(|_| v.remote_primary(into).is_none())
+                    else {
                         continue;
+                    };
+                    let pulling = pulls
+                        .iter()
+                        .any(|(p, r)| p.vhost == vhost && *p.into == **into && !*r.stop.borrow());
+                    let ready = fragment.ready_count();
+                    let hungry = fragment.consumer_count() > 0
+                        && (ready == 0 || (pulling && ready < usize::from(CREDIT)));
+                    let mine = member.as_deref() == Some(me.as_str());
+                    for (source_member, source) in &parts {
+                        if source == into || !(hungry || (mine && orphan(source_member))) {
+                            continue;
+                        }
+                        let primary = v
+                            .remote_primary(source)
+                            .unwrap_or_else(|| me.as_str().into());
+                        wanted.push(Pull {
+                            vhost: vhost.clone(),
+                            source: source.to_string(),
+                            primary: primary.to_string(),
+                            into: into.to_string(),
+                        });
                     }
-                    let primary = v
-                        .remote_primary(&source)
-                        .unwrap_or_else(|| me.as_str().into());
-                    wanted.push(Pull {
-                        vhost: vhost.clone(),
-                        source: source.to_string(),
-                        primary: primary.to_string(),
-                        into: own.clone(),
-                    });
                 }
             }
         }

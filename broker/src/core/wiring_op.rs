@@ -301,7 +301,7 @@ impl WiringOp {
             return Ok(self);
         };
         match v.queue(&name) {
-            Some(found) if if_unused && !found.consumers.is_empty() => {
+            Some(found) if if_unused && found.consumer_count() > 0 => {
                 return Err(AmqpError::precondition(format!(
                     "queue '{name}' in vhost '{}' in use",
                     v.name()

@@ -39,6 +39,22 @@ const STOP_TIMEOUT: Duration = Duration::from_secs(10);
 /// Longest pause between attempts to resume a failed pull.
 const MAX_BACKOFF: Duration = Duration::from_secs(5);
 
+/// How long opening the pull's channel, its qos, consume and cancel may take: a source's
+/// primary that stopped answering (paused, cut off) fails the pull, which the reconciler
+/// then replaces with one to the source's new primary.
+const CALL_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// `call`, failed after [`CALL_TIMEOUT`].
+async fn within<T, E: std::fmt::Display>(
+    what: &str,
+    call: impl Future<Output = Result<T, E>>,
+) -> Result<T, String> {
+    match tokio::time::timeout(CALL_TIMEOUT, call).await {
+        Ok(result) => result.map_err(|e| format!("{what}: {e}")),
+        Err(_) => Err(format!("{what}: no answer within {CALL_TIMEOUT:?}")),
+    }
+}
+
 /// What one pull moves: from `source` (on member `primary`) into `into` (here), in `vhost`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Pull {
@@ -82,8 +98,8 @@ pub async fn run(broker: Weak<Broker>, pull: Pull, mut stop: watch::Receiver<boo
     }
 }
 
-/// One link's worth of a pull: `Ok` when told to stop or when this member no longer takes
-/// the messages, `Err` when the link or the source ended it.
+/// One link's worth of a pull: `Ok` when told to stop, `Err` when the link or the source
+/// ended it or this member's fragment took no more.
 async fn session(
     broker: &Weak<Broker>,
     pull: &Pull,
@@ -100,10 +116,7 @@ async fn session(
     let uri = links
         .member_uri(&pull.primary, &pull.vhost)
         .map_err(|e| e.to_string())?;
-    let ch = links
-        .channel(&uri, &pull.vhost)
-        .await
-        .map_err(|e| e.to_string())?;
+    let ch = within("opening a channel", links.channel(&uri, &pull.vhost)).await?;
     let result = consume(broker, pull, stop, &ch, synced, acked).await;
     let _ = ch.close(200, "pull stopped".into()).await;
     result
@@ -117,21 +130,21 @@ async fn consume(
     synced: watch::Receiver<u64>,
     acked: watch::Receiver<u64>,
 ) -> Result<(), String> {
-    ch.basic_qos(CREDIT, BasicQosOptions::default())
-        .await
-        .map_err(|e| e.to_string())?;
+    within(
+        "basic.qos",
+        ch.basic_qos(CREDIT, BasicQosOptions::default()),
+    )
+    .await?;
     let mut arguments = FieldTable::default();
     arguments.insert("x-priority".into(), AMQPValue::LongInt(PULL_PRIORITY));
     arguments.insert(PULL_ARGUMENT.into(), AMQPValue::Boolean(true));
-    let mut consumer = ch
-        .basic_consume(
-            pull.source.as_str().into(),
-            TAG.into(),
-            BasicConsumeOptions::default(),
-            arguments,
-        )
-        .await
-        .map_err(|e| e.to_string())?;
+    let consume = ch.basic_consume(
+        pull.source.as_str().into(),
+        TAG.into(),
+        BasicConsumeOptions::default(),
+        arguments,
+    );
+    let mut consumer = within("basic.consume", consume).await?;
     tracing::debug!(vhost = %pull.vhost, source = %pull.source, primary = %pull.primary, into = %pull.into, "fragment pull started");
     let (settles, to_settle) = mpsc::unbounded_channel();
     let settler = tokio::spawn(settle_when_safe(ch.clone(), synced, acked, to_settle));
@@ -144,8 +157,8 @@ async fn consume(
                 // its producers' order.
                 cancelled = true;
                 let cancel = ch.basic_cancel(TAG.into(), Default::default());
-                if let Err(e) = cancel.await {
-                    break Err(e.to_string());
+                if let Err(e) = within("basic.cancel", cancel).await {
+                    break Err(e);
                 }
                 continue;
             }
@@ -170,8 +183,10 @@ async fn consume(
                         });
                     }
                     None => {
+                        // Full, moving, or no longer served here: back off, and the
+                        // reconciler decides again meanwhile.
                         let _ = settles.send(Settle::Requeue { tag });
-                        break Ok(());
+                        break Err(format!("'{}' took no more", pull.into));
                     }
                 }
             }

@@ -127,10 +127,12 @@ impl VHost {
                 c.queue
             ))
         };
-        if c.exclusive && !q.consumers.is_empty() {
+        // Another member's pulls of a fragmented queue are no consumers of the queue's own:
+        // they neither make it in use nor are kept off by an exclusive consumer.
+        if c.exclusive && !c.pull && q.consumer_count() > 0 {
             return Err(exclusive_in_use());
         }
-        let has_exclusive = q.consumers.iter().any(|r| {
+        let has_exclusive = q.consumers.iter().filter(|r| !r.pull).any(|r| {
             self.channels
                 .get(&r.channel)
                 .and_then(|ch| ch.consumers.get(&r.tag))

@@ -59,8 +59,12 @@ impl VHost {
                 let mut targets = Vec::new();
                 for key in &keys {
                     let mut routed = self.route(&dlx, key, &message, Some(&cycle));
-                    self.route_to_fragments(&mut routed, None);
-                    let origin = self.has_fragmented.then(|| self.node.clone()).flatten();
+                    let to_record = self.route_to_fragments(&mut routed, None);
+                    let origin = match (self.has_fragmented, to_record) {
+                        (false, _) => None,
+                        (true, true) => Some(super::fragments::RECORD_ORIGIN.into()),
+                        (true, false) => self.node.clone(),
+                    };
                     self.forward_remote(&mut routed, (&dlx, key, origin), &message, fx);
                     for t in routed {
                         if !targets.contains(&t) {

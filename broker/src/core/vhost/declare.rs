@@ -504,7 +504,7 @@ impl VHost {
             Err(e) if e.code == codes::NOT_FOUND => return Ok(0),
             Err(e) => return Err(e),
         };
-        if if_unused && !q.consumers.is_empty() {
+        if if_unused && q.consumer_count() > 0 {
             return Err(AmqpError::precondition(format!(
                 "queue '{queue}' in vhost '{}' in use",
                 self.name

@@ -7,6 +7,10 @@ use crate::core::fragments::{fragment_name, fragment_name_by_prefix};
 use crate::core::queue::Queue;
 use std::sync::Arc;
 
+/// The origin a forward names when the sender put the message in a fragmented queue's own
+/// record: no member's fragment has this name, so the primary takes the record too.
+pub const RECORD_ORIGIN: &str = "";
+
 impl VHost {
     /// The queue a message routed to fragmented queue `queue` goes to when published on
     /// behalf of `origin` (a member's node id; this member's when `None`): that member's
@@ -25,15 +29,24 @@ impl VHost {
     }
 
     /// Replaces the fragmented queues among `targets` with their fragments for `origin`
-    /// (see [`VHost::fragment_for`]), each target still once.
-    pub(super) fn route_to_fragments(&self, targets: &mut Vec<Arc<str>>, origin: Option<&str>) {
+    /// (see [`VHost::fragment_for`]), each target still once. Returns whether one of them
+    /// fell back to the queue's own record (no fragment for `origin` here): a forward then
+    /// names no origin member but the record ([`RECORD_ORIGIN`]), so that a primary that
+    /// already has the fragment does not pick it instead — it may be another member's to
+    /// serve, and the message would be in neither.
+    pub(super) fn route_to_fragments(
+        &self,
+        targets: &mut Vec<Arc<str>>,
+        origin: Option<&str>,
+    ) -> bool {
         if !self.has_fragmented {
-            return;
+            return false;
         }
-        let mut replaced = false;
+        let (mut replaced, mut to_record) = (false, false);
         for name in targets.iter_mut() {
             if let Some(q) = self.queues.get(name).filter(|q| q.args.fragmented) {
                 *name = self.fragment_for(q, origin);
+                to_record |= *name == q.name;
                 replaced = true;
             }
         }
@@ -47,6 +60,7 @@ impl VHost {
                 first
             });
         }
+        to_record
     }
 
     /// The queue a consumer (or a basic.get) on this member reads when it names `queue`:
@@ -211,6 +225,32 @@ mod tests {
             !v.queue(&fa).unwrap().args.fragmented,
             "a fragment is a plain queue"
         );
+        // A forward whose sender put the message in the record (it had no fragment for the
+        // origin yet) goes to the record here too, though this member has that fragment.
+        let before = ready(&v, "q");
+        v.publish_forwarded_as(Some(super::RECORD_ORIGIN), "", "q", message(), 0, &mut fx);
+        assert_eq!(ready(&v, "q"), before + 1);
+        assert_eq!(ready(&v, &fa), 1);
+    }
+
+    #[test]
+    fn a_pull_neither_blocks_nor_is_blocked_by_an_exclusive_consumer() {
+        let mut v = VHost::new("/", 1);
+        declare(&mut v, "q", FieldTable::default());
+        let mut fx = Effects::default();
+        for (channel, tag, exclusive, pull) in [(1, "pull", false, true), (2, "own", true, false)] {
+            let key = crate::core::ChannelKey { conn: 1, channel };
+            v.channel_open(key);
+            let c = crate::core::Consume {
+                queue: "q".into(),
+                tag: tag.into(),
+                exclusive,
+                pull,
+                ..Default::default()
+            };
+            v.basic_consume(key, c, 0, &mut fx)
+                .unwrap_or_else(|e| panic!("{tag}: {e:?}"));
+        }
     }
 }
 

@@ -85,10 +85,11 @@ impl VHost {
         if targets.is_empty() {
             return Ok(PublishOutcome::Unroutable);
         }
-        self.route_to_fragments(&mut targets, origin);
-        let origin = match self.has_fragmented {
-            true => origin.map(Arc::from).or_else(|| self.node.clone()),
-            false => None,
+        let to_record = self.route_to_fragments(&mut targets, origin);
+        let origin = match (self.has_fragmented, to_record) {
+            (false, _) => None,
+            (true, true) => Some(super::fragments::RECORD_ORIGIN.into()),
+            (true, false) => origin.map(Arc::from).or_else(|| self.node.clone()),
         };
         let unavailable =
             self.forward_remote(&mut targets, (exchange, routing_key, origin), &message, fx);

@@ -330,13 +330,13 @@ impl Connection {
             self.id = attached.owner;
         }
         tracing::info!(conn = self.id, session = %attached.id, resumed = attached.resumed, timeout_s = attached.timeout.as_secs(), "session attached");
-        self.publish_origin = self
-            .broker
-            .cluster()
-            .and_then(|c| c.session(&attached.id.to_string()))
-            .map(|r| r.origin)
-            .filter(|origin| !origin.is_empty())
-            .map(Arc::from);
+        // A session that started on another member publishes as that member; one that
+        // started here as this member, which is what `None` says (without a lookup per
+        // publish).
+        self.publish_origin = self.broker.cluster().and_then(|c| {
+            let origin = c.session(&attached.id.to_string())?.origin;
+            (!origin.is_empty() && origin != c.node_id()).then(|| Arc::from(origin))
+        });
         self.session = Some(attached);
     }
 

@@ -13,6 +13,7 @@ use super::frames::short;
 use super::wiring::Pending;
 use super::{Connection, Lazy};
 use crate::amqp::{AMQPClass, basic, codes, exchange, queue, tx};
+use crate::core::fragments::PULL_ARGUMENT;
 use crate::core::{AmqpError, ChannelKey, VHost};
 use crate::proxy::forward::ForwardTracker;
 use crate::proxy::upstream::{
@@ -292,6 +293,13 @@ impl Connection {
                 early: Some(Vec::new()),
             },
         );
+        // Only a member's pull may say it is one (`x-ringmq-pull`, honoured on links): a
+        // client's consume passed on over a link must not.
+        let mut c = c;
+        let mut arguments = c.arguments.inner().clone();
+        if arguments.remove(PULL_ARGUMENT).is_some() {
+            c.arguments = arguments.into();
+        }
         let (no_ack, exclusive, nowait) = (c.no_ack, c.exclusive, c.nowait);
         let upstream_tag = tag.clone();
         let again = Again {

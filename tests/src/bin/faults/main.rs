@@ -353,7 +353,13 @@ fn main() {
             .iter()
             .map(|(q, k)| {
                 let args = workload::queue_arguments(*k, false);
-                runtime.block_on(Workload::start(uris.clone(), q.clone(), args, 2, rng.clone()))
+                runtime.block_on(Workload::start(
+                    uris.clone(),
+                    q.clone(),
+                    args,
+                    2,
+                    rng.clone(),
+                ))
             })
             .collect();
         let failover_queue = format!("faults-{}-failover", nemesis.name());
