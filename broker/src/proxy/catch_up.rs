@@ -73,28 +73,22 @@ impl Applied {
 /// member reads nothing after it on that channel until it has applied it (or gave up after
 /// [`CATCH_UP_LIMIT`]), so the sender need not wait for its declare-ok before what follows.
 pub fn declare(index: u64) -> AMQPClass {
-    let mut arguments = FieldTable::default();
-    arguments.insert(
-        AFTER_INDEX_ARGUMENT.into(),
-        AMQPValue::LongLongInt(i64::try_from(index).unwrap_or(i64::MAX)),
-    );
-    AMQPClass::Exchange(exchange::AMQPMethod::Declare(exchange::Declare {
-        exchange: ShortString::from(""),
-        kind: ShortString::from("direct"),
-        passive: true,
-        durable: false,
-        auto_delete: false,
-        internal: false,
-        nowait: false,
-        arguments,
-    }))
+    let index = AMQPValue::LongLongInt(i64::try_from(index).unwrap_or(i64::MAX));
+    marker(AFTER_INDEX_ARGUMENT, index, false)
 }
 
 /// The passive default-exchange declare (no reply asked) that names the origin of the
 /// publishes after it on a link channel ([`ORIGIN_ARGUMENT`]); sent when it changes.
 pub fn origin_declare(origin: &str) -> AMQPClass {
+    marker(ORIGIN_ARGUMENT, AMQPValue::LongString(origin.into()), true)
+}
+
+/// A passive declare of the default exchange carrying `key: value`: how a link says
+/// something about what follows on its channel in order with it, with a method every
+/// member already answers.
+fn marker(key: &str, value: AMQPValue, nowait: bool) -> AMQPClass {
     let mut arguments = FieldTable::default();
-    arguments.insert(ORIGIN_ARGUMENT.into(), AMQPValue::LongString(origin.into()));
+    arguments.insert(key.into(), value);
     AMQPClass::Exchange(exchange::AMQPMethod::Declare(exchange::Declare {
         exchange: ShortString::from(""),
         kind: ShortString::from("direct"),
@@ -102,7 +96,7 @@ pub fn origin_declare(origin: &str) -> AMQPClass {
         durable: false,
         auto_delete: false,
         internal: false,
-        nowait: true,
+        nowait,
         arguments,
     }))
 }

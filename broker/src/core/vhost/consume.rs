@@ -372,15 +372,15 @@ impl VHost {
         }
         // The consumers do not change while this call hands messages out.
         let top = q.consumers.iter().map(|r| r.priority).max().unwrap_or(0);
-        let own_consumers = q.consumers.iter().any(|r| !r.pull);
         loop {
             expire_head(q, now_ms, false, record, fx, dead);
             let Some((id, bytes)) = q.peek().map(|h| (h.id, h.message.body_len() as u64)) else {
                 return;
             };
             // A message pulled in from another fragment stays for this member's consumers
-            // (while it has any: else nothing would ever take it).
-            let pulled = own_consumers && q.is_pulled(id);
+            // (while it has any: else nothing would ever take it). Only a fragment with
+            // pulled-in messages looks at its consumers for it.
+            let pulled = q.is_pulled(id) && q.consumers.iter().any(|r| !r.pull);
             let candidates = if q.args.single_active_consumer {
                 1
             } else {

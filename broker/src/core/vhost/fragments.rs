@@ -130,6 +130,7 @@ impl VHost {
     }
 }
 
+/// A transient message, for the tests of this module.
 #[cfg(test)]
 fn tests_message() -> Arc<crate::core::Message> {
     Arc::new(crate::core::Message {
@@ -149,7 +150,6 @@ mod tests {
     use crate::amqp::{AMQPValue, FieldTable};
     use crate::core::fragments::{FRAGMENTED_ARGUMENT, fragment_arguments, fragment_name};
     use crate::core::{Effects, QueueDeclare, VHost};
-    use std::sync::Arc;
 
     fn declare(v: &mut VHost, name: &str, arguments: FieldTable) {
         v.queue_declare(
@@ -171,19 +171,6 @@ mod tests {
         t
     }
 
-    fn message() -> Arc<crate::core::Message> {
-        Arc::new(crate::core::Message {
-            exchange: "".into(),
-            routing_key: "q".into(),
-            properties: Default::default(),
-            header_payload: Default::default(),
-            body: bytes::Bytes::from_static(b"m").into(),
-            persistent: false,
-            priority: 0,
-            expiration_ms: None,
-        })
-    }
-
     fn ready(v: &VHost, q: &str) -> usize {
         v.queue(q).unwrap().ready_count()
     }
@@ -196,16 +183,18 @@ mod tests {
         declare(&mut v, "q", fragmented());
         let mut fx = Effects::default();
         // No fragment yet: the queue's own record takes it.
-        v.publish("", "q", message(), 0, &mut fx).unwrap();
+        v.publish("", "q", super::tests_message(), 0, &mut fx)
+            .unwrap();
         assert_eq!(ready(&v, "q"), 1);
         for m in ["a", "b"] {
             let args = fragment_arguments(&fragmented(), "q", m);
             declare(&mut v, &fragment_name(m, "q"), args);
         }
         let (fa, fb) = (fragment_name("a", "q"), fragment_name("b", "q"));
-        v.publish("", "q", message(), 0, &mut fx).unwrap();
+        v.publish("", "q", super::tests_message(), 0, &mut fx)
+            .unwrap();
         assert_eq!((ready(&v, &fa), ready(&v, &fb)), (1, 0));
-        v.publish_as(Some("b"), "", "q", message(), 0, &mut fx)
+        v.publish_as(Some("b"), "", "q", super::tests_message(), 0, &mut fx)
             .unwrap();
         assert_eq!(
             ready(&v, &fb),
@@ -228,7 +217,14 @@ mod tests {
         // A forward whose sender put the message in the record (it had no fragment for the
         // origin yet) goes to the record here too, though this member has that fragment.
         let before = ready(&v, "q");
-        v.publish_forwarded_as(Some(super::RECORD_ORIGIN), "", "q", message(), 0, &mut fx);
+        v.publish_forwarded_as(
+            Some(super::RECORD_ORIGIN),
+            "",
+            "q",
+            super::tests_message(),
+            0,
+            &mut fx,
+        );
         assert_eq!(ready(&v, "q"), before + 1);
         assert_eq!(ready(&v, &fa), 1);
     }
