@@ -35,8 +35,9 @@ pub const STATUS_QUEUE: &str = "amq.session";
 /// Message header with which a client resending a publish after a resume names its number
 /// on the channel (1-based, counting every `basic.publish` since the channel was first
 /// opened): the broker drops a publish it already processed — and confirms it again, with
-/// its first outcome, in confirm mode.
-pub const PUBLISH_SEQ_HEADER: &str = "x-ringmq-publish-seq";
+/// its first outcome, in confirm mode. A queue drops it too, when a member that took the
+/// session over resends it (`core::producers`).
+pub use crate::core::producers::PUBLISH_SEQ_HEADER;
 /// How many of a channel's most recent nacked confirm numbers it remembers, to answer a
 /// resent duplicate with the outcome it first had. Nacks are rare (a refused publish, an
 /// unavailable queue); a resent publish is one of the client's in-flight window, far newer.
@@ -168,6 +169,11 @@ pub struct PublishState {
     pub confirm_base: Option<u64>,
     /// The most recent confirm numbers that were nacked (at most [`NACK_MEMORY`]), ascending.
     pub nacks: VecDeque<u64>,
+    /// The most recent confirm numbers whose publish's fate is unknown (at most
+    /// [`NACK_MEMORY`]): forwarded to a primary that was lost before it answered. Their
+    /// confirms were never sent; a resend of one is routed again, and each queue that took
+    /// the first copy drops it by its producer and number (`core::producers`).
+    pub unknown: VecDeque<u64>,
     /// `tx.select` came.
     pub transactional: bool,
     /// `tx.commit`s applied: a client that lost its connection during a commit learns
@@ -187,8 +193,33 @@ impl PublishState {
         self.confirm_base.map(|base| self.published - base)
     }
 
-    /// Remembers that confirm number `n` was nacked.
+    /// Remembers that the fate of confirm number `n` is unknown (see [`Self::unknown`]).
+    pub fn record_unknown(&mut self, n: u64) {
+        if self.unknown.contains(&n) {
+            return;
+        }
+        if self.unknown.len() == NACK_MEMORY {
+            self.unknown.pop_front();
+        }
+        self.unknown.push_back(n);
+    }
+
+    /// A resend of confirm number `n` is routed again if its fate is unknown: true (and `n`
+    /// is no longer unknown: the new routing decides it).
+    pub fn retry_unknown(&mut self, n: u64) -> bool {
+        let Some(i) = self.unknown.iter().position(|&u| u == n) else {
+            return false;
+        };
+        self.unknown.remove(i);
+        true
+    }
+
+    /// Remembers that confirm number `n` was nacked (unless its fate is unknown: its nack
+    /// was never sent).
     pub fn record_nack(&mut self, n: u64) {
+        if self.unknown.contains(&n) {
+            return;
+        }
         if self.nacks.len() == NACK_MEMORY {
             self.nacks.pop_front();
         }

@@ -3,9 +3,10 @@
 //! application has seen, and what it set up (prefetch, consumers). Pure: no sockets, no
 //! clock — the driver feeds it and asks it.
 
+use crate::tags::TagMap;
 use amq_protocol::protocol::basic::AMQPProperties;
 use bytes::Bytes;
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use tokio::sync::{mpsc, oneshot};
 
 /// How many publishes a channel outside confirm mode keeps for a resend: the broker drops
@@ -16,6 +17,17 @@ pub(crate) const RECENT_PUBLISHES: usize = 65_536;
 /// How many of its settlements (acks, nacks) a channel remembers for a failover: those the
 /// broker had not processed when the connection broke are sent again.
 pub(crate) const RECENT_SETTLEMENTS: usize = 65_536;
+
+/// How many settled deliveries' identities a channel keeps (besides those it holds): a
+/// delivery whose settlement was lost with a member comes back from its queue, and is
+/// recognised by its identity. The settlements a member loses are the few it had not passed
+/// on, and those made after it died — of deliveries the application held, at most its
+/// prefetch.
+pub(crate) const SETTLED_IDENTITIES: usize = 4_096;
+
+/// Past this many deliveries expected back, those the application had settled are forgotten
+/// at the next failover (see [`ChannelBook::consumer_lost`]).
+pub(crate) const RETURNING_LIMIT: usize = 4 * SETTLED_IDENTITIES;
 
 /// An application's ack or nack.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -85,14 +97,48 @@ pub(crate) struct ChannelBook {
     /// Deliveries the application settled, the most recent ones: sent again after a
     /// failover if the broker still counts them unacknowledged.
     pub settled: BTreeMap<u64, Settled>,
-    /// The application's delivery tag for the broker's tag `t` is `t + tag_offset`: zero
-    /// until the channel resumes on a member that took the session over and numbers its
-    /// deliveries from 1 again ([`ChannelBook::start_over`]); the application's tags go on.
-    /// Every tag above is the application's.
-    pub tag_offset: u64,
-    /// Number every publish (`x-ringmq-publish-seq`), not only the resent ones: a channel
-    /// started over on another member takes its numbering from the client's.
-    pub number_all: bool,
+    /// The application's delivery tags and the broker's (the same until the session is
+    /// taken over by another member, `crate::tags`).
+    pub tags: TagMap,
+    /// What identifies the messages of the deliveries in `outstanding` and `recent` that
+    /// have an identity, by application tag: how a delivery that returns after a takeover
+    /// is recognised.
+    pub identities: BTreeMap<u64, Identity>,
+    /// The most recent [`SETTLED_IDENTITIES`] settlements, kept whatever a member said it
+    /// processed: a member that processed a settlement may be lost before its queue's
+    /// backups heard of it, and then the delivery comes back.
+    pub recent: BTreeMap<u64, Settled>,
+    /// Deliveries handed out before the session was taken over that will come again from
+    /// their queues, by identity: hidden from the application when they do.
+    pub returning: HashMap<Identity, Returning>,
+    /// The channel's name on its publishes (`x-ringmq-producer`: `<session>:<channel>`).
+    pub producer: String,
+}
+
+/// What identifies a message across the members that may deliver it: its producer's name
+/// and its number there, as its publish carried them.
+pub(crate) type Identity = (String, u64);
+
+/// A delivery of before a takeover that will come again from its queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Returning {
+    /// The application still holds it, under this tag.
+    Held(u64),
+    /// The application settled it so (an ack, or a reject without requeue), and its broker
+    /// may not have heard: settled again when it comes.
+    Settled(Settled),
+}
+
+/// What becomes of a delivery that arrives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Arrival {
+    /// New to the application: handed to it under this tag.
+    New(u64),
+    /// The application had it: not handed again.
+    Seen,
+    /// The application had it and settled it so: not handed again, and settled again under
+    /// the broker's new tag.
+    SettleAgain(Settle),
 }
 
 impl ChannelBook {
@@ -145,8 +191,11 @@ impl ChannelBook {
     }
 
     /// The application settles deliveries: what it settles leaves the outstanding set and is
-    /// remembered (the oldest forgotten past [`RECENT_SETTLEMENTS`]).
-    pub fn settle(&mut self, settle: Settle) {
+    /// remembered (the oldest forgotten past [`RECENT_SETTLEMENTS`]). Returns what to send
+    /// the broker, in its tags: one `multiple` settlement for what the current connection
+    /// handed out, one each for returned deliveries above it; nothing for a delivery of
+    /// before a takeover that has not returned yet — it is settled when it does.
+    pub fn settle(&mut self, settle: Settle) -> Vec<Settle> {
         let (tag, multiple, how) = match settle {
             Settle::Ack { tag, multiple } => (tag, multiple, Settled::Ack),
             Settle::Nack {
@@ -160,31 +209,98 @@ impl ChannelBook {
         } else {
             vec![tag]
         };
+        let mut out = Vec::new();
+        let covered = multiple
+            .then(|| self.tags.is_current(tag).then(|| self.tags.broker(tag)))
+            .flatten()
+            .flatten();
+        if let Some(b) = covered {
+            out.push(in_broker_tag(b, true, how));
+        }
         for t in tags {
             self.outstanding.remove(&t);
             self.settled.insert(t, how);
+            self.recent.insert(t, how);
+            if let Some(id) = self.identities.get(&t)
+                && self.returning.get(id) == Some(&Returning::Held(t))
+            {
+                // It will come back: settled then, under its new tag.
+                if how == (Settled::Nack { requeue: true }) {
+                    // Back to its queue in any case: it comes again as new.
+                    self.returning.remove(id);
+                } else {
+                    self.returning.insert(id.clone(), Returning::Settled(how));
+                }
+            }
+            match self.tags.broker(t) {
+                Some(b) if covered.is_some_and(|c| b <= c) => {}
+                Some(b) => out.push(in_broker_tag(b, false, how)),
+                None => {}
+            }
         }
         while self.settled.len() > RECENT_SETTLEMENTS {
             self.settled.pop_first();
         }
+        while self.recent.len() > SETTLED_IDENTITIES {
+            if let Some((t, _)) = self.recent.pop_first()
+                && !self.outstanding.contains(&t)
+            {
+                self.identities.remove(&t);
+            }
+        }
+        out
     }
 
-    /// After a failover, with the tags the broker still counts unacknowledged on the
-    /// channel: the settlements it did not get, to send again. Those it got are forgotten.
-    pub fn settle_again(&mut self, unacked_at_broker: &BTreeSet<u64>) -> Vec<(u64, Settled)> {
-        self.settled.retain(|t, _| unacked_at_broker.contains(t));
-        self.settled.iter().map(|(t, s)| (*t, *s)).collect()
+    /// The broker cancelled a consumer of the channel because its queue's primary was lost:
+    /// what the application holds or settled lately may come back from the queue (the new
+    /// primary gives back what the old one had handed out), to the consumer created again.
+    /// Recognised by its identity when it does, it is not handed out twice.
+    pub fn consumer_lost(&mut self) {
+        if self.returning.len() > RETURNING_LIMIT {
+            // Settled deliveries that never came back (their settlement had reached the
+            // broker after all) pile up over many failovers: forgotten, the held ones kept.
+            self.returning
+                .retain(|_, r| matches!(r, Returning::Held(_)));
+        }
+        for t in &self.outstanding {
+            if let Some(id) = self.identities.get(t) {
+                self.returning.insert(id.clone(), Returning::Held(*t));
+            }
+        }
+        for (t, how) in &self.recent {
+            if *how != (Settled::Nack { requeue: true })
+                && let Some(id) = self.identities.get(t)
+            {
+                self.returning
+                    .entry(id.clone())
+                    .or_insert(Returning::Settled(*how));
+            }
+        }
+    }
+
+    /// After a failover to the same member, with the broker tags it still counts
+    /// unacknowledged on the channel: the settlements it did not get, to send again, in its
+    /// tags. Those it got are forgotten.
+    pub fn settle_again(&mut self, unacked_at_broker: &BTreeSet<u64>) -> Vec<Settle> {
+        let at_broker: BTreeSet<u64> = unacked_at_broker
+            .iter()
+            .map(|&b| self.tags.app(b))
+            .collect();
+        self.settled.retain(|t, _| at_broker.contains(t));
+        self.settled
+            .iter()
+            .filter_map(|(&t, &how)| Some(in_broker_tag(self.tags.broker(t)?, false, how)))
+            .collect()
     }
 
     /// The channel resumed on a member that took the session over, where it starts with
     /// none of its state (`docs/sessions.md` §2): deliveries are numbered from 1 again (the
-    /// application's tags go on above the highest it had), what the application had not
-    /// settled is no longer the broker's to settle (it went back to its queue and comes again,
-    /// redelivered), confirms count from the client's numbering, which every publish carries
-    /// from now on.
+    /// application's tags go on above the highest it had, `crate::tags`); what the
+    /// application had — held or settled — comes again from its queue, and is recognised by
+    /// its identity and not handed out twice; confirms count from the client's numbering,
+    /// which every publish carries.
     pub fn start_over(&mut self) {
         let highest = [
-            self.tag_offset,
             self.seen_through,
             self.seen_above.last().copied().unwrap_or(0),
             self.outstanding.last().copied().unwrap_or(0),
@@ -193,7 +309,13 @@ impl ChannelBook {
         .into_iter()
         .max()
         .unwrap_or(0);
-        self.tag_offset = highest;
+        // What still has to come back from an earlier takeover stays expected.
+        self.consumer_lost();
+        // What they had is expected back now (`returning`): only the held need names.
+        self.recent.clear();
+        let outstanding = &self.outstanding;
+        self.identities.retain(|t, _| outstanding.contains(t));
+        self.tags.start_over(highest + 1);
         self.seen_through = highest;
         self.seen_above.clear();
         self.settled.clear();
@@ -202,31 +324,40 @@ impl ChannelBook {
             // client's numbers: the n-th confirm is publish n.
             self.confirm_base = Some(0);
         }
-        self.number_all = true;
     }
 
-    /// The broker's form of an application's settlement: its tag less the offset; `None` for
-    /// one that names only deliveries from before the channel started over (their broker
-    /// lost them to their queues).
-    pub fn to_broker(&self, settle: Settle) -> Option<Settle> {
-        let tag = match settle {
-            Settle::Ack { tag, .. } | Settle::Nack { tag, .. } => tag,
-        };
-        let tag = tag.checked_sub(self.tag_offset).filter(|&t| t > 0)?;
-        Some(match settle {
-            Settle::Ack { multiple, .. } => Settle::Ack { tag, multiple },
-            Settle::Nack {
-                multiple, requeue, ..
-            } => Settle::Nack {
-                tag,
-                multiple,
-                requeue,
-            },
-        })
+    /// A delivery arrives under broker tag `broker`, of a message identified by `identity`
+    /// if it has one: new to the application, or one it had (a redelivery after a resume on
+    /// the same member, or a delivery of before a takeover returning from its queue).
+    pub fn arrival(&mut self, broker: u64, identity: Option<&Identity>) -> Arrival {
+        if self.tags.was_returned(broker) {
+            return Arrival::Seen;
+        }
+        if self.tags.is_new(broker)
+            && let Some(r) = identity.and_then(|id| self.returning.remove(id))
+        {
+            return match r {
+                Returning::Held(app) => {
+                    self.tags.returned(broker, Some(app));
+                    Arrival::Seen
+                }
+                Returning::Settled(how) => {
+                    self.tags.returned(broker, None);
+                    Arrival::SettleAgain(in_broker_tag(broker, false, how))
+                }
+            };
+        }
+        let app = self.tags.app(broker);
+        if self.fresh_delivery(app) {
+            Arrival::New(app)
+        } else {
+            Arrival::Seen
+        }
     }
 
-    /// Whether a delivery with `tag` is new to the application (and, if so, remembers it).
-    pub fn fresh_delivery(&mut self, tag: u64) -> bool {
+    /// Whether a delivery with application tag `tag` is new to the application (and, if
+    /// so, remembers it).
+    fn fresh_delivery(&mut self, tag: u64) -> bool {
         if tag <= self.seen_through || !self.seen_above.insert(tag) {
             return false;
         }
@@ -241,6 +372,18 @@ impl ChannelBook {
             }
         }
         true
+    }
+}
+
+/// A settlement of broker tag `tag`.
+fn in_broker_tag(tag: u64, multiple: bool, how: Settled) -> Settle {
+    match how {
+        Settled::Ack => Settle::Ack { tag, multiple },
+        Settled::Nack { requeue } => Settle::Nack {
+            tag,
+            multiple,
+            requeue,
+        },
     }
 }
 
@@ -312,7 +455,17 @@ mod tests {
         let again = b.settle_again(&BTreeSet::from([2, 3, 4, 5]));
         assert_eq!(
             again,
-            [(2, Settled::Ack), (4, Settled::Nack { requeue: true })],
+            [
+                Settle::Ack {
+                    tag: 2,
+                    multiple: false
+                },
+                Settle::Nack {
+                    tag: 4,
+                    multiple: false,
+                    requeue: true
+                }
+            ],
             "1 reached the broker; 3 and 5 are the application's still"
         );
         assert_eq!(b.settled.len(), 2);
@@ -332,44 +485,135 @@ mod tests {
         assert_eq!((b.seen_through, b.seen_above.len()), (7, 0));
     }
 
+    fn id(n: u64) -> Identity {
+        ("s:1".to_owned(), n)
+    }
+
+    fn ack(tag: u64, multiple: bool) -> Settle {
+        Settle::Ack { tag, multiple }
+    }
+
     #[test]
     fn a_channel_started_over_keeps_the_application_tags_going_and_confirms_by_client_numbers() {
         let mut b = ChannelBook::default();
         b.select_confirms();
-        for tag in 1..=5 {
-            assert!(b.fresh_delivery(tag));
+        for n in 1..=5 {
+            assert_eq!(b.arrival(n, Some(&id(n))), Arrival::New(n));
+            b.outstanding.insert(n);
+            b.identities.insert(n, id(n));
         }
-        b.outstanding.extend([4, 5]);
-        b.settle(Settle::Ack {
-            tag: 3,
-            multiple: false,
-        });
+        assert_eq!(b.settle(ack(2, true)), [ack(2, true)]);
+        // The ack of 3 is lost with the member; the application holds 4 and 5.
+        assert_eq!(b.settle(ack(3, false)), [ack(3, false)]);
         b.start_over();
-        assert_eq!(b.tag_offset, 5);
         assert!(b.settled.is_empty(), "nothing of before is the broker's");
+        // The new member sends 3 again, then 4, a message the application never had (6),
+        // 5, and a new one.
         assert_eq!(
-            b.to_broker(Settle::Ack {
-                tag: 4,
-                multiple: false
-            }),
-            None,
-            "a delivery the broker gave back to its queue"
+            b.arrival(1, Some(&id(3))),
+            Arrival::SettleAgain(ack(1, false))
+        );
+        assert_eq!(b.arrival(2, Some(&id(4))), Arrival::Seen);
+        assert_eq!(b.arrival(3, Some(&id(6))), Arrival::New(6), "no gap");
+        b.outstanding.insert(6);
+        // The application acks 5 before it returns: acked when it does.
+        assert_eq!(b.settle(ack(5, false)), []);
+        assert_eq!(
+            b.arrival(4, Some(&id(5))),
+            Arrival::SettleAgain(ack(4, false))
+        );
+        assert_eq!(b.arrival(5, Some(&id(7))), Arrival::New(7));
+        b.outstanding.insert(7);
+        assert_eq!(
+            b.arrival(2, Some(&id(4))),
+            Arrival::Seen,
+            "sent again: still seen"
         );
         assert_eq!(
-            b.to_broker(Settle::Ack {
-                tag: 7,
-                multiple: true
-            }),
-            Some(Settle::Ack {
-                tag: 2,
-                multiple: true
-            })
+            b.settle(ack(7, true)),
+            [ack(5, true)],
+            "4 (broker 2), 6 and 7 in one, in the broker's tags"
         );
-        assert!(b.fresh_delivery(1 + b.tag_offset), "the broker's tag 1");
+        assert!(b.outstanding.is_empty());
         let (tx, mut rx) = oneshot::channel();
         let seq = b.record_publish(logged(Some(tx)));
         b.confirmed(seq, false, true);
         assert_eq!(rx.try_recv(), Ok(true), "confirm n is publish n");
-        assert!(b.number_all);
+    }
+
+    #[test]
+    fn what_a_lost_consumer_had_is_not_handed_out_again_by_the_consumer_created_again() {
+        let mut b = ChannelBook::default();
+        for n in 1..=3 {
+            assert_eq!(b.arrival(n, Some(&id(n))), Arrival::New(n));
+            b.outstanding.insert(n);
+            b.identities.insert(n, id(n));
+        }
+        assert_eq!(
+            b.settle(ack(1, false)),
+            [ack(1, false)],
+            "lost with the primary"
+        );
+        b.consumer_lost();
+        assert_eq!(
+            b.settle(ack(2, false)),
+            [ack(2, false)],
+            "sent to the member, which has nowhere to pass it"
+        );
+        // The new primary gives 1, 2 and 3 back, on the same channel's numbering.
+        assert_eq!(
+            b.arrival(4, Some(&id(1))),
+            Arrival::SettleAgain(ack(4, false))
+        );
+        assert_eq!(
+            b.arrival(5, Some(&id(2))),
+            Arrival::SettleAgain(ack(5, false))
+        );
+        assert_eq!(b.arrival(6, Some(&id(3))), Arrival::Seen);
+        assert_eq!(b.arrival(7, Some(&id(4))), Arrival::New(4), "no gap");
+        b.outstanding.insert(4);
+        assert_eq!(b.settle(ack(3, false)), [ack(6, false)], "the alias");
+        assert_eq!(b.settle(ack(4, false)), [ack(7, false)]);
+    }
+
+    #[test]
+    fn an_ack_a_member_processed_but_lost_is_settled_again_when_its_delivery_comes_back() {
+        let mut b = ChannelBook::default();
+        assert_eq!(b.arrival(1, Some(&id(1))), Arrival::New(1));
+        b.outstanding.insert(1);
+        b.identities.insert(1, id(1));
+        b.settle(ack(1, false));
+        // A resume on the same member, which had processed the ack: nothing to send again.
+        assert!(b.settle_again(&BTreeSet::new()).is_empty());
+        // That member is lost before the queue's backups heard of the ack.
+        b.start_over();
+        assert_eq!(
+            b.arrival(1, Some(&id(1))),
+            Arrival::SettleAgain(ack(1, false))
+        );
+    }
+
+    #[test]
+    fn a_returned_delivery_that_arrives_after_a_new_one_is_settled_on_its_own() {
+        let mut b = ChannelBook::default();
+        for n in 1..=2 {
+            assert_eq!(b.arrival(n, Some(&id(n))), Arrival::New(n));
+            b.outstanding.insert(n);
+            b.identities.insert(n, id(n));
+        }
+        b.start_over();
+        assert_eq!(b.arrival(1, Some(&id(9))), Arrival::New(3));
+        b.outstanding.insert(3);
+        assert_eq!(b.arrival(2, Some(&id(2))), Arrival::Seen);
+        assert_eq!(
+            b.settle(ack(3, true)),
+            [ack(1, true), ack(2, false)],
+            "1 and 3 (broker 1) in one; 2 came back after, as broker 2"
+        );
+        assert!(b.returning.contains_key(&id(1)), "1 has not come back yet");
+        assert_eq!(
+            b.arrival(3, Some(&id(1))),
+            Arrival::SettleAgain(ack(3, false))
+        );
     }
 }

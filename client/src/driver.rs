@@ -5,7 +5,7 @@
 mod failover;
 
 use crate::Error;
-use crate::book::{ChannelBook, ConsumerSpec, Logged, Settle};
+use crate::book::{Arrival, ChannelBook, ConsumerSpec, Identity, Logged, Settle};
 use crate::recovery::{Recoveries, Refused};
 use crate::wire::{Incoming, Target, Wire};
 use amq_protocol::protocol::basic::AMQPProperties;
@@ -20,8 +20,10 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use uuid::Uuid;
 
-/// The ringmq header naming a resent publish's number on its channel.
+/// The ringmq header naming a publish's number on its channel.
 const PUBLISH_SEQ_HEADER: &str = "x-ringmq-publish-seq";
+/// The broker's `core::producers::PRODUCER_HEADER`.
+const PRODUCER_HEADER: &str = "x-ringmq-producer";
 /// Reply code of a broker's close that keeps the session (drain, lost quorum, shutdown).
 const CONNECTION_FORCED: u16 = 320;
 
@@ -302,7 +304,13 @@ impl Driver {
                     return None;
                 };
                 self.next_channel = id + 1;
-                self.books.insert(id, ChannelBook::default());
+                self.books.insert(
+                    id,
+                    ChannelBook {
+                        producer: format!("{}:{id}", self.shared.session),
+                        ..ChannelBook::default()
+                    },
+                );
                 let method = AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {}));
                 self.wire.method(id, method.clone());
                 self.pending.entry(id).or_default().push_back(Pending {
@@ -348,11 +356,7 @@ impl Driver {
                 // On a channel the broker closed: dropped, and its confirmation fails.
                 let book = self.books.get_mut(&channel)?;
                 let confirm = book.confirm_base.is_some();
-                let properties = if book.number_all {
-                    numbered(properties, book.published + 1)
-                } else {
-                    properties
-                };
+                let properties = numbered(properties, book.published + 1, &book.producer);
                 let logged = Logged {
                     seq: 0,
                     exchange,
@@ -379,8 +383,7 @@ impl Driver {
             }
             Cmd::Settle { channel, settle } => {
                 if let Some(book) = self.books.get_mut(&channel) {
-                    book.settle(settle);
-                    if let Some(settle) = book.to_broker(settle) {
+                    for settle in book.settle(settle) {
                         self.wire
                             .method(channel, AMQPClass::Basic(settle_method(settle)));
                     }
@@ -484,6 +487,7 @@ impl Driver {
                         .position(|s| s.tag == c.consumer_tag.as_str())
                 {
                     let spec = book.consumers.remove(i);
+                    book.consumer_lost();
                     tracing::info!(channel = ch, tag = %spec.tag, queue = %spec.queue, "consumer cancelled by the broker: creating it again once its queue answers");
                     let now = Instant::now();
                     self.recoveries
@@ -652,10 +656,16 @@ impl Driver {
         let Some(book) = self.books.get_mut(&a.channel) else {
             return;
         };
-        let tag = d.delivery_tag + book.tag_offset;
-        if !book.fresh_delivery(tag) {
-            return;
-        }
+        let identity = identity_of(&a.properties);
+        let tag = match book.arrival(d.delivery_tag, identity.as_ref()) {
+            Arrival::New(tag) => tag,
+            Arrival::Seen => return,
+            Arrival::SettleAgain(settle) => {
+                self.wire
+                    .method(a.channel, AMQPClass::Basic(settle_method(settle)));
+                return;
+            }
+        };
         let Some(spec) = book
             .consumers
             .iter()
@@ -665,6 +675,9 @@ impl Driver {
         };
         if !spec.no_ack {
             book.outstanding.insert(tag);
+            if let Some(identity) = identity {
+                book.identities.insert(tag, identity);
+            }
         }
         let _ = spec.deliveries.send(crate::Delivery {
             delivery_tag: tag,
@@ -695,15 +708,40 @@ fn publish_method(p: &Logged) -> AMQPClass {
     }))
 }
 
-/// A publish's properties with its number on the channel in `x-ringmq-publish-seq`, by
-/// which the broker drops a resent duplicate (`docs/sessions.md` §3).
-fn numbered(properties: AMQPProperties, seq: u64) -> AMQPProperties {
+/// A publish's properties with its number on the channel in `x-ringmq-publish-seq` and the
+/// channel's name in `x-ringmq-producer` (`<session>:<channel>`), by which the member the
+/// session is on — or, after that member's loss, each queue the publish reached — drops a
+/// resent duplicate (`docs/sessions.md` §3).
+fn numbered(properties: AMQPProperties, seq: u64, producer: &str) -> AMQPProperties {
     let mut headers = properties.headers().clone().unwrap_or_default();
     headers.insert(
         PUBLISH_SEQ_HEADER.into(),
         AMQPValue::LongLongInt(i64::try_from(seq).unwrap_or(i64::MAX)),
     );
+    headers.insert(
+        PRODUCER_HEADER.into(),
+        AMQPValue::LongString(producer.into()),
+    );
     properties.with_headers(headers)
+}
+
+/// A delivered message's identity: the producer and number its publish carried, when it
+/// was published by a session's channel (this client numbers every publish).
+fn identity_of(properties: &AMQPProperties) -> Option<Identity> {
+    let headers = properties.headers().as_ref()?.inner();
+    let producer = match headers.get(PRODUCER_HEADER)? {
+        AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
+        AMQPValue::ShortString(s) => s.to_string(),
+        _ => return None,
+    };
+    let seq = match *headers.get(PUBLISH_SEQ_HEADER)? {
+        AMQPValue::LongLongInt(n) => u64::try_from(n).ok()?,
+        AMQPValue::LongUInt(n) => n.into(),
+        AMQPValue::LongInt(n) => u64::try_from(n).ok()?,
+        AMQPValue::Timestamp(n) => n,
+        _ => return None,
+    };
+    Some((producer, seq))
 }
 
 fn settle_method(settle: Settle) -> basic::AMQPMethod {

@@ -8,10 +8,13 @@
 //! the broker send again what the lost connection had not delivered (`basic.recover` with
 //! `requeue=false`) and hides what the application had already seen, acknowledges again
 //! what the application acknowledged and the broker may not have heard, and sends again
-//! every publish it has no confirm for, numbered (`x-ringmq-publish-seq`) so that the broker
-//! drops those it had and confirms them with the outcome they first had. The application
-//! sees the commands of a run without failure; [`Client::failovers`] tells it, if it asks,
-//! how often that happened. A consumer the broker cancels because its queue's primary was
+//! every publish it has no confirm for. Every publish carries its number and its channel's
+//! name (`x-ringmq-publish-seq`, `x-ringmq-producer`), so that the member drops those it had
+//! and confirms them with the outcome they first had — or, when the session's member was
+//! lost, each queue drops those it took; a delivery that comes back from its queue after
+//! such a loss is recognised by the same two headers and not handed out twice (`tags`). The
+//! application sees the commands of a run without failure; [`Client::failovers`] tells it,
+//! if it asks, how often that happened. A consumer the broker cancels because its queue's primary was
 //! lost (a cluster member proxied it) is created again under its tag once a backup has
 //! taken the queue over, without a failover of the connection (`recovery`).
 //!
@@ -22,6 +25,7 @@
 mod book;
 mod driver;
 mod recovery;
+mod tags;
 mod wire;
 
 use amq_protocol::protocol::basic::AMQPProperties;

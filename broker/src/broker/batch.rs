@@ -81,6 +81,21 @@ impl Broker {
         let proxies = self.proxies();
         let mut batches: Vec<(Arc<str>, Vec<crate::proxy::forward::Job>)> = Vec::new();
         for f in fx.forwards.drain(..) {
+            if f.lost {
+                // Never sent: a connection that kept it waits for the election through
+                // its failure (a session's publish, sent again by its client).
+                if let Some(t) = tracker {
+                    let ticket = t.issue();
+                    t.settle(
+                        ticket,
+                        crate::proxy::forward::ForwardOutcome::Failed(format!(
+                            "the queue's primary {} is not a live member",
+                            f.primary
+                        )),
+                    );
+                }
+                continue;
+            }
             let job = crate::proxy::forward::Job {
                 exchange: f.exchange,
                 routing_key: f.routing_key,

@@ -38,6 +38,12 @@ impl Broker {
             }));
         }
         self.replicate(vhost, fx);
+        if std::mem::take(&mut fx.resent_held) {
+            // The first copy of a resent publish may still be on its way to the disk or to
+            // the backups: its resend is confirmed after everything handed over so far.
+            gate = gate.max(Some(self.journal.last_submitted()));
+            fx.replica_stamp = fx.replica_stamp.max(Some(self.replicator().issued()));
+        }
         if !fx.ops.is_empty() || !fx.page_out.is_empty() {
             let mut records = Vec::new();
             records_from_ops(&fx.ops, &mut records);

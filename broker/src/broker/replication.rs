@@ -166,11 +166,14 @@ impl Broker {
         }
         // A planned move whose target is in sync: no more ops here until it has them all.
         let live = self.cluster().is_some_and(|c| c.is_live());
-        let moving = serving.filter(|_| primary_here && live).and_then(|r| {
+        let moving = serving.filter(|_| live).and_then(|r| {
             let to = r.moving_to.as_ref().filter(|to| r.in_sync.contains(to))?;
             Some((to.clone(), r.incarnation))
         });
-        if let Some((to, incarnation)) = moving {
+        if !primary_here {
+            // Its primary takes nothing until the switch: publishes here wait for it.
+            v.mark_moving(queue, moving.is_some());
+        } else if let Some((to, incarnation)) = moving {
             if v.seal(queue, true, now_ms(), &mut fx) {
                 let stamp = self.replicator.issued();
                 self.switch_when_acked(vhost, queue, incarnation, to, stamp);

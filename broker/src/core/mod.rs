@@ -9,6 +9,7 @@ pub mod exchange;
 pub mod fragments;
 pub mod message;
 pub mod ops;
+pub mod producers;
 pub mod queue;
 pub mod vhost;
 pub mod wiring;

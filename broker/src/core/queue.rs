@@ -5,6 +5,7 @@ use super::args::QueueArgs;
 use super::channel::ChannelKey;
 use super::message::{DiskBody, Message};
 use super::ops::{OpKind, QueueOp};
+use super::producers::Producers;
 use crate::amqp::FieldTable;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
@@ -79,6 +80,9 @@ pub struct Queue {
     /// this member, still its primary, makes no more ops on it — publishes to it are
     /// refused, nothing is delivered, acks and requeues of its deliveries are left to the
     /// new primary (which requeues what was out) — so the target can hold every op there is.
+    /// On the other members it says the same of the primary: a publish to the queue is
+    /// held for the switch (a session's: its client sends it again to the new primary) or
+    /// nacked (a plain client's), not forwarded to a primary that refuses it.
     pub sealed: bool,
     levels: Vec<VecDeque<Entry>>,
     unacked: HashMap<u64, Entry>,
@@ -101,6 +105,10 @@ pub struct Queue {
     /// (`VHost::publish_pulled`): it is enqueued marked redelivered, as the source would
     /// have delivered it — a consumer may have seen it.
     pulled_redelivered: Option<u64>,
+    /// The highest number each numbering producer's messages reached the queue with, kept
+    /// by every copy alike (they apply the same enqueues): a resend after a failover is
+    /// dropped by the number (`core::producers`).
+    producers: Producers,
 }
 
 impl Queue {
@@ -159,6 +167,7 @@ impl Queue {
             installing: None,
             pulled_in: HashSet::new(),
             pulled_redelivered: None,
+            producers: Producers::default(),
         }
     }
 
@@ -246,6 +255,7 @@ impl Queue {
             self.name
         );
         self.next_id = self.next_id.max(id + 1);
+        self.producers.note(&message);
         let len = message.body_len();
         let message = match (memory_budget_bytes, message.body.in_memory()) {
             (Some(budget), Some(_)) if self.resident_bytes + len > budget => {
@@ -383,6 +393,12 @@ impl Queue {
         None
     }
 
+    /// Whether the queue took `message` already: a session's publish that a member which
+    /// took the session over sends again (`core::producers`).
+    pub fn holds_resent(&self, message: &Message) -> bool {
+        self.producers.holds(message)
+    }
+
     /// Applies one op: the only way a queue's content changes, on a primary and on a replica
     /// alike. Returns the entry the op removed from the ready list or the unacked set, if any.
     ///
@@ -408,6 +424,7 @@ impl Queue {
                     self.name
                 );
                 self.next_id = id + 1;
+                self.producers.note(message);
                 self.add_resident(message);
                 let redelivered = self.pulled_redelivered.take() == Some(*id);
                 self.insert_ready(Entry {

@@ -179,6 +179,86 @@ fn messages_expiring_together_are_dead_lettered_in_order_whether_paged_out_or_no
     assert_eq!(bodies, [&b"cc"[..], &b"dd"[..]]);
 }
 
+fn numbered(body: &'static str, producer: &str, seq: i64) -> Arc<Message> {
+    use crate::amqp::AMQPValue;
+    use crate::core::producers::{PRODUCER_HEADER, PUBLISH_SEQ_HEADER};
+    let mut headers = FieldTable::default();
+    headers.insert(PUBLISH_SEQ_HEADER.into(), AMQPValue::LongLongInt(seq));
+    headers.insert(
+        PRODUCER_HEADER.into(),
+        AMQPValue::LongString(producer.into()),
+    );
+    Arc::new(Message::authored(
+        "".into(),
+        "q".into(),
+        Properties::default().with_headers(headers),
+        Bytes::from_static(body.as_bytes()),
+    ))
+}
+
+#[test]
+fn a_queue_drops_a_numbered_publish_it_took_already_even_once_consumed_but_not_its_dead_letter() {
+    let mut v = vhost_with_queue();
+    let mut dlx = FieldTable::default();
+    dlx.insert(
+        "x-dead-letter-exchange".into(),
+        crate::amqp::AMQPValue::LongString("".into()),
+    );
+    dlx.insert(
+        "x-dead-letter-routing-key".into(),
+        crate::amqp::AMQPValue::LongString("q".into()),
+    );
+    v.queue_declare(
+        1,
+        QueueDeclare {
+            name: "ttl".into(),
+            durable: true,
+            arguments: dlx,
+            ..Default::default()
+        },
+        0,
+    )
+    .unwrap();
+    let mut fx = Effects::default();
+    for seq in 1..=3 {
+        v.publish("", "q", numbered("m", "s:1", seq), 0, &mut fx)
+            .unwrap();
+    }
+    assert!(!fx.resent_held);
+    v.basic_get(CH, "q", true, 0, &mut fx).unwrap().unwrap();
+    for seq in [1, 3] {
+        let outcome = v
+            .publish("", "q", numbered("m", "s:1", seq), 0, &mut fx)
+            .unwrap();
+        assert_eq!(outcome, PublishOutcome::Routed, "a resend is confirmed");
+    }
+    assert!(fx.resent_held, "its confirm waits for the first one's");
+    assert_eq!(
+        v.queue("q").unwrap().ready_count(),
+        2,
+        "neither taken again"
+    );
+    v.publish("", "q", numbered("m", "s:2", 1), 0, &mut fx)
+        .unwrap();
+    assert_eq!(v.queue("q").unwrap().ready_count(), 3, "another channel");
+    // The producer's publish 2 went to "ttl", its 3 to "q"; 2 is rejected and dead-lettered
+    // to "q" after 3. The copy is no longer the producer's publish: taken, not dropped.
+    let mut fx = Effects::default();
+    v.publish("", "ttl", numbered("late", "s:9", 2), 0, &mut fx)
+        .unwrap();
+    v.publish("", "q", numbered("m", "s:9", 3), 0, &mut fx)
+        .unwrap();
+    let got = v.basic_get(CH, "ttl", false, 0, &mut fx).unwrap().unwrap();
+    v.basic_nack(CH, got.delivery_tag, false, false, 0, &mut fx)
+        .unwrap();
+    assert_eq!(
+        v.queue("q").unwrap().ready_count(),
+        5,
+        "3 and the dead letter"
+    );
+    assert!(!fx.resent_held);
+}
+
 #[derive(Debug, Clone)]
 enum Cmd {
     Publish,

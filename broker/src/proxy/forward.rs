@@ -99,6 +99,24 @@ impl ForwardTracker {
         refused || failed
     }
 
+    /// What became of the forwards `first..=last` (all answered): taken, refused by a
+    /// primary, or of unknown fate (a forward up to `last` failed). Forgets the refusals up
+    /// to `last`, as [`Self::not_taken`] does.
+    pub fn fate(&self, first: u64, last: u64) -> crate::server::channel::ForwardFate {
+        use crate::server::channel::ForwardFate;
+        let failed = self
+            .state
+            .lock()
+            .failure
+            .as_ref()
+            .is_some_and(|(f, _)| *f <= last);
+        match (self.not_taken(first, last), failed) {
+            (false, _) => ForwardFate::Taken,
+            (true, true) => ForwardFate::Unknown,
+            (true, false) => ForwardFate::Refused,
+        }
+    }
+
     /// How many forwards were issued.
     pub fn issued(&self) -> u64 {
         self.state.lock().issued
@@ -480,5 +498,9 @@ mod tests {
             t.not_taken(c, c),
             "after the first failure nothing is trusted (the connection is abandoning)"
         );
+        use crate::server::channel::ForwardFate;
+        assert_eq!(t.fate(a, a), ForwardFate::Taken);
+        assert_eq!(t.fate(b, b), ForwardFate::Unknown, "not refused: unknown");
+        assert_eq!(t.fate(c, c), ForwardFate::Unknown);
     }
 }

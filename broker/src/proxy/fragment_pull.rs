@@ -212,6 +212,8 @@ fn enqueue(
     ),
     redelivered: bool,
 ) -> Option<(Option<u64>, Option<u64>)> {
+    // Moved out of its producer's order: no longer counted as its producer's publish.
+    let properties = crate::core::producers::without_producer(properties);
     let message = match super::upstream_foreign::message(exchange, routing_key, properties, body) {
         Ok(m) => Arc::new(m),
         Err(e) => {

@@ -176,8 +176,8 @@ impl ChannelCtx {
 
     /// The publishing a session keeps of this channel as its connection goes: confirms
     /// decided but never written count with their outcome, and any still waiting for a
-    /// primary count as nacks (their outcome is unknown here; a nack makes the client send
-    /// the message again rather than lose it). An open transaction is dropped uncounted.
+    /// primary have an unknown fate (a resend of one is routed again). An open transaction
+    /// is dropped uncounted.
     pub fn publish_state(&self) -> PublishState {
         let mut p = self.publishing.clone();
         for &(seq, ack) in &self.confirms {
@@ -186,7 +186,11 @@ impl ChannelCtx {
             }
         }
         for waiting in &self.awaiting {
-            p.record_nack(waiting.seq);
+            if waiting.accepted {
+                p.record_unknown(waiting.seq);
+            } else {
+                p.record_nack(waiting.seq);
+            }
         }
         p
     }
@@ -216,19 +220,27 @@ impl ChannelCtx {
     }
 
     /// Decides the waiting confirms, in order, whose forwards were all answered by
-    /// `answered_through`: an ack unless the publish was refused here or one of its forwards
-    /// is not known to be in its primary's queues (`not_taken(first, last)`: refused, or
-    /// failed). Returns how many it decided.
+    /// `answered_through`: an ack unless the publish was refused here or by a primary
+    /// (`fate(first, last)`). One whose forward failed has an unknown fate and is not
+    /// decided, nor anything after it: no confirm at all — the connection closes with 320
+    /// and its client sends them again (a nack would tell the application "not taken",
+    /// which may be untrue). Returns how many it decided.
     pub fn decide_awaiting(
         &mut self,
         answered_through: u64,
-        mut not_taken: impl FnMut(u64, u64) -> bool,
+        mut fate: impl FnMut(u64, u64) -> ForwardFate,
     ) -> usize {
         let mut decided = 0;
         while let Some(front) = self.awaiting.front() {
             let ack = match front.forwards {
                 Some((_, last)) if last > answered_through => break,
-                Some((first, last)) => front.accepted && !not_taken(first, last),
+                Some((first, last)) => match fate(first, last) {
+                    ForwardFate::Taken => front.accepted,
+                    ForwardFate::Refused => false,
+                    // Never decided: the connection gives up on it and everything after it
+                    // (a 320), and a session keeps them as unknown (`publish_state`).
+                    ForwardFate::Unknown => break,
+                },
                 None => front.accepted,
             };
             self.confirms.push((front.seq, ack));
@@ -269,6 +281,17 @@ impl ChannelCtx {
     }
 }
 
+/// What became of a publish's forwards.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ForwardFate {
+    /// Every primary confirmed it.
+    Taken,
+    /// A primary refused it (nacked): not in that primary's queues.
+    Refused,
+    /// A forward failed before its primary answered: in its queues or not.
+    Unknown,
+}
+
 /// A publisher confirm that waits for the primaries its publish was forwarded to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AwaitingConfirm {
@@ -299,16 +322,44 @@ mod tests {
             vec![(1, true)],
             "only what precedes the first forward"
         );
-        assert_eq!(ch.decide_awaiting(1, |_, _| false), 0, "forward 2 is out");
-        assert_eq!(ch.decide_awaiting(2, |first, _| first == 1), 2);
+        let taken = |_, _| ForwardFate::Taken;
+        assert_eq!(ch.decide_awaiting(1, taken), 0, "forward 2 is out");
+        let refused = |first, _| match first {
+            1 => ForwardFate::Refused,
+            _ => ForwardFate::Taken,
+        };
+        assert_eq!(ch.decide_awaiting(2, refused), 2);
         assert_eq!(ch.confirms, vec![(1, true), (2, false), (3, true)]);
-        assert_eq!(ch.decide_awaiting(3, |_, _| false), 1);
+        assert_eq!(ch.decide_awaiting(3, taken), 1);
         assert_eq!(ch.confirms.last(), Some(&(4, true)));
         ch.confirm_publish(5, false, None);
         assert_eq!(
             ch.confirms.last(),
             Some(&(5, false)),
             "nothing waits: decided at once"
+        );
+    }
+
+    #[test]
+    fn a_failed_forward_leaves_its_publish_and_the_later_ones_unknown_and_unconfirmed() {
+        let mut ch = ChannelCtx::new(ChannelKey {
+            conn: 1,
+            channel: 1,
+        });
+        ch.publishing.confirm_base = Some(0);
+        ch.confirm_publish(1, true, Some((1, 1)));
+        ch.confirm_publish(2, true, Some((2, 2)));
+        assert_eq!(ch.decide_awaiting(2, |_, _| ForwardFate::Unknown), 0);
+        let mut out = Vec::new();
+        ch.take_confirms(&mut out);
+        assert!(out.is_empty(), "no confirm for an unknown fate");
+        let kept = ch.publish_state();
+        assert_eq!(kept.unknown, [1, 2]);
+        assert!(kept.nacks.is_empty());
+        let mut kept = kept;
+        assert!(
+            kept.retry_unknown(2) && !kept.retry_unknown(2),
+            "retried once"
         );
     }
 
@@ -356,7 +407,7 @@ mod tests {
     }
 
     #[test]
-    fn a_resumed_channel_goes_on_numbering_and_a_kept_state_counts_unsent_nacks() {
+    fn a_resumed_channel_goes_on_numbering_and_a_kept_state_counts_unsent_nacks_and_unknowns() {
         let key = ChannelKey {
             conn: 1,
             channel: 3,
@@ -383,7 +434,12 @@ mod tests {
             forwards: Some((1, 1)),
         });
         let kept = ch.publish_state();
-        assert_eq!(kept.nacks, [11, 12], "unsent and undecided count as nacks");
+        assert_eq!(kept.nacks, [11], "an unsent nack counts");
+        assert_eq!(
+            kept.unknown,
+            [12],
+            "one still waiting for its primary is unknown"
+        );
         assert_eq!(kept.confirm_of(13), Some((11, false)));
         assert_eq!(kept.confirm_of(9), Some((7, true)));
         assert_eq!(kept.confirm_of(2), None, "sent before confirm.select");

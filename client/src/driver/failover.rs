@@ -4,9 +4,8 @@
 //! broker misses, consumers created again, unanswered methods and unconfirmed publishes sent
 //! again).
 
-use super::{Driver, Ended, Pending, consume_method, numbered, publish_method, settle_method};
+use super::{Driver, Ended, Pending, consume_method, publish_method, settle_method};
 use crate::Error;
-use crate::book::{Settle, Settled};
 use crate::wire::{Incoming, Wire};
 use amq_protocol::protocol::{AMQPClass, basic, channel, confirm};
 use amq_protocol::types::{AMQPValue, FieldTable};
@@ -112,15 +111,7 @@ impl Driver {
             let prefetch = book.prefetch;
             let consumers = book.consumers.clone();
             let confirming = book.confirm_base.is_some();
-            let at_broker: BTreeSet<u64> = unacked
-                .get(&id)
-                .map(|tags| tags.iter().map(|t| t + book.tag_offset).collect())
-                .unwrap_or_default();
-            let again: Vec<(u64, Settled)> = book
-                .settle_again(&at_broker)
-                .into_iter()
-                .map(|(tag, how)| (tag - book.tag_offset, how))
-                .collect();
+            let again = book.settle_again(&unacked.get(&id).cloned().unwrap_or_default());
             if started_over && confirming {
                 self.rpc(
                     id,
@@ -142,18 +133,7 @@ impl Driver {
             }
             // Settlements first, so that the consumers created again below are not sent
             // what the application settled already.
-            for (tag, how) in again {
-                let settle = match how {
-                    Settled::Ack => Settle::Ack {
-                        tag,
-                        multiple: false,
-                    },
-                    Settled::Nack { requeue } => Settle::Nack {
-                        tag,
-                        multiple: false,
-                        requeue,
-                    },
-                };
+            for settle in again {
                 self.wire
                     .method(id, AMQPClass::Basic(settle_method(settle)));
             }
@@ -182,10 +162,10 @@ impl Driver {
                 pending = queue.len(),
                 "restoring the channel"
             );
+            // Each was numbered when first sent.
             for p in &book.log {
-                let properties = numbered(p.properties.clone(), p.seq);
                 self.wire
-                    .publish(id, publish_method(p), &properties, &p.body);
+                    .publish(id, publish_method(p), &p.properties, &p.body);
             }
             self.pending.insert(id, queue);
             self.wire.flush().await?;

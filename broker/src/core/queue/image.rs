@@ -202,6 +202,7 @@ impl Queue {
         }
         let mut own_pages = Vec::new();
         for e in chunk.entries {
+            self.producers.note(&e.message);
             let len = e.message.body_len();
             let over = budget_bytes.is_some_and(|budget| self.resident_bytes + len > budget);
             let mut message = e.message;

@@ -65,7 +65,7 @@ impl VHost {
                         (true, true) => Some(super::fragments::RECORD_ORIGIN.into()),
                         (true, false) => self.node.clone(),
                     };
-                    self.forward_remote(&mut routed, (&dlx, key, origin), &message, fx);
+                    self.forward_remote(&mut routed, (&dlx, key, origin), &message, false, fx);
                     for t in routed {
                         if !targets.contains(&t) {
                             targets.push(t);
@@ -200,6 +200,7 @@ fn dead_lettered(d: &DeadLetter, dlx: &str, routing_key: Option<&str>, now_ms: u
     );
     let mut properties = old.properties.clone().with_headers(headers);
     properties = without_expiration(properties);
+    properties = crate::core::producers::without_producer(properties);
     let routing_key: ShortString = routing_key
         .map(Into::into)
         .unwrap_or_else(|| old.routing_key.clone());

@@ -73,6 +73,11 @@ pub struct Effects {
     /// ops to the backups, not by the core.
     pub replica_stamp: Option<u64>,
 
+    /// A queue held a publish of this batch already (a session's resend after the member it
+    /// lived on was lost, `core::producers`): the batch's confirms wait for everything
+    /// handed to the journal and to the backups so far, which covers the first one.
+    pub resent_held: bool,
+
     /// A publish landed on a queue whose consumers cannot keep up (see
     /// [`FLOW_READY_THRESHOLD`](super::FLOW_READY_THRESHOLD)): the publisher should pause
     /// before reading more.
@@ -93,6 +98,11 @@ pub struct Forward {
     /// On whose behalf it was published, when it went to a fragmented queue's fragment:
     /// the primary picks the same fragment ([`VHost::publish_forwarded_as`]).
     pub origin: Option<Arc<str>>,
+    /// Its primary is not a live member (lost, its successor not elected yet): it cannot be
+    /// taken. The connection whose publish it is decides — a session's publish waits for the
+    /// election and is sent again by its client (the forward fails, its fate unknown), a
+    /// plain client's is nacked — and the broker never sends it.
+    pub lost: bool,
 }
 
 /// What became of a proxied delivery at its consumer's end.

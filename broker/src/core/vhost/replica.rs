@@ -162,6 +162,15 @@ impl VHost {
         true
     }
 
+    /// On a member that is not `queue`'s primary: its primary is sealed for a planned move
+    /// (`on`) or not — publishes to it wait for the switch rather than reach a primary that
+    /// refuses them ([`crate::core::queue::Queue::sealed`]).
+    pub fn mark_moving(&mut self, queue: &str, on: bool) {
+        if let Some(q) = self.queues.get_mut(queue) {
+            q.sealed = on;
+        }
+    }
+
     /// `queue`'s primary moved from this member to another (a planned move's switch): the
     /// consumers here end, told with basic.cancel — their clients consume again through
     /// the new primary, which requeued what they had not acked (their acks here change
@@ -343,9 +352,14 @@ mod tests {
         assert!(
             matches!(
                 a.publish("", "q", m, 0, &mut fx),
-                Ok(PublishOutcome::Rejected)
+                Ok(PublishOutcome::Unavailable)
             ),
-            "a publish is refused: its publisher sends it again to the new primary"
+            "a publish is not taken: its publisher sends it again to the new primary"
+        );
+        let held = std::mem::take(&mut fx.forwards);
+        assert!(
+            held.len() == 1 && held[0].lost && &*held[0].primary == "a",
+            "held as a lost forward, for the connection to decide"
         );
         a.basic_ack(CH, first, false, 0, &mut fx).unwrap();
         assert!(fx.ops.is_empty(), "nothing to replicate: {:?}", fx.ops);

@@ -22,6 +22,11 @@ pub enum PublishOutcome {
     Unroutable,
     /// A queue refused it (`x-overflow` = reject-publish): confirms nack it.
     Rejected,
+    /// No queue refused it, but a matched queue's primary is not a live member: the
+    /// forwards to such primaries are in the effects, marked [`super::Forward::lost`]. A
+    /// plain client's confirm nacks it; a session's waits for the election (the connection
+    /// decides).
+    Unavailable,
 }
 
 /// Ready messages above which a queue that has consumers counts as backlogged: its consumers
@@ -78,6 +83,7 @@ impl VHost {
                 routing_key: routing_key.into(),
                 message,
                 origin: None,
+                lost: false,
             });
             return Ok(PublishOutcome::Routed);
         }
@@ -91,13 +97,22 @@ impl VHost {
             (true, true) => Some(super::fragments::RECORD_ORIGIN.into()),
             (true, false) => origin.map(Arc::from).or_else(|| self.node.clone()),
         };
-        let unavailable =
-            self.forward_remote(&mut targets, (exchange, routing_key, origin), &message, fx);
+        let mut unavailable = self.forward_remote(
+            &mut targets,
+            (exchange, routing_key, origin.clone()),
+            &message,
+            true,
+            fx,
+        );
+        unavailable |=
+            self.hold_sealed(&mut targets, (exchange, routing_key, origin), &message, fx);
         let mut dead = Vec::new();
         let rejected = self.enqueue_all(&targets, &message, now_ms, fx, &mut dead);
         self.dead_letter_all(dead, now_ms, fx);
-        Ok(if rejected || unavailable {
+        Ok(if rejected {
             PublishOutcome::Rejected
+        } else if unavailable {
+            PublishOutcome::Unavailable
         } else {
             PublishOutcome::Routed
         })
@@ -221,18 +236,22 @@ impl VHost {
 
     /// Takes the queues owned by other members out of `targets` and hands the message to
     /// each of those members once ([`Effects::forwards`]). Returns true when a queue's
-    /// primary is not a live member: that queue does not get the message.
+    /// primary is not a live member: that queue does not get the message — its forward is
+    /// in the effects marked [`super::Forward::lost`] if `keep_lost` (a client's publish,
+    /// whose connection decides), and dropped otherwise.
     pub(super) fn forward_remote(
         &self,
         targets: &mut Vec<Arc<str>>,
         (exchange, routing_key, origin): (&str, &str, Option<Arc<str>>),
         message: &Arc<Message>,
+        keep_lost: bool,
         fx: &mut Effects,
     ) -> bool {
         if self.node.is_none() && !self.has_foreign {
             return false;
         }
         let mut primaries: Vec<Arc<str>> = Vec::new();
+        let mut sealed_elsewhere = false;
         targets.retain(|name| {
             match self
                 .queues
@@ -248,31 +267,84 @@ impl VHost {
                         routing_key: name.clone(),
                         message: message.clone(),
                         origin: None,
+                        lost: false,
                     });
                     false
                 }
                 Some(primary) => {
-                    if !primaries.contains(&primary) {
-                        primaries.push(primary);
+                    let key = match self.queues.get(name).is_some_and(|q| q.sealed) {
+                        // Moving: its primary takes nothing until the switch.
+                        true => None,
+                        false => Some(primary),
+                    };
+                    match key {
+                        Some(p) if !primaries.contains(&p) => primaries.push(p),
+                        Some(_) => {}
+                        None => sealed_elsewhere = true,
                     }
                     false
                 }
                 None => true,
             }
         });
-        let live = primaries.len();
-        primaries.retain(|p| self.live_nodes.contains(p));
-        let unavailable = primaries.len() < live;
+        let mut unavailable = sealed_elsewhere;
+        if sealed_elsewhere
+            && keep_lost
+            && let Some(node) = &self.node
+        {
+            fx.forwards.push(super::Forward {
+                primary: node.clone(),
+                exchange: exchange.into(),
+                routing_key: routing_key.into(),
+                message: message.clone(),
+                origin: origin.clone(),
+                lost: true,
+            });
+        }
         for primary in primaries {
+            let lost = !self.live_nodes.contains(&primary);
+            unavailable |= lost;
+            if lost && !keep_lost {
+                continue;
+            }
             fx.forwards.push(super::Forward {
                 primary,
                 exchange: exchange.into(),
                 routing_key: routing_key.into(),
                 message: message.clone(),
                 origin: origin.clone(),
+                lost,
             });
         }
         unavailable
+    }
+
+    /// Takes the queues sealed for a planned move here out of `targets` (this member is
+    /// their primary until the switch): the message is handed to a lost forward
+    /// ([`super::Forward::lost`]) to this member, as for a primary that is not live — a
+    /// session's publish waits for the switch and is sent again by its client, a plain
+    /// client's is nacked. Returns whether any was.
+    fn hold_sealed(
+        &self,
+        targets: &mut Vec<Arc<str>>,
+        (exchange, routing_key, origin): (&str, &str, Option<Arc<str>>),
+        message: &Arc<Message>,
+        fx: &mut Effects,
+    ) -> bool {
+        let before = targets.len();
+        targets.retain(|name| !self.queues.get(name).is_some_and(|q| q.sealed));
+        let sealed = targets.len() < before;
+        if sealed && let Some(node) = &self.node {
+            fx.forwards.push(super::Forward {
+                primary: node.clone(),
+                exchange: exchange.into(),
+                routing_key: routing_key.into(),
+                message: message.clone(),
+                origin,
+                lost: true,
+            });
+        }
+        sealed
     }
 
     /// The queues a message published to `exchange` reaches, following exchange-to-exchange
@@ -353,6 +425,12 @@ impl VHost {
             let Some(q) = self.queues.get_mut(name) else {
                 continue;
             };
+            if q.holds_resent(message) {
+                // A resend of what the queue took from a session's member that was lost:
+                // confirmed once what the first one waited for holds.
+                fx.resent_held = true;
+                continue;
+            }
             if q.sealed {
                 // Moving to another member: the publisher sends again (a nack), and the
                 // new primary takes it.

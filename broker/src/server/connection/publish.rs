@@ -149,7 +149,11 @@ impl Connection {
                 return;
             }
         };
-        if self.session.is_some() && self.drop_resent(id, &message) {
+        let resent = match self.session {
+            Some(_) => self.resent(id, &message),
+            None => Resent::New,
+        };
+        if resent == Resent::Dropped {
             // Its confirm leaves through the end of the batch, which flushes and holds
             // output only for a batch that took the vhost lock.
             v.get();
@@ -182,7 +186,11 @@ impl Connection {
             });
             return;
         }
-        let confirm_number = ch.publishing.count_publish();
+        let confirm_number = match resent {
+            // Decided anew under the number the client waits on.
+            Resent::Again(n) => Some(n),
+            _ => ch.publishing.count_publish(),
+        };
         if self.is_replication(&p.exchange) {
             let applied = self.apply_replication(&message, v);
             if let Some(n) = confirm_number {
@@ -217,11 +225,30 @@ impl Connection {
         match outcome {
             Err(e) => self.channel_error(id, e, class_id, method_id, v),
             Ok(outcome) => {
-                match outcome {
-                    PublishOutcome::Routed => self.stats.routed += 1, // metrics
-                    PublishOutcome::Unroutable => self.stats.unroutable += 1, // metrics
-                    PublishOutcome::Rejected => {}
-                }
+                let accepted = match outcome {
+                    PublishOutcome::Routed => {
+                        self.stats.routed += 1; // metrics
+                        true
+                    }
+                    PublishOutcome::Unroutable => {
+                        self.stats.unroutable += 1; // metrics
+                        true
+                    }
+                    PublishOutcome::Rejected => {
+                        tracing::debug!(conn = self.id, link = self.link, exchange = %p.exchange, routing_key = %p.routing_key, "publish refused: a queue refused it, or (a forward) none of the matched queues is this member's");
+                        false
+                    }
+                    // A session's publish waits for the election through its lost forwards'
+                    // failure, and its client sends it again; a plain client gets a nack.
+                    PublishOutcome::Unavailable if self.session.is_some() => true,
+                    PublishOutcome::Unavailable => {
+                        tracing::debug!(conn = self.id, exchange = %p.exchange, routing_key = %p.routing_key, "publish nacked: a matched queue's primary is not a live member");
+                        let mut added = self.fx.forwards.split_off(forwards_before);
+                        added.retain(|f| !f.lost);
+                        self.fx.forwards.extend(added);
+                        false
+                    }
+                };
                 if p.mandatory && outcome == PublishOutcome::Unroutable {
                     self.send_return(id, &message);
                 }
@@ -237,7 +264,7 @@ impl Connection {
                     self.channels
                         .get_mut(&id)
                         .expect("publishing channel is open")
-                        .confirm_publish(n, outcome != PublishOutcome::Rejected, forwards);
+                        .confirm_publish(n, accepted, forwards);
                     self.awaiting_confirms |= forwards.is_some();
                 }
             }
@@ -247,10 +274,12 @@ impl Connection {
     /// A session's publish that names its number on the channel ([`PUBLISH_SEQ_HEADER`]) and
     /// that the channel processed already — a client resending what it had no confirm for
     /// after a resume: dropped, and in confirm mode confirmed again with the outcome it first
-    /// had, once what that confirm waited for holds (the session's barrier). A publish held
-    /// by a transaction is compared with what the channel committed. Returns whether it was
-    /// dropped.
-    fn drop_resent(&mut self, id: u16, message: &Message) -> bool {
+    /// had, once what that confirm waited for holds (the session's barrier); or, when its
+    /// first forward failed before its primary answered (its fate unknown), routed again
+    /// under its confirm number — the queues that took the first copy drop this one by its
+    /// producer and number. A publish held by a transaction is compared with what the
+    /// channel committed.
+    fn resent(&mut self, id: u16, message: &Message) -> Resent {
         let Some(seq) = message
             .properties
             .headers()
@@ -258,7 +287,7 @@ impl Connection {
             .and_then(|h| h.inner().get(PUBLISH_SEQ_HEADER))
             .and_then(crate::session::integer)
         else {
-            return false;
+            return Resent::New;
         };
         let ch = self
             .channels
@@ -266,14 +295,22 @@ impl Connection {
             .expect("publishing channel is open");
         if !ch.publishing.is_duplicate(seq) {
             ch.publishing.number_from(seq);
-            return false;
+            return Resent::New;
+        }
+        let confirm = ch.publishing.confirm_of(seq);
+        if let Some((n, _)) = confirm
+            && ch.tx.is_none()
+            && ch.publishing.retry_unknown(n)
+        {
+            return Resent::Again(n);
         }
         self.stats.duplicates_dropped += 1; // metrics
-        if let Some((n, ack)) = ch.publishing.confirm_of(seq) {
+        tracing::debug!(conn = self.id, channel = id, seq, confirm = ?confirm, "a resent publish dropped");
+        if let Some((n, ack)) = confirm {
             ch.confirm_publish(n, ack, None);
             self.resent_confirmed = true;
         }
-        true
+        Resent::Dropped
     }
 
     pub(super) fn send_return(&mut self, id: u16, message: &Message) {
@@ -289,4 +326,15 @@ impl Connection {
         self.writer.header_payload(id, &message.header_payload);
         self.writer.body(id, message.body.bytes(), self.frame_max);
     }
+}
+
+/// What a session's publish is, by its number ([`Connection::resent`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Resent {
+    /// Not processed before: counted and routed as usual.
+    New,
+    /// Processed before: dropped (and confirmed again).
+    Dropped,
+    /// Processed before with an unknown fate: routed again, confirmed under this number.
+    Again(u64),
 }

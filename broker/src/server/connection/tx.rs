@@ -109,6 +109,8 @@ impl Connection {
                 PublishOutcome::Routed => self.stats.routed += 1, // metrics
                 PublishOutcome::Unroutable => self.stats.unroutable += 1, // metrics
                 PublishOutcome::Rejected => {}
+                // A committed publish has no confirm to wait with: as on a refusal.
+                PublishOutcome::Unavailable => self.fx.forwards.retain(|f| !f.lost),
             }
             if p.mandatory && outcome == PublishOutcome::Unroutable {
                 self.send_return(id, &p.message);
@@ -126,7 +128,7 @@ impl Connection {
         let tracker = &self.forwards;
         let mut waiting = false;
         for ch in self.channels.values_mut() {
-            ch.decide_awaiting(answered, |first, last| tracker.not_taken(first, last));
+            ch.decide_awaiting(answered, |first, last| tracker.fate(first, last));
             waiting |= !ch.awaiting.is_empty();
         }
         self.awaiting_confirms = waiting;

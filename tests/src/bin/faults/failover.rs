@@ -1,10 +1,12 @@
 //! The failover-aware client (`ringmq-client`, docs/sessions.md) as a workload: one publisher
 //! and one consumer, each one session that the client moves between the members by itself
 //! (known-hosts, resume), on a queue of its own. The same checkers read its history: nothing
-//! confirmed lost, nothing delivered that was never sent, first deliveries in order. Here
-//! `duplicated` counts deliveries the *application* saw twice: the client hides a redelivery
-//! where it can prove it had it, but across the loss of the member holding the session
-//! delivery is at least once (docs/sessions.md §4), so duplicates are reported, not failed.
+//! confirmed lost, nothing delivered that was never sent, first deliveries in order — and one
+//! more: what the application saw is what a run without failure shows (`History::
+//! sequence_breaks`): every confirm an ack, no error, delivery tags one by one, each
+//! producer session's messages in order (but for one the application never had that a
+//! failure moved back, marked redelivered). Here `duplicated` counts deliveries the
+//! *application* saw twice, and fails the row.
 
 use crate::workload::{CONFIRM_LIMIT, History, WINDOW, Workload, debug, declare};
 use ringmq_client::{Client, Config, Properties};
@@ -96,11 +98,17 @@ async fn publisher(s: Session) {
                 for (id, confirm) in window {
                     match tokio::time::timeout(CONFIRM_LIMIT, confirm.wait()).await {
                         Ok(Ok(true)) => s.history.lock().unwrap().confirmed(id, &mut last_confirm),
-                        Ok(Ok(false)) => {}
+                        Ok(Ok(false)) => s.history.lock().unwrap().nacked(&id),
                         Ok(Err(e)) => {
+                            s.history
+                                .lock()
+                                .unwrap()
+                                .sequence_break(&format!("{id}: the application got {e}"));
                             ended = ended.or_else(|| session_ended(e));
                             failed = true;
                         }
+                        // Late is not another command: indeterminate, as for every
+                        // workload (the lost checker decides).
                         Err(_) => failed = true,
                     }
                 }
@@ -143,6 +151,7 @@ async fn consumer(s: Session) {
         match tokio::time::timeout(Duration::from_secs(10), setup).await {
             Ok(Ok((ch, mut consumer))) => {
                 let mut last_delivery = Instant::now();
+                let mut next_tag = 1;
                 while !s.stop.load(Ordering::SeqCst) {
                     match tokio::time::timeout(Duration::from_millis(500), consumer.next()).await {
                         Err(_) if last_delivery.elapsed() > IDLE_NEW_SESSION => {
@@ -157,7 +166,17 @@ async fn consumer(s: Session) {
                         Ok(Some(d)) => {
                             last_delivery = Instant::now();
                             let id = String::from_utf8_lossy(&d.body).into_owned();
-                            s.history.lock().unwrap().delivered(&id, d.redelivered);
+                            let mut h = s.history.lock().unwrap();
+                            h.delivered(&id, d.redelivered);
+                            h.failover_delivered(&id, d.redelivered);
+                            if d.delivery_tag != next_tag {
+                                h.sequence_break(&format!(
+                                    "{id} under delivery tag {} where {next_tag} was due",
+                                    d.delivery_tag
+                                ));
+                            }
+                            drop(h);
+                            next_tag = d.delivery_tag + 1;
                             if ch.ack(d.delivery_tag, false).is_err() {
                                 break;
                             }

@@ -47,6 +47,23 @@ pub struct History {
     /// move them to another member within its failover limit, which the faults the suite
     /// injects never justify (a failed row).
     pub sessions_lost: u64,
+    /// Where the failover client's application saw other commands than a run without
+    /// failure shows it: a confirm that is not an ack, an error, a delivery tag out of turn,
+    /// a message behind a later one of its producer without the `redelivered` mark. The
+    /// seed's transparent failover (DESIGN §2), checked, with the one difference
+    /// `docs/sessions.md` §2 allows (a message the application never had may come back
+    /// marked redelivered, behind later ones); repeats are `duplicated`.
+    pub sequence_breaks: u64,
+    /// Per producer session of the failover client, the number of the last message its
+    /// consumer got.
+    failover_last: HashMap<String, u64>,
+    /// Deliveries the failover client handed to its application twice (printed, the first
+    /// ten; counted in `duplicated`).
+    failover_repeats: u64,
+    /// Publishes of the failover client that were nacked (counted in `sequence_breaks`
+    /// too): a publish that reaches a primary sealed for a planned move, just before the
+    /// member it came through learnt of the seal, is refused (`docs/reliability.md`).
+    pub failover_nacks: u64,
 }
 
 impl History {
@@ -92,6 +109,52 @@ impl History {
                     );
                 }
             }
+        }
+    }
+}
+
+impl History {
+    /// The failover client's publish `id` was nacked.
+    pub fn nacked(&mut self, id: &str) {
+        self.failover_nacks += 1;
+        self.sequence_break(&format!("{id} nacked"));
+    }
+
+    /// The failover client's application saw something a run without failure would not show.
+    pub fn sequence_break(&mut self, what: &str) {
+        self.sequence_breaks += 1;
+        if self.sequence_breaks <= 10 {
+            eprintln!("faults: failover client: {what}");
+        }
+    }
+
+    /// The failover client's consumer got `id` (`F:S-SEQ`): in a run without failure each
+    /// producer session's messages come once each, in order. A failure may move a message
+    /// the application never had back behind later ones (it was on its way to a member the
+    /// session left, and came back from its queue later), marked `redelivered`: that one is
+    /// not held to the order — it must still come once, which `duplicated` and `lost` check.
+    pub fn failover_delivered(&mut self, id: &str, redelivered: bool) {
+        let Some((producer, n)) = id
+            .split_once('-')
+            .and_then(|(p, n)| Some((p, n.parse::<u64>().ok()?)))
+        else {
+            return self.sequence_break(&format!("a message that is not the workload's: {id}"));
+        };
+        if self.delivered.get(id).is_some_and(|&times| times > 1) {
+            self.failover_repeats += 1;
+            if self.failover_repeats <= 10 {
+                eprintln!(
+                    "faults: failover client: {id} handed to the application again (redelivered: {redelivered})"
+                );
+            }
+        }
+        let last = self.failover_last.entry(producer.to_owned()).or_default();
+        let before = *last;
+        *last = before.max(n);
+        if n <= before && !redelivered {
+            self.sequence_break(&format!(
+                "{id} delivered after {producer}-{before} (not marked redelivered)"
+            ));
         }
     }
 }

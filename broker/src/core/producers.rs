@@ -1,0 +1,180 @@
+//! What a queue remembers of the publishers that number their publishes, so that a publish
+//! resent after a failover is not enqueued twice.
+//!
+//! A session's channel numbers every publish (`x-ringmq-publish-seq`) and names itself
+//! (`x-ringmq-producer`: the session and the channel). The member a session lives on drops a
+//! resent publish it processed already (`session::PublishState`); a member that took the
+//! session over after the loss of the first one knows nothing of what that member processed.
+//! The queues do: every copy of a replicated queue applies the same enqueues, so the primary
+//! it fails over to knows the highest number each producer's messages reached it with. A
+//! publish numbered at or below it is one the queue holds (or held: consumed since) — a
+//! resend, dropped there and confirmed (`docs/sessions.md` §3).
+//!
+//! Numbers only grow per producer, and a queue receives one producer's publishes in order
+//! (one connection, one link, a backup's gap-free op stream), so "at or below the highest"
+//! is exactly "already taken".
+
+use super::args::{int_value, str_value};
+use super::message::Message;
+use crate::amqp::{FieldTable, Properties};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// Message header with which a session's client numbers each publish on its channel.
+pub const PUBLISH_SEQ_HEADER: &str = "x-ringmq-publish-seq";
+
+/// Message header naming the channel that numbered the publish: `<session id>:<channel>`,
+/// unique per channel of a session for the session's life.
+pub const PRODUCER_HEADER: &str = "x-ringmq-producer";
+
+/// How many producers a queue remembers. The least recently seen are forgotten past it: a
+/// resend comes within a failover (seconds), and a queue with more producers than this
+/// publishing into it at once is far outside what sessions are for.
+pub const MAX_PRODUCERS: usize = 4096;
+
+/// The producer and number of a numbered publish; `None` for any other message.
+pub fn producer_of(message: &Message) -> Option<(String, u64)> {
+    let headers = message.properties.headers().as_ref()?.inner();
+    let seq = headers.get(PUBLISH_SEQ_HEADER).and_then(int_value)?;
+    let producer = headers.get(PRODUCER_HEADER).and_then(str_value)?;
+    Some((producer, u64::try_from(seq).ok()?))
+}
+
+/// `properties` without the producer's name: a copy of a message that enters a queue by
+/// another way than its producer's publish (a dead letter, a message a fragmented queue's
+/// pull moves) must not count as that producer's — it arrives out of the producer's order,
+/// and a later, lower-numbered publish of the producer would be taken for a resend.
+pub fn without_producer(properties: Properties) -> Properties {
+    let Some(headers) = properties.headers().as_ref() else {
+        return properties;
+    };
+    if !headers.contains_key(PRODUCER_HEADER) {
+        return properties;
+    }
+    let mut kept = FieldTable::default();
+    for (k, v) in headers.inner() {
+        if k.as_str() != PRODUCER_HEADER {
+            kept.insert(k.clone(), v.clone());
+        }
+    }
+    properties.with_headers(kept)
+}
+
+/// The highest number each producer's messages reached a queue with.
+#[derive(Debug, Default)]
+pub struct Producers {
+    /// Producer → (highest number, when it was last seen on the `seen` clock).
+    latest: HashMap<Arc<str>, (u64, u64)>,
+    /// Counts the messages noted: orders producers by how recently they published.
+    seen: u64,
+}
+
+impl Producers {
+    /// Whether the queue took `message` already: a numbered publish at or below its
+    /// producer's highest number.
+    pub fn holds(&self, message: &Message) -> bool {
+        producer_of(message).is_some_and(|(producer, seq)| {
+            self.latest
+                .get(producer.as_str())
+                .is_some_and(|&(highest, _)| seq <= highest)
+        })
+    }
+
+    /// The queue took `message`: its producer's highest number goes up to its number.
+    pub fn note(&mut self, message: &Message) {
+        let Some((producer, seq)) = producer_of(message) else {
+            return;
+        };
+        self.seen += 1;
+        let seen = self.seen;
+        match self.latest.get_mut(producer.as_str()) {
+            Some(entry) => *entry = (entry.0.max(seq), seen),
+            None => {
+                self.latest.insert(producer.into(), (seq, seen));
+                if self.latest.len() > MAX_PRODUCERS {
+                    self.forget_oldest();
+                }
+            }
+        }
+    }
+
+    /// How many producers are remembered.
+    pub fn len(&self) -> usize {
+        self.latest.len()
+    }
+
+    /// Whether no producer is remembered.
+    pub fn is_empty(&self) -> bool {
+        self.latest.is_empty()
+    }
+
+    /// Forgets the least recently seen quarter, so that the next forgetting is
+    /// `MAX_PRODUCERS / 4` new producers away.
+    fn forget_oldest(&mut self) {
+        let mut seen: Vec<u64> = self.latest.values().map(|&(_, s)| s).collect();
+        let cut = seen.len() / 4;
+        let (_, &mut threshold, _) = seen.select_nth_unstable(cut);
+        self.latest.retain(|_, &mut (_, s)| s > threshold);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::amqp::{AMQPValue, LongString};
+    use bytes::Bytes;
+
+    fn message(properties: Properties) -> Message {
+        Message::authored("x".into(), "k".into(), properties, Bytes::from_static(b"b"))
+    }
+
+    fn numbered(producer: &str, seq: i64) -> Message {
+        let mut headers = FieldTable::default();
+        headers.insert(PUBLISH_SEQ_HEADER.into(), AMQPValue::LongLongInt(seq));
+        headers.insert(
+            PRODUCER_HEADER.into(),
+            AMQPValue::LongString(LongString::from(producer)),
+        );
+        message(Properties::default().with_headers(headers))
+    }
+
+    #[test]
+    fn a_numbered_publish_at_or_below_its_producers_highest_is_held_and_others_are_not() {
+        let mut p = Producers::default();
+        let plain = message(Properties::default());
+        p.note(&plain);
+        assert!(p.is_empty() && !p.holds(&plain), "unnumbered: never held");
+        p.note(&numbered("s:1", 1));
+        p.note(&numbered("s:1", 2));
+        assert!(p.holds(&numbered("s:1", 1)) && p.holds(&numbered("s:1", 2)));
+        assert!(!p.holds(&numbered("s:1", 3)), "the next one is new");
+        assert!(
+            !p.holds(&numbered("s:2", 1)),
+            "another channel counts apart"
+        );
+    }
+
+    #[test]
+    fn a_copy_without_its_producers_name_is_not_counted() {
+        let m = numbered("s:1", 7);
+        let copy = message(without_producer(m.properties.clone()));
+        assert!(producer_of(&m).is_some() && producer_of(&copy).is_none());
+        let mut p = Producers::default();
+        p.note(&copy);
+        assert!(p.is_empty());
+    }
+
+    #[test]
+    fn past_the_limit_the_least_recently_seen_producers_are_forgotten() {
+        let mut p = Producers::default();
+        for i in 0..MAX_PRODUCERS {
+            p.note(&numbered(&format!("s:{i}"), 1));
+        }
+        p.note(&numbered("s:0", 2));
+        p.note(&numbered("new", 1));
+        assert!(p.len() <= MAX_PRODUCERS);
+        assert!(p.holds(&numbered("s:0", 2)), "seen again: kept");
+        assert!(p.holds(&numbered("new", 1)));
+        assert!(!p.holds(&numbered("s:1", 1)), "the oldest went");
+    }
+}
