@@ -6,7 +6,7 @@
 //! sequence_breaks`): every confirm an ack, no error, delivery tags one by one, each
 //! producer session's messages in order (but for one the application never had that a
 //! failure moved back, marked redelivered). Here `duplicated` counts deliveries the
-//! *application* saw twice, and fails the row.
+//! *application* saw twice (reported, not failed: `docs/reliability.md`).
 
 use crate::workload::{CONFIRM_LIMIT, History, WINDOW, Workload, debug, declare};
 use ringmq_client::{Client, Config, Properties};
