@@ -195,13 +195,7 @@ impl PublishState {
 
     /// Remembers that the fate of confirm number `n` is unknown (see [`Self::unknown`]).
     pub fn record_unknown(&mut self, n: u64) {
-        if self.unknown.contains(&n) {
-            return;
-        }
-        if self.unknown.len() == NACK_MEMORY {
-            self.unknown.pop_front();
-        }
-        self.unknown.push_back(n);
+        remember(&mut self.unknown, n);
     }
 
     /// A resend of confirm number `n` is routed again if its fate is unknown: true (and `n`
@@ -214,16 +208,9 @@ impl PublishState {
         true
     }
 
-    /// Remembers that confirm number `n` was nacked (unless its fate is unknown: its nack
-    /// was never sent).
+    /// Remembers that confirm number `n` was nacked.
     pub fn record_nack(&mut self, n: u64) {
-        if self.unknown.contains(&n) {
-            return;
-        }
-        if self.nacks.len() == NACK_MEMORY {
-            self.nacks.pop_front();
-        }
-        self.nacks.push_back(n);
+        remember(&mut self.nacks, n);
     }
 
     /// Whether the publish numbered `seq` on the channel was processed already: a resent
@@ -251,6 +238,15 @@ impl PublishState {
         let n = seq.checked_sub(base).filter(|&n| n > 0)?;
         Some((n, !self.nacks.contains(&n)))
     }
+}
+
+/// Appends confirm number `n` to a channel's memory of them, the oldest forgotten past
+/// [`NACK_MEMORY`].
+fn remember(numbers: &mut VecDeque<u64>, n: u64) {
+    if numbers.len() == NACK_MEMORY {
+        numbers.pop_front();
+    }
+    numbers.push_back(n);
 }
 
 /// What the confirms a session's last connection could not send any more waited for: a

@@ -210,9 +210,9 @@ impl ChannelBook {
             vec![tag]
         };
         let mut out = Vec::new();
-        let covered = multiple
-            .then(|| self.tags.is_current(tag).then(|| self.tags.broker(tag)))
-            .flatten()
+        // One `multiple` covers what the current numbering handed out through `tag`.
+        let covered = (multiple && self.tags.is_current(tag))
+            .then(|| self.tags.broker(tag))
             .flatten();
         if let Some(b) = covered {
             out.push(in_broker_tag(b, true, how));
@@ -249,6 +249,15 @@ impl ChannelBook {
             }
         }
         out
+    }
+
+    /// The application was handed delivery `tag` to settle (not a no-ack consumer's): held
+    /// until it settles it, known by `identity` if its message has one.
+    pub fn held(&mut self, tag: u64, identity: Option<Identity>) {
+        self.outstanding.insert(tag);
+        if let Some(identity) = identity {
+            self.identities.insert(tag, identity);
+        }
     }
 
     /// The broker cancelled a consumer of the channel because its queue's primary was lost:
@@ -493,14 +502,21 @@ mod tests {
         Settle::Ack { tag, multiple }
     }
 
+    /// Broker tag `broker` delivers message `n`; the application holds it if it is new.
+    fn deliver(b: &mut ChannelBook, broker: u64, n: u64) -> Arrival {
+        let arrival = b.arrival(broker, Some(&id(n)));
+        if let Arrival::New(tag) = arrival {
+            b.held(tag, Some(id(n)));
+        }
+        arrival
+    }
+
     #[test]
     fn a_channel_started_over_keeps_the_application_tags_going_and_confirms_by_client_numbers() {
         let mut b = ChannelBook::default();
         b.select_confirms();
         for n in 1..=5 {
-            assert_eq!(b.arrival(n, Some(&id(n))), Arrival::New(n));
-            b.outstanding.insert(n);
-            b.identities.insert(n, id(n));
+            assert_eq!(deliver(&mut b, n, n), Arrival::New(n));
         }
         assert_eq!(b.settle(ack(2, true)), [ack(2, true)]);
         // The ack of 3 is lost with the member; the application holds 4 and 5.
@@ -509,23 +525,15 @@ mod tests {
         assert!(b.settled.is_empty(), "nothing of before is the broker's");
         // The new member sends 3 again, then 4, a message the application never had (6),
         // 5, and a new one.
-        assert_eq!(
-            b.arrival(1, Some(&id(3))),
-            Arrival::SettleAgain(ack(1, false))
-        );
-        assert_eq!(b.arrival(2, Some(&id(4))), Arrival::Seen);
-        assert_eq!(b.arrival(3, Some(&id(6))), Arrival::New(6), "no gap");
-        b.outstanding.insert(6);
+        assert_eq!(deliver(&mut b, 1, 3), Arrival::SettleAgain(ack(1, false)));
+        assert_eq!(deliver(&mut b, 2, 4), Arrival::Seen);
+        assert_eq!(deliver(&mut b, 3, 6), Arrival::New(6), "no gap");
         // The application acks 5 before it returns: acked when it does.
         assert_eq!(b.settle(ack(5, false)), []);
+        assert_eq!(deliver(&mut b, 4, 5), Arrival::SettleAgain(ack(4, false)));
+        assert_eq!(deliver(&mut b, 5, 7), Arrival::New(7));
         assert_eq!(
-            b.arrival(4, Some(&id(5))),
-            Arrival::SettleAgain(ack(4, false))
-        );
-        assert_eq!(b.arrival(5, Some(&id(7))), Arrival::New(7));
-        b.outstanding.insert(7);
-        assert_eq!(
-            b.arrival(2, Some(&id(4))),
+            deliver(&mut b, 2, 4),
             Arrival::Seen,
             "sent again: still seen"
         );
@@ -545,9 +553,7 @@ mod tests {
     fn what_a_lost_consumer_had_is_not_handed_out_again_by_the_consumer_created_again() {
         let mut b = ChannelBook::default();
         for n in 1..=3 {
-            assert_eq!(b.arrival(n, Some(&id(n))), Arrival::New(n));
-            b.outstanding.insert(n);
-            b.identities.insert(n, id(n));
+            assert_eq!(deliver(&mut b, n, n), Arrival::New(n));
         }
         assert_eq!(
             b.settle(ack(1, false)),
@@ -561,17 +567,10 @@ mod tests {
             "sent to the member, which has nowhere to pass it"
         );
         // The new primary gives 1, 2 and 3 back, on the same channel's numbering.
-        assert_eq!(
-            b.arrival(4, Some(&id(1))),
-            Arrival::SettleAgain(ack(4, false))
-        );
-        assert_eq!(
-            b.arrival(5, Some(&id(2))),
-            Arrival::SettleAgain(ack(5, false))
-        );
-        assert_eq!(b.arrival(6, Some(&id(3))), Arrival::Seen);
-        assert_eq!(b.arrival(7, Some(&id(4))), Arrival::New(4), "no gap");
-        b.outstanding.insert(4);
+        assert_eq!(deliver(&mut b, 4, 1), Arrival::SettleAgain(ack(4, false)));
+        assert_eq!(deliver(&mut b, 5, 2), Arrival::SettleAgain(ack(5, false)));
+        assert_eq!(deliver(&mut b, 6, 3), Arrival::Seen);
+        assert_eq!(deliver(&mut b, 7, 4), Arrival::New(4), "no gap");
         assert_eq!(b.settle(ack(3, false)), [ack(6, false)], "the alias");
         assert_eq!(b.settle(ack(4, false)), [ack(7, false)]);
     }
@@ -579,41 +578,30 @@ mod tests {
     #[test]
     fn an_ack_a_member_processed_but_lost_is_settled_again_when_its_delivery_comes_back() {
         let mut b = ChannelBook::default();
-        assert_eq!(b.arrival(1, Some(&id(1))), Arrival::New(1));
-        b.outstanding.insert(1);
-        b.identities.insert(1, id(1));
+        assert_eq!(deliver(&mut b, 1, 1), Arrival::New(1));
         b.settle(ack(1, false));
         // A resume on the same member, which had processed the ack: nothing to send again.
         assert!(b.settle_again(&BTreeSet::new()).is_empty());
         // That member is lost before the queue's backups heard of the ack.
         b.start_over();
-        assert_eq!(
-            b.arrival(1, Some(&id(1))),
-            Arrival::SettleAgain(ack(1, false))
-        );
+        assert_eq!(deliver(&mut b, 1, 1), Arrival::SettleAgain(ack(1, false)));
     }
 
     #[test]
     fn a_returned_delivery_that_arrives_after_a_new_one_is_settled_on_its_own() {
         let mut b = ChannelBook::default();
         for n in 1..=2 {
-            assert_eq!(b.arrival(n, Some(&id(n))), Arrival::New(n));
-            b.outstanding.insert(n);
-            b.identities.insert(n, id(n));
+            assert_eq!(deliver(&mut b, n, n), Arrival::New(n));
         }
         b.start_over();
-        assert_eq!(b.arrival(1, Some(&id(9))), Arrival::New(3));
-        b.outstanding.insert(3);
-        assert_eq!(b.arrival(2, Some(&id(2))), Arrival::Seen);
+        assert_eq!(deliver(&mut b, 1, 9), Arrival::New(3));
+        assert_eq!(deliver(&mut b, 2, 2), Arrival::Seen);
         assert_eq!(
             b.settle(ack(3, true)),
             [ack(1, true), ack(2, false)],
             "1 and 3 (broker 1) in one; 2 came back after, as broker 2"
         );
         assert!(b.returning.contains_key(&id(1)), "1 has not come back yet");
-        assert_eq!(
-            b.arrival(3, Some(&id(1))),
-            Arrival::SettleAgain(ack(3, false))
-        );
+        assert_eq!(deliver(&mut b, 3, 1), Arrival::SettleAgain(ack(3, false)));
     }
 }

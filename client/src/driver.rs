@@ -666,20 +666,17 @@ impl Driver {
                 return;
             }
         };
-        let Some(spec) = book
+        let Some(i) = book
             .consumers
             .iter()
-            .find(|s| s.tag == d.consumer_tag.as_str())
+            .position(|s| s.tag == d.consumer_tag.as_str())
         else {
             return;
         };
-        if !spec.no_ack {
-            book.outstanding.insert(tag);
-            if let Some(identity) = identity {
-                book.identities.insert(tag, identity);
-            }
+        if !book.consumers[i].no_ack {
+            book.held(tag, identity);
         }
-        let _ = spec.deliveries.send(crate::Delivery {
+        let _ = book.consumers[i].deliveries.send(crate::Delivery {
             delivery_tag: tag,
             redelivered: d.redelivered,
             exchange: d.exchange.to_string(),

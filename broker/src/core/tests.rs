@@ -180,20 +180,7 @@ fn messages_expiring_together_are_dead_lettered_in_order_whether_paged_out_or_no
 }
 
 fn numbered(body: &'static str, producer: &str, seq: i64) -> Arc<Message> {
-    use crate::amqp::AMQPValue;
-    use crate::core::producers::{PRODUCER_HEADER, PUBLISH_SEQ_HEADER};
-    let mut headers = FieldTable::default();
-    headers.insert(PUBLISH_SEQ_HEADER.into(), AMQPValue::LongLongInt(seq));
-    headers.insert(
-        PRODUCER_HEADER.into(),
-        AMQPValue::LongString(producer.into()),
-    );
-    Arc::new(Message::authored(
-        "".into(),
-        "q".into(),
-        Properties::default().with_headers(headers),
-        Bytes::from_static(body.as_bytes()),
-    ))
+    Arc::new(super::producers::numbered(body, producer, seq))
 }
 
 #[test]

@@ -42,6 +42,17 @@ struct TrackerState {
     failure: Option<(u64, String)>,
 }
 
+/// What became of a publish's forwards.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ForwardFate {
+    /// Every primary confirmed it.
+    Taken,
+    /// A primary refused it (nacked): not in that primary's queues.
+    Refused,
+    /// A forward failed before its primary answered: in its queues or not.
+    Unknown,
+}
+
 /// How a forward ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ForwardOutcome {
@@ -86,34 +97,24 @@ impl ForwardTracker {
     }
 
     /// Whether any of the forwards `first..=last` (all answered) is not known to be in its
-    /// primary's queues: a primary refused it, or it failed (the link went before the
-    /// answer; from the first failure on, every forward counts as failed). Forgets the
-    /// refusals up to `last`, whose publishes' confirms are decided now — as nacks when this
-    /// is true, which a session remembers, so a resent duplicate is nacked too (B8 in
-    /// docs/reliability.md).
+    /// primary's queues: [`Self::fate`] is not [`ForwardFate::Taken`].
     pub fn not_taken(&self, first: u64, last: u64) -> bool {
+        self.fate(first, last) != ForwardFate::Taken
+    }
+
+    /// What became of the forwards `first..=last` (all answered): taken, refused by a
+    /// primary, or of unknown fate — one failed (the link went before the answer; from the
+    /// first failure on, every forward counts as failed). Forgets the refusals up to `last`,
+    /// whose publishes' confirms are decided now.
+    pub fn fate(&self, first: u64, last: u64) -> ForwardFate {
         let mut s = self.state.lock();
         let refused = s.refused.range(first..=last).next().is_some();
         let failed = s.failure.as_ref().is_some_and(|(f, _)| *f <= last);
         s.refused = s.refused.split_off(&(last + 1));
-        refused || failed
-    }
-
-    /// What became of the forwards `first..=last` (all answered): taken, refused by a
-    /// primary, or of unknown fate (a forward up to `last` failed). Forgets the refusals up
-    /// to `last`, as [`Self::not_taken`] does.
-    pub fn fate(&self, first: u64, last: u64) -> crate::server::channel::ForwardFate {
-        use crate::server::channel::ForwardFate;
-        let failed = self
-            .state
-            .lock()
-            .failure
-            .as_ref()
-            .is_some_and(|(f, _)| *f <= last);
-        match (self.not_taken(first, last), failed) {
-            (false, _) => ForwardFate::Taken,
-            (true, true) => ForwardFate::Unknown,
+        match (refused, failed) {
+            (_, true) => ForwardFate::Unknown,
             (true, false) => ForwardFate::Refused,
+            (false, false) => ForwardFate::Taken,
         }
     }
 
@@ -498,7 +499,6 @@ mod tests {
             t.not_taken(c, c),
             "after the first failure nothing is trusted (the connection is abandoning)"
         );
-        use crate::server::channel::ForwardFate;
         assert_eq!(t.fate(a, a), ForwardFate::Taken);
         assert_eq!(t.fate(b, b), ForwardFate::Unknown, "not refused: unknown");
         assert_eq!(t.fate(c, c), ForwardFate::Unknown);

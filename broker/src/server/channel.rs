@@ -2,6 +2,7 @@
 //! publisher confirms and transactions. Consumer state lives in the vhost core.
 
 use crate::core::{ChannelKey, Message};
+use crate::proxy::forward::ForwardFate;
 use crate::session::PublishState;
 use bytes::{Bytes, BytesMut};
 use std::sync::Arc;
@@ -279,17 +280,6 @@ impl ChannelCtx {
         }
         self.confirms.clear();
     }
-}
-
-/// What became of a publish's forwards.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ForwardFate {
-    /// Every primary confirmed it.
-    Taken,
-    /// A primary refused it (nacked): not in that primary's queues.
-    Refused,
-    /// A forward failed before its primary answered: in its queues or not.
-    Unknown,
 }
 
 /// A publisher confirm that waits for the primaries its publish was forwarded to.

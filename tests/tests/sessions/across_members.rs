@@ -11,6 +11,18 @@ use ringmq_tests::cluster::start_cluster;
 use ringmq_tests::{Broker, Ports};
 use std::time::{Duration, Instant};
 
+/// A failover client on `uris` (the first tried first) that notices a dead member within two
+/// seconds (1 s heartbeats) and gives a failover 30 s.
+async fn failover_client(uris: impl IntoIterator<Item = String>) -> Client {
+    let mut config = Config::new(uris);
+    config.heartbeat_s = 1;
+    config.failover_timeout = Duration::from_secs(30);
+    tokio::time::timeout(Duration::from_secs(20), Client::connect(config))
+        .await
+        .expect("connect in time")
+        .expect("connect")
+}
+
 /// Resumes session `id` on `b`, again while the directory still shows it attached (its
 /// lost connection's detach, or its member's loss, not yet committed), for up to `limit`.
 async fn resume_when_detached(b: &Broker, id: &str, limit: Duration) -> lapin::Connection {
@@ -151,13 +163,7 @@ async fn the_sessions_of_a_killed_member_resume_elsewhere_or_expire() {
 async fn the_failover_client_goes_on_when_its_member_is_killed() {
     const MESSAGES: usize = 200;
     let (mut m, _secret) = start_cluster("sessions-client-kill", 3);
-    let mut config = Config::new(m.iter().map(Broker::uri));
-    config.heartbeat_s = 1;
-    config.failover_timeout = Duration::from_secs(30);
-    let client = tokio::time::timeout(Duration::from_secs(20), Client::connect(config))
-        .await
-        .expect("connect in time")
-        .expect("connect");
+    let client = failover_client(m.iter().map(Broker::uri)).await;
     let publisher = client.channel().await.unwrap();
     publisher.confirm_select().await.unwrap();
     publisher
@@ -252,13 +258,7 @@ async fn a_publish_resent_after_its_members_loss_is_taken_once() {
     )
     .await
     .expect("declared on member 1, its primary");
-    let mut config = Config::new(m.iter().map(Broker::uri));
-    config.heartbeat_s = 1;
-    config.failover_timeout = Duration::from_secs(30);
-    let client = tokio::time::timeout(Duration::from_secs(20), Client::connect(config))
-        .await
-        .expect("connect in time")
-        .expect("connect to member 0, the first URI");
+    let client = failover_client(m.iter().map(Broker::uri)).await;
     let publisher = client.channel().await.unwrap();
     publisher.confirm_select().await.unwrap();
     for w in 0..WINDOWS {
@@ -330,16 +330,7 @@ async fn the_failover_clients_consumer_goes_on_when_its_queues_primary_is_killed
         .with_test_writer()
         .try_init();
     let (mut m, _secret) = start_cluster("sessions-relayed", 3);
-    let connect = |uris: Vec<String>| async move {
-        let mut config = Config::new(uris);
-        config.heartbeat_s = 1;
-        config.failover_timeout = Duration::from_secs(30);
-        tokio::time::timeout(Duration::from_secs(20), Client::connect(config))
-            .await
-            .expect("connect in time")
-            .expect("connect")
-    };
-    let consuming = connect(vec![m[1].uri()]).await;
+    let consuming = failover_client([m[1].uri()]).await;
     let ch = consuming.channel().await.unwrap();
     let mut args = Table::default();
     args.insert(
@@ -355,7 +346,7 @@ async fn the_failover_clients_consumer_goes_on_when_its_queues_primary_is_killed
     let mut consumer = ch.consume("relayed", "relayed-c", false).await.unwrap();
     // The publisher is a failover client of its own on the founder: the primary's loss may
     // close its connection (320), and it resends what was not confirmed.
-    let publishing = connect(vec![m[0].uri(), m[1].uri()]).await;
+    let publishing = failover_client([m[0].uri(), m[1].uri()]).await;
     let publisher = publishing.channel().await.unwrap();
     publisher.confirm_select().await.unwrap();
     // Each message until it is confirmed: while no primary holds the queue, publishes to it

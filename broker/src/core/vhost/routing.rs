@@ -97,15 +97,19 @@ impl VHost {
             (true, true) => Some(super::fragments::RECORD_ORIGIN.into()),
             (true, false) => origin.map(Arc::from).or_else(|| self.node.clone()),
         };
-        let mut unavailable = self.forward_remote(
+        let sealed = self.hold_sealed(
             &mut targets,
             (exchange, routing_key, origin.clone()),
             &message,
-            true,
             fx,
         );
-        unavailable |=
-            self.hold_sealed(&mut targets, (exchange, routing_key, origin), &message, fx);
+        let unavailable = self.forward_remote(
+            &mut targets,
+            (exchange, routing_key, origin),
+            &message,
+            true,
+            fx,
+        ) || sealed;
         let mut dead = Vec::new();
         let rejected = self.enqueue_all(&targets, &message, now_ms, fx, &mut dead);
         self.dead_letter_all(dead, now_ms, fx);
@@ -251,7 +255,6 @@ impl VHost {
             return false;
         }
         let mut primaries: Vec<Arc<str>> = Vec::new();
-        let mut sealed_elsewhere = false;
         targets.retain(|name| {
             match self
                 .queues
@@ -272,35 +275,15 @@ impl VHost {
                     false
                 }
                 Some(primary) => {
-                    let key = match self.queues.get(name).is_some_and(|q| q.sealed) {
-                        // Moving: its primary takes nothing until the switch.
-                        true => None,
-                        false => Some(primary),
-                    };
-                    match key {
-                        Some(p) if !primaries.contains(&p) => primaries.push(p),
-                        Some(_) => {}
-                        None => sealed_elsewhere = true,
+                    if !primaries.contains(&primary) {
+                        primaries.push(primary);
                     }
                     false
                 }
                 None => true,
             }
         });
-        let mut unavailable = sealed_elsewhere;
-        if sealed_elsewhere
-            && keep_lost
-            && let Some(node) = &self.node
-        {
-            fx.forwards.push(super::Forward {
-                primary: node.clone(),
-                exchange: exchange.into(),
-                routing_key: routing_key.into(),
-                message: message.clone(),
-                origin: origin.clone(),
-                lost: true,
-            });
-        }
+        let mut unavailable = false;
         for primary in primaries {
             let lost = !self.live_nodes.contains(&primary);
             unavailable |= lost;
@@ -319,11 +302,12 @@ impl VHost {
         unavailable
     }
 
-    /// Takes the queues sealed for a planned move here out of `targets` (this member is
-    /// their primary until the switch): the message is handed to a lost forward
-    /// ([`super::Forward::lost`]) to this member, as for a primary that is not live — a
-    /// session's publish waits for the switch and is sent again by its client, a plain
-    /// client's is nacked. Returns whether any was.
+    /// Takes the queues sealed for a planned move out of `targets` — here as their primary
+    /// until the switch, or as a member that knows their primary is
+    /// ([`crate::core::queue::Queue::sealed`]): the message is handed to one lost forward
+    /// ([`super::Forward::lost`]), as for a primary that is not live — a session's publish
+    /// waits for the switch and is sent again by its client, a plain client's is nacked.
+    /// Returns whether any was.
     fn hold_sealed(
         &self,
         targets: &mut Vec<Arc<str>>,
