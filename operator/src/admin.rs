@@ -143,6 +143,42 @@ pub struct RebalanceView {
     pub current: Option<RebalanceProgress>,
 }
 
+/// `GET /api/cluster/ring` (the broker's `admin/routes/ring.rs`): the ring's layout as the
+/// cluster map holds it (any member answers the same).
+#[derive(Deserialize, Debug, Clone, Default, PartialEq)]
+pub struct RingLayout {
+    /// How the members are ordered.
+    #[serde(default)]
+    pub order: LayoutOrder,
+    /// `k` of the queues declared without their own; `None`: each member's default.
+    #[serde(default)]
+    pub backups: Option<u8>,
+    /// Agreed index of the op that set the layout (0: never): a rebalance started before it
+    /// (`RebalanceProgress::started_at`) has not put the backups where it wants them.
+    #[serde(default)]
+    pub changed_at: u64,
+    /// Node ids of the members, in ring order now.
+    #[serde(default)]
+    pub ring: Vec<String>,
+}
+
+/// The order of a [`RingLayout`], as the broker writes it: `"placement"`, `"zone-aware"`,
+/// or the list of node ids.
+#[derive(Deserialize, Serialize, Debug, Clone, PartialEq, Eq)]
+#[serde(untagged)]
+pub enum LayoutOrder {
+    /// `"placement"` or `"zone-aware"`.
+    Named(String),
+    /// The node ids in ring order.
+    Explicit(Vec<String>),
+}
+
+impl Default for LayoutOrder {
+    fn default() -> Self {
+        Self::Named("placement".into())
+    }
+}
+
 /// One move of a rebalance plan.
 #[derive(Deserialize, Debug, Clone, Default, PartialEq)]
 pub struct PlannedMove {
@@ -178,6 +214,9 @@ pub struct RebalanceProgress {
     /// Moves under way.
     #[serde(default)]
     pub running: u64,
+    /// Agreed index of the op that started it.
+    #[serde(default)]
+    pub started_at: u64,
     /// The new member whose join started it (the brokers' own handover); `None` for one
     /// asked for.
     #[serde(default)]
@@ -248,6 +287,17 @@ pub trait AdminApi: Send + Sync {
     /// most `concurrency` at once (read [`AdminApi::rebalance`] to follow it). A 409 (one
     /// is under way) is [`AdminError::Busy`].
     fn start_rebalance(&self, concurrency: u32) -> BoxFuture<'_, Result<(), AdminError>>;
+    /// `GET /api/cluster/ring`. Any member answers, the same from each; a single broker
+    /// answers 400 (an error).
+    fn ring_layout(&self) -> BoxFuture<'_, Result<RingLayout, AdminError>>;
+    /// `PUT /api/cluster/ring`: every member orders the ring by `order` and gives the queues
+    /// without their own `k` `backups`; no copy moves until a rebalance. The layout as
+    /// committed; a 400 (a layout no ring can follow) is an error that says why.
+    fn set_ring_layout<'a>(
+        &'a self,
+        order: &'a LayoutOrder,
+        backups: Option<u8>,
+    ) -> BoxFuture<'a, Result<RingLayout, AdminError>>;
     /// `GET /api/queues/{vhost}/{name}`; `None` on 404.
     fn queue<'a>(
         &'a self,
@@ -466,6 +516,31 @@ impl AdminApi for HttpAdmin {
             match (self.call(http::Method::POST, path, Some(body.into_bytes()))).await? {
                 (202, _) => Ok(()),
                 (409, body) => Err(AdminError::Busy(reason(&body))),
+                (status, body) => Err(self.unexpected(path, status, &body)),
+            }
+        })
+    }
+
+    fn ring_layout(&self) -> BoxFuture<'_, Result<RingLayout, AdminError>> {
+        Box::pin(async move {
+            let path = "/api/cluster/ring";
+            match self.call(http::Method::GET, path, None).await? {
+                (200, body) => self.parse(path, &body),
+                (status, body) => Err(self.unexpected(path, status, &body)),
+            }
+        })
+    }
+
+    fn set_ring_layout<'a>(
+        &'a self,
+        order: &'a LayoutOrder,
+        backups: Option<u8>,
+    ) -> BoxFuture<'a, Result<RingLayout, AdminError>> {
+        Box::pin(async move {
+            let path = "/api/cluster/ring";
+            let body = serde_json::json!({ "order": order, "backups": backups }).to_string();
+            match (self.call(http::Method::PUT, path, Some(body.into_bytes()))).await? {
+                (202, body) => self.parse(path, &body),
                 (status, body) => Err(self.unexpected(path, status, &body)),
             }
         })

@@ -18,8 +18,9 @@ use kube::{Client, Resource};
 use serde_json::{Value, json};
 
 use crate::admin::{
-    AdminApi, AdminConnector, AdminEndpoint, AdminError, ClusterInfo, Declared, MemberInfo,
-    Overview, QueueDeclaration, QueueInfo, RebalanceProgress, RebalanceView,
+    AdminApi, AdminConnector, AdminEndpoint, AdminError, ClusterInfo, Declared, LayoutOrder,
+    MemberInfo, Overview, QueueDeclaration, QueueInfo, RebalanceProgress, RebalanceView,
+    RingLayout,
 };
 use crate::controller::Context;
 use crate::crd::{Cluster, ClusterSpec, ClusterStatus, Queue, QueueSpec, QueueStatus};
@@ -233,10 +234,26 @@ pub struct FakeBroker {
     /// What `GET /api/cluster/rebalance` answers; a start makes `current` a running one
     /// over the plan (as the brokers do), refused while one runs.
     pub rebalance: RebalanceView,
+    /// The ring's layout, as `GET /api/cluster/ring` answers it (`ring` follows `members`,
+    /// ordered by the layout as the brokers order theirs).
+    pub layout: RingLayout,
+    /// The fake's agreed index: every committed change (a layout, a rebalance start) takes
+    /// the next, so `changed_at` and `started_at` compare as the brokers' do.
+    pub index: u64,
     /// Calls received, e.g. `leave ringmq-3`.
     pub calls: Vec<String>,
     /// Endpoints connected to.
     pub endpoints: Vec<AdminEndpoint>,
+}
+
+impl FakeBroker {
+    /// The layout, with `members` as the ring.
+    fn ring_now(&self) -> RingLayout {
+        RingLayout {
+            ring: self.members.clone(),
+            ..self.layout.clone()
+        }
+    }
 }
 
 /// Shared handle to a [`FakeBroker`]; implements both admin traits.
@@ -331,13 +348,98 @@ impl AdminApi for FakeAdmin {
                 return Err(AdminError::Busy("a rebalance is under way".into()));
             }
             let total = (s.rebalance.plan.len() + s.rebalance.backup_plan.len()) as u64;
+            s.index += 1;
             s.rebalance.current = Some(RebalanceProgress {
                 status: "running".into(),
                 total,
                 pending: total,
+                started_at: s.index,
                 ..RebalanceProgress::default()
             });
             Ok(())
+        })
+    }
+
+    fn ring_layout(&self) -> BoxFuture<'_, Result<RingLayout, AdminError>> {
+        Box::pin(async move {
+            let mut s = self.state();
+            s.calls.push("ring-layout".into());
+            Ok(s.ring_now())
+        })
+    }
+
+    fn set_ring_layout<'a>(
+        &'a self,
+        order: &'a LayoutOrder,
+        backups: Option<u8>,
+    ) -> BoxFuture<'a, Result<RingLayout, AdminError>> {
+        Box::pin(async move {
+            let mut s = self.state();
+            s.calls.push(format!(
+                "set-ring-layout {} {backups:?}",
+                serde_json::to_string(order).expect("an order serialises")
+            ));
+            // The broker's refusals (`cluster::layout::RingLayout::validate`), as a 400.
+            let refuse = |reason: String| AdminError::Unexpected {
+                url: "/api/cluster/ring".into(),
+                status: 400,
+                body: json!({"error": "bad_request", "reason": reason}).to_string(),
+            };
+            // In the broker's order: the body's fields as they parse, then the list.
+            if let LayoutOrder::Named(name) = order
+                && name != "placement"
+                && name != "zone-aware"
+            {
+                return Err(refuse(format!(
+                    "order must be \"placement\", \"zone-aware\" or a list of node ids, not \"{name}\""
+                )));
+            }
+            if let Some(k) = backups.filter(|k| *k > 3) {
+                return Err(refuse(format!(
+                    "backups must be a whole number from 0 to 3, or null, not {k}"
+                )));
+            }
+            if let LayoutOrder::Explicit(list) = order {
+                if list.is_empty() {
+                    return Err(refuse(
+                        "an explicit ring order names at least one member".into(),
+                    ));
+                }
+                for (i, n) in list.iter().enumerate() {
+                    if n.is_empty() {
+                        return Err(refuse(
+                            "a member's node id in the ring order is empty".into(),
+                        ));
+                    }
+                    if list[..i].contains(n) {
+                        return Err(refuse(format!(
+                            "member '{n}' is listed twice in the ring order"
+                        )));
+                    }
+                }
+            }
+            let new = (&s.layout.order, s.layout.backups) != (order, backups);
+            s.layout.order = order.clone();
+            s.layout.backups = backups;
+            // The brokers order the ring by the layout each time it is set: an explicit
+            // order's listed members first, then the rest (every fake member is in one
+            // zone, so a zone-aware ring keeps its order). The change is recorded only
+            // when the layout or the order changed.
+            let mut reordered = false;
+            if let LayoutOrder::Explicit(list) = order {
+                let members: Vec<String> = (list.iter())
+                    .filter(|n| s.members.contains(n))
+                    .chain(s.members.iter().filter(|n| !list.contains(n)))
+                    .cloned()
+                    .collect();
+                reordered = members != s.members;
+                s.members = members;
+            }
+            if new || reordered {
+                s.index += 1;
+                s.layout.changed_at = s.index;
+            }
+            Ok(s.ring_now())
         })
     }
 

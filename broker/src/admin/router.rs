@@ -92,6 +92,14 @@ impl Route {
             action: Action::Read(action),
         }
     }
+    /// `PUT` on `pattern`: a change answered once the cluster committed it.
+    pub(super) const fn put_async(pattern: &'static str, action: Reader) -> Self {
+        Self {
+            verb: Verb::Put,
+            pattern,
+            action: Action::Read(action),
+        }
+    }
     /// `PUT` on `pattern`.
     pub(super) const fn put(pattern: &'static str, handler: Handler) -> Self {
         Self::new(Verb::Put, pattern, handler)

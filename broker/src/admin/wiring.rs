@@ -234,6 +234,7 @@ fn check(op: &WiringOp, v: &VHost, vh: &str) -> Result<Checked> {
         | WiringOp::MovePrimary { .. }
         | WiringOp::DrainMember { .. }
         | WiringOp::Rebalance(_)
+        | WiringOp::SetRingLayout(_)
         | WiringOp::Session(_) => {}
     }
     Ok(checked)

@@ -354,6 +354,7 @@ async fn join_cluster(
             default_backups: config.default_backups,
             ring_order: config.ring_order,
             places_ring: true,
+            lays_out_ring: true,
             process: rand08::random::<u64>().max(1),
         },
         join_timeout: std::time::Duration::from_millis(config.cluster_join_timeout_ms),

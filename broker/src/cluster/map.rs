@@ -5,6 +5,7 @@
 //! backups) is tested without I/O, including by randomised model tests that check every
 //! member ends with the same map and that no election ever promotes a backup out of sync.
 
+use super::layout::RingLayout;
 use super::membership::Membership;
 use super::message::{ClusterMsg, Snapshot};
 use super::rebalance::{self, Rebalance};
@@ -477,10 +478,8 @@ impl ClusterMap {
                 let ids: Vec<MemberId> = members.iter().map(|m| m.id).collect();
                 self.membership.on_conf_change(&ids);
                 self.membership.changed_at(index);
-                let ring = self.membership.ring();
-                let draining = self.membership.draining().clone();
-                self.update_roles(actions, |r| r.reconcile_with(&ring, &draining));
-                let lost = self.sessions.members_are(&ring);
+                self.reconcile_all(None, actions);
+                let lost = self.sessions.members_are(&self.membership.ring());
                 push_session_changes(actions, lost);
                 for to in self.membership.snapshot_duty(self.me) {
                     actions.push(Action::SendSnapshot { to, through: index });
@@ -526,18 +525,10 @@ impl ClusterMap {
                     if sender == self.me && self.live {
                         self.announced = true;
                     }
-                    let ring = self.membership.ring();
-                    let draining = self.membership.draining().clone();
-                    match restarted {
-                        Some(node) => {
-                            self.update_roles(actions, |r| {
-                                r.restarted(&node, &ring);
-                                r.reconcile_with(&ring, &draining);
-                            });
-                            let lost = self.sessions.restarted(&node);
-                            push_session_changes(actions, lost);
-                        }
-                        None => self.update_roles(actions, |r| r.reconcile_with(&ring, &draining)),
+                    self.reconcile_all(restarted.as_deref(), actions);
+                    if let Some(node) = restarted {
+                        let lost = self.sessions.restarted(&node);
+                        push_session_changes(actions, lost);
                     }
                     actions.push(Action::HostsChanged);
                 }
@@ -606,6 +597,25 @@ impl ClusterMap {
         });
     }
 
+    /// Brings every queue's roles in line with the ring (after member `restarted` came back
+    /// in place, if one did) and, for the queues whose `k` is the layout's, with the
+    /// layout's `backups`: a queue that was unavailable when it was set takes it on once it
+    /// is back.
+    fn reconcile_all(&mut self, restarted: Option<&str>, actions: &mut Vec<Action>) {
+        let ring = self.membership.ring();
+        let draining = self.membership.draining().clone();
+        let k = self.membership.layout().backups;
+        self.update_roles(actions, |r| {
+            if let Some(node) = restarted {
+                r.restarted(node, &ring);
+            }
+            r.reconcile_with(&ring, &draining);
+            if let Some(k) = k.filter(|_| r.default_k) {
+                r.set_wanted_backups(k, &ring, &draining);
+            }
+        });
+    }
+
     /// Applies `f` to every queue's roles, and reports each change.
     fn update_roles(&mut self, actions: &mut Vec<Action>, f: impl FnMut(&mut QueueRoles)) {
         for (vhost, queue, was, now) in self.roles.update_all(f) {
@@ -655,6 +665,9 @@ impl ClusterMap {
         }
         if let WiringOp::Rebalance(step) = op {
             return Some(self.apply_rebalance_op(index, step.clone(), actions));
+        }
+        if let WiringOp::SetRingLayout(layout) = op {
+            return Some(self.apply_layout_op(index, layout, actions));
         }
         let (queue, incarnation, node, in_sync) = match op {
             WiringOp::BackupInSync {
@@ -782,6 +795,35 @@ impl ClusterMap {
         actions.push(Action::MembershipChanged);
     }
 
+    /// [`WiringOp::SetRingLayout`]: refused when no ring can follow it, or while a member
+    /// that predates layouts is announced (it follows the ring and `k` without them); else
+    /// the ring is ordered by it — again, if it is the layout in force (a member away when
+    /// it was set comes to its place) — without moving any queue's copies (a rebalance puts
+    /// the backups on the new successors, catch-up first), and when it sets `backups`,
+    /// every queue whose `k` is not its own takes it on.
+    fn apply_layout_op(
+        &mut self,
+        index: u64,
+        layout: &RingLayout,
+        actions: &mut Vec<Action>,
+    ) -> Result<(), AmqpError> {
+        layout
+            .validate()
+            .map_err(|e| AmqpError::precondition(format!("cannot set the ring layout: {e}")))?;
+        if let Some(old) = self.membership.predating_layouts() {
+            return Err(AmqpError::precondition(format!(
+                "cannot set the ring layout: member '{old}' runs a version without ring layouts"
+            )));
+        }
+        if !self.membership.set_layout(layout.clone(), index) {
+            return Ok(());
+        }
+        tracing::info!(ring = ?self.membership.ring(), ?layout, "the ring's layout changed");
+        self.reconcile_all(None, actions);
+        actions.push(Action::MembershipChanged);
+        Ok(())
+    }
+
     /// [`WiringOp::Rebalance`]: a start plans the moves from the roles now and starts the
     /// first ones (refused while another rebalance has moves left); a stop skips the moves
     /// not started yet.
@@ -899,16 +941,20 @@ impl ClusterMap {
                 if !created {
                     return;
                 }
-                let k = args.backups.unwrap_or_else(|| {
+                let declared = || {
                     self.membership
                         .members()
                         .iter()
                         .find(|m| m.id == origin)
                         .and_then(|m| m.info.as_ref())
                         .map_or(roles::DEFAULT_BACKUPS, |i| i.default_backups)
-                });
+                };
+                let k = (args.backups)
+                    .or(self.membership.layout().backups)
+                    .unwrap_or_else(declared);
                 let ring = self.membership.ring();
                 let mut now = QueueRoles::new(index, home, k, &ring);
+                now.default_k = args.backups.is_none();
                 now.reconcile_with(&ring, self.membership.draining());
                 self.set_roles(vhost, name, now, actions);
             }

@@ -3,6 +3,7 @@
 //! picture after the same events; no I/O, so the decisions (who sends a joiner its
 //! snapshot, what `known-hosts` says) are tested without sockets.
 
+use super::layout::{self, RingLayout};
 use crate::cpg::MemberId;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
@@ -13,8 +14,11 @@ use std::collections::BTreeSet;
 pub enum Insertion {
     /// Among the members with a configured order, after those with a lower or equal one.
     Order(u32),
-    /// Before this member (the planner's choice of gap).
+    /// Before this member (the planner's choice of gap, or the next member of an explicit
+    /// ring order).
     Before(String),
+    /// Right after this member (the previous member of an explicit ring order).
+    After(String),
     /// After every member.
     End,
 }
@@ -60,6 +64,11 @@ pub struct MemberInfo {
     /// two members disagree on it (nor sends a claim an old member cannot read).
     #[serde(default)]
     pub places_ring: bool,
+    /// It reads ring layouts ([`super::layout`], `WiringOp::SetRingLayout`): false from a
+    /// member that predates them, which could not decode the op and would leave the
+    /// cluster. Nobody sets a layout while such a member is announced.
+    #[serde(default)]
+    pub lays_out_ring: bool,
     /// A random nonce of the process that announced it: a second hello with the same nonce
     /// is that process retrying a send that timed out, not a restart in place (which hands
     /// its primaries over to in-sync backups while it may still be serving them). 0 from a
@@ -106,6 +115,14 @@ pub struct Membership {
     /// leaves and comes back is still drained until it is undrained.
     #[serde(default)]
     draining: BTreeSet<String>,
+    /// The ring's layout as last set (`PUT /api/cluster/ring`, a `BackupRing`): how new
+    /// members are placed and the `k` of queues without their own.
+    #[serde(default)]
+    layout: RingLayout,
+    /// Agreed index of the op that last set `layout` (0: never set). A rebalance started
+    /// before it has not put the backups where the layout wants them.
+    #[serde(default)]
+    layout_changed_at: u64,
 }
 
 impl Membership {
@@ -163,6 +180,8 @@ impl Membership {
             Insertion::Before(other) => {
                 (self.ring.iter().position(|s| s.node == other)).unwrap_or(self.ring.len())
             }
+            Insertion::After(other) => (self.ring.iter().position(|s| s.node == other))
+                .map_or(self.ring.len(), |at| at + 1),
             Insertion::End => self.ring.len(),
         };
         let slot = RingSlot {
@@ -257,6 +276,80 @@ impl Membership {
         &self.draining
     }
 
+    /// The ring's layout in force: as last set, or none (the brokers place new members,
+    /// each member's `default_backups`) while a member that predates layouts is announced,
+    /// which decides as if there were none — so that every member decides the same.
+    pub fn layout(&self) -> &RingLayout {
+        static NONE: RingLayout = RingLayout {
+            order: layout::RingOrder::Placement,
+            backups: None,
+        };
+        match self.predating_layouts() {
+            Some(_) => &NONE,
+            None => &self.layout,
+        }
+    }
+
+    /// Node id of an announced member that predates ring layouts, if there is one.
+    pub fn predating_layouts(&self) -> Option<&str> {
+        (self.members.iter())
+            .filter_map(|m| m.info.as_ref())
+            .find(|i| !i.lays_out_ring)
+            .map(|i| i.node_id.as_str())
+    }
+
+    /// Agreed index of the op that last set the layout (0: never).
+    pub fn layout_changed_at(&self) -> u64 {
+        self.layout_changed_at
+    }
+
+    /// Sets the layout at agreed `index` and orders every place on the ring by it (members
+    /// away now too: a member whose zone is not known keeps its turn after the others;
+    /// nobody moves while a member that predates the ring's places is announced, as the
+    /// ring is join order then). Returns whether the layout or the order changed; only
+    /// then is `index` recorded as the change.
+    pub fn set_layout(&mut self, layout: RingLayout, index: u64) -> bool {
+        let new = self.layout != layout;
+        self.layout = layout;
+        let reordered = self.order_ring();
+        if new || reordered {
+            self.layout_changed_at = index;
+        }
+        new || reordered
+    }
+
+    /// Orders every place on the ring by the layout; returns whether anyone moved.
+    fn order_ring(&mut self) -> bool {
+        if !self.all_place_ring() {
+            return false;
+        }
+        self.adopt_unplaced("");
+        let now: Vec<String> = self.ring.iter().map(|s| s.node.clone()).collect();
+        let zone_of = |node: &str| {
+            (self.members.iter())
+                .filter_map(|m| m.info.as_ref())
+                .find(|i| i.node_id == node)
+                .map(|i| i.zone.clone())
+        };
+        let wanted = layout::ordered(&now, &self.layout.order, zone_of);
+        if wanted == now {
+            return false;
+        }
+        let mut slots = std::mem::take(&mut self.ring);
+        for node in wanted {
+            if let Some(at) = slots.iter().position(|s| s.node == node) {
+                self.ring.push(slots.remove(at));
+            }
+        }
+        true
+    }
+
+    /// Every place on the ring, in ring order, present or not: what an explicit layout
+    /// places a newcomer between.
+    pub fn places(&self) -> Vec<String> {
+        self.ring.iter().map(|s| s.node.clone()).collect()
+    }
+
     /// A snapshot addressed to `to` was delivered: from now on it holds the map.
     pub fn on_snapshot(&mut self, to: MemberId) {
         if let Some(m) = self.members.iter_mut().find(|m| m.id == to) {
@@ -327,6 +420,7 @@ mod tests {
             default_backups: 1,
             ring_order: None,
             places_ring: true,
+            lays_out_ring: true,
             process: 0,
         }
     }
@@ -378,6 +472,7 @@ mod tests {
             20,
             MemberInfo {
                 places_ring: false,
+                lays_out_ring: false,
                 ..info(2)
             },
         );

@@ -7,6 +7,7 @@
 //! map from the first synced member, then follows the stream. Queue *content* stays on the
 //! member that owns the queue. `docs/cluster.md` has the whole story.
 
+pub mod layout;
 pub mod map;
 pub mod membership;
 pub mod message;

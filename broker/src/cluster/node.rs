@@ -399,6 +399,13 @@ impl Cluster {
         self.membership.read().draining().contains(node)
     }
 
+    /// The ring's layout as last set, and the agreed index of the op that set it (0: never),
+    /// as of the newest event applied here.
+    pub fn layout(&self) -> (super::layout::RingLayout, u64) {
+        let m = self.membership.read();
+        (m.layout().clone(), m.layout_changed_at())
+    }
+
     /// What each member (by node id) holds of the cluster's queues, as of the newest event
     /// applied here: the same answer on every member that applied it.
     pub fn held(&self) -> BTreeMap<String, super::Held> {

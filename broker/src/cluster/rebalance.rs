@@ -14,6 +14,7 @@
 //! plan records it as failed. Each move is an ordinary planned move (catch-up, then switch),
 //! so nothing confirmed is ever at risk.
 
+use super::layout::{RingOrder, listed_insertion};
 use super::membership::{Insertion, MemberInfo, Membership};
 use super::roles::{QueueRoles, Roles};
 use ringmq_planner::{
@@ -398,13 +399,26 @@ fn placement(roles: &Roles, ring: Vec<Member>) -> (Placement, Plannable<'_>) {
     (placement, queues)
 }
 
-/// Where a member new to the ring goes: its configured `ring_order`, or else the gap the
-/// planner picks (zones kept apart first, then the fewest backups to ship); a gap before
-/// the first member is the end of the ring (the ring is a circle, and so the order of a
-/// cluster without queues or zones stays its join order).
+/// Where a member new to the ring goes: under an explicit layout, its place in the list
+/// (between the listed members placed already); under the `placement` layout, its
+/// configured `ring_order`; else (a member an explicit layout does not list, any member
+/// under a zone-aware one, one without `ring_order`) the gap the planner picks (zones kept
+/// apart first, then the fewest backups to ship); a gap before the first member is the end
+/// of the ring (the ring is a circle, and so the order of a cluster without queues or zones
+/// stays its join order).
 pub fn insertion(roles: &Roles, membership: &Membership, new: &MemberInfo) -> Insertion {
-    if let Some(order) = new.ring_order {
-        return Insertion::Order(order);
+    match &membership.layout().order {
+        RingOrder::Explicit(list) => {
+            if let Some(at) = listed_insertion(&new.node_id, list, &membership.places()) {
+                return at;
+            }
+        }
+        RingOrder::ZoneAware => {}
+        RingOrder::Placement => {
+            if let Some(order) = new.ring_order {
+                return Insertion::Order(order);
+            }
+        }
     }
     let ring: Vec<Member> = planner_ring(membership, None)
         .into_iter()

@@ -62,6 +62,11 @@ pub struct QueueRoles {
     /// primary changes; over when `old` leaves (or is drained away) first.
     #[serde(default)]
     pub replacing: Option<Box<Replacement>>,
+    /// Its `k` is not its own (declared without `qpid.cluster.backups`): the ring layout's
+    /// `backups` sets it ([`QueueRoles::set_wanted_backups`]). False in a map saved before
+    /// layouts existed: those queues keep their `k`.
+    #[serde(default)]
+    pub default_k: bool,
 }
 
 /// A backup being replaced by another ([`QueueRoles::replacing`]); boxed there, as it is
@@ -87,9 +92,44 @@ impl QueueRoles {
             unavailable: false,
             moving_to: None,
             replacing: None,
+            default_k: false,
         };
         roles.reconcile(ring);
         roles
+    }
+
+    /// The queue keeps `k` backups from now on (the ring layout's `backups`). More: the
+    /// ring's next members join, out of sync, and catch up. Fewer: a backup replacement
+    /// under way is called off, then the backups out of sync go first, the last in
+    /// backups order first, never a planned move's target. An unavailable queue keeps its
+    /// `k` (its copies are what may bring it back). Returns whether `k` changed.
+    pub fn set_wanted_backups(
+        &mut self,
+        k: u8,
+        ring: &[String],
+        draining: &BTreeSet<String>,
+    ) -> bool {
+        let k = k.min(MAX_BACKUPS);
+        if self.wanted_backups == k || self.unavailable {
+            return false;
+        }
+        let fewer = k < self.wanted_backups;
+        self.wanted_backups = k;
+        if fewer {
+            self.end_replace();
+            let serving = |b: &String| !draining.contains(b);
+            while self.backups.iter().filter(|b| serving(b)).count() > self.most_backups() {
+                let droppable = |b: &String| serving(b) && self.moving_to.as_ref() != Some(b);
+                let at = (self.backups.iter())
+                    .rposition(|b| droppable(b) && !self.in_sync.contains(b))
+                    .or_else(|| self.backups.iter().rposition(droppable));
+                let Some(at) = at else { break };
+                let gone = self.backups.remove(at);
+                self.in_sync.retain(|n| *n != gone);
+            }
+        }
+        self.reconcile_with(ring, draining);
+        true
     }
 
     /// Brings the roles in line with `ring` (node ids of the members, in ring order): an
@@ -527,7 +567,7 @@ impl Roles {
     }
 
     /// Writes the roles into the shared wiring a snapshot carries (each queue's `home`,
-    /// `backups`, `in_sync`, `incarnation`, `wanted_backups`, `unavailable`).
+    /// `backups`, `in_sync`, `incarnation`, `wanted_backups`, `unavailable`, `default_k`).
     pub fn fill(&self, vhosts: &mut BTreeMap<String, Wiring>) {
         for (name, w) in vhosts.iter_mut() {
             for q in &mut w.queues {
@@ -544,6 +584,7 @@ impl Roles {
                             .replacing
                             .as_deref()
                             .map(|r| (r.old.clone(), r.new.clone())),
+                        default_k: r.default_k,
                     };
                 }
             }
@@ -575,6 +616,7 @@ impl Roles {
                             .replacing
                             .clone()
                             .map(|(old, new)| Box::new(Replacement { old, new })),
+                        default_k: r.default_k,
                     }),
                 );
             }

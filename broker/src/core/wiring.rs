@@ -102,6 +102,9 @@ pub struct WiringRoles {
     /// A backup being replaced (old, new), while the new one catches up.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replacing: Option<(String, String)>,
+    /// Its `k` is the ring layout's, not its own (declared without `qpid.cluster.backups`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub default_k: bool,
 }
 
 fn is_zero<T: Default + PartialEq>(n: &T) -> bool {
@@ -690,6 +693,7 @@ mod tests {
                 unavailable: true,
                 moving_to: Some("n3".into()),
                 replacing: Some(("n2".into(), "n4".into())),
+                default_k: true,
             },
         };
         let json = serde_json::to_string(&q).unwrap();

@@ -182,6 +182,10 @@ pub enum WiringOp {
     /// agreed order, so the plan and its progress are the map's, not one member's
     /// (submitted under any vhost).
     Rebalance(RebalanceStep),
+    /// The ring's layout is set (`PUT /api/cluster/ring`, a `BackupRing`): the order of the
+    /// members and the `k` of queues declared without their own. The cluster map's
+    /// membership and roles change; a vhost's wiring does not (submitted under any vhost).
+    SetRingLayout(crate::cluster::layout::RingLayout),
 }
 
 /// What a [`WiringOp::Rebalance`] asks.
@@ -465,6 +469,7 @@ impl WiringOp {
             | WiringOp::MovePrimary { .. }
             | WiringOp::DrainMember { .. }
             | WiringOp::Rebalance(_)
+            | WiringOp::SetRingLayout(_)
             | WiringOp::Session(_) => Ok(OpReply::default()),
         }
     }

@@ -249,7 +249,10 @@ pub fn required_access(op: &WiringOp) -> Vec<(Access, Resource<'_>)> {
         }
         // A member sends these for its clients' sessions, which need no resource; a drain
         // only the admin API makes, for an administrator.
-        WiringOp::Session(_) | WiringOp::DrainMember { .. } | WiringOp::Rebalance(_) => Vec::new(),
+        WiringOp::Session(_)
+        | WiringOp::DrainMember { .. }
+        | WiringOp::Rebalance(_)
+        | WiringOp::SetRingLayout(_) => Vec::new(),
     }
 }
 

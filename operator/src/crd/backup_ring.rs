@@ -1,5 +1,7 @@
 //! The `BackupRing` resource: a Cluster's ring as the operator shows it (members in ring
-//! order, what each holds, whether the backups are in sync) and its rebalance policy —
+//! order, what each holds, whether the backups are in sync), its layout (the order of the
+//! members, explicit or zone-aware, and the `k` of queues without their own) and its
+//! rebalance policy —
 //! automatic within a threshold, or held for approval (Strimzi's `KafkaRebalance` flow:
 //! the proposal in the status, an annotation to approve, progress, done).
 
@@ -28,6 +30,7 @@ pub const APPROVE_ANNOTATION: &str = "ringmq.io/rebalance";
     doc = "The ring of a ringmq Cluster: its members in ring order, what each holds, and when the primaries and backups are rebalanced.",
     printcolumn = r#"{"name":"Cluster","type":"string","jsonPath":".spec.clusterRef.name"}"#,
     printcolumn = r#"{"name":"Mode","type":"string","jsonPath":".spec.rebalance.mode"}"#,
+    printcolumn = r#"{"name":"Order","type":"string","jsonPath":".status.layout.policy"}"#,
     printcolumn = r#"{"name":"Balanced","type":"boolean","jsonPath":".status.balanced"}"#,
     printcolumn = r#"{"name":"Proposed","type":"integer","jsonPath":".status.proposal.moves"}"#,
     printcolumn = r#"{"name":"Rebalance","type":"string","jsonPath":".status.rebalance.status"}"#,
@@ -38,9 +41,49 @@ pub struct BackupRingSpec {
     /// The Cluster (same namespace) whose ring this is.
     #[x_kube(validation = kube::core::Rule::new("self == oldSelf").message("clusterRef is immutable"))]
     pub cluster_ref: ClusterRef,
+    /// How the members are ordered on the ring. Unset: the operator leaves the order as
+    /// the brokers have it (`ringmqctl cluster layout` may set it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[x_kube(validation = kube::core::Rule::new("self.policy == 'Explicit' ? (has(self.members) && size(self.members) > 0) : !has(self.members)").message("members lists the ring order of policy Explicit, and only of it"))]
+    pub order: Option<RingOrderSpec>,
+    /// Backups (`k`, 0 to 3) of every queue declared without its own (`Queue` `backups`,
+    /// `qpid.cluster.backups`), the queues there are included: they gain copies, which catch
+    /// up, or lose the ones out of sync first. It overrides the Cluster's `queueBackups`
+    /// for those queues. Unset: the operator leaves it as the brokers have it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0, max = 3))]
+    pub backups: Option<u8>,
     /// When the ring is rebalanced.
     #[serde(default)]
     pub rebalance: RebalancePolicy,
+}
+
+/// The order of the members on the ring. A queue's backups are its primary's next members,
+/// so the order decides which members back up which: a changed order moves no copy by
+/// itself; the next rebalance puts the backups on their new successors (catch-up first).
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RingOrderSpec {
+    /// `Placement`: each new member goes where the brokers place it (the gap that keeps
+    /// zones apart). `ZoneAware`: the zones take turns around the ring (largest first), so a
+    /// queue's backups sit in other zones than its primary; new members go into the
+    /// zone-aware gap. `Explicit`: `members` in that order; members not listed follow, and
+    /// a listed pod that joins later (a scale-up) goes to its place.
+    pub policy: RingOrderPolicy,
+    /// `Explicit`: the pods (member ids) in ring order, each once.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub members: Vec<String>,
+}
+
+/// See [`RingOrderSpec::policy`].
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+pub enum RingOrderPolicy {
+    /// The brokers place new members.
+    Placement,
+    /// The zones take turns.
+    ZoneAware,
+    /// The listed order.
+    Explicit,
 }
 
 /// When and how fast the ring is rebalanced.
@@ -112,9 +155,29 @@ pub struct BackupRingStatus {
     /// The newest rebalance, as the brokers report it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rebalance: Option<RebalanceStatus>,
+    /// The ring's layout as the brokers hold it, while the spec sets `order` or `backups`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layout: Option<LayoutStatus>,
     /// `Ready` (the ring was read), `Balanced`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
+}
+
+/// The ring's layout the brokers applied.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct LayoutStatus {
+    /// `Placement`, `ZoneAware` or `Explicit`.
+    pub policy: String,
+    /// `Explicit`: the listed order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub members: Vec<String>,
+    /// `k` of the queues without their own; unset: each member's `default_backups`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backups: Option<u8>,
+    /// Backups follow the layout: a rebalance over the whole ring started after it was set
+    /// is done, or there is nothing to move.
+    pub followed: bool,
 }
 
 /// One member on the ring.

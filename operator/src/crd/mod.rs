@@ -8,8 +8,8 @@ pub mod cluster;
 pub mod queue;
 
 pub use backup_ring::{
-    APPROVE_ANNOTATION, BackupRing, BackupRingSpec, BackupRingStatus, Proposal, RebalanceMode,
-    RebalancePolicy, RebalanceStatus, RingMember,
+    APPROVE_ANNOTATION, BackupRing, BackupRingSpec, BackupRingStatus, LayoutStatus, Proposal,
+    RebalanceMode, RebalancePolicy, RebalanceStatus, RingMember, RingOrderPolicy, RingOrderSpec,
 };
 pub use cluster::{
     Cluster, ClusterSpec, ClusterStatus, MemberStatus, Operation, OperationKind, OperationStep,

@@ -1,9 +1,11 @@
 //! Ring operations on a live cluster of real broker processes (issue #15): a queue's primary
 //! moved to another member under confirmed load, by the admin API and by `ringmqctl`, a
-//! member drained, the primaries rebalanced, and fragmented queues.
+//! member drained, the primaries rebalanced, the ring laid out in another order and k, and
+//! fragmented queues.
 
 mod drain;
 mod fragmented;
+mod layout;
 mod move_queue;
 mod rebalance;
 

@@ -17,6 +17,7 @@ mod overview;
 mod permissions;
 mod queues;
 mod rebalance;
+mod ring;
 mod sessions;
 mod users;
 mod vhosts;
@@ -44,6 +45,8 @@ pub(super) static ROUTES: &[Route] = &[
     Route::post("/api/members/{id}/leave", members::leave),
     Route::post_async("/api/members/{id}/drain", members::drain),
     Route::post_async("/api/members/{id}/undrain", members::undrain),
+    Route::get("/api/cluster/ring", ring::show),
+    Route::put_async("/api/cluster/ring", ring::set),
     Route::get("/api/cluster/rebalance", rebalance::show),
     Route::post_async("/api/cluster/rebalance", rebalance::start),
     Route::post_async("/api/cluster/rebalance/stop", rebalance::stop),

@@ -16,6 +16,29 @@ pub enum ClusterCommand {
     /// The ring: members in ring order with their zone, state, and the primaries and backups
     /// each holds (the same answer from any member).
     Ring,
+    /// Shows the ring's layout, or changes it with --order, --zone-aware or --placement and
+    /// --backups or --backups-from-members (what is not given stays as it is). The ring is
+    /// ordered at once; no copy moves until `cluster rebalance --apply` puts the backups on
+    /// their primaries' new successors.
+    Layout {
+        /// The members' node ids in ring order, comma-separated; members not listed follow,
+        /// and a listed member that joins later goes to its place.
+        #[arg(long, value_delimiter = ',', conflicts_with_all = ["zone_aware", "placement"])]
+        order: Option<Vec<String>>,
+        /// The zones take turns around the ring, so a queue's backups sit in other zones.
+        #[arg(long, conflicts_with = "placement")]
+        zone_aware: bool,
+        /// The brokers place each new member (its ring_order, else the planner's gap).
+        #[arg(long)]
+        placement: bool,
+        /// The backups (0 to 3) of every queue declared without qpid.cluster.backups.
+        #[arg(long, value_parser = clap::value_parser!(u8).range(0..=3), conflicts_with = "backups_from_members")]
+        backups: Option<u8>,
+        /// Queues declared from now on without qpid.cluster.backups take their member's
+        /// default_backups again (the queues there are keep their k).
+        #[arg(long)]
+        backups_from_members: bool,
+    },
     /// Moves a queue's primary to another member: it catches up as a backup, then takes
     /// over (consumers elsewhere get a cancel notification and redeliveries; publishes
     /// during the switch, a few milliseconds, are nacked and sent again).
@@ -117,6 +140,26 @@ pub fn run(conn: &Conn, command: &ClusterCommand) -> anyhow::Result<()> {
             },
             wait.then(|| Duration::from_secs(*timeout)),
         ),
+        ClusterCommand::Layout {
+            order,
+            zone_aware,
+            placement,
+            backups,
+            backups_from_members,
+        } => {
+            let order = match (order, zone_aware, placement) {
+                (Some(list), _, _) => Some(json!(list)),
+                (None, true, _) => Some(json!("zone-aware")),
+                (None, false, true) => Some(json!("placement")),
+                (None, false, false) => None,
+            };
+            let backups = match (backups, backups_from_members) {
+                (Some(k), _) => Some(json!(k)),
+                (None, true) => Some(serde_json::Value::Null),
+                (None, false) => None,
+            };
+            layout(conn, order, backups)
+        }
         ClusterCommand::Undrain { node } => {
             let path = format!("/api/members/{}/undrain", seg(node));
             send(&client(conn), "POST", &path, None)?;
@@ -124,6 +167,39 @@ pub fn run(conn: &Conn, command: &ClusterCommand) -> anyhow::Result<()> {
             Ok(())
         }
     }
+}
+
+/// `cluster layout`: shows the layout, or changes the parts given (`None`: as it is).
+fn layout(
+    conn: &Conn,
+    order: Option<serde_json::Value>,
+    backups: Option<serde_json::Value>,
+) -> anyhow::Result<()> {
+    const PATH: &str = "/api/cluster/ring";
+    let c = client(conn);
+    let mut now = send(&c, "GET", PATH, None)?.body;
+    if order.is_some() || backups.is_some() {
+        let body = json!({
+            "order": order.unwrap_or_else(|| now["order"].clone()),
+            "backups": backups.unwrap_or_else(|| now["backups"].clone()),
+        });
+        now = send(&c, "PUT", PATH, Some(&body))?.body;
+    }
+    if conn.json {
+        println!("{now}");
+        return Ok(());
+    }
+    let order = match &now["order"] {
+        serde_json::Value::String(s) => s.clone(),
+        list => format!("explicit {list}"),
+    };
+    println!("order: {order}");
+    match now["backups"].as_u64() {
+        Some(k) => println!("backups: {k} (queues without qpid.cluster.backups)"),
+        None => println!("backups: each member's default_backups"),
+    }
+    println!("ring now: {}", now["ring"]);
+    Ok(())
 }
 
 /// What `cluster rebalance` was asked to do besides showing the plan.

@@ -107,6 +107,7 @@ impl Model {
                             default_backups: 1,
                             ring_order: None,
                             places_ring: true,
+                            lays_out_ring: true,
                             process: 0,
                         };
                         let delay = self.rng.gen_range(0..4);
@@ -513,6 +514,7 @@ fn a_snapshot_delivered_to_a_joiner_is_reported_after_its_hello() {
         default_backups: 1,
         ring_order: None,
         places_ring: true,
+        lays_out_ring: true,
         process: 7,
     });
     let deliver = |index: u64, sender: MemberId, msg: &ClusterMsg| CpgEvent::Deliver {

@@ -19,6 +19,7 @@ fn membership(count: u64) -> Membership {
                 default_backups: 1,
                 ring_order: None,
                 places_ring: true,
+                lays_out_ring: true,
                 process: 0,
             },
         );
@@ -262,6 +263,7 @@ fn join(m: &mut Membership, roles: &Roles, id: u64, zone: &str, order: Option<u3
         default_backups: 1,
         ring_order: order,
         places_ring: true,
+        lays_out_ring: true,
         process: 0,
     };
     let at = insertion(roles, m, &info);

@@ -1,8 +1,9 @@
 //! The BackupRing reconciler: the ring and the proposal in the status, a rebalance started
-//! only when approved (the annotation then removed) or, `Automatic`, beyond the threshold.
+//! only when approved (the annotation then removed) or, `Automatic`, beyond the threshold
+//! or after a layout change; the spec's layout set on the brokers once, a refusal reported.
 
 use super::*;
-use crate::admin::{PlannedMove, RebalanceProgress, RebalanceView};
+use crate::admin::{LayoutOrder, PlannedMove, RebalanceProgress, RebalanceView};
 use crate::crd::{APPROVE_ANNOTATION, BackupRing, BackupRingSpec, BackupRingStatus};
 use kube::Resource;
 
@@ -302,5 +303,248 @@ async fn an_approved_rebalance_evens_a_real_three_member_cluster() {
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     };
     assert!(view.primaries.values().all(|n| *n == 10), "{view:?}");
+    let _ = std::fs::remove_file(&secret);
+}
+
+/// A fake cluster whose primaries are even (10 / 10 / 10); `backup_moves` backups off
+/// their primaries' ring successors make it unbalanced.
+fn even_admin(backup_moves: usize) -> FakeAdmin {
+    let admin = admin_with([10, 10, 10], None);
+    {
+        let mut s = admin.state();
+        s.rebalance.backup_plan = (0..backup_moves)
+            .map(|i| PlannedMove {
+                vhost: "/".into(),
+                queue: format!("q{i}"),
+                kind: "backup".into(),
+                from: "ringmq-0".into(),
+                to: "ringmq-2".into(),
+            })
+            .collect();
+        s.rebalance.balanced = backup_moves == 0;
+    }
+    admin
+}
+
+#[tokio::test]
+async fn a_rings_order_and_backups_reach_the_brokers_once_and_a_refusal_is_reported() {
+    let admin = even_admin(0);
+    let order = json!({"policy": "Explicit", "members": ["ringmq-2", "ringmq-0", "ringmq-1"]});
+    let r = ring(json!({"order": order, "backups": 2}), false);
+    for round in 0..2 {
+        let (ctx, verifier) = Context::test(admin.clone());
+        let seen = r.clone();
+        let (result, status) = run_scripted(
+            verifier,
+            backup_ring::reconcile(Arc::new(r.clone()), ctx),
+            |mut v| async move {
+                cluster_and_secret(&mut v).await;
+                if round == 0 {
+                    let e = v.event("LayoutApplied").await;
+                    let note = e.body["note"].as_str().unwrap().to_owned();
+                    assert!(
+                        note.contains(r#"["ringmq-2","ringmq-0","ringmq-1"]"#),
+                        "{note}"
+                    );
+                }
+                let s = ring_status(&mut v, &seen).await;
+                (v, s)
+            },
+        )
+        .await;
+        result.expect("reconcile succeeds");
+        let layout = status.layout.expect("the layout in the status");
+        assert_eq!(layout.policy, "Explicit");
+        assert_eq!(layout.members, ["ringmq-2", "ringmq-0", "ringmq-1"]);
+        assert_eq!(layout.backups, Some(2));
+        assert!(layout.followed, "balanced: nothing to move");
+        let applied = condition(&status.conditions, "LayoutApplied");
+        assert_eq!(
+            (applied.status.as_str(), applied.reason.as_str()),
+            ("True", "Applied")
+        );
+    }
+    // Set once; the second round found it in place.
+    let calls = admin.state().calls.clone();
+    assert_eq!(
+        calls,
+        [
+            "overview",
+            "ring-layout",
+            r#"set-ring-layout ["ringmq-2","ringmq-0","ringmq-1"] Some(2)"#,
+            "rebalance",
+            "overview",
+            "ring-layout",
+            "rebalance"
+        ]
+    );
+    assert_eq!(admin.state().members, ["ringmq-2", "ringmq-0", "ringmq-1"]);
+
+    // A member twice: the brokers refuse it, the operator says why and keeps going.
+    let twice = json!({"policy": "Explicit", "members": ["ringmq-0", "ringmq-0"]});
+    let r = ring(json!({"order": twice}), false);
+    let (ctx, verifier) = Context::test(admin.clone());
+    let (result, status) = run_scripted(
+        verifier,
+        backup_ring::reconcile(Arc::new(r.clone()), ctx),
+        |mut v| async move {
+            cluster_and_secret(&mut v).await;
+            let e = v.event("LayoutRefused").await;
+            assert_eq!(e.body["type"], "Warning");
+            let s = ring_status(&mut v, &r).await;
+            (v, s)
+        },
+    )
+    .await;
+    result.expect("a refused layout is reported, not retried as an error");
+    let refused = condition(&status.conditions, "LayoutApplied");
+    assert_eq!(
+        (refused.status.as_str(), refused.reason.as_str()),
+        ("False", "Refused")
+    );
+    assert!(
+        refused.message.contains("listed twice"),
+        "{}",
+        refused.message
+    );
+    assert_eq!(
+        status.layout.expect("as the brokers hold it").policy,
+        "Explicit"
+    );
+}
+
+#[tokio::test]
+async fn an_automatic_ring_rebalances_once_after_its_layout_changed() {
+    // Even primaries, well within the threshold, but a new order leaves three backups off
+    // their primaries' successors: the rebalance starts anyway, once.
+    let admin = even_admin(3);
+    let r = ring(
+        json!({"order": {"policy": "ZoneAware"}, "rebalance": {"mode": "Automatic", "threshold": 5}}),
+        false,
+    );
+    for round in 0..2 {
+        let (ctx, verifier) = Context::test(admin.clone());
+        let seen = r.clone();
+        let (result, status) = run_scripted(
+            verifier,
+            backup_ring::reconcile(Arc::new(r.clone()), ctx),
+            |mut v| async move {
+                cluster_and_secret(&mut v).await;
+                if round == 0 {
+                    v.event("LayoutApplied").await;
+                    let e = v.event("RebalanceStarted").await;
+                    assert!(e.body["note"].as_str().unwrap().contains("automatic"));
+                }
+                let s = ring_status(&mut v, &seen).await;
+                (v, s)
+            },
+        )
+        .await;
+        result.expect("reconcile succeeds");
+        let layout = status.layout.expect("the layout");
+        assert_eq!(layout.policy, "ZoneAware");
+        assert!(
+            !layout.followed,
+            "the rebalance under way has not put the backups there yet"
+        );
+    }
+    assert_eq!(
+        admin.state().calls,
+        [
+            "overview",
+            "ring-layout",
+            r#"set-ring-layout "zone-aware" None"#,
+            "rebalance",
+            "start-rebalance 2",
+            "rebalance",
+            "overview",
+            "ring-layout",
+            "rebalance"
+        ]
+    );
+}
+
+/// The admin client's layout calls against a real three-member cluster, and the fake's
+/// answers to the same calls: the same order, ring and `k`, and the same refusals.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_layout_calls_behave_on_a_real_cluster_as_the_fake_answers_them() {
+    let secret = ringmq_tests::cluster::secret("operator-layout");
+    let users = "users:\n  - name: admin\n    password: s3cret\n    tags: [administrator]\n";
+    let mut brokers: Vec<ringmq_tests::Broker> = Vec::new();
+    for i in 0..3 {
+        let seeds: Vec<String> = brokers.iter().filter_map(|m| m.cluster.clone()).collect();
+        let seeds: Vec<&str> = seeds.iter().map(String::as_str).collect();
+        let yaml = ringmq_tests::cluster::member_yaml(&format!("ringmq-{i}"), &seeds, &secret);
+        brokers.push(ringmq_tests::Broker::start_with_config(&(yaml + users)));
+    }
+    for m in &brokers {
+        m.wait_ready(std::time::Duration::from_secs(30));
+    }
+    let http = crate::admin::HttpConnectorFactory::default();
+    let admin_of = |m: &ringmq_tests::Broker| {
+        http.connect(crate::admin::AdminEndpoint {
+            base_url: m.admin_url(),
+            username: "admin".into(),
+            password: "s3cret".into(),
+        })
+    };
+    let fake = FakeAdmin::default();
+    fake.state().members = members(3);
+    let real = admin_of(&brokers[1]);
+    let apis: [&dyn crate::admin::AdminApi; 2] = [real.as_ref(), &fake];
+    let explicit = LayoutOrder::Explicit(vec!["ringmq-2".into(), "ringmq-1".into()]);
+    let twice = LayoutOrder::Explicit(vec!["ringmq-0".into(), "ringmq-0".into()]);
+    let mut answers = Vec::new();
+    for api in apis {
+        let first = api.ring_layout().await.expect("the layout");
+        let set = api.set_ring_layout(&explicit, Some(2)).await.expect("set");
+        let zone = LayoutOrder::Named("zone-aware".into());
+        let zoned = api.set_ring_layout(&zone, None).await.expect("zone-aware");
+        let sideways = LayoutOrder::Named("sideways".into());
+        let nameless = LayoutOrder::Explicit(vec!["ringmq-0".into(), String::new()]);
+        let refusals: Vec<String> = [
+            api.set_ring_layout(&twice, None).await,
+            api.set_ring_layout(&explicit, Some(7)).await,
+            api.set_ring_layout(&sideways, None).await,
+            api.set_ring_layout(&nameless, None).await,
+            // Both wrong: each names the same one first.
+            api.set_ring_layout(&sideways, Some(9)).await,
+            api.set_ring_layout(&twice, Some(9)).await,
+        ]
+        .into_iter()
+        .map(|r| match r {
+            Err(crate::admin::AdminError::Unexpected {
+                status: 400, body, ..
+            }) => serde_json::from_str::<Value>(&body).unwrap()["reason"]
+                .as_str()
+                .unwrap()
+                .to_owned(),
+            other => panic!("not a 400: {other:?}"),
+        })
+        .collect();
+        let last = api.ring_layout().await.expect("the layout");
+        assert!(set.changed_at > first.changed_at && zoned.changed_at > set.changed_at);
+        assert_eq!(
+            last.changed_at, zoned.changed_at,
+            "a refusal changes nothing"
+        );
+        let strip = |l: crate::admin::RingLayout| (l.order, l.backups, l.ring);
+        answers.push((
+            strip(first),
+            strip(set),
+            strip(zoned),
+            refusals,
+            strip(last),
+        ));
+    }
+    assert_eq!(answers[0], answers[1], "the real cluster, then the fake");
+    let (_, set, ..) = &answers[0];
+    assert_eq!(set.2, ["ringmq-2", "ringmq-1", "ringmq-0"]);
+    // Any member answers the same.
+    let other = admin_of(&brokers[0]).ring_layout().await.unwrap();
+    assert_eq!(
+        (other.order, other.ring),
+        (LayoutOrder::Named("zone-aware".into()), set.2.clone())
+    );
     let _ = std::fs::remove_file(&secret);
 }

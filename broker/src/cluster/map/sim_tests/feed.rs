@@ -122,6 +122,7 @@ impl World {
                     default_backups: u8::try_from(slot % 3).unwrap_or(1),
                     ring_order: None,
                     places_ring: true,
+                    lays_out_ring: true,
                     process: m.proc + 1,
                 };
                 spawn_announce(m.cpg.clone(), ClusterMsg::Hello(info));
