@@ -112,6 +112,14 @@ impl ApiError {
     pub fn conflict(reason: impl Into<String>) -> Self {
         Self::new(StatusCode::CONFLICT, "conflict", reason)
     }
+    /// 503: the cluster layer stopped, so a change submitted to it has no answer.
+    pub fn cluster_stopped() -> Self {
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "unavailable",
+            "the cluster layer stopped",
+        )
+    }
     /// 403.
     pub fn forbidden(reason: impl Into<String>) -> Self {
         Self::new(StatusCode::FORBIDDEN, "access_refused", reason)

@@ -89,16 +89,9 @@ pub(super) async fn run(c: &Ctx<'_>, plan: Planner) -> Result<Reply> {
             outcome,
             new_exchange,
         } => {
-            let stopped = |_| {
-                ApiError::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "unavailable",
-                    "the cluster layer stopped",
-                )
-            };
             let (reply, _journal_seq) = outcome
                 .await
-                .map_err(stopped)?
+                .map_err(|_| ApiError::cluster_stopped())?
                 .map_err(ApiError::from_amqp)?;
             reply.created || new_exchange
         }

@@ -984,6 +984,10 @@ fn push_session_changes(
 }
 
 #[cfg(test)]
+mod layout_tests;
+#[cfg(test)]
+mod roles_model;
+#[cfg(test)]
 mod roles_tests;
 #[cfg(test)]
 mod sim_tests;

@@ -399,7 +399,16 @@ impl Cluster {
         self.membership.read().draining().contains(node)
     }
 
-    /// The ring's layout as last set, and the agreed index of the op that set it (0: never),
+    /// Node id of an announced member of a version without ring layouts, if there is one
+    /// (a layout set now would make it leave the cluster).
+    pub fn predating_layouts(&self) -> Option<String> {
+        self.membership
+            .read()
+            .predating_layouts()
+            .map(str::to_owned)
+    }
+
+    /// The ring's layout in force, and the agreed index of the op that last set it (0: never),
     /// as of the newest event applied here.
     pub fn layout(&self) -> (super::layout::RingLayout, u64) {
         let m = self.membership.read();

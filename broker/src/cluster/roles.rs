@@ -117,16 +117,10 @@ impl QueueRoles {
         self.wanted_backups = k;
         if fewer {
             self.end_replace();
+            let most = self.most_backups();
+            let target = self.moving_to.clone();
             let serving = |b: &String| !draining.contains(b);
-            while self.backups.iter().filter(|b| serving(b)).count() > self.most_backups() {
-                let droppable = |b: &String| serving(b) && self.moving_to.as_ref() != Some(b);
-                let at = (self.backups.iter())
-                    .rposition(|b| droppable(b) && !self.in_sync.contains(b))
-                    .or_else(|| self.backups.iter().rposition(droppable));
-                let Some(at) = at else { break };
-                let gone = self.backups.remove(at);
-                self.in_sync.retain(|n| *n != gone);
-            }
+            self.drop_backups_beyond(most, serving, |b| serving(b) && target.as_ref() != Some(b));
         }
         self.reconcile_with(ring, draining);
         true
@@ -396,12 +390,22 @@ impl QueueRoles {
     /// one that is not in sync, else the last).
     fn end_move(&mut self) {
         self.moving_to = None;
-        while self.backups.len() > usize::from(self.wanted_backups) {
-            let at = self
-                .backups
-                .iter()
-                .rposition(|b| !self.in_sync.contains(b))
-                .unwrap_or(self.backups.len() - 1);
+        self.drop_backups_beyond(usize::from(self.wanted_backups), |_| true, |_| true);
+    }
+
+    /// Drops backups while more than `most` of them are `counted`: of those `droppable`, the
+    /// ones out of sync first, the last in backups order first.
+    fn drop_backups_beyond(
+        &mut self,
+        most: usize,
+        counted: impl Fn(&String) -> bool,
+        droppable: impl Fn(&String) -> bool,
+    ) {
+        while self.backups.iter().filter(|b| counted(b)).count() > most {
+            let at = (self.backups.iter())
+                .rposition(|b| droppable(b) && !self.in_sync.contains(b))
+                .or_else(|| self.backups.iter().rposition(&droppable));
+            let Some(at) = at else { return };
             let gone = self.backups.remove(at);
             self.in_sync.retain(|n| *n != gone);
         }

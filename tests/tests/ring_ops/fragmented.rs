@@ -3,6 +3,7 @@
 //! whose consumers run dry pulling from the others, the whole queue counted, purged and
 //! deleted as one, and a member killed with -9 losing nothing confirmed.
 
+use crate::{get, publish_confirmed};
 use futures_lite::StreamExt;
 use lapin::BasicProperties;
 use lapin::options::{
@@ -40,15 +41,6 @@ async fn declare(b: &Broker) -> lapin::Channel {
         .await
         .expect("a fragmented queue is declared");
     ch
-}
-
-/// `GET path` on `b`'s admin API.
-async fn get(b: &Broker, path: &str) -> Value {
-    let admin = b.admin_client();
-    let path = path.to_owned();
-    tokio::task::spawn_blocking(move || admin.get(&path).expect("admin API answers").body)
-        .await
-        .unwrap()
 }
 
 /// Publishes `count` persistent messages `{producer}-{n}` through `b`, confirmed in windows
@@ -386,24 +378,12 @@ async fn session(b: &Broker, id: &str, resume: bool) -> Result<lapin::Connection
 }
 
 /// Publishes `bodies` on `conn` with confirms; panics unless each is acked.
-async fn publish_confirmed(conn: &lapin::Connection, bodies: std::ops::Range<u32>) {
+async fn publish_on(conn: &lapin::Connection, bodies: std::ops::Range<u32>) {
     let ch = conn.create_channel().await.unwrap();
     ch.confirm_select(ConfirmSelectOptions::default())
         .await
         .unwrap();
-    for n in bodies {
-        let confirm = ch
-            .basic_publish(
-                "".into(),
-                QUEUE.into(),
-                BasicPublishOptions::default(),
-                format!("s-{n}").as_bytes(),
-                BasicProperties::default().with_delivery_mode(2),
-            )
-            .await
-            .unwrap();
-        assert!(confirm.await.unwrap().is_ack());
-    }
+    publish_confirmed(&ch, QUEUE, bodies.map(|n| format!("s-{n}"))).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -414,7 +394,7 @@ async fn a_resumed_session_keeps_publishing_into_the_fragment_it_started_in() {
     let first = session(&members[1], id, false)
         .await
         .expect("session started");
-    publish_confirmed(&first, 0..10).await;
+    publish_on(&first, 0..10).await;
     // 330 keeps the session (lapin reports the close of the channel it dropped as an error).
     let _ = first.close(330, "keep my session".into()).await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
@@ -427,7 +407,7 @@ async fn a_resumed_session_keeps_publishing_into_the_fragment_it_started_in() {
             }
         }
     };
-    publish_confirmed(&moved, 10..20).await;
+    publish_on(&moved, 10..20).await;
     let (name, node, messages) = fragment_of(&members[2], "fragmented-session-1")
         .await
         .expect("member 1's fragment");

@@ -5,9 +5,8 @@
 //! catches up. Every confirmed message is still there; a layout no ring can follow is
 //! refused with the reason.
 
-use crate::ctl;
-use lapin::BasicProperties;
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
+use crate::{ctl, get, publish_confirmed};
+use lapin::options::{ConfirmSelectOptions, QueueDeclareOptions};
 use lapin::types::FieldTable;
 use ringmq_tests::cluster::start_cluster;
 use ringmq_tests::{Broker, queue_counts};
@@ -18,14 +17,6 @@ use std::time::{Duration, Instant};
 const PER_MEMBER: usize = 2;
 /// Persistent messages in each.
 const MESSAGES: usize = 5;
-
-async fn get(b: &Broker, path: &str) -> Value {
-    let admin = b.admin_client();
-    let path = path.to_owned();
-    tokio::task::spawn_blocking(move || admin.get(&path).expect("admin API answers").body)
-        .await
-        .unwrap()
-}
 
 /// Declares `PER_MEMBER` queues through `b` without `qpid.cluster.backups` and fills them,
 /// every message confirmed.
@@ -44,19 +35,7 @@ async fn fill(b: &Broker, tag: usize) -> Vec<String> {
         ch.queue_declare(name.as_str().into(), durable, FieldTable::default())
             .await
             .unwrap();
-        for m in 0..MESSAGES {
-            let confirm = ch
-                .basic_publish(
-                    "".into(),
-                    name.as_str().into(),
-                    BasicPublishOptions::default(),
-                    format!("{name}-m{m}").as_bytes(),
-                    BasicProperties::default().with_delivery_mode(2),
-                )
-                .await
-                .unwrap();
-            assert!(confirm.await.unwrap().is_ack());
-        }
+        publish_confirmed(&ch, &name, (0..MESSAGES).map(|m| format!("{name}-m{m}"))).await;
         names.push(name);
     }
     names

@@ -9,7 +9,10 @@ mod layout;
 mod move_queue;
 mod rebalance;
 
+use lapin::BasicProperties;
+use lapin::options::BasicPublishOptions;
 use ringmq_tests::{Broker, binary};
+use serde_json::Value;
 
 /// `ringmqctl` against `b`'s admin API (as guest), off the async runtime: whether it
 /// succeeded, and its stdout and stderr.
@@ -31,4 +34,35 @@ pub(crate) async fn ctl(b: &Broker, args: &[&str]) -> (bool, String) {
         String::from_utf8_lossy(&out.stderr)
     );
     (out.status.success(), text)
+}
+
+/// `GET path` on `b`'s admin API, off the async runtime: the body it answered.
+pub(crate) async fn get(b: &Broker, path: &str) -> Value {
+    let admin = b.admin_client();
+    let path = path.to_owned();
+    tokio::task::spawn_blocking(move || admin.get(&path).expect("admin API answers").body)
+        .await
+        .unwrap()
+}
+
+/// Publishes each of `bodies` to `queue` through the default exchange, persistent, on `ch`
+/// (in confirm mode), one after another; panics unless each is acked.
+pub(crate) async fn publish_confirmed(
+    ch: &lapin::Channel,
+    queue: &str,
+    bodies: impl IntoIterator<Item = String>,
+) {
+    for body in bodies {
+        let confirm = ch
+            .basic_publish(
+                "".into(),
+                queue.into(),
+                BasicPublishOptions::default(),
+                body.as_bytes(),
+                BasicProperties::default().with_delivery_mode(2),
+            )
+            .await
+            .unwrap();
+        assert!(confirm.await.unwrap().is_ack(), "{body} nacked");
+    }
 }

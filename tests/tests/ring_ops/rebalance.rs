@@ -4,9 +4,8 @@
 //! it out; a receiving member lost half-way fails only the moves to it. Nothing is lost. A
 //! fourth member that joins gets its share.
 
-use crate::ctl;
-use lapin::BasicProperties;
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions};
+use crate::{ctl, get, publish_confirmed};
+use lapin::options::{ConfirmSelectOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use ringmq_tests::cluster::{member_yaml, start_cluster};
 use ringmq_tests::{Broker, bodies, queue_counts};
@@ -20,15 +19,6 @@ const MESSAGES: usize = 10;
 
 fn queue(i: usize) -> String {
     format!("rb-{i:02}")
-}
-
-/// `GET path` on `b`'s admin API.
-async fn get(b: &Broker, path: &str) -> Value {
-    let admin = b.admin_client();
-    let path = path.to_owned();
-    tokio::task::spawn_blocking(move || admin.get(&path).expect("admin API answers").body)
-        .await
-        .unwrap()
 }
 
 /// Declares the queues through `b` (one backup each) and publishes their messages,
@@ -48,19 +38,8 @@ async fn fill(b: &Broker) {
         ch.queue_declare(queue(i).as_str().into(), durable, args.clone())
             .await
             .unwrap();
-        for m in 0..MESSAGES {
-            let confirm = ch
-                .basic_publish(
-                    "".into(),
-                    queue(i).as_str().into(),
-                    BasicPublishOptions::default(),
-                    format!("{}-m{m}", queue(i)).as_bytes(),
-                    BasicProperties::default().with_delivery_mode(2),
-                )
-                .await
-                .unwrap();
-            assert!(confirm.await.unwrap().is_ack());
-        }
+        let bodies = (0..MESSAGES).map(|m| format!("{}-m{m}", queue(i)));
+        publish_confirmed(&ch, &queue(i), bodies).await;
     }
 }
 

@@ -61,11 +61,7 @@ pub(super) fn undrain<'a>(c: &'a Ctx<'a>) -> BoxFuture<'a, Result<Reply>> {
 
 async fn set_draining(c: &Ctx<'_>, draining: bool) -> Result<Reply> {
     let [id] = c.args();
-    let Some(cluster) = c.broker.cluster() else {
-        return Err(ApiError::bad_request(
-            "this broker is not a cluster member: there is no other member to drain to",
-        ));
-    };
+    let cluster = super::clustered(c, "there is no other member to drain to")?;
     let known = cluster
         .members()
         .iter()
@@ -81,17 +77,7 @@ async fn set_draining(c: &Ctx<'_>, draining: bool) -> Result<Reply> {
         node: id.to_owned(),
         draining,
     };
-    match cluster.submit("", op).await {
-        Ok(Ok(_)) => {}
-        Ok(Err(e)) => return Err(ApiError::from_amqp(e)),
-        Err(_) => {
-            return Err(ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "unavailable",
-                "the cluster layer stopped",
-            ));
-        }
-    }
+    super::commit(&cluster, op).await?;
     let state = if draining { "draining" } else { "running" };
     tracing::warn!(member = %id, state, user = %c.call.user.name, "member drain changed via admin API");
     Ok(json_reply(

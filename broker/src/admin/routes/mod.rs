@@ -30,10 +30,13 @@ pub(super) use users::{parse_tags, put_user};
 pub(super) use vhosts::{put_vhost, vhost};
 
 use super::json::table_from_json;
-use super::router::{Result, Route, Verb};
+use super::router::{Ctx, Result, Route, Verb};
 use super::{ApiError, Reply, empty_reply, json_reply};
+use crate::cluster::Cluster;
+use crate::core::WiringOp;
 use hyper::StatusCode;
 use serde_json::Value;
+use std::sync::Arc;
 
 /// Every `/api/` endpoint. Patterns are matched in order on the decoded path segments; a
 /// path whose first segment appears here with another method answers 405, any other 404.
@@ -121,6 +124,23 @@ pub(super) static ROUTES: &[Route] = &[
     Route::get("/api/definitions", definitions::export),
     Route::post("/api/definitions", definitions::import),
 ];
+
+/// This member's cluster, or a 400 saying why a single broker cannot do what was asked.
+fn clustered(c: &Ctx<'_>, why: &str) -> Result<Arc<Cluster>> {
+    (c.broker.cluster().cloned())
+        .ok_or_else(|| ApiError::bad_request(format!("this broker is not a cluster member: {why}")))
+}
+
+/// Commits a cluster-wide op (the map's, submitted under no vhost) and waits until this
+/// member applied it: the op's refusal as the status it maps to, a 503 when the cluster
+/// layer stopped.
+async fn commit(cluster: &Arc<Cluster>, op: WiringOp) -> Result<()> {
+    match cluster.submit("", op).await {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err(e)) => Err(ApiError::from_amqp(e)),
+        Err(_) => Err(ApiError::cluster_stopped()),
+    }
+}
 
 /// 200 with `v` as the body: what every read answers.
 fn ok(v: Value) -> Result<Reply> {

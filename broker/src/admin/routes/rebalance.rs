@@ -2,7 +2,7 @@
 //! (`ringmqctl cluster rebalance`). The plan and its progress are the cluster map's, so any
 //! member answers with the same view ([`crate::cluster::rebalance`]).
 
-use super::ok;
+use super::{commit, ok};
 use crate::admin::router::{Ctx, Result};
 use crate::admin::{ApiError, Reply, json_reply};
 use crate::cluster::rebalance::{DEFAULT_CONCURRENCY, MAX_CONCURRENCY};
@@ -62,7 +62,11 @@ pub(super) fn start<'a>(c: &'a Ctx<'a>) -> BoxFuture<'a, Result<Reply>> {
                     ))
                 })?,
         };
-        commit(&cluster, RebalanceStep::Start { concurrency }).await?;
+        commit(
+            &cluster,
+            WiringOp::Rebalance(RebalanceStep::Start { concurrency }),
+        )
+        .await?;
         tracing::warn!(concurrency, user = %c.call.user.name, "rebalance started via admin API");
         accepted(&cluster)
     })
@@ -74,28 +78,14 @@ pub(super) fn start<'a>(c: &'a Ctx<'a>) -> BoxFuture<'a, Result<Reply>> {
 pub(super) fn stop<'a>(c: &'a Ctx<'a>) -> BoxFuture<'a, Result<Reply>> {
     Box::pin(async move {
         let cluster = clustered(c)?;
-        commit(&cluster, RebalanceStep::Stop).await?;
+        commit(&cluster, WiringOp::Rebalance(RebalanceStep::Stop)).await?;
         tracing::warn!(user = %c.call.user.name, "rebalance stopped via admin API");
         accepted(&cluster)
     })
 }
 
 fn clustered(c: &Ctx<'_>) -> Result<Arc<Cluster>> {
-    c.broker.cluster().cloned().ok_or_else(|| {
-        ApiError::bad_request("this broker is not a cluster member: there is nothing to rebalance")
-    })
-}
-
-async fn commit(cluster: &Arc<Cluster>, step: RebalanceStep) -> Result<()> {
-    match cluster.submit("", WiringOp::Rebalance(step)).await {
-        Ok(Ok(_)) => Ok(()),
-        Ok(Err(e)) => Err(ApiError::from_amqp(e)),
-        Err(_) => Err(ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "unavailable",
-            "the cluster layer stopped",
-        )),
-    }
+    super::clustered(c, "there is nothing to rebalance")
 }
 
 fn accepted(cluster: &Cluster) -> Result<Reply> {

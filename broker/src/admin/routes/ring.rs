@@ -3,7 +3,7 @@
 //! their own. The layout is the cluster map's, so any member answers the same
 //! ([`crate::cluster::layout`]).
 
-use super::ok;
+use super::{commit, ok};
 use crate::admin::router::{Ctx, Result};
 use crate::admin::{ApiError, Reply, json_reply};
 use crate::cluster::Cluster;
@@ -34,43 +34,20 @@ pub(super) fn set<'a>(c: &'a Ctx<'a>) -> BoxFuture<'a, Result<Reply>> {
     Box::pin(async move {
         let cluster = clustered(c)?;
         let layout = parse(&c.call.json()?)?;
-        let old = (cluster.members().into_iter())
-            .filter_map(|m| m.info)
-            .find(|i| !i.lays_out_ring);
-        if let Some(old) = old {
-            return Err(ApiError::new(
-                StatusCode::CONFLICT,
-                "conflict",
-                format!(
-                    "member '{}' runs a version without ring layouts, which would leave the \
-                     cluster on this change: upgrade it first",
-                    old.node_id
-                ),
-            ));
+        if let Some(old) = cluster.predating_layouts() {
+            return Err(ApiError::conflict(format!(
+                "member '{old}' runs a version without ring layouts, which would leave the \
+                 cluster on this change: upgrade it first"
+            )));
         }
-        match cluster
-            .submit("", WiringOp::SetRingLayout(layout.clone()))
-            .await
-        {
-            Ok(Ok(_)) => {}
-            Ok(Err(e)) => return Err(ApiError::from_amqp(e)),
-            Err(_) => {
-                return Err(ApiError::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "unavailable",
-                    "the cluster layer stopped",
-                ));
-            }
-        }
+        commit(&cluster, WiringOp::SetRingLayout(layout.clone())).await?;
         tracing::warn!(?layout, user = %c.call.user.name, "ring layout set via admin API");
         Ok(json_reply(StatusCode::ACCEPTED, &layout_json(&cluster)))
     })
 }
 
 fn clustered(c: &Ctx<'_>) -> Result<Arc<Cluster>> {
-    c.broker.cluster().cloned().ok_or_else(|| {
-        ApiError::bad_request("this broker is not a cluster member: it has no ring to lay out")
-    })
+    super::clustered(c, "it has no ring to lay out")
 }
 
 /// The layout a body asks for, or a 400 that says what to fix.

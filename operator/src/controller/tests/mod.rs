@@ -37,6 +37,19 @@ const QUEUE: &str = "/apis/ringmq.io/v1alpha1/namespaces/default/queues/orders";
 const QUEUE_STATUS: &str = "/apis/ringmq.io/v1alpha1/namespaces/default/queues/orders/status";
 const CLUSTER: &str = "/apis/ringmq.io/v1alpha1/namespaces/default/clusters/ringmq";
 
+/// The operator's admin client for real broker `m`, as `user` with `password`.
+fn real_admin(
+    m: &ringmq_tests::Broker,
+    user: &str,
+    password: &str,
+) -> Arc<dyn crate::admin::AdminApi> {
+    crate::admin::HttpConnectorFactory::default().connect(crate::admin::AdminEndpoint {
+        base_url: m.admin_url(),
+        username: user.into(),
+        password: password.into(),
+    })
+}
+
 /// Secrets exist; ConfigMap, Services, PDB applied; no ServiceMonitor CRD.
 async fn existing_children(v: &mut ApiServerVerifier) {
     v.get(&format!("{NS}/secrets/ringmq-cluster"), cluster_secret())

@@ -261,14 +261,7 @@ async fn the_rollout_gate_reads_quorum_and_members_from_a_real_three_member_clus
         member.wait_ready(std::time::Duration::from_secs(30));
         members.push(member);
     }
-    let http = crate::admin::HttpConnectorFactory::default();
-    let admin_of = |m: &ringmq_tests::Broker| {
-        http.connect(crate::admin::AdminEndpoint {
-            base_url: m.admin_url(),
-            username: "guest".into(),
-            password: "guest".into(),
-        })
-    };
+    let admin_of = |m: &ringmq_tests::Broker| real_admin(m, "guest", "guest");
     let api = admin_of(&members[0]);
     // A ready member may still be `joining` in the others' view (its snapshot of the cluster
     // map not delivered yet), or the group between leaders: a bounded wait for the settled
@@ -351,14 +344,7 @@ async fn the_rollout_gate_reads_quorum_and_members_from_a_real_three_member_clus
 async fn the_drain_call_empties_a_member_of_a_real_three_member_cluster() {
     // Node ids ringmq-0..2, the pod names of a Cluster named ringmq.
     let (members, _secret) = ringmq_tests::cluster::start_cluster("ringmq", 3);
-    let http = crate::admin::HttpConnectorFactory::default();
-    let admin_of = |m: &ringmq_tests::Broker| {
-        http.connect(crate::admin::AdminEndpoint {
-            base_url: m.admin_url(),
-            username: "guest".into(),
-            password: "guest".into(),
-        })
-    };
+    let admin_of = |m: &ringmq_tests::Broker| real_admin(m, "guest", "guest");
     let api = admin_of(&members[0]);
     for q in ["drain-a", "drain-b"] {
         let mut arguments = serde_json::Map::new();

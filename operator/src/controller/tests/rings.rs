@@ -219,12 +219,10 @@ async fn an_automatic_ring_rebalances_only_beyond_its_threshold() {
     assert_eq!(status.rebalance.expect("started").status, "running");
 }
 
-/// The reconciler and the admin client against a real three-member cluster: thirty queues
-/// declared through one member, an approved proposal started through another, and the
-/// brokers carry it out to even primaries.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_approved_rebalance_evens_a_real_three_member_cluster() {
-    let secret = ringmq_tests::cluster::secret("operator-ring");
+/// Three real brokers with node ids `ringmq-0..2` (the pods of a Cluster named ringmq), each
+/// with the fixtures' administrator (admin / s3cret), their cluster secret named `secret`.
+fn ringmq_cluster(secret: &str) -> (Vec<ringmq_tests::Broker>, std::path::PathBuf) {
+    let secret = ringmq_tests::cluster::secret(secret);
     let users = "users:\n  - name: admin\n    password: s3cret\n    tags: [administrator]\n";
     let mut members: Vec<ringmq_tests::Broker> = Vec::new();
     for i in 0..3 {
@@ -236,14 +234,16 @@ async fn an_approved_rebalance_evens_a_real_three_member_cluster() {
     for m in &members {
         m.wait_ready(std::time::Duration::from_secs(30));
     }
-    let http = crate::admin::HttpConnectorFactory::default();
-    let admin_of = |m: &ringmq_tests::Broker| {
-        http.connect(crate::admin::AdminEndpoint {
-            base_url: m.admin_url(),
-            username: "admin".into(),
-            password: "s3cret".into(),
-        })
-    };
+    (members, secret)
+}
+
+/// The reconciler and the admin client against a real three-member cluster: thirty queues
+/// declared through one member, an approved proposal started through another, and the
+/// brokers carry it out to even primaries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_approved_rebalance_evens_a_real_three_member_cluster() {
+    let (members, secret) = ringmq_cluster("operator-ring");
+    let admin_of = |m: &ringmq_tests::Broker| real_admin(m, "admin", "s3cret");
     let first = admin_of(&members[0]);
     let decl = crate::admin::QueueDeclaration {
         durable: true,
@@ -468,26 +468,8 @@ async fn an_automatic_ring_rebalances_once_after_its_layout_changed() {
 /// answers to the same calls: the same order, ring and `k`, and the same refusals.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_layout_calls_behave_on_a_real_cluster_as_the_fake_answers_them() {
-    let secret = ringmq_tests::cluster::secret("operator-layout");
-    let users = "users:\n  - name: admin\n    password: s3cret\n    tags: [administrator]\n";
-    let mut brokers: Vec<ringmq_tests::Broker> = Vec::new();
-    for i in 0..3 {
-        let seeds: Vec<String> = brokers.iter().filter_map(|m| m.cluster.clone()).collect();
-        let seeds: Vec<&str> = seeds.iter().map(String::as_str).collect();
-        let yaml = ringmq_tests::cluster::member_yaml(&format!("ringmq-{i}"), &seeds, &secret);
-        brokers.push(ringmq_tests::Broker::start_with_config(&(yaml + users)));
-    }
-    for m in &brokers {
-        m.wait_ready(std::time::Duration::from_secs(30));
-    }
-    let http = crate::admin::HttpConnectorFactory::default();
-    let admin_of = |m: &ringmq_tests::Broker| {
-        http.connect(crate::admin::AdminEndpoint {
-            base_url: m.admin_url(),
-            username: "admin".into(),
-            password: "s3cret".into(),
-        })
-    };
+    let (brokers, secret) = ringmq_cluster("operator-layout");
+    let admin_of = |m: &ringmq_tests::Broker| real_admin(m, "admin", "s3cret");
     let fake = FakeAdmin::default();
     fake.state().members = members(3);
     let real = admin_of(&brokers[1]);

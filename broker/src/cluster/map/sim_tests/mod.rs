@@ -1,6 +1,6 @@
 //! The queue-role decisions of the cluster map, simulated over the real CPG layer.
 //!
-//! `roles_tests` drives maps with a hand-written model of CPG (one total order, failures as
+//! `roles_model` drives maps with a hand-written model of CPG (one total order, failures as
 //! configuration changes). Here every member is a real [`Cpg`] of the CPG simulation
 //! (`cpg::sim`: openraft members on a simulated network in paused tokio time, with crashes,
 //! restarts on their disks, whole-cluster restarts, partitions, one-way cuts, bridges,
