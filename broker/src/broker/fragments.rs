@@ -137,6 +137,12 @@ async fn run(broker: Weak<Broker>, cluster: Arc<Cluster>) {
             }
         }
         declared.retain(|_, at| at.elapsed() <= DECLARE_RETRY);
+        // Nothing is pulled from a source whose primary is moving (a drain, a rebalance):
+        // its pull stops and acks what it took to the primary that delivered it, before the
+        // switch, so the new primary does not deliver those again.
+        wanted.retain(|p| {
+            (cluster.queue_roles(&p.vhost, &p.source)).is_none_or(|r| r.moving_to.is_none())
+        });
         // A stopped pull stays listed until it has put away what it had taken.
         pulls.retain(|pull, running| {
             if !wanted.contains(pull) {
