@@ -101,9 +101,13 @@ pub struct MemberInfo {
     /// Zone of the member.
     #[serde(default)]
     pub zone: String,
-    /// Member state.
+    /// Member state: `joining` (not caught up yet), `running`, or `draining`.
     #[serde(default)]
     pub state: String,
+    /// On a cluster: it carries the drain mark (it takes no roles, `/readyz` answers 503),
+    /// whether or not it has caught up yet.
+    #[serde(default)]
+    pub draining: bool,
     /// Queues whose primary this member is (only in `GET /api/members/{id}`).
     #[serde(default)]
     pub owned_queues: u64,
@@ -280,6 +284,11 @@ pub trait AdminApi: Send + Sync {
     /// [`AdminApi::member`] until it holds nothing). Any member answers; a 404 (no such
     /// member) and a 400 (a single broker, nothing to drain to) are errors.
     fn drain<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), AdminError>>;
+    /// `POST /api/members/{id}/undrain`: the member takes roles again. A pod that a
+    /// scale-down drained and removed comes back drained with a scale-up (the mark outlives
+    /// the member); it serves again only once undrained. A 404 (no such member, and no
+    /// mark) is an error.
+    fn undrain<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), AdminError>>;
     /// `GET /api/cluster/rebalance`. Any member answers, the same from each; a single
     /// broker answers 400 (an error).
     fn rebalance(&self) -> BoxFuture<'_, Result<RebalanceView, AdminError>>;
@@ -492,6 +501,16 @@ impl AdminApi for HttpAdmin {
     fn drain<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), AdminError>> {
         Box::pin(async move {
             let path = format!("/api/members/{}/drain", encode_segment(id));
+            match self.call(http::Method::POST, &path, None).await? {
+                (200..=204, _) => Ok(()),
+                (status, body) => Err(self.unexpected(&path, status, &body)),
+            }
+        })
+    }
+
+    fn undrain<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), AdminError>> {
+        Box::pin(async move {
+            let path = format!("/api/members/{}/undrain", encode_segment(id));
             match self.call(http::Method::POST, &path, None).await? {
                 (200..=204, _) => Ok(()),
                 (status, body) => Err(self.unexpected(&path, status, &body)),

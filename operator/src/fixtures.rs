@@ -229,6 +229,14 @@ pub struct FakeBroker {
     pub members: Vec<String>,
     /// Members the overview lists as `joining` (not caught up yet) instead of `running`.
     pub joining: Vec<String>,
+    /// Drain marks by member id, as the brokers keep them: set by a drain, cleared by an
+    /// undrain, kept while the member is away. A marked member that caught up is listed
+    /// `draining`.
+    pub draining: Vec<String>,
+    /// Members that stopped without a drain: no longer listed, but still consensus voters
+    /// (counted in `cluster.voters`), as a real broker keeps a stopped member's vote for its
+    /// restart. A drained member that stops leaves the voters: remove it from `members`.
+    pub stopped_voters: Vec<String>,
     /// The answering member has lost the majority's lease (`cluster.quorum: false`).
     pub no_quorum: bool,
     /// What `GET /api/cluster/rebalance` answers; a start makes `current` a running one
@@ -288,10 +296,13 @@ impl AdminApi for FakeAdmin {
                     // The states a clustered broker reports (`admin/routes/members.rs`).
                     state: if s.joining.contains(id) {
                         "joining"
+                    } else if s.draining.contains(id) {
+                        "draining"
                     } else {
                         "running"
                     }
                     .into(),
+                    draining: s.draining.contains(id),
                     ..MemberInfo::default()
                 })
                 .collect();
@@ -299,7 +310,7 @@ impl AdminApi for FakeAdmin {
             // the leader is unknown without quorum.
             let cluster = ClusterInfo {
                 quorum: !s.no_quorum,
-                voters: s.members.len() as u64,
+                voters: (s.members.len() + s.stopped_voters.len()) as u64,
                 leader: (!s.no_quorum).then(|| s.members.first().cloned()).flatten(),
             };
             Ok(Overview {
@@ -327,7 +338,29 @@ impl AdminApi for FakeAdmin {
 
     fn drain<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), AdminError>> {
         Box::pin(async move {
-            self.state().calls.push(format!("drain {id}"));
+            let mut s = self.state();
+            s.calls.push(format!("drain {id}"));
+            if !s.draining.iter().any(|d| d == id) {
+                s.draining.push(id.into());
+            }
+            Ok(())
+        })
+    }
+
+    fn undrain<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), AdminError>> {
+        Box::pin(async move {
+            let mut s = self.state();
+            s.calls.push(format!("undrain {id}"));
+            // As the brokers answer: a member that is neither here nor marked is unknown.
+            let marked = s.draining.iter().any(|d| d == id);
+            if !marked && !s.members.iter().any(|m| m == id) {
+                return Err(AdminError::Unexpected {
+                    url: format!("/api/members/{id}/undrain"),
+                    status: 404,
+                    body: format!("no member '{id}' in the cluster"),
+                });
+            }
+            s.draining.retain(|d| d != id);
             Ok(())
         })
     }

@@ -3,6 +3,7 @@
 //! Pure, so that resuming after a restart is just calling it again with the status that was
 //! written before the restart.
 
+use crate::admin::{AdminError, Overview};
 use crate::crd::{Operation, OperationKind, OperationStep};
 
 /// Decides the operation to work on from the wanted replicas, the StatefulSet's current
@@ -42,12 +43,158 @@ pub fn start_or_resume(
     }
 }
 
-/// Member ids (pod names) that leave when scaling `name` from `from` down to `to`.
-pub fn leaving_members(name: &str, from: i32, to: i32) -> Vec<String> {
-    (to.max(0)..from).map(|i| format!("{name}-{i}")).collect()
-}
-
 /// Member ids (pod names) that join when scaling `name` from `from` up to `to`.
 pub fn joining_members(name: &str, from: i32, to: i32) -> Vec<String> {
     (from.max(0)..to).map(|i| format!("{name}-{i}")).collect()
+}
+
+/// Whether the cluster is settled at `current` brokers (the StatefulSet's size, `pods` its
+/// pods), so that a scale-down may drain and remove the next one, `name-(current-1)`; `Err`
+/// says what it waits for.
+///
+/// One pod at a time, highest ordinal first, for two reasons:
+/// * The StatefulSet (`OrderedReady`) removes a pod only while the pods before it are
+///   ready, and a drained broker is not (`/readyz` 503): only the highest pod may be drained.
+/// * A drained broker leaves the consensus voters when it stops (the broker's
+///   `retire_if_drained`). Until it has, the cluster still counts its vote, and removing the
+///   next pod could leave a minority of live voters (five voters of which two are gone
+///   survive no further failure).
+///
+/// Settled: the pod removed last is gone, the answering member holds quorum, every one of
+/// `name-0 … name-(current-1)` is a member (`running`, or `draining` — alive and voting),
+/// and there are `current` voters. `forced` (members removed with queues, which stay
+/// voters) relaxes the voters' check to what quorum needs: once the next pod goes, the
+/// members left are still a majority of the voters.
+pub fn settled(
+    name: &str,
+    current: i32,
+    pods: i32,
+    overview: &Result<Overview, AdminError>,
+    forced: bool,
+) -> Result<(), String> {
+    if pods > current {
+        return Err(format!(
+            "{name}-{current} to stop ({pods} pods for {current})"
+        ));
+    }
+    let overview = overview
+        .as_ref()
+        .map_err(|e| format!("the admin API does not answer: {e}"))?;
+    let Some(cluster) = &overview.cluster else {
+        return Ok(());
+    };
+    if !cluster.quorum {
+        return Err(format!("{} reports no quorum", overview.node));
+    }
+    let absent: Vec<String> = (0..current.max(0))
+        .map(|i| format!("{name}-{i}"))
+        .filter(|id| {
+            !overview
+                .members
+                .iter()
+                .any(|m| &m.id == id && (m.state == "running" || m.state == "draining"))
+        })
+        .collect();
+    if !absent.is_empty() {
+        return Err(format!("not running members: {}", absent.join(", ")));
+    }
+    let voters = i32::try_from(cluster.voters).unwrap_or(i32::MAX);
+    if voters <= current {
+        return Ok(());
+    }
+    let next = current - 1;
+    if !forced {
+        return Err(format!(
+            "{voters} consensus voters for {current} brokers: {} stopped broker(s) still vote (a broker leaves the voters when it stops drained and holding nothing; it could not, or is still on its way out); if this lasts, scale up to {voters} to start them again, then down again",
+            voters - current
+        ));
+    }
+    if next * 2 <= voters {
+        return Err(format!(
+            "removing {name}-{next} would leave {next} of {voters} consensus voters, no majority; scale up to {voters} to bring the stopped members back, then down again without the force annotation"
+        ));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::admin::{ClusterInfo, MemberInfo};
+
+    /// An overview from a member of a cluster of `running` members and `voters` voters.
+    fn overview(running: usize, voters: u64) -> Result<Overview, AdminError> {
+        Ok(Overview {
+            node: "ringmq-0".into(),
+            members: (0..running)
+                .map(|i| MemberInfo {
+                    id: format!("ringmq-{i}"),
+                    state: "running".into(),
+                    ..MemberInfo::default()
+                })
+                .collect(),
+            cluster: Some(ClusterInfo {
+                quorum: true,
+                voters,
+                leader: Some("ringmq-0".into()),
+            }),
+            ..Overview::default()
+        })
+    }
+
+    #[test]
+    fn a_whole_cluster_is_settled_and_a_terminating_pod_is_waited_for() {
+        assert_eq!(settled("ringmq", 5, 5, &overview(5, 5), false), Ok(()));
+        let why = settled("ringmq", 4, 5, &overview(4, 5), false).unwrap_err();
+        assert!(why.contains("ringmq-4 to stop"), "{why}");
+    }
+
+    #[test]
+    fn a_drained_member_is_alive_and_a_joining_one_is_not() {
+        let mut o = overview(3, 3);
+        if let Ok(o) = o.as_mut() {
+            o.members[2].state = "draining".into();
+        }
+        assert_eq!(settled("ringmq", 3, 3, &o, false), Ok(()));
+        if let Ok(o) = o.as_mut() {
+            o.members[2].state = "joining".into();
+        }
+        let why = settled("ringmq", 3, 3, &o, false).unwrap_err();
+        assert!(why.contains("ringmq-2"), "{why}");
+    }
+
+    #[test]
+    fn a_stopped_broker_that_still_votes_unsettles_the_cluster() {
+        let why = settled("ringmq", 4, 4, &overview(4, 5), false).unwrap_err();
+        assert!(why.contains("5 consensus voters for 4 brokers"), "{why}");
+        assert!(why.contains("scale up to 5"), "{why}");
+        assert_eq!(settled("ringmq", 2, 2, &overview(2, 2), false), Ok(()));
+    }
+
+    #[test]
+    fn a_forced_shrink_goes_on_with_stale_voters_only_while_the_rest_stay_a_majority() {
+        // 5 voters, 4 brokers: after ringmq-3 goes, 3 of 5 is still a majority.
+        assert_eq!(settled("ringmq", 4, 4, &overview(4, 5), true), Ok(()));
+        // 5 voters, 3 brokers: 2 of 5 would not be.
+        let why = settled("ringmq", 3, 3, &overview(3, 5), true).unwrap_err();
+        assert!(why.contains("no majority"), "{why}");
+    }
+
+    #[test]
+    fn without_quorum_or_an_answer_or_a_member_nothing_is_settled() {
+        let mut cut = overview(3, 3);
+        if let Ok(o) = cut.as_mut() {
+            o.cluster.as_mut().unwrap().quorum = false;
+        }
+        for o in [
+            cut,
+            Err(AdminError::Unreachable {
+                url: "http://ringmq-0.ringmq-nodes:15672/api/overview".into(),
+                reason: "connection refused".into(),
+            }),
+            overview(2, 3),
+        ] {
+            assert!(settled("ringmq", 3, 3, &o, false).is_err(), "{o:?}");
+        }
+    }
 }

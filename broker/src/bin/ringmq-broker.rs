@@ -175,7 +175,7 @@ fn main() -> anyhow::Result<()> {
             println!("ringmq-broker listening amqps={addr}");
         }
         println!("ringmq-broker listening admin={admin_addr}");
-        if let Some(cluster) = cluster {
+        if let Some(cluster) = &cluster {
             println!("ringmq-broker listening cluster={}", cluster.addr());
         }
         let signal = shutdown_signal().await;
@@ -187,10 +187,39 @@ fn main() -> anyhow::Result<()> {
             .registry
             .leaving
             .store(true, std::sync::atomic::Ordering::Relaxed);
-        tracing::info!(member = %config.node_id, signal, "leaving: /readyz answers 503; shutting down: writing the journal");
+        tracing::info!(member = %config.node_id, signal, "leaving: /readyz answers 503");
+        if let Some(cluster) = &cluster {
+            leave_cluster(cluster).await;
+        }
+        tracing::info!(member = %config.node_id, "shutting down: writing the journal");
         running.broker.journal.shutdown();
         anyhow::Ok(())
     })
+}
+
+/// A drained member that holds nothing leaves the cluster for good on its way out (the
+/// others stop counting its vote); any other member stays a voter, its stop a restart.
+async fn leave_cluster(cluster: &ringmq::cluster::Cluster) {
+    use ringmq::cluster::Retirement;
+    match cluster.retire_if_drained().await {
+        Ok(Retirement::Retired) => {
+            tracing::info!("drained: left the cluster for good (no longer a voter)");
+        }
+        Ok(Retirement::NotDrained) => {
+            tracing::info!("not drained: stays a voter, and rejoins as the same one on restart");
+        }
+        Ok(Retirement::StillHolds(held)) => tracing::warn!(
+            primaries = held.primaries,
+            backups = held.backups,
+            "drained but still holding queue copies: stays a voter (the drain has not finished)"
+        ),
+        Ok(Retirement::LastVoter) => {
+            tracing::info!("drained, but the cluster's last voter: stays one");
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "drained, but could not leave the cluster for good: stays a voter until it is started and stopped again")
+        }
+    }
 }
 
 /// The configuration a start uses: the file (`--config`), then each flag or `RINGMQ_*`

@@ -18,6 +18,6 @@ pub mod rebalance;
 pub mod roles;
 
 pub use membership::{MemberInfo, MemberState, Membership};
-pub use node::{Cluster, ClusterError, ClusterHost, ClusterSettings, OpOutcome};
+pub use node::{Cluster, ClusterError, ClusterHost, ClusterSettings, OpOutcome, Retirement};
 pub use rebalance::{MoveState, PlannedMove, Rebalance};
 pub use roles::{Held, QueueRoles, Roles};

@@ -17,7 +17,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot, watch};
 
@@ -129,6 +129,24 @@ pub struct Cluster {
     /// ([`Cluster::read_consistent`]).
     event_begun: AtomicU64,
     event_ended: AtomicU64,
+    /// This member is leaving the cluster for good ([`Cluster::retire_if_drained`]): its
+    /// consensus stopping is then the end of the process's shutdown, not a reason to exit
+    /// and restart.
+    retiring: AtomicBool,
+}
+
+/// What [`Cluster::retire_if_drained`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Retirement {
+    /// The member is no longer a voter: the others' majority no longer counts it.
+    Retired,
+    /// It is not drained: a restart, so it stays a voter and comes back as the same one.
+    NotDrained,
+    /// Drained, but the map still gives it roles (the drain has not finished): leaving
+    /// for good would be a failure of those queues' copies, so it stays a voter.
+    StillHolds(super::Held),
+    /// It is the cluster's last voter.
+    LastVoter,
 }
 
 /// How far this member is on its way to serving: its incarnation started, it holds the map,
@@ -214,6 +232,7 @@ impl Cluster {
             election_grace: Duration::from_millis(config.failure_timeout_ms),
             event_begun: AtomicU64::new(0),
             event_ended: AtomicU64::new(0),
+            retiring: AtomicBool::new(false),
         });
         let applier = Applier {
             map,
@@ -481,6 +500,28 @@ impl Cluster {
         self.membership.read().known_hosts()
     }
 
+    /// Leaves the cluster for good if this member was drained and holds nothing — what a
+    /// drained member's stop means (a scale-down, a node retired by hand): the others stop
+    /// counting it as a voter, so the cluster keeps its tolerance of further failures (a
+    /// stopped voter of five leaves room for one more failure, not two; two of five, none).
+    /// A member that is not drained stays a voter: its stop is a restart. Asked once, on the
+    /// way out; a restart on the same data is admitted again (as a new voter).
+    pub async fn retire_if_drained(&self) -> Result<Retirement, CpgError> {
+        if !self.is_draining(&self.node_id) {
+            return Ok(Retirement::NotDrained);
+        }
+        let held = self.held().remove(&self.node_id).unwrap_or_default();
+        if held != super::Held::default() {
+            return Ok(Retirement::StillHolds(held));
+        }
+        if self.voters() <= 1 {
+            return Ok(Retirement::LastVoter);
+        }
+        self.retiring.store(true, Ordering::SeqCst);
+        self.cpg.retire().await?;
+        Ok(Retirement::Retired)
+    }
+
     /// Voters of the consensus group, dead ones included until they are removed.
     pub fn voters(&self) -> usize {
         self.cpg.voter_count()
@@ -640,6 +681,11 @@ impl<H: ClusterHost> Applier<H> {
             }
             self.check_caught_up(&events);
             self.save_checkpoint();
+        }
+        if self.cluster.retiring.load(Ordering::SeqCst) {
+            // Removed from the voters at its own request: the process's shutdown ends it.
+            tracing::info!("this broker left the cluster for good");
+            return;
         }
         // CPG stopped: evicted (cut off or too slow) or shut down. A member that is not in
         // the cluster must not go on serving a wiring it can no longer keep in step; its

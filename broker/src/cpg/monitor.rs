@@ -300,7 +300,18 @@ impl Cpg {
                     committed,
                 }) => {
                     inner.lease.lock().granted(sent_at, granted_ms, committed);
-                    if !member && membership_index > known_membership_index {
+                    // A member restarted on its data after it left for good (`Cpg::retire`)
+                    // is not a voter when it comes back: until its incarnation starts, its
+                    // start admits it again (`rejoin_once`), and being told it is no member
+                    // is no eviction. A new member is evicted as before (a start that may
+                    // never come would leave it waiting for good).
+                    let readmitting = inner.restarted
+                        && Cpg {
+                            inner: Arc::clone(&inner),
+                        }
+                        .started()
+                        .is_none();
+                    if !member && membership_index > known_membership_index && !readmitting {
                         removed.store(true, Ordering::Release);
                         Cpg { inner }.set_stop(StopReason::Evicted);
                     }

@@ -721,6 +721,57 @@ impl Cpg {
         }
     }
 
+    /// Leaves the cluster for good: the leader removes this member from the voters, so the
+    /// others no longer count it in their majority (a stopped voter would: five voters of
+    /// which two stopped survive no further failure). The others see it fail at once, and this
+    /// member stops as evicted. Returns once the removal is committed; a restart on the same
+    /// data afterwards is admitted again as a new voter. The leader refuses to remove the last
+    /// voter (this then ends in [`CpgError::NotCommitted`]).
+    pub async fn retire(&self) -> Result<(), CpgError> {
+        let timeout = write_timeout(&self.inner.config);
+        let deadline = Instant::now() + timeout;
+        let retry = Duration::from_millis(self.inner.config.heartbeat_ms);
+        let mut hint: Option<String> = None;
+        loop {
+            self.check_running()?;
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(CpgError::NotCommitted(
+                    "no leader removed this voter in time".into(),
+                ));
+            }
+            let Some(addr) = hint.take().or_else(|| self.leader_addr()) else {
+                tokio::time::sleep(retry).await;
+                continue;
+            };
+            let env = Envelope {
+                to: None,
+                req: Request::Retire { id: self.inner.id },
+            };
+            match self.inner.transport.call(&addr, env, left).await {
+                Ok(Response::Retired) => return Ok(()),
+                Ok(Response::NotLeader { leader }) => {
+                    hint = leader.filter(|l| *l != addr);
+                    tokio::time::sleep(retry).await;
+                }
+                // A membership change under way (an admission, the monitor's removal), or a
+                // leader that went away: asked again until the deadline.
+                Ok(_) | Err(_) => tokio::time::sleep(retry).await,
+            }
+        }
+    }
+
+    /// The cluster address of the leader as this member knows it.
+    fn leader_addr(&self) -> Option<String> {
+        let m = self.inner.raft.metrics();
+        let m = m.borrow();
+        let leader = m.current_leader?;
+        m.membership_config
+            .membership()
+            .get_node(&leader)
+            .map(|n| n.addr.clone())
+    }
+
     /// Stops the member cleanly; the others see it fail after their failure timeout.
     pub async fn shutdown(&self) {
         self.set_stop(StopReason::Shutdown);

@@ -82,6 +82,7 @@ impl Service {
             Request::Join { id, addr } => self.admit(id, addr).await,
             Request::Write(cmd) => self.write(cmd).await,
             Request::ReadIndex => self.read_index().await,
+            Request::Retire { id } => self.retire(id).await,
         }
     }
 
@@ -218,6 +219,48 @@ impl Service {
             Ok(Err(RaftError::APIError(ClientWriteError::ForwardToLeader(_)))) => self.not_leader(),
             Ok(Err(e)) => Response::Failed(e.to_string()),
             Err(_) => Response::Failed("admission timed out".into()),
+        }
+    }
+
+    /// Removes voter `id`, which leaves for good. Unlike the monitor's removal of a failed
+    /// voter (only from even sets), this may remove from any set: the member asks itself, so it
+    /// is alive and not cut off when the removal is proposed, and once it has stopped the
+    /// cluster needs what it needed without it anyway — a majority of the members that stay.
+    async fn retire(&self, id: MemberId) -> Response {
+        let (is_leader, voter, voters) = {
+            let m = self.raft.metrics();
+            let m = m.borrow();
+            let membership = m.membership_config.membership();
+            (
+                m.state == ServerState::Leader,
+                membership.voter_ids().any(|v| v == id),
+                membership.voter_ids().count(),
+            )
+        };
+        if !is_leader {
+            return self.not_leader();
+        }
+        if !voter {
+            return Response::Retired;
+        }
+        if voters == 1 {
+            return Response::Failed("the cluster's last voter cannot leave it".into());
+        }
+        let change = self
+            .raft
+            .change_membership(ChangeMembers::RemoveVoters(BTreeSet::from([id])), false);
+        match tokio::time::timeout(self.write_timeout, change).await {
+            Ok(Ok(_)) => {
+                tracing::info!(
+                    member = self.id,
+                    retired = id,
+                    "a member left the cluster for good"
+                );
+                Response::Retired
+            }
+            Ok(Err(RaftError::APIError(ClientWriteError::ForwardToLeader(_)))) => self.not_leader(),
+            Ok(Err(e)) => Response::Failed(e.to_string()),
+            Err(_) => Response::Failed("the voter removal timed out".into()),
         }
     }
 

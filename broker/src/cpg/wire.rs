@@ -55,6 +55,13 @@ pub(crate) enum Request {
     /// A follower asks the leader for the newest committed index, confirmed by a majority
     /// (a read index).
     ReadIndex,
+    /// A member leaving for good asks the leader to remove it from the voters (last, so that
+    /// the variants before it keep their postcard tags: an older member that cannot read it
+    /// breaks only this call).
+    Retire {
+        /// The member leaving.
+        id: MemberId,
+    },
 }
 
 /// Responses between members.
@@ -95,6 +102,9 @@ pub(crate) enum Response {
     WrongTarget,
     /// The request failed here; the text says why.
     Failed(String),
+    /// Answer to [`Request::Retire`]: the member is no longer a voter (the removal is
+    /// committed, or it was not one).
+    Retired,
 }
 
 /// Writes one frame.

@@ -172,22 +172,18 @@ pub async fn reconcile(cluster: Arc<Cluster>, ctx: Arc<Context>) -> Result<Actio
         )
         .await;
     }
-    if let Some(op) = operation.as_mut()
-        && op.kind == OperationKind::ScaleDown
-        && op.step == OperationStep::Draining
-    {
-        drain_step(&ctx, &cluster, admin.as_ref(), op).await?;
-    }
-    let replicas = match &operation {
-        None => cluster.spec.replicas,
-        Some(op) if op.kind == OperationKind::ScaleDown && op.step == OperationStep::Draining => {
-            op.from
-        }
-        Some(op) => op.to,
-    };
     // Members from the admin API; unreachable brokers degrade the cluster, they do not fail
     // the reconcile (the pods may simply be starting).
     let overview = admin.overview().await;
+    let replicas = match operation.as_mut() {
+        None => cluster.spec.replicas,
+        Some(op) if op.kind == OperationKind::ScaleDown => {
+            let current = sts_replicas.unwrap_or(op.from);
+            let pods = existing_pods(existing.as_ref());
+            scale_down_step(&ctx, &cluster, admin.as_ref(), op, current, pods, &overview).await?
+        }
+        Some(op) => op.to,
+    };
 
     // Rolling restart: the partition lets one more pod take the new template only when the
     // cluster is whole again (rollout.rs).
@@ -263,9 +259,9 @@ pub async fn reconcile(cluster: Arc<Cluster>, ctx: Arc<Context>) -> Result<Actio
         finish_step(
             &ctx,
             &cluster,
+            admin.as_ref(),
             op,
             sts_status.ready_replicas.unwrap_or(0),
-            sts_status.replicas,
             overview.as_ref().ok(),
         )
         .await;
@@ -296,6 +292,63 @@ pub async fn reconcile(cluster: Arc<Cluster>, ctx: Arc<Context>) -> Result<Actio
         .patch_status(&name, &apply, &Patch::Apply(&patch))
         .await?;
     Ok(Action::requeue(requeue))
+}
+
+/// One step of a scale-down, one broker at a time (scale.rs says why): once the cluster is
+/// settled at the StatefulSet's `current` size, drain its highest pod's broker; once that
+/// holds nothing (or the Cluster carries [`FORCE_SCALE_DOWN_ANNOTATION`]` = "true"`), lower
+/// the StatefulSet by one, and wait for the cluster to settle again. Returns the
+/// StatefulSet size to apply; `op.waiting_for` is `None` once the cluster is settled at
+/// the target size.
+async fn scale_down_step(
+    ctx: &Context,
+    cluster: &Cluster,
+    admin: &dyn AdminApi,
+    op: &mut Operation,
+    current: i32,
+    pods: i32,
+    overview: &Result<Overview, crate::admin::AdminError>,
+) -> Result<i32, Error> {
+    let name = cluster.name_any();
+    let forced = force_scale_down(cluster);
+    if let Err(why) = scale::settled(&name, current, pods, overview, forced) {
+        op.step = OperationStep::ShrinkingStatefulSet;
+        op.waiting_for = Some(format!("{current}/{} brokers left; {why}", op.from));
+        return Ok(current);
+    }
+    if current <= op.to {
+        op.step = OperationStep::ShrinkingStatefulSet;
+        op.waiting_for = None;
+        return Ok(current);
+    }
+    op.step = OperationStep::Draining;
+    let leaving = format!("{name}-{}", current - 1);
+    if !drain_step(ctx, cluster, admin, op, &leaving, forced).await? {
+        return Ok(current);
+    }
+    let note = format!(
+        "quorum held, all {current} brokers running and voting, {leaving} holds nothing: removing it ({} more after it)",
+        current - 1 - op.to
+    );
+    ctx.event(cluster, EventType::Normal, "RemovingBroker", note)
+        .await;
+    op.step = OperationStep::ShrinkingStatefulSet;
+    op.waiting_for = Some(format!("{leaving} to stop and leave the consensus voters"));
+    Ok(current - 1)
+}
+
+/// Pods the existing StatefulSet reports (`status.replicas`), 0 before it exists.
+fn existing_pods(sts: Option<&StatefulSet>) -> i32 {
+    sts.and_then(|s| s.status.as_ref())
+        .map_or(0, |s| s.replicas)
+}
+
+/// Whether the Cluster carries [`FORCE_SCALE_DOWN_ANNOTATION`]` = "true"`.
+fn force_scale_down(cluster: &Cluster) -> bool {
+    cluster
+        .annotations()
+        .get(FORCE_SCALE_DOWN_ANNOTATION)
+        .is_some_and(|v| v == "true")
 }
 
 /// What the existing StatefulSet says about a rollout (rollout.rs reads it).
@@ -332,89 +385,79 @@ fn config_hash_of(sts: &StatefulSet) -> Option<&str> {
         .map(String::as_str)
 }
 
-/// Draining step of a scale-down: drain each leaving member (the brokers move its
-/// primaries and backups to the others) and check it holds no queue. Moves to
-/// `ShrinkingStatefulSet` only when all of them hold nothing (or are gone), or when the
-/// Cluster carries [`FORCE_SCALE_DOWN_ANNOTATION`]` = "true"`.
+/// Drains `leaving` (the brokers move its primaries and backups to the others) and checks
+/// it holds no queue: true once it holds nothing (or is gone), or when `forced`. Says once,
+/// per change of what blocks it, why it waits.
 async fn drain_step(
     ctx: &Context,
     cluster: &Cluster,
     admin: &dyn AdminApi,
     op: &mut Operation,
-) -> Result<(), Error> {
-    let mut still_owning = Vec::new();
-    for id in scale::leaving_members(&cluster.name_any(), op.from, op.to) {
-        match admin.member(&id).await? {
-            Some(member) if member.holds() > 0 => {
-                // Asked again on every pass: a drain is idempotent, and a member that
-                // restarted meanwhile is drained still.
-                admin.drain(&id).await?;
-                still_owning.push(format!("{id} holds {} queues", member.holds()));
-            }
-            _ => {}
+    leaving: &str,
+    forced: bool,
+) -> Result<bool, Error> {
+    let holds = match admin.member(leaving).await? {
+        Some(member) if member.holds() > 0 => {
+            // Asked again on every pass: a drain is idempotent, and a member that
+            // restarted meanwhile is drained still.
+            admin.drain(leaving).await?;
+            member.holds()
         }
+        _ => 0,
+    };
+    if holds == 0 {
+        ctx.event(
+            cluster,
+            EventType::Normal,
+            "Drained",
+            format!("{leaving} holds no queues; shrinking to {}", op.to),
+        )
+        .await;
+        return Ok(true);
     }
-    let forced = cluster
-        .annotations()
-        .get(FORCE_SCALE_DOWN_ANNOTATION)
-        .is_some_and(|v| v == "true");
-    if !still_owning.is_empty() && forced {
+    let owning = format!("{leaving} holds {holds} queues");
+    if forced {
         ctx.event(
             cluster,
             EventType::Warning,
             "ForcedScaleDown",
             format!(
-                "{FORCE_SCALE_DOWN_ANNOTATION}=true: removing members that still hold queues ({}); those queues lose their primary",
-                still_owning.join(", ")
+                "{FORCE_SCALE_DOWN_ANNOTATION}=true: removing a member that still holds queues ({owning}); those queues lose their primary"
             ),
         )
         .await;
-        still_owning.clear();
+        return Ok(true);
     }
-    if still_owning.is_empty() {
-        op.step = OperationStep::ShrinkingStatefulSet;
-        op.waiting_for = Some(format!("StatefulSet to shrink to {} pods", op.to));
+    let waiting_for = format!("leaving members to hand over their queues: {owning}");
+    // Once per change of what blocks it, not on every poll.
+    if op.waiting_for.as_deref() != Some(waiting_for.as_str()) {
         ctx.event(
             cluster,
-            EventType::Normal,
-            "Drained",
-            format!("leaving members hold no queues; shrinking to {}", op.to),
+            EventType::Warning,
+            "ScaleDownBlocked",
+            format!(
+                "{owning}: its pod stays until it owns no queues; to remove it anyway, annotate the Cluster {FORCE_SCALE_DOWN_ANNOTATION}=true"
+            ),
         )
         .await;
-    } else {
-        let waiting_for = format!(
-            "leaving members to hand over their queues: {}",
-            still_owning.join(", ")
-        );
-        // Once per change of what blocks it, not on every poll.
-        if op.waiting_for.as_deref() != Some(waiting_for.as_str()) {
-            ctx.event(
-                cluster,
-                EventType::Warning,
-                "ScaleDownBlocked",
-                format!(
-                    "{}: their pods stay until they own no queues; to remove them anyway, annotate the Cluster {FORCE_SCALE_DOWN_ANNOTATION}=true",
-                    still_owning.join(", ")
-                ),
-            )
-            .await;
-        }
-        op.waiting_for = Some(waiting_for);
     }
-    Ok(())
+    op.waiting_for = Some(waiting_for);
+    Ok(false)
 }
 
-/// Checks whether the operation's last step is done; clears `waiting_for` when it is.
+/// Checks whether the operation's last step is done; clears `waiting_for` when it is (a
+/// scale-down's shrink has decided that already, in [`shrink_one`]).
 async fn finish_step(
     ctx: &Context,
     cluster: &Cluster,
+    admin: &dyn AdminApi,
     op: &mut Operation,
     ready: i32,
-    pods: i32,
     overview: Option<&Overview>,
 ) {
     match (op.kind, op.step) {
         (OperationKind::ScaleUp, _) => {
+            undrain_returning(ctx, cluster, admin, op, overview).await;
             let joined: Vec<&str> = overview
                 .map(|o| o.members.iter().map(|m| m.id.as_str()).collect())
                 .unwrap_or_default();
@@ -444,8 +487,7 @@ async fn finish_step(
             }
         }
         (OperationKind::ScaleDown, OperationStep::ShrinkingStatefulSet) => {
-            if pods <= op.to {
-                op.waiting_for = None;
+            if op.waiting_for.is_none() {
                 ctx.event(
                     cluster,
                     EventType::Normal,
@@ -453,11 +495,42 @@ async fn finish_step(
                     format!("scaled down to {} brokers", op.to),
                 )
                 .await;
-            } else {
-                op.waiting_for = Some(format!("{pods} pods still running; waiting for {}", op.to));
             }
         }
         (OperationKind::ScaleDown, _) => {}
+    }
+}
+
+/// Undrains the members a scale-up brings back drained: a pod that an earlier scale-down
+/// drained and removed keeps its drain mark (the brokers keep it by node id), so it would
+/// take no queues, stay unready (`/readyz` 503), and hold the StatefulSet's next pod back.
+/// A member the user drained by hand is not among the joining ones and stays drained.
+async fn undrain_returning(
+    ctx: &Context,
+    cluster: &Cluster,
+    admin: &dyn AdminApi,
+    op: &Operation,
+    overview: Option<&Overview>,
+) {
+    let joining = scale::joining_members(&cluster.name_any(), op.from, op.to);
+    let marked = overview
+        .into_iter()
+        .flat_map(|o| &o.members)
+        .filter(|m| m.draining && joining.contains(&m.id));
+    for m in marked {
+        match admin.undrain(&m.id).await {
+            Ok(()) => {
+                let note = format!(
+                    "{} came back drained from an earlier scale-down: undrained, so it takes queues and serves again",
+                    m.id
+                );
+                ctx.event(cluster, EventType::Normal, "Undrained", note)
+                    .await;
+            }
+            Err(e) => {
+                tracing::warn!(member = %m.id, error = %e, "cannot undrain a returning member; retried on the next reconcile")
+            }
+        }
     }
 }
 

@@ -261,9 +261,11 @@ pub enum OperationKind {
 pub enum OperationStep {
     /// ScaleUp: StatefulSet replicas raised; waiting for the new members to be ready and joined.
     WaitingForMembers,
-    /// ScaleDown: the leaving members are asked to leave; waiting until they own no queues.
+    /// ScaleDown: the highest pod's broker is drained; waiting until it holds no queues.
     Draining,
-    /// ScaleDown: drained; StatefulSet replicas lowered; waiting for the pods to go.
+    /// ScaleDown: a drained pod removed (StatefulSet replicas one lower); waiting for it to
+    /// go and leave the consensus voters, and for the cluster to be whole at its size
+    /// before the next pod is drained.
     ShrinkingStatefulSet,
 }
 

@@ -8,6 +8,7 @@ mod fragmented;
 mod layout;
 mod move_queue;
 mod rebalance;
+mod retire;
 
 use lapin::BasicProperties;
 use lapin::options::BasicPublishOptions;

@@ -1,6 +1,7 @@
 //! The reconcilers and the status collector against running `ringmq-broker`s.
 
 use super::*;
+use crate::admin::AdminApi;
 
 // The reconcilers and the status collector talk to a running `ringmq-broker`'s admin API;
 // only the Kubernetes API server is scripted (none can run on these machines). Every
@@ -323,6 +324,15 @@ async fn the_rollout_gate_reads_quorum_and_members_from_a_real_three_member_clus
                 "two of three keep quorum: {o:?}"
             );
             assert!(why.contains("ringmq-2"), "{why}");
+            // Killed, not drained: it still votes (its restart is the same voter), as the
+            // fake's stopped voters do.
+            let voters = o.cluster.as_ref().map(|c| c.voters);
+            assert_eq!(voters, Some(3), "{o:?}");
+            let fake = crate::fixtures::FakeAdmin::default();
+            fake.state().members = vec!["ringmq-0".into(), "ringmq-1".into()];
+            fake.state().stopped_voters = vec!["ringmq-2".into()];
+            let faked = fake.overview().await.expect("the fake answers");
+            assert_eq!(faked.cluster.map(|c| c.voters), voters);
             last = Some(health);
             break;
         }
@@ -343,7 +353,7 @@ async fn the_rollout_gate_reads_quorum_and_members_from_a_real_three_member_clus
 #[tokio::test]
 async fn the_drain_call_empties_a_member_of_a_real_three_member_cluster() {
     // Node ids ringmq-0..2, the pod names of a Cluster named ringmq.
-    let (members, _secret) = ringmq_tests::cluster::start_cluster("ringmq", 3);
+    let (mut members, _secret) = ringmq_tests::cluster::start_cluster("ringmq", 3);
     let admin_of = |m: &ringmq_tests::Broker| real_admin(m, "guest", "guest");
     let api = admin_of(&members[0]);
     for q in ["drain-a", "drain-b"] {
@@ -389,4 +399,79 @@ async fn the_drain_call_empties_a_member_of_a_real_three_member_cluster() {
         admin_of(&members[0]).drain("no-such-member").await.is_err(),
         "an unknown member is an error, not a drain"
     );
+
+    // Drained, it is still a live voter: the scale-down may remove its pod.
+    let drained = api.overview().await;
+    assert_eq!(
+        crate::scale::settled("ringmq", 3, 3, &drained, false),
+        Ok(()),
+        "{drained:?}"
+    );
+
+    // Its pod goes (the shrink's one step): drained and holding nothing, it leaves the
+    // voters on its way out, and the shrink sees the cluster whole at its new size — as
+    // the fake answers for a member that left.
+    members[2].terminate();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let mut overview = api.overview().await;
+    while std::time::Instant::now() < deadline
+        && crate::scale::settled("ringmq", 2, 2, &overview, false).is_err()
+    {
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        overview = api.overview().await;
+    }
+    let o = overview.expect("the survivors answer");
+    let cluster = o.cluster.clone().expect("a clustered broker");
+    assert_eq!((cluster.quorum, cluster.voters), (true, 2), "{o:?}");
+    let fake = crate::fixtures::FakeAdmin::default();
+    fake.state().members = vec!["ringmq-0".into(), "ringmq-1".into()];
+    let faked = fake.overview().await.expect("the fake answers");
+    assert_eq!(
+        faked.cluster.map(|c| c.voters),
+        Some(cluster.voters),
+        "{o:?}"
+    );
+
+    // A scale-up brings the pod back on its data: it is admitted again, still drained, as
+    // the fake lists a marked member; the undrain call makes it a running member.
+    members[2].crash_and_restart();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let back = loop {
+        let o = api.overview().await.expect("the survivors answer");
+        if let Some(m) = o
+            .members
+            .iter()
+            .find(|m| m.id == "ringmq-2" && m.state != "joining")
+        {
+            break m.clone();
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "ringmq-2 not back: {o:?}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    };
+    assert_eq!(
+        (back.state.as_str(), back.draining),
+        ("draining", true),
+        "{back:?}"
+    );
+    fake.state().members.push("ringmq-2".into());
+    fake.state().draining = vec!["ringmq-2".into()];
+    let faked = fake.overview().await.expect("the fake answers");
+    let faked = faked.members.iter().find(|m| m.id == "ringmq-2").cloned();
+    assert_eq!(
+        faked.map(|m| (m.state, m.draining)),
+        Some((back.state.clone(), back.draining))
+    );
+    api.undrain("ringmq-2").await.expect("undrained");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let m = api.member("ringmq-2").await.unwrap().expect("a member");
+        if m.state == "running" && !m.draining {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "still drained: {m:?}");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
 }

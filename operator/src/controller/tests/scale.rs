@@ -1,5 +1,6 @@
 //! Scaling a Cluster: up (waiting for the members to join), down (draining the leaving
-//! members first), blocked and forced.
+//! members first, then one pod at a time while the cluster keeps its quorum and voters),
+//! blocked and forced.
 
 use super::*;
 
@@ -66,14 +67,51 @@ async fn scale_up_raises_statefulset_then_waits_for_members_to_join_across_a_res
 }
 
 #[tokio::test]
-async fn scale_down_drains_leaving_members_before_shrinking_and_resumes_after_restart() {
-    // Reconcile 1: 5 -> 3; ringmq-3 still owns queues, so the StatefulSet stays at 5.
+async fn a_scale_up_undrains_the_pods_an_earlier_scale_down_drained_and_no_other() {
+    // ringmq-3 comes back with its drain mark from the scale-down that removed it;
+    // ringmq-1 was drained by hand and stays drained.
+    let admin = FakeAdmin::default();
+    admin.state().members = members(4);
+    admin.state().draining = vec!["ringmq-1".into(), "ringmq-3".into()];
+    let (ctx, verifier) = Context::test(admin.clone());
+    let (result, (undrained, status1)) = run_scripted(
+        verifier,
+        cluster::reconcile(Arc::new(fixtures::cluster(4, None)), ctx),
+        |mut v| async move {
+            existing_children(&mut v).await;
+            v.get(STS, sts_with_replicas(3)).await;
+            v.event("ScaleUpStarted").await;
+            apply_sts(&mut v, 4, 4, 3).await;
+            let undrained = v.event("Undrained").await;
+            let s = status(&mut v).await;
+            (v, (undrained, s))
+        },
+    )
+    .await;
+    result.expect("reconcile succeeds");
+    assert!(
+        undrained.body["note"]
+            .as_str()
+            .is_some_and(|n| n.starts_with("ringmq-3 came back drained")),
+        "{}",
+        undrained.body
+    );
+    assert_eq!(admin.state().calls, vec!["overview", "undrain ringmq-3"]);
+    assert_eq!(admin.state().draining, vec!["ringmq-1".to_string()]);
+    assert!(
+        status1.operation.is_some(),
+        "ringmq-3's pod is not ready yet"
+    );
+}
+
+#[tokio::test]
+async fn scale_down_drains_then_removes_one_pod_at_a_time_once_the_last_one_stopped_voting() {
+    // Reconcile 1: 5 -> 3; the highest, ringmq-4, still owns queues, so the StatefulSet
+    // stays at 5 and only ringmq-4 is drained (a drained broker is not ready, and the
+    // StatefulSet removes a pod only while the pods before it are).
     let admin = FakeAdmin::default();
     admin.state().members = members(5);
-    admin
-        .state()
-        .owned
-        .extend([("ringmq-3".to_string(), 2), ("ringmq-4".to_string(), 0)]);
+    admin.state().owned.insert("ringmq-4".to_string(), 2);
     let (ctx, verifier) = Context::test(admin.clone());
     let (result, status1) = run_scripted(
         verifier,
@@ -88,7 +126,7 @@ async fn scale_down_drains_leaving_members_before_shrinking_and_resumes_after_re
                 .as_str()
                 .unwrap_or_default()
                 .to_string();
-            assert!(note.contains("ringmq-3 holds 2 queues"), "{note}");
+            assert!(note.contains("ringmq-4 holds 2 queues"), "{note}");
             assert!(note.contains("ringmq.io/force-scale-down=true"), "{note}");
             apply_sts(&mut v, 5, 5, 5).await;
             let s = status(&mut v).await;
@@ -103,55 +141,48 @@ async fn scale_down_drains_leaving_members_before_shrinking_and_resumes_after_re
         ("True", "MemberOwnsQueues")
     );
     assert!(
-        blocked.message.contains("ringmq-3 holds 2 queues"),
+        blocked.message.contains("ringmq-4 holds 2 queues"),
         "{blocked:?}"
     );
     assert_eq!(
         admin.state().calls,
-        vec![
-            "member ringmq-3",
-            "drain ringmq-3",
-            "member ringmq-4",
-            "overview"
-        ]
+        vec!["overview", "member ringmq-4", "drain ringmq-4"]
     );
     let op = status1.operation.clone().expect("operation recorded");
     assert_eq!(
         (op.kind, op.from, op.to, op.step),
         (OperationKind::ScaleDown, 5, 3, OperationStep::Draining)
     );
-    assert!(
-        op.waiting_for
-            .as_deref()
-            .is_some_and(|w| w.contains("ringmq-3 holds 2 queues")),
-        "{op:?}"
-    );
 
-    // Restart. Reconcile 2: drained now, so the StatefulSet shrinks; pods still terminating.
+    // Restart. Reconcile 2: drained now, so the StatefulSet drops ringmq-4, one pod only.
     let admin = FakeAdmin::default();
     admin.state().members = members(5);
-    admin.state().owned.insert("ringmq-3".into(), 0);
+    admin.state().owned.insert("ringmq-4".into(), 0);
     let (ctx, verifier) = Context::test(admin.clone());
     let c = fixtures::cluster(3, Some(status1));
-    let (result, status2) = run_scripted(
+    let (result, (removing, status2)) = run_scripted(
         verifier,
         cluster::reconcile(Arc::new(c), ctx),
         |mut v| async move {
             existing_children(&mut v).await;
             v.get(STS, sts_with_replicas(5)).await;
             v.event("Drained").await;
-            apply_sts(&mut v, 3, 5, 5).await;
+            let removing = v.event("RemovingBroker").await;
+            apply_sts(&mut v, 4, 5, 5).await;
             let s = status(&mut v).await;
-            (v, s)
+            (v, (removing, s))
         },
     )
     .await;
     result.expect("reconcile succeeds");
-    assert_eq!(
-        admin.state().calls,
-        vec!["member ringmq-3", "member ringmq-4", "overview"],
-        "ringmq-4 is unknown = gone"
+    assert!(
+        removing.body["note"]
+            .as_str()
+            .is_some_and(|n| n.contains("removing it (1 more after it)")),
+        "{}",
+        removing.body
     );
+    assert_eq!(admin.state().calls, vec!["overview", "member ringmq-4"]);
     let op = status2.operation.clone().expect("operation recorded");
     assert_eq!(op.step, OperationStep::ShrinkingStatefulSet);
     assert_eq!(
@@ -159,12 +190,101 @@ async fn scale_down_drains_leaving_members_before_shrinking_and_resumes_after_re
         "False"
     );
 
-    // Restart. Reconcile 3 resumes at ShrinkingStatefulSet: no drain calls, pods are gone.
+    // Restart. Reconcile 3: ringmq-4's pod is still terminating; nothing more goes, and
+    // nobody else is drained.
+    let admin = FakeAdmin::default();
+    admin.state().members = members(4);
+    let (ctx, verifier) = Context::test(admin.clone());
+    let mut terminating = sts_with_replicas(4);
+    terminating["status"]["replicas"] = json!(5);
+    let c = fixtures::cluster(3, Some(status2));
+    let (result, status3) = run_scripted(
+        verifier,
+        cluster::reconcile(Arc::new(c), ctx),
+        |mut v| async move {
+            existing_children(&mut v).await;
+            v.get(STS, terminating).await;
+            apply_sts(&mut v, 4, 5, 4).await;
+            let s = status(&mut v).await;
+            (v, s)
+        },
+    )
+    .await;
+    result.expect("reconcile succeeds");
+    assert_eq!(admin.state().calls, vec!["overview"]);
+    let waiting = status3.operation.clone().and_then(|op| op.waiting_for);
+    assert!(
+        waiting
+            .as_deref()
+            .is_some_and(|w| w.contains("ringmq-4 to stop")),
+        "{waiting:?}"
+    );
+
+    // Reconcile 4: the pod is gone but its broker still votes (its retirement not committed
+    // yet): four live voters of five survive only one more failure, so ringmq-3 is not
+    // drained yet.
+    let admin = FakeAdmin::default();
+    admin.state().members = members(4);
+    admin.state().stopped_voters = vec!["ringmq-4".into()];
+    let (ctx, verifier) = Context::test(admin.clone());
+    let c = fixtures::cluster(3, Some(status3));
+    let (result, status4) = run_scripted(
+        verifier,
+        cluster::reconcile(Arc::new(c), ctx),
+        |mut v| async move {
+            existing_children(&mut v).await;
+            v.get(STS, sts_with_replicas(4)).await;
+            apply_sts(&mut v, 4, 4, 4).await;
+            let s = status(&mut v).await;
+            (v, s)
+        },
+    )
+    .await;
+    result.expect("reconcile succeeds");
+    assert_eq!(admin.state().calls, vec!["overview"]);
+    let waiting = status4.operation.clone().and_then(|op| op.waiting_for);
+    assert!(
+        waiting
+            .as_deref()
+            .is_some_and(|w| w.contains("5 consensus voters for 4 brokers")),
+        "{waiting:?}"
+    );
+    assert_eq!(
+        condition(&status4.conditions, "ScaleDownBlocked").status,
+        "False",
+        "no member's queues block it"
+    );
+
+    // Reconcile 5: ringmq-4 left the voters; ringmq-3 holds nothing and goes.
+    let admin = FakeAdmin::default();
+    admin.state().members = members(4);
+    admin.state().owned.insert("ringmq-3".into(), 0);
+    let (ctx, verifier) = Context::test(admin.clone());
+    let c = fixtures::cluster(3, Some(status4));
+    let (result, status5) = run_scripted(
+        verifier,
+        cluster::reconcile(Arc::new(c), ctx),
+        |mut v| async move {
+            existing_children(&mut v).await;
+            v.get(STS, sts_with_replicas(4)).await;
+            v.event("Drained").await;
+            v.event("RemovingBroker").await;
+            apply_sts(&mut v, 3, 4, 4).await;
+            let s = status(&mut v).await;
+            (v, s)
+        },
+    )
+    .await;
+    result.expect("reconcile succeeds");
+    assert_eq!(admin.state().calls, vec!["overview", "member ringmq-3"]);
+    assert!(status5.operation.is_some());
+
+    // Reconcile 6: three pods, three members, three voters: done.
     let admin = FakeAdmin::default();
     admin.state().members = members(3);
     let (ctx, verifier) = Context::test(admin.clone());
-    let c = fixtures::cluster(3, Some(status2));
-    let (result, status3) = run_scripted(
+    let c = fixtures::cluster(3, Some(status5));
+    let (result, status6) = run_scripted(
         verifier,
         cluster::reconcile(Arc::new(c), ctx),
         |mut v| async move {
@@ -178,13 +298,8 @@ async fn scale_down_drains_leaving_members_before_shrinking_and_resumes_after_re
     )
     .await;
     result.expect("reconcile succeeds");
-    assert_eq!(
-        admin.state().calls,
-        vec!["overview"],
-        "no drain calls once shrinking"
-    );
-    assert_eq!(status3.operation, None);
-    assert_eq!(status3.replicas, 3);
+    assert_eq!(status6.operation, None);
+    assert_eq!(status6.replicas, 3);
 }
 
 #[tokio::test]
@@ -242,7 +357,7 @@ async fn a_blocked_scale_down_warns_once_and_the_force_annotation_removes_the_me
             existing_children(&mut v).await;
             v.get(STS, sts_with_replicas(4)).await;
             let e = v.event("ForcedScaleDown").await;
-            v.event("Drained").await;
+            v.event("RemovingBroker").await;
             apply_sts(&mut v, 3, 4, 4).await;
             let s = status(&mut v).await;
             (v, (e, s))
@@ -260,7 +375,7 @@ async fn a_blocked_scale_down_warns_once_and_the_force_annotation_removes_the_me
     );
     assert_eq!(
         admin.state().calls,
-        vec!["member ringmq-3", "drain ringmq-3", "overview"]
+        vec!["overview", "member ringmq-3", "drain ringmq-3"]
     );
     assert_eq!(
         status2.operation.map(|op| op.step),

@@ -60,6 +60,12 @@ impl Member {
         self.signal(libc::SIGKILL);
     }
 
+    /// SIGTERM: a graceful stop (a drained member leaves the voters on its way out); the
+    /// supervisor starts it again unless held down.
+    pub fn terminate(&self) {
+        self.signal(libc::SIGTERM);
+    }
+
     pub fn pause(&self) {
         self.signal(libc::SIGSTOP);
     }

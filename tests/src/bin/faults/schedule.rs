@@ -75,7 +75,10 @@ pub enum Nemesis {
     /// seal, switch) — a planned change, not a failure.
     MovePrimary,
     /// A member drained (`POST /api/members/{id}/drain`: its primaries and backups move
-    /// off, its clients are closed and sent elsewhere), held drained, then undrained.
+    /// off, its clients are closed and sent elsewhere), held drained, then undrained. In
+    /// one run of two, while drained, it is stopped (SIGTERM: it leaves the voters, as a
+    /// scale-down's pod does) and started again on its data (admitted again, as a scale-up
+    /// brings the pod back).
     Drain,
     /// Every queue's primary gathered on one member (planned moves), then a rebalance
     /// (`POST /api/cluster/rebalance`, one move at a time) and, a moment into it, a random
@@ -296,7 +299,11 @@ impl Nemesis {
                                 m.node_id
                             );
                         }
-                        std::thread::sleep(fault_for);
+                        if drained && rng.below(2) == 0 {
+                            stop_drained_and_start_again(cluster, &m, fault_for);
+                        } else {
+                            std::thread::sleep(fault_for);
+                        }
                     }
                     Ok(a) => eprintln!(
                         "faults: drain of {} refused: {} {}",
@@ -373,6 +380,42 @@ impl Nemesis {
 
 /// Longest wait for a planned operation (a move, a drain) to finish.
 const OPERATION_LIMIT: Duration = Duration::from_secs(30);
+
+/// A drained member `m` stopped gracefully, held down for `down`, then started again on its
+/// data: the others must stop counting its vote while it is gone (a scale-down), and admit
+/// it again when it is back (a scale-up). What does not happen is said on stderr; the
+/// suite's checks judge what the clients saw.
+fn stop_drained_and_start_again(cluster: &Cluster, m: &Member, down: Duration) {
+    let n = cluster.members.len() as u64;
+    let voters_seen = |want: u64| {
+        cluster
+            .members
+            .iter()
+            .filter(|o| o.index != m.index)
+            .any(|o| {
+                o.admin()
+                    .get("/api/overview")
+                    .is_ok_and(|a| a.body["cluster"]["voters"] == want)
+            })
+    };
+    cluster.hold_down(m, true);
+    m.terminate();
+    if !wait_for(OPERATION_LIMIT, || voters_seen(n - 1)) {
+        eprintln!(
+            "faults: drain: {} stopped drained but the others still count its vote",
+            m.node_id
+        );
+    }
+    std::thread::sleep(down);
+    // Still drained, it answers /readyz 503 once back: its vote is the sign.
+    cluster.hold_down(m, false);
+    if !wait_for(OPERATION_LIMIT, || voters_seen(n)) {
+        eprintln!(
+            "faults: drain: {} back, but not a voter again after {OPERATION_LIMIT:?}",
+            m.node_id
+        );
+    }
+}
 
 /// Polls `done` every 100 ms for at most `limit`; whether it became true.
 fn wait_for(limit: Duration, mut done: impl FnMut() -> bool) -> bool {
