@@ -326,9 +326,12 @@ impl AdminApi for FakeAdmin {
         Box::pin(async move {
             let mut s = self.state();
             s.calls.push(format!("member {id}"));
-            // As a cluster member answers: what it holds by the cluster map.
+            // As a cluster member answers: what it holds by the cluster map, and its mark.
+            let draining = s.draining.iter().any(|d| d == id);
             Ok(s.owned.get(id).map(|n| MemberInfo {
                 id: id.into(),
+                state: if draining { "draining" } else { "running" }.into(),
+                draining,
                 owned_queues: *n,
                 primaries: *n,
                 ..MemberInfo::default()

@@ -406,6 +406,16 @@ impl Cluster {
         None
     }
 
+    /// Whether this member holds the cluster's current map: its incarnation started, it has
+    /// the map (founded it or installed a snapshot) and caught up with what was committed
+    /// when it started. Before that, what its vhosts say of a queue's home is a leftover of
+    /// an earlier life (a restart replaying its log, a member that was evicted and rejoins),
+    /// not a role it holds.
+    pub fn holds_current_map(&self) -> bool {
+        let p = *self.progress.lock();
+        p.live && p.synced && p.caught_up
+    }
+
     /// Whether this process's incarnation has started: the events it applies now are new,
     /// not a restart's replay of the agreed log.
     pub fn is_live(&self) -> bool {

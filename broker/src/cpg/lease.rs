@@ -353,6 +353,25 @@ impl Lease {
         })
     }
 
+    /// How many of `members` were heard from lately, `leader` (this member) counted as heard.
+    pub fn fresh_count<'a>(
+        &self,
+        now: Instant,
+        leader: MemberId,
+        members: impl IntoIterator<Item = &'a MemberId>,
+    ) -> usize {
+        members
+            .into_iter()
+            .filter(|id| {
+                **id == leader
+                    || self
+                        .last_heard
+                        .get(id)
+                        .is_some_and(|h| now.duration_since(*h) <= self.fresh)
+            })
+            .count()
+    }
+
     /// Of `candidates`, the one heard from longest ago (never heard in this term first).
     pub fn stalest(&self, candidates: &BTreeSet<MemberId>) -> Option<MemberId> {
         candidates

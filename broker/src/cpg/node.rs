@@ -723,17 +723,28 @@ impl Cpg {
 
     /// Leaves the cluster for good: the leader removes this member from the voters, so the
     /// others no longer count it in their majority (a stopped voter would: five voters of
-    /// which two stopped survive no further failure). The others see it fail at once, and this
-    /// member stops as evicted. Returns once the removal is committed; a restart on the same
-    /// data afterwards is admitted again as a new voter. The leader refuses to remove the last
-    /// voter (this then ends in [`CpgError::NotCommitted`]).
+    /// which two stopped survive no further failure). The others see it fail at once; a
+    /// follower then stops as evicted, a leader leads on until the process stops (openraft
+    /// 0.9 steps it down; the others elect a new one). Returns once the removal is
+    /// committed; a restart on the same data afterwards is admitted again as a new voter.
+    /// The leader refuses to remove the last voter, and any voter while no majority of the
+    /// ones that stay was heard from lately (both end in [`CpgError::NotCommitted`], the
+    /// member still a voter).
     pub async fn retire(&self) -> Result<(), CpgError> {
         let timeout = write_timeout(&self.inner.config);
         let deadline = Instant::now() + timeout;
         let retry = Duration::from_millis(self.inner.config.heartbeat_ms);
         let mut hint: Option<String> = None;
         loop {
-            self.check_running()?;
+            if let Some(reason) = self.stop_reason() {
+                // Removed by an answer that did not reach it (a timed-out call), then told
+                // by the removal itself.
+                return if self.voter_ids().contains(&self.inner.id) {
+                    Err(CpgError::Stopped(reason))
+                } else {
+                    Ok(())
+                };
+            }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return Err(CpgError::NotCommitted(

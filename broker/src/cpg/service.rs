@@ -223,18 +223,26 @@ impl Service {
     }
 
     /// Removes voter `id`, which leaves for good. Unlike the monitor's removal of a failed
-    /// voter (only from even sets), this may remove from any set: the member asks itself, so it
-    /// is alive and not cut off when the removal is proposed, and once it has stopped the
-    /// cluster needs what it needed without it anyway — a majority of the members that stay.
+    /// voter (only from even sets), this may remove from any set, but only while a majority
+    /// of the voters that stay was heard from lately: the member asks itself, so it is alive
+    /// when the removal is proposed, and the removal then commits (it needs a majority of
+    /// both sets) and the members that stay can go on without it. Proposed without such a
+    /// majority, the joint configuration could stick needing a member that is down (three
+    /// voters, one crashed, the retiring one gone: the third alone) where keeping the vote
+    /// would have let the retiring member's restart restore quorum; so it is refused, and
+    /// the member keeps its vote.
     async fn retire(&self, id: MemberId) -> Response {
-        let (is_leader, voter, voters) = {
+        let (is_leader, voter, staying) = {
             let m = self.raft.metrics();
             let m = m.borrow();
             let membership = m.membership_config.membership();
             (
                 m.state == ServerState::Leader,
                 membership.voter_ids().any(|v| v == id),
-                membership.voter_ids().count(),
+                membership
+                    .voter_ids()
+                    .filter(|v| *v != id)
+                    .collect::<Vec<_>>(),
             )
         };
         if !is_leader {
@@ -243,8 +251,18 @@ impl Service {
         if !voter {
             return Response::Retired;
         }
-        if voters == 1 {
+        if staying.is_empty() {
             return Response::Failed("the cluster's last voter cannot leave it".into());
+        }
+        let fresh = self
+            .lease
+            .lock()
+            .fresh_count(Instant::now(), self.id, &staying);
+        if fresh * 2 <= staying.len() {
+            return Response::Failed(format!(
+                "only {fresh} of the {} voters that would stay were heard from lately: no majority to go on without it",
+                staying.len()
+            ));
         }
         let change = self
             .raft

@@ -175,15 +175,32 @@ pub async fn reconcile(cluster: Arc<Cluster>, ctx: Arc<Context>) -> Result<Actio
     // Members from the admin API; unreachable brokers degrade the cluster, they do not fail
     // the reconcile (the pods may simply be starting).
     let overview = admin.overview().await;
+    let mut drained = cluster
+        .status
+        .as_ref()
+        .map(|s| s.drained_by_scale_down.clone())
+        .unwrap_or_default();
+    let mut blocked = None;
     let replicas = match operation.as_mut() {
         None => cluster.spec.replicas,
         Some(op) if op.kind == OperationKind::ScaleDown => {
-            let current = sts_replicas.unwrap_or(op.from);
-            let pods = existing_pods(existing.as_ref());
-            scale_down_step(&ctx, &cluster, admin.as_ref(), op, current, pods, &overview).await?
+            let at = ScaleDownAt {
+                current: sts_replicas.unwrap_or(op.from),
+                pods: existing_pods(existing.as_ref()),
+                overview: &overview,
+            };
+            let (replicas, why) =
+                scale_down_step(&ctx, &cluster, admin.as_ref(), op, at, &mut drained).await?;
+            blocked = why;
+            replicas
         }
         Some(op) => op.to,
     };
+    let kept = match &operation {
+        Some(op) if op.kind == OperationKind::ScaleDown => op.to,
+        _ => cluster.spec.replicas,
+    };
+    undrain_kept(&ctx, &cluster, admin.as_ref(), &mut drained, kept).await;
 
     // Rolling restart: the partition lets one more pod take the new template only when the
     // cluster is whole again (rollout.rs).
@@ -277,6 +294,7 @@ pub async fn reconcile(cluster: Arc<Cluster>, ctx: Arc<Context>) -> Result<Actio
         &overview,
         operation,
         rolling_restart,
+        ScaleDownState { blocked, drained },
     );
     let requeue = if status.operation.is_some() || status.rolling_restart.is_some() {
         OPERATION_POLL
@@ -294,47 +312,217 @@ pub async fn reconcile(cluster: Arc<Cluster>, ctx: Arc<Context>) -> Result<Actio
     Ok(Action::requeue(requeue))
 }
 
+/// Where a scale-down stands: the StatefulSet's size and pods, and the brokers' overview.
+#[derive(Clone, Copy)]
+struct ScaleDownAt<'a> {
+    current: i32,
+    pods: i32,
+    overview: &'a Result<Overview, crate::admin::AdminError>,
+}
+
+/// Why a scale-down is held in a way the user may have to act on: the `ScaleDownBlocked`
+/// condition's reason and message.
+type Blocked = Option<(&'static str, String)>;
+
 /// One step of a scale-down, one broker at a time (scale.rs says why): once the cluster is
 /// settled at the StatefulSet's `current` size, drain its highest pod's broker; once that
-/// holds nothing (or the Cluster carries [`FORCE_SCALE_DOWN_ANNOTATION`]` = "true"`), lower
-/// the StatefulSet by one, and wait for the cluster to settle again. Returns the
-/// StatefulSet size to apply; `op.waiting_for` is `None` once the cluster is settled at
-/// the target size.
+/// is marked draining and holds nothing (or the Cluster carries
+/// [`FORCE_SCALE_DOWN_ANNOTATION`]` = "true"`), lower the StatefulSet by one, and wait for
+/// the cluster to settle again. Returns the StatefulSet size to apply and what blocks it;
+/// `op.waiting_for` is `None` once the cluster is settled at the target size. `drained`
+/// gets every broker this drains.
 async fn scale_down_step(
     ctx: &Context,
     cluster: &Cluster,
     admin: &dyn AdminApi,
     op: &mut Operation,
-    current: i32,
-    pods: i32,
-    overview: &Result<Overview, crate::admin::AdminError>,
-) -> Result<i32, Error> {
+    at: ScaleDownAt<'_>,
+    drained: &mut Vec<String>,
+) -> Result<(i32, Blocked), Error> {
     let name = cluster.name_any();
     let forced = force_scale_down(cluster);
-    if let Err(why) = scale::settled(&name, current, pods, overview, forced) {
+    let current = at.current;
+    let removing = current > op.to;
+    if let Err(why) = scale::settled(&name, current, at.pods, at.overview, forced, removing) {
         op.step = OperationStep::ShrinkingStatefulSet;
         op.waiting_for = Some(format!("{current}/{} brokers left; {why}", op.from));
-        return Ok(current);
+        let blocked = match why {
+            scale::Unsettled::StaleVoters(why) => Some(("StaleVoters", why)),
+            scale::Unsettled::Waiting(_) => None,
+        };
+        return Ok((current, blocked));
     }
-    if current <= op.to {
+    if !removing {
         op.step = OperationStep::ShrinkingStatefulSet;
         op.waiting_for = None;
-        return Ok(current);
+        return Ok((current, None));
     }
     op.step = OperationStep::Draining;
     let leaving = format!("{name}-{}", current - 1);
-    if !drain_step(ctx, cluster, admin, op, &leaving, forced).await? {
-        return Ok(current);
+    let voters = at
+        .overview
+        .as_ref()
+        .ok()
+        .and_then(|o| o.cluster.as_ref())
+        .map(|c| i32::try_from(c.voters).unwrap_or(i32::MAX));
+    let drain = drain_step(ctx, cluster, admin, op, &leaving, voters, forced, drained).await?;
+    if let Some(blocked) = drain {
+        return Ok((current, blocked));
     }
     let note = format!(
-        "quorum held, all {current} brokers running and voting, {leaving} holds nothing: removing it ({} more after it)",
+        "quorum held, the {} brokers that stay running, {leaving} drained: removing it ({} more after it)",
+        current - 1,
         current - 1 - op.to
     );
     ctx.event(cluster, EventType::Normal, "RemovingBroker", note)
         .await;
     op.step = OperationStep::ShrinkingStatefulSet;
     op.waiting_for = Some(format!("{leaving} to stop and leave the consensus voters"));
-    Ok(current - 1)
+    Ok((current - 1, None))
+}
+
+/// Drains `leaving`, the highest pod's broker (the brokers move its primaries and backups
+/// to the others), and judges whether its pod may go: `None` once it is marked draining and
+/// holds nothing — it then leaves the voters when it stops — or when `forced`; otherwise
+/// what it waits for is in `op.waiting_for`, and what blocks it is returned. A broker that
+/// is no member (down, or never started) may go only if it is no voter either (`voters` is
+/// not above the brokers that stay), or when forced and the brokers that stay are a
+/// majority of the voters. Says once, per change of what blocks it, why it waits.
+#[allow(clippy::too_many_arguments)]
+async fn drain_step(
+    ctx: &Context,
+    cluster: &Cluster,
+    admin: &dyn AdminApi,
+    op: &mut Operation,
+    leaving: &str,
+    voters: Option<i32>,
+    forced: bool,
+    drained: &mut Vec<String>,
+) -> Result<Option<Blocked>, Error> {
+    let staying = scale::ordinal(&cluster.name_any(), leaving).unwrap_or(0);
+    let Some(member) = admin.member(leaving).await? else {
+        let votes = voters.is_some_and(|v| v > staying);
+        if !votes {
+            ctx.event(
+                cluster,
+                EventType::Normal,
+                "Drained",
+                format!(
+                    "{leaving} is no member and no voter; shrinking to {}",
+                    op.to
+                ),
+            )
+            .await;
+            return Ok(None);
+        }
+        let majority = voters.is_some_and(|v| staying * 2 > v);
+        if forced && majority {
+            ctx.event(
+                cluster,
+                EventType::Warning,
+                "ForcedScaleDown",
+                format!("{FORCE_SCALE_DOWN_ANNOTATION}=true: removing {leaving}, which is no member but still votes"),
+            )
+            .await;
+            return Ok(None);
+        }
+        let why = format!(
+            "{leaving} is no member (its broker is down or not started) but still votes: it can be neither drained nor leave the voters until it runs; check its pod"
+        );
+        op.waiting_for = Some(why.clone());
+        return Ok(Some(Some(("LeavingMemberDown", why))));
+    };
+    let holds = member.holds();
+    if !member.draining || holds > 0 {
+        // Asked again on every pass: a drain is idempotent, and the mark is what makes the
+        // broker leave the voters when it stops, even one that holds nothing.
+        admin.drain(leaving).await?;
+        // Listed only if this put the mark: one drained by hand stays drained.
+        if !member.draining && !drained.iter().any(|d| d == leaving) {
+            drained.push(leaving.to_owned());
+        }
+    }
+    if member.draining && holds == 0 {
+        ctx.event(
+            cluster,
+            EventType::Normal,
+            "Drained",
+            format!("{leaving} holds no queues; shrinking to {}", op.to),
+        )
+        .await;
+        return Ok(None);
+    }
+    let owning = format!("{leaving} holds {holds} queues");
+    if forced {
+        ctx.event(
+            cluster,
+            EventType::Warning,
+            "ForcedScaleDown",
+            format!(
+                "{FORCE_SCALE_DOWN_ANNOTATION}=true: removing {leaving} without waiting for its drain ({owning}); queues it still holds lose that copy, and it stays a voter if it holds any"
+            ),
+        )
+        .await;
+        return Ok(None);
+    }
+    if holds == 0 {
+        // Marked just now: the next pass sees the mark, and whether a role reached it
+        // before the mark did.
+        op.waiting_for = Some(format!("{leaving} to be marked draining"));
+        return Ok(Some(None));
+    }
+    let waiting_for = format!("leaving members to hand over their queues: {owning}");
+    // Once per change of what blocks it, not on every poll.
+    if op.waiting_for.as_deref() != Some(waiting_for.as_str()) {
+        ctx.event(
+            cluster,
+            EventType::Warning,
+            "ScaleDownBlocked",
+            format!(
+                "{owning}: its pod stays until it owns no queues; to remove it anyway, annotate the Cluster {FORCE_SCALE_DOWN_ANNOTATION}=true"
+            ),
+        )
+        .await;
+    }
+    let message = format!(
+        "{waiting_for}; to remove it anyway, annotate the Cluster {FORCE_SCALE_DOWN_ANNOTATION}=true"
+    );
+    op.waiting_for = Some(waiting_for);
+    Ok(Some(Some(("MemberOwnsQueues", message))))
+}
+
+/// Undrains the brokers a scale-down drained that the Cluster keeps again (ordinal below
+/// `kept`: the scale-down was called off or retargeted, or a scale-up brings the pod back),
+/// and forgets them; a broker the cluster no longer knows (404: no member, no mark) is
+/// forgotten too. Another failure is retried on the next reconcile.
+async fn undrain_kept(
+    ctx: &Context,
+    cluster: &Cluster,
+    admin: &dyn AdminApi,
+    drained: &mut Vec<String>,
+    kept: i32,
+) {
+    let name = cluster.name_any();
+    let mut still = Vec::new();
+    for id in std::mem::take(drained) {
+        if scale::ordinal(&name, &id).is_none_or(|n| n >= kept) {
+            still.push(id);
+            continue;
+        }
+        match admin.undrain(&id).await {
+            Ok(()) => {
+                let note = format!("{id} was drained by a scale-down and is kept again: undrained");
+                ctx.event(cluster, EventType::Normal, "Undrained", note)
+                    .await;
+            }
+            Err(crate::admin::AdminError::Unexpected { status: 404, .. }) => {}
+            Err(e) => {
+                tracing::warn!(member = %id, error = %e, "cannot undrain a broker the Cluster keeps; retried on the next reconcile");
+                still.push(id);
+            }
+        }
+    }
+    *drained = still;
 }
 
 /// Pods the existing StatefulSet reports (`status.replicas`), 0 before it exists.
@@ -385,68 +573,8 @@ fn config_hash_of(sts: &StatefulSet) -> Option<&str> {
         .map(String::as_str)
 }
 
-/// Drains `leaving` (the brokers move its primaries and backups to the others) and checks
-/// it holds no queue: true once it holds nothing (or is gone), or when `forced`. Says once,
-/// per change of what blocks it, why it waits.
-async fn drain_step(
-    ctx: &Context,
-    cluster: &Cluster,
-    admin: &dyn AdminApi,
-    op: &mut Operation,
-    leaving: &str,
-    forced: bool,
-) -> Result<bool, Error> {
-    let holds = match admin.member(leaving).await? {
-        Some(member) if member.holds() > 0 => {
-            // Asked again on every pass: a drain is idempotent, and a member that
-            // restarted meanwhile is drained still.
-            admin.drain(leaving).await?;
-            member.holds()
-        }
-        _ => 0,
-    };
-    if holds == 0 {
-        ctx.event(
-            cluster,
-            EventType::Normal,
-            "Drained",
-            format!("{leaving} holds no queues; shrinking to {}", op.to),
-        )
-        .await;
-        return Ok(true);
-    }
-    let owning = format!("{leaving} holds {holds} queues");
-    if forced {
-        ctx.event(
-            cluster,
-            EventType::Warning,
-            "ForcedScaleDown",
-            format!(
-                "{FORCE_SCALE_DOWN_ANNOTATION}=true: removing a member that still holds queues ({owning}); those queues lose their primary"
-            ),
-        )
-        .await;
-        return Ok(true);
-    }
-    let waiting_for = format!("leaving members to hand over their queues: {owning}");
-    // Once per change of what blocks it, not on every poll.
-    if op.waiting_for.as_deref() != Some(waiting_for.as_str()) {
-        ctx.event(
-            cluster,
-            EventType::Warning,
-            "ScaleDownBlocked",
-            format!(
-                "{owning}: its pod stays until it owns no queues; to remove it anyway, annotate the Cluster {FORCE_SCALE_DOWN_ANNOTATION}=true"
-            ),
-        )
-        .await;
-    }
-    op.waiting_for = Some(waiting_for);
-    Ok(false)
-}
-
 /// Checks whether the operation's last step is done; clears `waiting_for` when it is (a
-/// scale-down's shrink has decided that already, in [`shrink_one`]).
+/// scale-down's step has decided that already, in [`scale_down_step`]).
 async fn finish_step(
     ctx: &Context,
     cluster: &Cluster,
@@ -541,6 +669,7 @@ fn build_status(
     overview: &Result<Overview, crate::admin::AdminError>,
     operation: Option<Operation>,
     rolling_restart: Option<RollingRestart>,
+    scale_down: ScaleDownState,
 ) -> ClusterStatus {
     let previous = cluster
         .status
@@ -644,7 +773,7 @@ fn build_status(
             degraded_message,
             generation,
         ),
-        scale_down_blocked(previous, operation.as_ref(), generation),
+        scale_down_blocked(previous, scale_down.blocked, generation),
     ];
     ClusterStatus {
         observed_generation: generation,
@@ -657,38 +786,43 @@ fn build_status(
         operation,
         quorum,
         rolling_restart,
+        drained_by_scale_down: scale_down.drained,
     }
 }
 
-/// `ScaleDownBlocked`: true while a scale-down waits for leaving members to hand over their
-/// queues, with the members and their queue counts.
+/// What a reconcile's scale-down step leaves for the status.
+struct ScaleDownState {
+    /// What holds it that the user may have to act on.
+    blocked: Blocked,
+    /// `drained_by_scale_down`.
+    drained: Vec<String>,
+}
+
+/// `ScaleDownBlocked`: true while a scale-down waits on something the user may have to act
+/// on — a leaving member that holds queues (`MemberOwnsQueues`), stopped brokers that still
+/// vote (`StaleVoters`, also for the second or two a removed broker takes to leave the
+/// voters), a leaving member that is down but votes (`LeavingMemberDown`) — with the reason
+/// in words.
 fn scale_down_blocked(
     previous: &[k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition],
-    operation: Option<&Operation>,
+    blocked: Blocked,
     generation: Option<i64>,
 ) -> k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition {
-    match operation {
-        Some(op) if op.kind == OperationKind::ScaleDown && op.step == OperationStep::Draining => {
-            condition(
-                previous,
-                "ScaleDownBlocked",
-                true,
-                "MemberOwnsQueues",
-                format!(
-                    "{}; to remove them anyway, annotate the Cluster {FORCE_SCALE_DOWN_ANNOTATION}=true",
-                    op.waiting_for
-                        .as_deref()
-                        .unwrap_or("leaving members own queues")
-                ),
-                generation,
-            )
-        }
-        _ => condition(
+    match blocked {
+        Some((reason, message)) => condition(
+            previous,
+            "ScaleDownBlocked",
+            true,
+            reason,
+            message,
+            generation,
+        ),
+        None => condition(
             previous,
             "ScaleDownBlocked",
             false,
             "NotBlocked",
-            "no scale-down waits for a member",
+            "no scale-down waits on anything that needs you",
             generation,
         ),
     }

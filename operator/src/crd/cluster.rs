@@ -186,6 +186,11 @@ pub struct ClusterStatus {
     /// The rolling restart in progress (after a pod template change), if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rolling_restart: Option<RollingRestart>,
+    /// Brokers a scale-down drained that are not undrained yet (gone, going, or kept by a
+    /// scale-down that was called off). One the Cluster keeps again (`replicas` above its
+    /// ordinal) is undrained, so that it serves; a broker you drained by hand is never here.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub drained_by_scale_down: Vec<String>,
 }
 
 /// Quorum of the brokers' consensus group, from `GET /api/overview`'s `cluster` object.

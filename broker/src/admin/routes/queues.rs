@@ -66,12 +66,14 @@ pub(super) fn get<'a>(c: &'a Ctx<'a>) -> BoxFuture<'a, Result<Reply>> {
 
 /// `read`'s answer with `cluster`: the configuration its roles belong to
 /// ([`crate::cluster::Membership::configuration`]) and whether this member held the
-/// majority's lease, both as of the instant it was read — or `null` when cluster events kept
-/// changing it under the read. Two members that name themselves a queue's `node` under one
-/// configuration while holding the lease would be two primaries at once: the fault suite
-/// checks that it never happens (docs/reliability.md).
+/// majority's lease and the current cluster map, both as of the instant it was read — or
+/// `null` when cluster events kept changing it under the read. Two members that name
+/// themselves a queue's `node` under one configuration while holding the lease would be two
+/// primaries at once: the fault suite checks that it never happens (docs/reliability.md).
+/// A member without the current map (restarting, or rejoining after an eviction) holds no
+/// roles, whatever its vhosts remember: `quorum` is false for it.
 fn stamped(c: &crate::cluster::Cluster, read: impl Fn() -> Option<Value>) -> Option<Value> {
-    let consistent = c.read_consistent(|| (read(), c.has_quorum()));
+    let consistent = c.read_consistent(|| (read(), c.has_quorum() && c.holds_current_map()));
     let Some(((one, quorum), configuration)) = consistent else {
         return read().map(|mut q| {
             q["cluster"] = Value::Null;

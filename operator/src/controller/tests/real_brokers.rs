@@ -403,7 +403,7 @@ async fn the_drain_call_empties_a_member_of_a_real_three_member_cluster() {
     // Drained, it is still a live voter: the scale-down may remove its pod.
     let drained = api.overview().await;
     assert_eq!(
-        crate::scale::settled("ringmq", 3, 3, &drained, false),
+        crate::scale::settled("ringmq", 3, 3, &drained, false, true),
         Ok(()),
         "{drained:?}"
     );
@@ -415,7 +415,7 @@ async fn the_drain_call_empties_a_member_of_a_real_three_member_cluster() {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
     let mut overview = api.overview().await;
     while std::time::Instant::now() < deadline
-        && crate::scale::settled("ringmq", 2, 2, &overview, false).is_err()
+        && crate::scale::settled("ringmq", 2, 2, &overview, false, false).is_err()
     {
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
         overview = api.overview().await;

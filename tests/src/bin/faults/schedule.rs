@@ -299,7 +299,10 @@ impl Nemesis {
                                 m.node_id
                             );
                         }
-                        if drained && rng.below(2) == 0 {
+                        // Drawn whether or not the drain finished, so that a seed's
+                        // later choices do not depend on its timing.
+                        let stop = rng.below(2) == 0;
+                        if drained && stop {
                             stop_drained_and_start_again(cluster, &m, fault_for);
                         } else {
                             std::thread::sleep(fault_for);
@@ -392,7 +395,7 @@ fn stop_drained_and_start_again(cluster: &Cluster, m: &Member, down: Duration) {
             .members
             .iter()
             .filter(|o| o.index != m.index)
-            .any(|o| {
+            .all(|o| {
                 o.admin()
                     .get("/api/overview")
                     .is_ok_and(|a| a.body["cluster"]["voters"] == want)
