@@ -168,6 +168,86 @@ async fn durable_wiring_and_persistent_messages_survive_restart_and_kill() {
     );
 }
 
+/// A publish numbered as a session's client numbers it (`x-ringmq-producer`,
+/// `x-ringmq-publish-seq`), persistent, on `queue`.
+async fn publish_as_session(ch: &Channel, queue: &str, seq: i64) -> bool {
+    let mut headers = FieldTable::default();
+    headers.insert(
+        "x-ringmq-producer".into(),
+        lapin::types::AMQPValue::LongString("4b0c-resend:1".into()),
+    );
+    headers.insert(
+        "x-ringmq-publish-seq".into(),
+        lapin::types::AMQPValue::LongLongInt(seq),
+    );
+    let c = ch
+        .basic_publish(
+            "".into(),
+            queue.into(),
+            BasicPublishOptions::default(),
+            format!("m{seq}").as_bytes(),
+            persistent().with_headers(headers),
+        )
+        .await
+        .unwrap();
+    c.await.unwrap().is_ack()
+}
+
+#[tokio::test]
+async fn a_session_publish_consumed_before_a_kill_is_dropped_when_resent_after_the_restart() {
+    let mut b = Broker::start();
+    {
+        let (_c, ch) = b.channel().await;
+        ch.confirm_select(ConfirmSelectOptions::default())
+            .await
+            .unwrap();
+        durable_queue(&ch, "resends").await;
+        for seq in 1..=3 {
+            assert!(publish_as_session(&ch, "resends", seq).await);
+            let m = ch
+                .basic_get("resends".into(), BasicGetOptions::default())
+                .await
+                .unwrap()
+                .expect("the message just confirmed");
+            m.delivery.ack(BasicAckOptions::default()).await.unwrap();
+        }
+        // Confirmed after the acks: they reached the journal before it.
+        publish_confirmed(&ch, "resends", b"marker", persistent()).await;
+    }
+    // The queue held none of the three when it stopped: only the journal's producer table
+    // knows they were taken (B15).
+    for restart in [Broker::crash_and_restart, Broker::stop_and_restart] {
+        restart(&mut b);
+        let (_c, ch) = b.channel().await;
+        ch.confirm_select(ConfirmSelectOptions::default())
+            .await
+            .unwrap();
+        for seq in 1..=3 {
+            assert!(
+                publish_as_session(&ch, "resends", seq).await,
+                "a resend is confirmed"
+            );
+        }
+        let got = drain(&ch, "resends").await;
+        assert_eq!(
+            got,
+            vec![b"marker".to_vec()],
+            "the resends are not enqueued again"
+        );
+        publish_confirmed(&ch, "resends", b"marker", persistent()).await;
+    }
+    let (_c, ch) = b.channel().await;
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    assert!(publish_as_session(&ch, "resends", 4).await);
+    assert_eq!(
+        drain(&ch, "resends").await,
+        vec![b"marker".to_vec(), b"m4".to_vec()],
+        "the producer's next number is taken"
+    );
+}
+
 #[tokio::test]
 async fn a_second_broker_on_the_same_data_dir_refuses_to_start() {
     let b = Broker::start();

@@ -88,6 +88,9 @@ pub(super) fn recover(config: &Config, data_dir: &DataDir) -> Result<Recovered, 
                     restored += messages.len();
                     vhost.restore_messages(&queue, messages);
                 }
+                if let Some(table) = recovered.disk.producers.get(&uid) {
+                    vhost.restore_producers(&queue, &table.highest());
+                }
             }
         });
         vhosts.insert(name.clone(), Arc::new(Mutex::new(vhost)));

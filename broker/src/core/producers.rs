@@ -65,8 +65,12 @@ pub fn without_producer(properties: Properties) -> Properties {
     properties.with_headers(kept)
 }
 
+/// A queue's producers and the highest number each reached it with: what the journal keeps
+/// of a [`Producers`] table, so that it outlives the messages (B15 in docs/reliability.md).
+pub type Highest = Vec<(Arc<str>, u64)>;
+
 /// The highest number each producer's messages reached a queue with.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct Producers {
     /// Producer → (highest number, when it was last seen on the `seen` clock).
     latest: HashMap<Arc<str>, (u64, u64)>,
@@ -87,9 +91,14 @@ impl Producers {
 
     /// The queue took `message`: its producer's highest number goes up to its number.
     pub fn note(&mut self, message: &Message) {
-        let Some((producer, seq)) = producer_of(message) else {
-            return;
-        };
+        if let Some((producer, seq)) = producer_of(message) {
+            self.note_number(producer, seq);
+        }
+    }
+
+    /// `producer`'s messages reached the queue up to number `seq` (a message's, or a
+    /// journal's table read back on recovery).
+    pub fn note_number(&mut self, producer: &str, seq: u64) {
         self.seen += 1;
         let seen = self.seen;
         match self.latest.get_mut(producer) {
@@ -101,6 +110,23 @@ impl Producers {
                 }
             }
         }
+    }
+
+    /// Every producer of [`Self::highest`] noted (a table read back on recovery).
+    pub fn note_all(&mut self, highest: &[(Arc<str>, u64)]) {
+        for (producer, seq) in highest {
+            self.note_number(producer, *seq);
+        }
+    }
+
+    /// Each producer remembered with its highest number, least recently seen first (so
+    /// that noting them in this order keeps the recency order).
+    pub fn highest(&self) -> Highest {
+        let mut all: Vec<(&Arc<str>, &(u64, u64))> = self.latest.iter().collect();
+        all.sort_unstable_by_key(|(_, (_, seen))| *seen);
+        all.into_iter()
+            .map(|(producer, (seq, _))| (producer.clone(), *seq))
+            .collect()
     }
 
     /// How many producers are remembered.
@@ -188,5 +214,25 @@ mod tests {
         assert!(p.holds(&numbered("m", "s:0", 2)), "seen again: kept");
         assert!(p.holds(&numbered("m", "new", 1)));
         assert!(!p.holds(&numbered("m", "s:1", 1)), "the oldest went");
+    }
+
+    #[test]
+    fn a_table_read_back_holds_what_the_queue_took_in_the_same_recency_order() {
+        let mut p = Producers::default();
+        p.note(&numbered("m", "a", 3));
+        p.note(&numbered("m", "b", 9));
+        p.note(&numbered("m", "a", 5));
+        let highest = p.highest();
+        assert_eq!(
+            highest,
+            vec![(Arc::from("b"), 9), (Arc::from("a"), 5)],
+            "least recently seen first"
+        );
+        let mut back = Producers::default();
+        back.note_all(&highest);
+        assert!(back.holds(&numbered("m", "a", 5)));
+        assert!(!back.holds(&numbered("m", "a", 6)));
+        assert!(back.holds(&numbered("m", "b", 1)));
+        assert_eq!(back.highest(), highest);
     }
 }

@@ -393,6 +393,11 @@ impl Queue {
         None
     }
 
+    /// The producers' highest numbers a journal kept for this queue (recovery).
+    pub fn note_producers(&mut self, highest: &[(Arc<str>, u64)]) {
+        self.producers.note_all(highest);
+    }
+
     /// Whether the queue took `message` already: a session's publish that a member which
     /// took the session over sends again (`core::producers`).
     pub fn holds_resent(&self, message: &Message) -> bool {

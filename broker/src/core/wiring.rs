@@ -461,6 +461,15 @@ impl VHost {
             q.restore(id, message, expires_at_ms, budget);
         }
     }
+
+    /// Gives the queue `name` back the producer table its journal kept (the producers of
+    /// messages consumed before the restart as well as of those restored): a session's
+    /// publish resent after the restart is dropped as the resend it is.
+    pub fn restore_producers(&mut self, name: &str, highest: &[(Arc<str>, u64)]) {
+        if let Some(q) = self.queues.get_mut(name) {
+            q.note_producers(highest);
+        }
+    }
 }
 
 #[cfg(test)]

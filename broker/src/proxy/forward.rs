@@ -17,7 +17,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 use tokio::sync::{Notify, mpsc};
 
@@ -30,6 +30,9 @@ pub struct ForwardTracker {
     /// Proxied methods waiting in [`Self::answered_through`] (besides the connection, which
     /// waits in [`Self::changed`]).
     watchers: AtomicUsize,
+    /// The connection carries a session: a forward to a moving queue is a failure, not a
+    /// refusal ([`ForwardOutcome::Moving`]).
+    resend_when_moving: AtomicBool,
 }
 
 #[derive(Debug, Default)]
@@ -63,6 +66,12 @@ pub enum ForwardOutcome {
     Refused,
     /// Nobody knows (the link failed before the answer): the reason.
     Failed(String),
+    /// The primary took it into none of its queues because one of them is sealed for a
+    /// planned move (a nack with `requeue`): a refusal for a plain client, whose
+    /// application publishes again; for a session's connection
+    /// ([`ForwardTracker::resend_when_moving`]) a failure, so that the client resends it
+    /// after the switch and the application never sees a nack (B16).
+    Moving,
 }
 
 impl ForwardTracker {
@@ -75,13 +84,27 @@ impl ForwardTracker {
         id
     }
 
+    /// A session attached to the connection: from now on a forward that reaches a moving
+    /// queue fails (its client resends the publish after the switch) instead of being
+    /// refused.
+    pub fn resend_when_moving(&self) {
+        self.resend_when_moving.store(true, Ordering::Release);
+    }
+
     /// Forward `id` ended so.
     pub fn settle(&self, id: u64, outcome: ForwardOutcome) {
+        let outcome = match outcome {
+            ForwardOutcome::Moving if self.resend_when_moving.load(Ordering::Acquire) => {
+                ForwardOutcome::Failed("the queue's primary is moving to another member".into())
+            }
+            ForwardOutcome::Moving => ForwardOutcome::Refused,
+            other => other,
+        };
         let mut s = self.state.lock();
         s.outstanding.remove(&id);
         match outcome {
             ForwardOutcome::Confirmed => {}
-            ForwardOutcome::Refused => {
+            ForwardOutcome::Refused | ForwardOutcome::Moving => {
                 s.refused.insert(id);
             }
             ForwardOutcome::Failed(reason) => match &s.failure {
@@ -481,6 +504,30 @@ mod tests {
         t.settle(c, ForwardOutcome::Failed("gone".into()));
         assert_eq!(t.status().answered_through, 4);
         assert_eq!(t.status().failure, Some((3, "gone".to_owned())));
+    }
+
+    #[test]
+    fn a_moving_queue_refuses_a_plain_clients_forward_and_fails_a_sessions() {
+        let plain = ForwardTracker::default();
+        let a = plain.issue();
+        plain.settle(a, ForwardOutcome::Moving);
+        assert_eq!(plain.status().failure, None);
+        assert_eq!(
+            plain.fate(a, a),
+            ForwardFate::Refused,
+            "its publisher gets a nack"
+        );
+
+        let session = ForwardTracker::default();
+        session.resend_when_moving();
+        let b = session.issue();
+        session.settle(b, ForwardOutcome::Moving);
+        assert_eq!(
+            session.fate(b, b),
+            ForwardFate::Unknown,
+            "no nack: the client resends it after the switch"
+        );
+        assert!(session.status().failure.is_some());
     }
 
     #[test]

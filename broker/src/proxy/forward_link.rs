@@ -356,9 +356,13 @@ fn on_method(method: AMQPClass, member: &str, waiting: &Mutex<Waiting>) -> Optio
             None
         }
         AMQPClass::Basic(basic::AMQPMethod::Nack(n)) => {
-            waiting
-                .lock()
-                .settle(n.delivery_tag, n.multiple, &ForwardOutcome::Refused);
+            // `requeue` on a member's nack: the queue is moving, not refusing (B16).
+            let outcome = if n.requeue {
+                ForwardOutcome::Moving
+            } else {
+                ForwardOutcome::Refused
+            };
+            waiting.lock().settle(n.delivery_tag, n.multiple, &outcome);
             None
         }
         AMQPClass::Connection(connection::AMQPMethod::Close(c)) => Some(format!(

@@ -134,6 +134,10 @@ pub struct ChannelCtx {
     pub pending: Option<PendingPublish>,
     /// Confirms decided since the last flush: (sequence number, ack?).
     pub confirms: Vec<(u64, bool)>,
+    /// On a member's link: the publishes nacked because they reached a queue sealed for a
+    /// planned move ([`crate::core::vhost::PublishOutcome::Moving`]), whose nack says
+    /// `requeue` until it is written.
+    pub moving: std::collections::BTreeSet<u64>,
     /// Publishes whose confirm waits for the primaries they were forwarded to, and every
     /// later publish of the channel (confirms go out in publish order, so that a `multiple`
     /// ack never covers a publish still undecided).
@@ -157,6 +161,7 @@ impl ChannelCtx {
             crossing_close_answered: false,
             pending: None,
             confirms: Vec::new(),
+            moving: std::collections::BTreeSet::new(),
             awaiting: std::collections::VecDeque::new(),
             tx: None,
             last_queue: None,

@@ -17,6 +17,7 @@ use super::index::{LiveIndex, Location, RecordKey, SegmentInfo, SharedIndex};
 use super::record::{RECORD_HEADER, Record, next_record};
 use super::snapshot::{self, Position, SnapshotError};
 use super::{SEGMENT_MAGIC, StoreError, segment_path, write_wiring_file};
+use crate::core::producers::{Producers, producer_of};
 use crate::core::wiring::Wiring;
 use bytes::Bytes;
 use parking_lot::Mutex;
@@ -143,7 +144,16 @@ pub struct DiskState {
     pub index: LiveIndex,
     /// Durable wiring per vhost.
     pub wiring: BTreeMap<String, Wiring>,
+    /// Per durable queue uid, the session producers' highest numbers.
+    pub producers: ProducerTables,
 }
+
+/// Per durable queue uid, the highest number each session producer reached it with, as the
+/// journal keeps it beyond the messages themselves: a session's client resends what it had
+/// no confirm for after a restart of the whole cluster, and a queue that lost the table with
+/// the consumed messages would enqueue the resend a second time (B15 in
+/// docs/reliability.md).
+pub type ProducerTables = HashMap<u64, Producers>;
 
 struct Submitter {
     next_seq: u64,
@@ -180,7 +190,11 @@ impl Journal {
         let (tx, rx) = channel();
         let synced = Arc::new(tokio::sync::watch::Sender::new(0));
         let stats = Arc::new(JournalStats::default());
-        let DiskState { mut index, wiring } = state;
+        let DiskState {
+            mut index,
+            wiring,
+            producers,
+        } = state;
         let segments: Vec<u64> = index.segments.keys().copied().collect();
         for number in segments {
             let path = segment_path(&dir, number);
@@ -192,7 +206,7 @@ impl Journal {
         let mut writer = Writer::new(
             dir,
             config,
-            wiring,
+            (wiring, producers),
             index.clone(),
             next_segment,
             rx,
@@ -304,6 +318,9 @@ struct Writer {
     synced: Arc<tokio::sync::watch::Sender<u64>>,
     stats: Arc<JournalStats>,
     live_uids: HashSet<u64>,
+    /// The producer tables of the live queues, from every Enqueued record planned (written
+    /// or cancelled): written whole before a segment is deleted and in every snapshot.
+    producers: ProducerTables,
     buf: Vec<u8>,
     snapshots: Snapshots,
 }
@@ -346,6 +363,9 @@ struct BatchPlan {
     removals: bool,
     released: Vec<RecordKey>,
     released_queues: Vec<u64>,
+    /// Per queue uid, the producers' numbers of the enqueues this batch cancelled: written
+    /// as Producers records, since no Enqueued record will say them.
+    cancelled_producers: HashMap<u64, crate::core::producers::Highest>,
 }
 
 impl BatchPlan {
@@ -359,10 +379,32 @@ impl BatchPlan {
     fn cancel(&mut self, key: RecordKey) -> bool {
         match self.pending.remove(&key) {
             Some(at) => {
-                self.records[at] = None;
+                if let Some(Pending {
+                    record: Record::Enqueued { uid, message, .. },
+                    ..
+                }) = self.records[at].take()
+                    && let Some((producer, seq)) = producer_of(&message)
+                {
+                    self.cancelled_producers
+                        .entry(uid)
+                        .or_default()
+                        .push((producer.into(), seq));
+                }
                 true
             }
             None => false,
+        }
+    }
+
+    /// The Producers records of the enqueues cancelled so far, for the queues still live.
+    fn push_cancelled_producers(&mut self, live: &HashSet<u64>) {
+        for (uid, highest) in std::mem::take(&mut self.cancelled_producers) {
+            if live.contains(&uid) {
+                self.records.push(Some(Pending {
+                    record: Record::Producers { uid, highest },
+                    durable: true,
+                }));
+            }
         }
     }
 
@@ -398,7 +440,7 @@ impl Writer {
     fn new(
         dir: PathBuf,
         config: JournalConfig,
-        wiring: BTreeMap<String, Wiring>,
+        (wiring, producers): (BTreeMap<String, Wiring>, ProducerTables),
         index: Arc<SharedIndex>,
         next_segment: u64,
         rx: Receiver<(u64, Job)>,
@@ -429,6 +471,7 @@ impl Writer {
             synced,
             stats,
             live_uids: HashSet::new(),
+            producers,
             buf: Vec::new(),
             snapshots: Snapshots {
                 records_since: 0,
@@ -543,7 +586,7 @@ impl Writer {
             segment: self.current,
             offset_bytes: self.current_bytes,
         };
-        let bytes = snapshot::encode(position, &self.index.index.lock());
+        let bytes = snapshot::encode(position, &self.index.index.lock(), &self.producers);
         let s = &mut self.snapshots;
         s.records_since = 0;
         s.taken_at = Instant::now();
@@ -597,6 +640,7 @@ impl Writer {
             }
         }
         self.apply_releases(&plan);
+        plan.push_cancelled_producers(&self.live_uids);
         self.buf.clear();
         let mut must_sync = plan.wiring_changed || plan.removals;
         let (written, durable) = self.encode(plan.records);
@@ -641,12 +685,27 @@ impl Writer {
     fn plan_records(&mut self, plan: &mut BatchPlan, rs: Vec<Record>) {
         for r in rs {
             match r {
-                Record::Enqueued { uid, id, .. } => {
+                Record::Enqueued {
+                    uid,
+                    id,
+                    ref message,
+                    ..
+                } => {
                     if self.live_uids.contains(&uid) {
+                        if let Some((producer, seq)) = producer_of(message) {
+                            self.producers
+                                .entry(uid)
+                                .or_default()
+                                .note_number(producer, seq);
+                        }
                         plan.push((uid, id), r, true);
                     }
                 }
                 Record::Paged { uid, id, .. } => plan.push((uid, id), r, false),
+                Record::Producers { .. } => plan.records.push(Some(Pending {
+                    record: r,
+                    durable: true,
+                })),
                 Record::Removed { uid, ids } => {
                     let mut keep = Vec::new();
                     let mut index = self.index.index.lock();
@@ -674,6 +733,8 @@ impl Writer {
     fn wiring_changed(&mut self, plan: &mut BatchPlan) {
         let new_uids = self.live_uids();
         let old_uids = std::mem::replace(&mut self.live_uids, new_uids);
+        let live = &self.live_uids;
+        self.producers.retain(|uid, _| live.contains(uid));
         plan.wiring_changed = true;
         let gone: HashSet<u64> = old_uids.difference(&self.live_uids).copied().collect();
         if !gone.is_empty() {
@@ -722,7 +783,7 @@ impl Writer {
                 Record::Paged { uid, id, .. } => {
                     written.push(((*uid, *id), start as u64, len, None));
                 }
-                Record::Removed { .. } => {}
+                Record::Removed { .. } | Record::Producers { .. } => {}
             }
             self.stats.records_written.fetch_add(1, Ordering::Relaxed);
             self.snapshots.records_since += u64::from(p.durable);
@@ -833,6 +894,17 @@ impl Writer {
                 at = next;
             }
         }
+        // The producers the deleted segment's Enqueued records named live on in whole
+        // tables written ahead of it (recovery takes the highest number it reads).
+        for (&uid, table) in &self.producers {
+            if !table.is_empty() {
+                Record::Producers {
+                    uid,
+                    highest: table.highest(),
+                }
+                .encode(&mut copy);
+            }
+        }
         if !copy.is_empty() {
             let (segment, base) = self.append(&copy)?;
             self.sync()?;
@@ -872,7 +944,7 @@ fn body_bytes(job: &Job) -> u64 {
                 Record::Paged { message, .. } | Record::Enqueued { message, .. } => {
                     message.body_len() as u64
                 }
-                Record::Removed { .. } => 0,
+                Record::Removed { .. } | Record::Producers { .. } => 0,
             })
             .sum(),
         _ => 0,

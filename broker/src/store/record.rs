@@ -9,6 +9,12 @@
 //! * `3` Paged: laid out as Enqueued. The body of a message that is not persistent (or not on
 //!   a durable queue), written only so that flow-to-disk can drop it from memory. Recovery
 //!   skips it: a transient message never comes back after a restart.
+//! * `4` Producers: uid u64, count u32, count × (producer name (u32 len + bytes), number
+//!   u64). The highest number each session producer reached the queue with, where no
+//!   Enqueued record says it: a publish whose enqueue was cancelled by its ack in the same
+//!   batch, and every table before the compactor deletes a segment (B15 in
+//!   docs/reliability.md). Recovery takes the highest of these and of every Enqueued
+//!   record's producer, so that a session's resend after a restart is still recognised.
 
 use crate::core::ops::{OpKind, QueueOp};
 use crate::core::{Body, DiskBody, Message};
@@ -25,6 +31,7 @@ pub const MAX_RECORD_BODY: usize = 512 * 1024 * 1024;
 const ENQUEUED: u8 = 1;
 const REMOVED: u8 = 2;
 const PAGED: u8 = 3;
+const PRODUCERS: u8 = 4;
 
 /// A change to a durable queue's persistent content.
 #[derive(Debug, Clone)]
@@ -56,6 +63,13 @@ pub enum Record {
         uid: u64,
         /// Their ids.
         ids: Vec<u64>,
+    },
+    /// Session producers reached the queue `uid` up to these numbers.
+    Producers {
+        /// Queue incarnation.
+        uid: u64,
+        /// Producer and highest number.
+        highest: crate::core::producers::Highest,
     },
 }
 
@@ -163,6 +177,15 @@ impl Record {
                 out.extend_from_slice(&(ids.len() as u32).to_be_bytes());
                 for id in ids {
                     out.extend_from_slice(&id.to_be_bytes());
+                }
+            }
+            Record::Producers { uid, highest } => {
+                out.push(PRODUCERS);
+                out.extend_from_slice(&uid.to_be_bytes());
+                out.extend_from_slice(&(highest.len() as u32).to_be_bytes());
+                for (producer, seq) in highest {
+                    put_bytes(out, producer.as_bytes());
+                    out.extend_from_slice(&seq.to_be_bytes());
                 }
             }
         }
@@ -279,6 +302,21 @@ impl Record {
                 }
                 let ids = (0..n).map(|_| r.u64()).collect::<Result<_, _>>()?;
                 Ok(Record::Removed { uid, ids })
+            }
+            PRODUCERS => {
+                let uid = r.u64()?;
+                let n = r.u32()? as usize;
+                if n > body.len() / 12 {
+                    return Err(DecodeError::Malformed("producer count"));
+                }
+                let mut highest = Vec::with_capacity(n);
+                for _ in 0..n {
+                    let name = std::str::from_utf8(&r.bytes()?)
+                        .map_err(|_| DecodeError::Malformed("producer name"))?
+                        .into();
+                    highest.push((name, r.u64()?));
+                }
+                Ok(Record::Producers { uid, highest })
             }
             _ => Err(DecodeError::Malformed("record type")),
         }
@@ -452,5 +490,26 @@ mod tests {
             next_record(&Bytes::from(flipped), 0),
             Err(DecodeError::Checksum)
         );
+    }
+
+    #[test]
+    fn a_producers_record_round_trips_and_a_bad_count_is_malformed() {
+        let highest = vec![(Arc::from("session-a:1"), 41), (Arc::from("b:2"), 7)];
+        let mut out = Vec::new();
+        Record::Producers {
+            uid: 9,
+            highest: highest.clone(),
+        }
+        .encode(&mut out);
+        let data = Bytes::from(out);
+        let (body, _) = next_record(&data, 0).unwrap();
+        assert_eq!(Record::enqueued_key(&body), None, "no message in it");
+        let Record::Producers { uid, highest: back } = Record::decode(&body).unwrap() else {
+            panic!()
+        };
+        assert_eq!((uid, back), (9, highest));
+        let mut lying = body.to_vec();
+        lying[9..13].copy_from_slice(&u32::MAX.to_be_bytes());
+        assert!(Record::decode(&Bytes::from(lying)).is_err());
     }
 }

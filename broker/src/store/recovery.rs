@@ -2,6 +2,10 @@
 //! valid snapshot plus the journal after its position, or from every segment in order when
 //! there is no usable snapshot — keeping the messages that were enqueued and not removed.
 //!
+//! With them, each durable queue's producer table (B15 in docs/reliability.md): the
+//! snapshot's, raised by every Enqueued record's producer and every Producers record read
+//! after it — consumed messages included, so that a session's resend is still recognised.
+//!
 //! Messages listed by the snapshot come back with their bodies on disk (read on delivery);
 //! messages of the replayed tail come back with their bodies as read. A damaged record (torn
 //! at the tail after a crash, or corrupted) ends the reading of its segment: everything before
@@ -13,6 +17,7 @@ use super::record::{DecodeError, Record, next_record};
 use super::snapshot::{self, Snapshot};
 use super::{SEGMENT_MAGIC, StoreError, read_wiring_file};
 use crate::core::Message;
+use crate::core::producers::producer_of;
 use bytes::Bytes;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
@@ -156,6 +161,8 @@ fn list_segments(dir: &Path) -> Result<BTreeMap<u64, u64>, StoreError> {
 }
 
 fn load_snapshot(s: Snapshot, live_uids: &HashSet<u64>, out: &mut Recovered, messages: &mut Found) {
+    out.disk.producers = s.producers;
+    out.disk.producers.retain(|uid, _| live_uids.contains(uid));
     for e in s.entries {
         if !live_uids.contains(&e.key.0) {
             continue;
@@ -229,6 +236,13 @@ fn replay_segment(
                 message,
             } => {
                 if live_uids.contains(&uid) {
+                    if let Some((producer, seq)) = producer_of(&message) {
+                        out.disk
+                            .producers
+                            .entry(uid)
+                            .or_default()
+                            .note_number(producer, seq);
+                    }
                     let head = Bytes::copy_from_slice(&body[..Record::head_len_of(&message)]);
                     messages.insert((uid, id), (message, expires_at_ms));
                     out.disk.index.add(
@@ -246,6 +260,15 @@ fn replay_segment(
                 for id in ids {
                     messages.remove(&(uid, id));
                     out.disk.index.remove((uid, id));
+                }
+            }
+            Record::Producers { uid, highest } => {
+                if live_uids.contains(&uid) {
+                    out.disk
+                        .producers
+                        .entry(uid)
+                        .or_default()
+                        .note_all(&highest);
                 }
             }
         }

@@ -6,9 +6,13 @@
 //! replays only the journal after that position; the bodies stay on disk until a consumer
 //! asks for them (flow-to-disk). The file is `snapshot` in the data dir:
 //!
-//! `magic [8] | crc32 u32 | segment u64 | offset u64 | count u64 | entries`, each entry
-//! `uid u64 | id u64 | segment u64 | offset u64 | len u64 | head len u32 | head`, the checksum
-//! over everything after it.
+//! `magic [8] | crc32 u32 | segment u64 | offset u64 | count u64 | entries | tables u64 |
+//! producer tables`, each entry `uid u64 | id u64 | segment u64 | offset u64 | len u64 | head
+//! len u32 | head`, each producer table `uid u64 | count u32 | count × (name len u32 | name |
+//! number u64)` (the journal's [`super::journal::ProducerTables`] at the position: the
+//! producers of messages consumed before it), the checksum over everything after it.
+//! Format 1 had no producer tables; such a file is not used (the full scan reads them from
+//! the journal).
 //!
 //! It is replaced atomically (temp file, fsync, rename, fsync directory). A snapshot is used
 //! only while the segment of its position exists: the compactor deletes the oldest segment
@@ -17,6 +21,8 @@
 //! full scan, never a wrong recovery.
 
 use super::index::{LiveIndex, Location, RecordKey};
+use super::journal::ProducerTables;
+use crate::core::producers::Producers;
 use bytes::Bytes;
 use std::fs::File;
 use std::io::Write;
@@ -24,7 +30,9 @@ use std::path::Path;
 use thiserror::Error;
 
 /// The first bytes of a snapshot file.
-pub const SNAPSHOT_MAGIC: &[u8; 8] = b"RMQS\x00\x00\x00\x01";
+pub const SNAPSHOT_MAGIC: &[u8; 8] = b"RMQS\x00\x00\x00\x02";
+/// The first bytes of a format-1 snapshot (no producer tables).
+const SNAPSHOT_MAGIC_V1: &[u8; 8] = b"RMQS\x00\x00\x00\x01";
 /// Snapshot file name in the data dir.
 pub const SNAPSHOT_FILE: &str = "snapshot";
 const SNAPSHOT_TMP: &str = "snapshot.tmp";
@@ -58,6 +66,8 @@ pub struct Snapshot {
     pub position: Position,
     /// The live records.
     pub entries: Vec<SnapshotEntry>,
+    /// The producer tables at the position.
+    pub producers: ProducerTables,
 }
 
 /// Why a snapshot cannot be used (recovery then scans the whole journal).
@@ -71,8 +81,8 @@ pub enum SnapshotError {
     Damaged(&'static str),
 }
 
-/// Encodes the live Enqueued records of `index` as of `position`.
-pub fn encode(position: Position, index: &LiveIndex) -> Vec<u8> {
+/// Encodes the live Enqueued records of `index` and the producer tables as of `position`.
+pub fn encode(position: Position, index: &LiveIndex, producers: &ProducerTables) -> Vec<u8> {
     let mut out = Vec::new();
     out.extend_from_slice(SNAPSHOT_MAGIC);
     out.extend_from_slice(&[0u8; 4]);
@@ -90,6 +100,17 @@ pub fn encode(position: Position, index: &LiveIndex) -> Vec<u8> {
         count += 1;
     }
     out[count_at..count_at + 8].copy_from_slice(&count.to_be_bytes());
+    out.extend_from_slice(&(producers.len() as u64).to_be_bytes());
+    for (uid, table) in producers {
+        let highest = table.highest();
+        out.extend_from_slice(&uid.to_be_bytes());
+        out.extend_from_slice(&(highest.len() as u32).to_be_bytes());
+        for (producer, seq) in highest {
+            out.extend_from_slice(&(producer.len() as u32).to_be_bytes());
+            out.extend_from_slice(producer.as_bytes());
+            out.extend_from_slice(&seq.to_be_bytes());
+        }
+    }
     let crc = crc32fast::hash(&out[SNAPSHOT_MAGIC.len() + 4..]);
     out[SNAPSHOT_MAGIC.len()..SNAPSHOT_MAGIC.len() + 4].copy_from_slice(&crc.to_be_bytes());
     out
@@ -138,6 +159,11 @@ pub fn load(dir: &Path) -> Result<Option<Snapshot>, SnapshotError> {
 
 fn decode(data: &[u8]) -> Result<Snapshot, SnapshotError> {
     let fixed = SNAPSHOT_MAGIC.len() + 4 + 3 * 8;
+    if data.starts_with(SNAPSHOT_MAGIC_V1) {
+        return Err(SnapshotError::Damaged(
+            "format 1, without producer tables (written before an upgrade)",
+        ));
+    }
     if data.len() < fixed || &data[..SNAPSHOT_MAGIC.len()] != SNAPSHOT_MAGIC {
         return Err(SnapshotError::Damaged("no snapshot header"));
     }
@@ -177,10 +203,47 @@ fn decode(data: &[u8]) -> Result<Snapshot, SnapshotError> {
         });
         at = head_at + head_len;
     }
+    let producers = decode_producers(data, at)?;
+    Ok(Snapshot {
+        position,
+        entries,
+        producers,
+    })
+}
+
+/// The producer tables from `at` to the end of `data`.
+fn decode_producers(data: &[u8], mut at: usize) -> Result<ProducerTables, SnapshotError> {
+    let mut take = |n: usize| -> Result<&[u8], SnapshotError> {
+        let got = data
+            .get(at..at + n)
+            .ok_or(SnapshotError::Damaged("truncated producer table"))?;
+        at += n;
+        Ok(got)
+    };
+    let u64_of = |b: &[u8]| u64::from_be_bytes(b.try_into().expect("8 bytes"));
+    let u32_of = |b: &[u8]| u32::from_be_bytes(b.try_into().expect("4 bytes")) as usize;
+    let tables = u64_of(take(8)?);
+    if tables > (data.len() / 12) as u64 {
+        return Err(SnapshotError::Damaged("producer table count"));
+    }
+    let mut out = ProducerTables::with_capacity(tables as usize);
+    for _ in 0..tables {
+        let uid = u64_of(take(8)?);
+        let count = u32_of(take(4)?);
+        let mut table = Producers::default();
+        for _ in 0..count {
+            let len = u32_of(take(4)?);
+            let name = std::str::from_utf8(take(len)?)
+                .map_err(|_| SnapshotError::Damaged("producer name"))?
+                .to_owned();
+            table.note_number(&name, u64_of(take(8)?));
+        }
+        out.insert(uid, table);
+    }
     if at != data.len() {
         return Err(SnapshotError::Damaged("trailing bytes"));
     }
-    Ok(Snapshot { position, entries })
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -214,9 +277,15 @@ mod tests {
             segment: 3,
             offset_bytes: 58,
         };
-        let bytes = encode(position, &index);
+        let mut producers = ProducerTables::new();
+        producers.entry(7).or_default().note_number("session:1", 12);
+        let bytes = encode(position, &index, &producers);
         let s = decode(&bytes).unwrap();
         assert_eq!(s.position, position);
+        assert_eq!(
+            s.producers.get(&7).map(Producers::highest),
+            Some(vec![(std::sync::Arc::from("session:1"), 12)])
+        );
         let mut got: Vec<(RecordKey, u64, usize)> = s
             .entries
             .iter()
@@ -234,5 +303,10 @@ mod tests {
             assert!(decode(&bad).is_err(), "flipped byte {i} accepted");
         }
         assert!(decode(&bytes[..bytes.len() - 1]).is_err());
+        let mut v1 = bytes.clone();
+        v1[..8].copy_from_slice(SNAPSHOT_MAGIC_V1);
+        assert!(
+            matches!(decode(&v1), Err(SnapshotError::Damaged(why)) if why.starts_with("format 1"))
+        );
     }
 }

@@ -1,8 +1,9 @@
 //! The journal and its compactor against a model: random enqueues, removals, queue
 //! deletions, page records (flow-to-disk) and restarts, with tiny segments so that rolling and
 //! compaction happen often. After every restart, recovery must hold exactly the model's
-//! persistent messages; while running, every live body must read back byte for byte from
-//! wherever compaction moved it.
+//! persistent messages, and every live queue's producer table the highest number any of
+//! its enqueues carried (removed, cancelled and compacted ones included); while running,
+//! every live body must read back byte for byte from wherever compaction moved it.
 
 use super::DataDir;
 use super::journal::{Job, Journal, JournalConfig};
@@ -10,7 +11,8 @@ use super::paging::{read_bodies, read_present};
 use super::record::Record;
 use super::recovery::{Recovered, Start, recover, recover_from};
 use super::snapshot::SNAPSHOT_FILE;
-use crate::amqp::Properties;
+use crate::amqp::{AMQPValue, FieldTable, Properties};
+use crate::core::producers::{PRODUCER_HEADER, PUBLISH_SEQ_HEADER};
 use crate::core::wiring::{Wiring, WiringQueue};
 use crate::core::{DiskBody, Message};
 use bytes::Bytes;
@@ -105,15 +107,41 @@ fn check_reads(journal: &Journal, expected: &BTreeMap<(u64, u64), usize>) {
     }
 }
 
+/// A persistent message of `size` bytes, numbered `id` by the session producer
+/// [`PRODUCER`] (the model's ids grow per queue, as a producer's numbers do).
 fn message(size: usize, id: u64) -> Arc<Message> {
     let mut body = vec![(id % 251) as u8; size];
     body[..8.min(size)].copy_from_slice(&id.to_be_bytes()[..8.min(size)]);
+    let mut headers = FieldTable::default();
+    headers.insert(PUBLISH_SEQ_HEADER.into(), AMQPValue::LongLongInt(id as i64));
+    headers.insert(
+        PRODUCER_HEADER.into(),
+        AMQPValue::LongString(PRODUCER.into()),
+    );
     Arc::new(Message::authored(
         "".into(),
         "k".into(),
-        Properties::default().with_delivery_mode(2),
+        Properties::default()
+            .with_delivery_mode(2)
+            .with_headers(headers),
         Bytes::from(body),
     ))
+}
+
+/// The session producer that numbers every message of the model.
+const PRODUCER: &str = "session:1";
+
+/// Per live queue uid, the highest number [`PRODUCER`] reached it with, as recovered.
+fn producers(r: &Recovered) -> BTreeMap<u64, u64> {
+    r.disk
+        .producers
+        .iter()
+        .filter_map(|(&uid, table)| {
+            let highest = table.highest();
+            let (_, seq) = highest.iter().find(|(p, _)| &**p == PRODUCER)?;
+            Some((uid, *seq))
+        })
+        .collect()
 }
 
 static DIRS: AtomicU64 = AtomicU64::new(0);
@@ -132,7 +160,7 @@ fn restored(r: &Recovered) -> Restored {
         .collect()
 }
 
-fn start(dir: &std::path::Path) -> (Journal, BTreeSet<(u64, u64)>) {
+fn start(dir: &std::path::Path) -> (Journal, BTreeSet<(u64, u64)>, BTreeMap<u64, u64>) {
     let recovered = recover(dir).unwrap();
     assert!(recovered.damage.is_empty(), "{:?}", recovered.damage);
     // A snapshot is only ever ignored because the compactor deleted its position's segment
@@ -148,6 +176,8 @@ fn start(dir: &std::path::Path) -> (Journal, BTreeSet<(u64, u64)>) {
     // The snapshot plus the journal after it hold exactly what the whole journal holds.
     let full = recover_from(dir, Start::FullScan).unwrap();
     assert_eq!(restored(&recovered), restored(&full));
+    let tables = producers(&recovered);
+    assert_eq!(tables, producers(&full));
     let found = recovered
         .messages
         .iter()
@@ -179,6 +209,7 @@ fn start(dir: &std::path::Path) -> (Journal, BTreeSet<(u64, u64)>) {
         )
         .unwrap(),
         found,
+        tables,
     )
 }
 
@@ -194,7 +225,9 @@ proptest! {
         let mut next_id: BTreeMap<u64, u64> = BTreeMap::new();
         let mut model: BTreeMap<(u64, u64), usize> = BTreeMap::new();
         let mut paged: BTreeMap<(u64, u64), usize> = BTreeMap::new();
-        let (mut journal, found) = start(&data.path);
+        // Per live queue, the highest number PRODUCER enqueued on it.
+        let mut highest: BTreeMap<u64, u64> = BTreeMap::new();
+        let (mut journal, found, _) = start(&data.path);
         prop_assert!(found.is_empty());
         journal.submit(Job::Wiring { vhost: "/".into(), wiring: wiring(&uids) });
         for s in steps {
@@ -204,6 +237,7 @@ proptest! {
                     let id = next_id.entry(uid).or_insert(1);
                     journal.submit(Job::Records(vec![Record::Enqueued { uid, id: *id, expires_at_ms: None, message: message(size, *id) }]));
                     model.insert((uid, *id), size);
+                    highest.insert(uid, *id);
                     *id += 1;
                 }
                 Step::Remove(q, k) => {
@@ -223,6 +257,7 @@ proptest! {
                         Record::Enqueued { uid, id: *id, expires_at_ms: None, message: message(10, *id) },
                         Record::Removed { uid, ids: vec![*id] },
                     ]));
+                    highest.insert(uid, *id);
                     *id += 1;
                 }
                 Step::DeleteQueue(q) => {
@@ -232,6 +267,7 @@ proptest! {
                     journal.submit(Job::Wiring { vhost: "/".into(), wiring: wiring(&uids) });
                     model.retain(|(u, _), _| *u != old);
                     paged.retain(|(u, _), _| *u != old);
+                    highest.remove(&old);
                 }
                 Step::Page(q, size) => {
                     let uid = uids.get(q).copied().unwrap_or(TRANSIENT_UID);
@@ -258,8 +294,9 @@ proptest! {
                 Step::Restart => {
                     journal.shutdown();
                     let _ = std::fs::rename(data.path.join("snapshot.saved"), data.path.join(SNAPSHOT_FILE));
-                    let (j, found) = start(&data.path);
+                    let (j, found, tables) = start(&data.path);
                     prop_assert_eq!(&found, &model.keys().copied().collect::<BTreeSet<_>>());
+                    prop_assert_eq!(&tables, &highest);
                     // Page records hold transient bodies: none survives a restart.
                     paged.clear();
                     journal = j;
@@ -268,8 +305,9 @@ proptest! {
             }
         }
         journal.shutdown();
-        let (j, found) = start(&data.path);
+        let (j, found, tables) = start(&data.path);
         prop_assert_eq!(&found, &model.keys().copied().collect::<BTreeSet<_>>());
+        prop_assert_eq!(&tables, &highest);
         check_reads(&j, &model);
         j.shutdown();
         drop(data);
@@ -282,7 +320,7 @@ fn a_message_acked_before_its_batch_is_never_written() {
     let dir = std::env::temp_dir().join(format!("ringmq-journal-fast-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let data = DataDir::open(&dir).unwrap();
-    let (journal, _) = start(&data.path);
+    let (journal, ..) = start(&data.path);
     journal.submit(Job::Wiring {
         vhost: "/".into(),
         wiring: wiring(&[1]),
@@ -301,7 +339,19 @@ fn a_message_acked_before_its_batch_is_never_written() {
     ]));
     journal.shutdown();
     assert_eq!(journal.stats.records_cancelled.load(Ordering::Relaxed), 1);
-    assert_eq!(journal.stats.records_written.load(Ordering::Relaxed), 0);
+    assert_eq!(
+        journal.stats.records_written.load(Ordering::Relaxed),
+        1,
+        "only its producer's number, in a Producers record"
+    );
+    let (journal, found, tables) = start(&data.path);
+    assert!(found.is_empty());
+    assert_eq!(
+        tables,
+        BTreeMap::from([(1, 1)]),
+        "a resend of the consumed message is still recognised after the restart"
+    );
+    journal.shutdown();
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -310,11 +360,27 @@ fn compaction_reclaims_dead_segments_and_keeps_the_live_messages() {
     let dir = std::env::temp_dir().join(format!("ringmq-journal-compact-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let data = DataDir::open(&dir).unwrap();
-    let (journal, _) = start(&data.path);
+    let (journal, ..) = start(&data.path);
     journal.submit(Job::Wiring {
         vhost: "/".into(),
-        wiring: wiring(&[1, 2]),
+        wiring: wiring(&[1, 2, 3]),
     });
+    // A session's message on queue 3, written and consumed: its segment is compacted away,
+    // and its producer's number must outlive it.
+    let seq = journal.submit(Job::Records(vec![Record::Enqueued {
+        uid: 3,
+        id: 7,
+        expires_at_ms: None,
+        message: message(100, 7),
+    }]));
+    let synced = journal.synced();
+    while *synced.borrow() < seq {
+        std::thread::sleep(std::time::Duration::from_micros(100));
+    }
+    journal.submit(Job::Records(vec![Record::Removed {
+        uid: 3,
+        ids: vec![7],
+    }]));
     // One slow consumer's message on queue 2, then a lot of traffic on queue 1 that is consumed.
     journal.submit(Job::Records(vec![Record::Enqueued {
         uid: 2,
@@ -350,8 +416,13 @@ fn compaction_reclaims_dead_segments_and_keeps_the_live_messages() {
         segments <= 6,
         "{segments} segment files left: dead ones were not reclaimed"
     );
-    let (j, found) = start(&data.path);
+    let (j, found, tables) = start(&data.path);
     assert_eq!(found, BTreeSet::from([(1, 400), (2, 1)]));
+    assert_eq!(
+        tables,
+        BTreeMap::from([(1, 400), (2, 1), (3, 7)]),
+        "from the snapshot and from the full scan alike"
+    );
     j.shutdown();
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -361,7 +432,7 @@ fn a_page_record_reads_back_after_compaction_moved_it_and_is_not_recovered() {
     let dir = std::env::temp_dir().join(format!("ringmq-journal-page-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let data = DataDir::open(&dir).unwrap();
-    let (journal, _) = start(&data.path);
+    let (journal, ..) = start(&data.path);
     journal.submit(Job::Wiring {
         vhost: "/".into(),
         wiring: wiring(&[1]),
@@ -428,14 +499,14 @@ fn a_page_record_reads_back_after_compaction_moved_it_and_is_not_recovered() {
     assert_eq!(journal.index().index.lock().get((TRANSIENT_UID, 7)), None);
     journal.shutdown();
     // Written again before the restart, never released: still not recovered.
-    let (journal, found) = start(&data.path);
+    let (journal, found, _) = start(&data.path);
     journal.submit(Job::Records(vec![Record::Paged {
         uid: 1,
         id: 500,
         message: message(50, 500),
     }]));
     journal.shutdown();
-    let (j, found_after) = start(&data.path);
+    let (j, found_after, _) = start(&data.path);
     assert!(
         found.is_empty() && found_after.is_empty(),
         "{found_after:?}"
@@ -449,7 +520,7 @@ fn a_clean_restart_recovers_from_the_snapshot_without_reading_the_journal() {
     let dir = std::env::temp_dir().join(format!("ringmq-journal-snap-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let data = DataDir::open(&dir).unwrap();
-    let (journal, _) = start(&data.path);
+    let (journal, ..) = start(&data.path);
     journal.submit(Job::Wiring {
         vhost: "/".into(),
         wiring: wiring(&[1]),
@@ -469,7 +540,7 @@ fn a_clean_restart_recovers_from_the_snapshot_without_reading_the_journal() {
     journal.shutdown();
     let recovered = recover(&data.path).unwrap();
     assert_eq!((recovered.snapshot_records, recovered.records), (48, 0));
-    let (j, found) = start(&data.path);
+    let (j, found, _) = start(&data.path);
     let model: BTreeMap<(u64, u64), usize> = (1..=50u64)
         .filter(|id| !matches!(id, 3 | 4))
         .map(|id| ((1, id), 100))

@@ -507,6 +507,51 @@ mod tests {
         assert_eq!(a.queue("q").unwrap().ready_count(), 1);
     }
 
+    #[test]
+    fn a_publish_forwarded_to_a_sealed_primary_is_moving_and_enqueued_nowhere() {
+        let message = || {
+            Arc::new(Message::authored(
+                "amq.fanout".into(),
+                "".into(),
+                Properties::default().with_delivery_mode(2),
+                Bytes::from_static(b"m"),
+            ))
+        };
+        let mut a = member("a");
+        let mut fx = Effects::default();
+        let r = QueueDeclare {
+            name: "r".into(),
+            durable: true,
+            ..Default::default()
+        };
+        a.queue_declare(1, r, 0).unwrap();
+        a.set_queue_home("r", "a");
+        for queue in ["q", "r"] {
+            a.queue_bind(
+                1,
+                queue,
+                "amq.fanout",
+                "",
+                crate::amqp::FieldTable::default(),
+            )
+            .unwrap();
+        }
+        a.seal("q", true, 0, &mut fx);
+        fx.ops.clear();
+        assert_eq!(
+            a.publish_forwarded("amq.fanout", "", message(), 0, &mut fx),
+            PublishOutcome::Moving,
+            "not a refusal: the sender publishes it again at the new primary"
+        );
+        assert_eq!(a.queue("r").unwrap().ready_count(), 0, "nor half taken");
+        assert!(fx.ops.is_empty());
+        a.seal("q", false, 0, &mut fx);
+        assert_eq!(
+            a.publish_forwarded("amq.fanout", "", message(), 0, &mut fx),
+            PublishOutcome::Routed
+        );
+    }
+
     /// Gives `b`'s replica of `q` a stale message of its own, as a replica that fell out of
     /// the stream holds.
     fn publish_to_replica(b: &mut VHost, fx: &mut Effects) {

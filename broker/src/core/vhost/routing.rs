@@ -27,6 +27,12 @@ pub enum PublishOutcome {
     /// plain client's confirm nacks it; a session's waits for the election (the connection
     /// decides).
     Unavailable,
+    /// A forwarded publish ([`VHost::publish_forwarded`]) matched a queue this member is
+    /// primary of but has sealed for a planned move: enqueued nowhere. Not a refusal — the
+    /// queue takes it again in a moment at its new primary — so the link's nack says
+    /// `requeue` and the sending member treats the forward as moving, not refused (B16 in
+    /// docs/reliability.md).
+    Moving,
 }
 
 /// Ready messages above which a queue that has consumers counts as backlogged: its consumers
@@ -172,6 +178,14 @@ impl VHost {
             } else {
                 PublishOutcome::Unroutable
             };
+        }
+        // All or nothing: a copy in the other matched queues and none in the sealed one
+        // would be duplicated when the sender publishes it again after the switch.
+        if targets
+            .iter()
+            .any(|name| self.queues.get(name).is_some_and(|q| q.sealed))
+        {
+            return PublishOutcome::Moving;
         }
         let mut dead = Vec::new();
         let rejected = self.enqueue_all(&targets, &message, now_ms, fx, &mut dead);

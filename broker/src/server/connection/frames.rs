@@ -298,6 +298,7 @@ impl Connection {
                     ch.crossing_close_answered = true;
                     // Nothing more goes out on a channel after its close-ok.
                     ch.confirms.clear();
+                    ch.moving.clear();
                     ch.awaiting.clear();
                 }
                 return Ok(());

@@ -337,6 +337,7 @@ impl Connection {
             let origin = c.session(&attached.id.to_string())?.origin;
             (!origin.is_empty() && origin != c.node_id()).then(|| Arc::from(origin))
         });
+        self.forwards.resend_when_moving();
         self.session = Some(attached);
     }
 

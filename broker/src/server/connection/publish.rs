@@ -234,6 +234,17 @@ impl Connection {
                         self.stats.unroutable += 1; // metrics
                         true
                     }
+                    PublishOutcome::Moving => {
+                        tracing::debug!(conn = self.id, exchange = %p.exchange, routing_key = %p.routing_key, "forwarded publish nacked with requeue: a matched queue is sealed for its move");
+                        if let Some(n) = confirm_number {
+                            self.channels
+                                .get_mut(&id)
+                                .expect("publishing channel is open")
+                                .moving
+                                .insert(n);
+                        }
+                        false
+                    }
                     PublishOutcome::Rejected => {
                         tracing::debug!(conn = self.id, link = self.link, exchange = %p.exchange, routing_key = %p.routing_key, "publish refused: a queue refused it, or (a forward) none of the matched queues is this member's");
                         false

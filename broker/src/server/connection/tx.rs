@@ -108,7 +108,8 @@ impl Connection {
             match outcome {
                 PublishOutcome::Routed => self.stats.routed += 1, // metrics
                 PublishOutcome::Unroutable => self.stats.unroutable += 1, // metrics
-                PublishOutcome::Rejected => {}
+                // Moving comes only from a forwarded publish, never a committed one.
+                PublishOutcome::Rejected | PublishOutcome::Moving => {}
                 // A committed publish has no confirm to wait with: as on a refusal.
                 PublishOutcome::Unavailable => self.fx.forwards.retain(|f| !f.lost),
             }
@@ -162,6 +163,9 @@ impl Connection {
             self.stats.confirmed += ch.confirms.len() as u64; // metrics
             ch.take_confirms(&mut self.confirms);
             for &(tag, multiple, ack) in &self.confirms {
+                // A link's nack of a publish that reached a sealed primary says `requeue`:
+                // the sending member tries again after the switch (B16).
+                let requeue = !ack && ch.moving.remove(&tag);
                 let m = if ack {
                     basic::AMQPMethod::Ack(basic::Ack {
                         delivery_tag: tag,
@@ -171,7 +175,7 @@ impl Connection {
                     basic::AMQPMethod::Nack(basic::Nack {
                         delivery_tag: tag,
                         multiple,
-                        requeue: false,
+                        requeue,
                     })
                 };
                 self.writer.method(*id, AMQPClass::Basic(m));

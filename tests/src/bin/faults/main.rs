@@ -123,10 +123,6 @@ struct Row {
     /// What the failover client's application saw that a run without failure would not
     /// show (`History::sequence_breaks`).
     sequence_breaks: u64,
-    /// Of those, nacked publishes: allowed in the schedules of planned moves (a publish
-    /// that reaches a sealed primary in the moment before its member learnt of the seal is
-    /// refused — `docs/reliability.md`), a break anywhere else.
-    sequence_nacks: u64,
     /// The queue is the failover client's: its application must see what a run without
     /// failure shows — no break. (Deliveries it saw twice are reported in `duplicated`, not
     /// failed: `docs/reliability.md` says where they still come from.)
@@ -144,16 +140,7 @@ impl Row {
             && self.minority_served == 0
             && !self.probe_blind
             && self.sessions_lost == 0
-            && (!self.transparent || self.exact_breaks() == 0)
-    }
-
-    /// The failover client's breaks that fail the row: all of them, but for nacks in the
-    /// schedules of planned moves.
-    fn exact_breaks(&self) -> u64 {
-        match self.schedule {
-            "move-primary" | "drain" | "rebalance" => self.sequence_breaks - self.sequence_nacks,
-            _ => self.sequence_breaks,
-        }
+            && (!self.transparent || self.sequence_breaks == 0)
     }
 
     fn print(&self) {
@@ -253,7 +240,6 @@ fn check(
         probe_blind: outcome.probe_blind,
         sessions_lost: h.sessions_lost,
         sequence_breaks: h.sequence_breaks,
-        sequence_nacks: h.failover_nacks,
         longest_gap: h.longest_gap,
         reconnects,
     }
@@ -495,7 +481,10 @@ fn main() {
         started.elapsed().as_secs(),
         args.seed
     );
-    drop(runtime);
+    // The runtime is not dropped: dropping it drops the workloads' last lapin tasks, whose
+    // Drop can wait on a connection thread that never ends, and the suite hangs after its
+    // verdict is printed (seen once in CI). The process exits below, which ends them all.
+    std::mem::forget(runtime);
     cluster.shutdown();
     std::process::exit(i32::from(failed > 0));
 }

@@ -60,10 +60,6 @@ pub struct History {
     /// Deliveries the failover client handed to its application twice (printed, the first
     /// ten; counted in `duplicated`).
     failover_repeats: u64,
-    /// Publishes of the failover client that were nacked (counted in `sequence_breaks`
-    /// too): a publish that reaches a primary sealed for a planned move, just before the
-    /// member it came through learnt of the seal, is refused (`docs/reliability.md`).
-    pub failover_nacks: u64,
 }
 
 impl History {
@@ -116,7 +112,6 @@ impl History {
 impl History {
     /// The failover client's publish `id` was nacked.
     pub fn nacked(&mut self, id: &str) {
-        self.failover_nacks += 1;
         self.sequence_break(&format!("{id} nacked"));
     }
 
