@@ -248,6 +248,142 @@ async fn a_session_publish_consumed_before_a_kill_is_dropped_when_resent_after_t
     );
 }
 
+/// Declares durable `queue` dead-lettering into `dlq` with `strategy`.
+async fn dead_lettering_queue(ch: &Channel, queue: &str, dlq: &str, strategy: &str) {
+    let mut args = FieldTable::default();
+    for (k, v) in [
+        ("x-dead-letter-exchange", ""),
+        ("x-dead-letter-routing-key", dlq),
+        ("x-dead-letter-strategy", strategy),
+    ] {
+        args.insert(k.into(), lapin::types::AMQPValue::LongString(v.into()));
+    }
+    ch.queue_declare(
+        queue.into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        args,
+    )
+    .await
+    .unwrap();
+}
+
+/// Messages ready in `queue`, as a passive declare counts them.
+async fn ready(ch: &Channel, queue: &str) -> u32 {
+    ch.queue_declare(
+        queue.into(),
+        QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        },
+        FieldTable::default(),
+    )
+    .await
+    .unwrap()
+    .message_count()
+}
+
+#[tokio::test]
+async fn an_at_least_once_dead_letter_is_settled_while_its_connection_lives() {
+    let b = Broker::start();
+    let (c, ch) = b.channel().await;
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    durable_queue(&ch, "alo-dlq").await;
+    dead_lettering_queue(&ch, "alo", "alo-dlq", "at-least-once").await;
+    for body in [b"a", b"b", b"c"] {
+        publish_confirmed(&ch, "alo", body, persistent()).await;
+    }
+    for _ in 0..3 {
+        let m = ch
+            .basic_get("alo".into(), BasicGetOptions::default())
+            .await
+            .unwrap()
+            .expect("published");
+        m.delivery
+            .reject(BasicRejectOptions { requeue: false })
+            .await
+            .unwrap();
+    }
+    // The copies' batch is durable at once on one broker: the originals are settled while
+    // the connection lives. Were they still held, the close below would put them back.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while ready(&ch, "alo-dlq").await < 3 {
+        assert!(Instant::now() < deadline, "the copies never arrived");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // A confirmed publish after the rejects: its batch comes after theirs.
+    publish_confirmed(&ch, "alo-dlq", b"marker", persistent()).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    c.close(200, "done".into()).await.unwrap();
+    let (_c, ch) = b.channel().await;
+    assert_eq!(ready(&ch, "alo").await, 0, "no original went back");
+    let got = drain(&ch, "alo-dlq").await;
+    assert_eq!(
+        got,
+        vec![
+            b"a".to_vec(),
+            b"b".to_vec(),
+            b"c".to_vec(),
+            b"marker".to_vec()
+        ],
+        "each copy once, in order"
+    );
+}
+
+#[tokio::test]
+async fn an_at_least_once_dead_letter_refused_by_its_target_leaves_the_original_in_place() {
+    let b = Broker::start();
+    let (_c, ch) = b.channel().await;
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    // A dead-letter queue that holds nothing and refuses what comes.
+    let mut full = FieldTable::default();
+    full.insert("x-max-length".into(), lapin::types::AMQPValue::LongInt(0));
+    full.insert(
+        "x-overflow".into(),
+        lapin::types::AMQPValue::LongString("reject-publish".into()),
+    );
+    ch.queue_declare(
+        "full-dlq".into(),
+        QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        },
+        full,
+    )
+    .await
+    .unwrap();
+    for (queue, strategy) in [("alo", "at-least-once"), ("amo", "at-most-once")] {
+        dead_lettering_queue(&ch, queue, "full-dlq", strategy).await;
+        publish_confirmed(&ch, queue, b"a", persistent()).await;
+        let m = ch
+            .basic_get(queue.into(), BasicGetOptions::default())
+            .await
+            .unwrap()
+            .expect("published");
+        m.delivery
+            .reject(BasicRejectOptions { requeue: false })
+            .await
+            .unwrap();
+    }
+    let again = ch
+        .basic_get("alo".into(), BasicGetOptions { no_ack: true })
+        .await
+        .unwrap()
+        .expect("at least once: the refused copy left the original in its queue");
+    assert!(again.delivery.redelivered);
+    assert_eq!(
+        ready(&ch, "amo").await,
+        0,
+        "at most once: gone with its refused copy"
+    );
+}
+
 #[tokio::test]
 async fn a_second_broker_on_the_same_data_dir_refuses_to_start() {
     let b = Broker::start();

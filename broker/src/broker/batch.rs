@@ -26,6 +26,26 @@ impl Broker {
     /// Reads back the bodies of this batch's paged dead letters (and re-runs their
     /// dead-lettering, which may page out and drop more) and of its deliveries.
     fn resolve_paged(&self, vhost: &mut VHost, fx: &mut Effects) {
+        self.resolve_paged_dead_letters(vhost, fx);
+        let (at, keys): (Vec<usize>, Vec<DiskBody>) = fx
+            .deliveries
+            .iter()
+            .enumerate()
+            .filter_map(|(i, d)| d.message.body.on_disk().map(|k| (i, k)))
+            .unzip();
+        if keys.is_empty() {
+            return;
+        }
+        for (i, body) in at.into_iter().zip(self.read_bodies(&keys)) {
+            let d = &mut fx.deliveries[i];
+            d.message = Arc::new(d.message.with_body(body));
+        }
+    }
+
+    /// Reads back the bodies of this batch's paged dead letters and re-runs their
+    /// dead-lettering (which may page out and drop more). A connection calls it before it
+    /// forwards its batch, so that these copies' forwards are tracked like the others'.
+    pub fn resolve_paged_dead_letters(&self, vhost: &mut VHost, fx: &mut Effects) {
         for _ in 0..MAX_DEAD_LETTER_ROUNDS {
             if fx.paged_dead_letters.is_empty() {
                 break;
@@ -49,19 +69,6 @@ impl Broker {
                 "dead-letter chain of paged messages too long; dropped the rest"
             );
             fx.paged_dead_letters.clear();
-        }
-        let (at, keys): (Vec<usize>, Vec<DiskBody>) = fx
-            .deliveries
-            .iter()
-            .enumerate()
-            .filter_map(|(i, d)| d.message.body.on_disk().map(|k| (i, k)))
-            .unzip();
-        if keys.is_empty() {
-            return;
-        }
-        for (i, body) in at.into_iter().zip(self.read_bodies(&keys)) {
-            let d = &mut fx.deliveries[i];
-            d.message = Arc::new(d.message.with_body(body));
         }
     }
 

@@ -32,6 +32,10 @@ pub struct QueueArgs {
     pub dead_letter_exchange: Option<String>,
     /// `x-dead-letter-routing-key`.
     pub dead_letter_routing_key: Option<String>,
+    /// `x-dead-letter-strategy` = `at-least-once`: a rejected message stays in the queue
+    /// until its dead-lettered copy is safe in its target queues (`docs/proxies.md`,
+    /// dead-lettering); the default, `at-most-once`, drops it as the copy leaves.
+    pub dead_letter_at_least_once: bool,
     /// `x-max-priority` (0..=255); `None` means the queue ignores priorities.
     pub max_priority: Option<u8>,
     /// `x-single-active-consumer`.
@@ -131,6 +135,13 @@ impl QueueArgs {
                 "x-dead-letter-routing-key" => {
                     args.dead_letter_routing_key =
                         Some(str_value(value).ok_or_else(|| bad("expected a string"))?)
+                }
+                "x-dead-letter-strategy" => {
+                    args.dead_letter_at_least_once = match str_value(value).as_deref() {
+                        Some("at-least-once") => true,
+                        Some("at-most-once") => false,
+                        _ => return Err(bad("expected 'at-most-once' or 'at-least-once'")),
+                    }
                 }
                 BACKUPS_ARGUMENT => {
                     let range =
@@ -261,11 +272,16 @@ mod tests {
                 ),
                 ("x-max-priority", AMQPValue::ShortShortUInt(9)),
                 ("x-single-active-consumer", AMQPValue::Boolean(true)),
+                (
+                    "x-dead-letter-strategy",
+                    AMQPValue::LongString("at-least-once".into()),
+                ),
             ]),
             "q",
             "/",
         )
         .unwrap();
+        assert!(args.dead_letter_at_least_once);
         assert_eq!(args.message_ttl_ms, Some(1000));
         assert_eq!(args.expires_ms, Some(5000));
         assert_eq!(args.max_length, Some(10));
@@ -291,6 +307,10 @@ mod tests {
             )]),
             table(&[(BACKUPS_ARGUMENT, AMQPValue::LongInt(4))]),
             table(&[(BACKUPS_ARGUMENT, AMQPValue::LongInt(-1))]),
+            table(&[(
+                "x-dead-letter-strategy",
+                AMQPValue::LongString("exactly-once".into()),
+            )]),
         ] {
             let err = QueueArgs::parse(&bad, "q", "/").unwrap_err();
             assert_eq!(err.code, 406, "{err}");

@@ -23,8 +23,8 @@ pub use error::{AmqpError, CoreResult};
 pub use message::{Body, DiskBody, Message};
 pub use ops::{OpKind, QueueOp};
 pub use vhost::{
-    Consume, DeadLetter, Delivery, Effects, ExchangeDeclare, Feed, Feeds, GetOk, PageOut,
-    PublishOutcome, QueueDeclare, QueueDeclared, VHost,
+    Consume, DeadLetter, Delivery, Effects, ExchangeDeclare, Feed, Feeds, GetOk, HeldDeadLetter,
+    PageOut, PublishOutcome, QueueDeclare, QueueDeclared, VHost,
 };
 pub use wiring_op::{MoveStep, NO_CONNECTION, OWNER_ARGUMENT, OpReply, RebalanceStep, WiringOp};
 

@@ -246,6 +246,101 @@ fn a_queue_drops_a_numbered_publish_it_took_already_even_once_consumed_but_not_i
     assert!(!fx.resent_held);
 }
 
+/// A vhost with "q" rejecting into "dead" through the default exchange, with the given
+/// `x-dead-letter-strategy`.
+fn vhost_dead_lettering(strategy: &str) -> VHost {
+    let mut v = VHost::new("/", 7);
+    v.set_record_ops(true);
+    v.channel_open(CH);
+    let mut args = FieldTable::default();
+    for (k, value) in [
+        ("x-dead-letter-exchange", ""),
+        ("x-dead-letter-routing-key", "dead"),
+        ("x-dead-letter-strategy", strategy),
+    ] {
+        args.insert(k.into(), crate::amqp::AMQPValue::LongString(value.into()));
+    }
+    for (name, arguments) in [("q", args), ("dead", FieldTable::default())] {
+        let d = QueueDeclare {
+            name: name.into(),
+            durable: true,
+            arguments,
+            ..Default::default()
+        };
+        v.queue_declare(1, d, 0).unwrap();
+    }
+    v
+}
+
+#[test]
+fn an_at_least_once_rejected_message_stays_until_its_dead_letter_is_settled() {
+    let mut v = vhost_dead_lettering("at-least-once");
+    let mut fx = Effects::default();
+    for body in ["a", "b"] {
+        v.publish("", "q", msg(body), 0, &mut fx).unwrap();
+    }
+    let mut fx = Effects::default();
+    for _ in 0..2 {
+        let got = v.basic_get(CH, "q", false, 0, &mut fx).unwrap().unwrap();
+        v.basic_nack(CH, got.delivery_tag, false, false, 0, &mut fx)
+            .unwrap();
+    }
+    assert_eq!(v.queue("dead").unwrap().ready_count(), 2, "the copies");
+    let q = v.queue("q").unwrap();
+    assert_eq!(
+        (q.ready_count(), q.unacked_count()),
+        (0, 2),
+        "the originals stay, held for their copies"
+    );
+    assert!(
+        !fx.ops
+            .iter()
+            .any(|op| op.queue.as_ref() == "q" && matches!(op.kind, OpKind::Settle { .. })),
+        "no removal of an original yet"
+    );
+    let held = std::mem::take(&mut fx.dead_letters_held);
+    assert_eq!(held.len(), 2);
+    assert_eq!(v.ackable(CH, 0, true), 0, "the channel holds none of them");
+
+    // The first copy's batch was refused somewhere: the original goes back for another try.
+    let mut fx = Effects::default();
+    v.dead_letters_settled(&held[..1], false, 0, &mut fx);
+    let q = v.queue("q").unwrap();
+    assert_eq!((q.ready_count(), q.unacked_count()), (1, 1));
+    let again = v.basic_get(CH, "q", true, 0, &mut fx).unwrap().unwrap();
+    assert!(again.redelivered);
+    assert_eq!(&again.message.body.bytes()[..], b"a");
+
+    // The second one's copy is safe: the original is removed.
+    let mut fx = Effects::default();
+    v.dead_letters_settled(&held[1..], true, 0, &mut fx);
+    assert_eq!(v.queue("q").unwrap().unacked_count(), 0);
+    assert!(
+        fx.ops
+            .iter()
+            .any(|op| matches!(op.kind, OpKind::Settle { id } if id == held[1].id))
+    );
+    v.dead_letters_settled(&held[1..], false, 0, &mut fx);
+    assert_eq!(
+        v.queue("q").unwrap().ready_count(),
+        0,
+        "settled once: a late second answer changes nothing"
+    );
+}
+
+#[test]
+fn an_at_most_once_rejected_message_leaves_with_its_dead_letter() {
+    let mut v = vhost_dead_lettering("at-most-once");
+    let mut fx = Effects::default();
+    v.publish("", "q", msg("a"), 0, &mut fx).unwrap();
+    let got = v.basic_get(CH, "q", false, 0, &mut fx).unwrap().unwrap();
+    v.basic_nack(CH, got.delivery_tag, false, false, 0, &mut fx)
+        .unwrap();
+    assert_eq!(v.queue("q").unwrap().unacked_count(), 0);
+    assert_eq!(v.queue("dead").unwrap().ready_count(), 1);
+    assert!(fx.dead_letters_held.is_empty());
+}
+
 #[derive(Debug, Clone)]
 enum Cmd {
     Publish,

@@ -43,6 +43,12 @@ struct TrackerState {
     /// `reject-publish` overflow), until their publishes' confirms are decided.
     refused: BTreeSet<u64>,
     failure: Option<(u64, String)>,
+    /// The first forward of each batch whose dead letters wait for their forwards
+    /// ([`ForwardTracker::watch`]), with how many batches start there.
+    watched: std::collections::BTreeMap<u64, usize>,
+    /// Refusals at or after the first watched forward, kept for
+    /// [`ForwardTracker::all_taken`] whatever [`ForwardTracker::fate`] forgets.
+    watched_refused: BTreeSet<u64>,
 }
 
 /// What became of a publish's forwards.
@@ -106,6 +112,9 @@ impl ForwardTracker {
             ForwardOutcome::Confirmed => {}
             ForwardOutcome::Refused | ForwardOutcome::Moving => {
                 s.refused.insert(id);
+                if s.watched.keys().next().is_some_and(|&first| first <= id) {
+                    s.watched_refused.insert(id);
+                }
             }
             ForwardOutcome::Failed(reason) => match &s.failure {
                 Some((first, _)) if *first < id => {}
@@ -144,6 +153,33 @@ impl ForwardTracker {
     /// How many forwards were issued.
     pub fn issued(&self) -> u64 {
         self.state.lock().issued
+    }
+
+    /// The forwards from `first` on belong to a batch whose held dead letters
+    /// (`at-least-once`) are settled by [`Self::all_taken`]: their refusals are kept for it.
+    /// Called before the batch's forwards are issued, so no answer comes first.
+    pub fn watch(&self, first: u64) {
+        *self.state.lock().watched.entry(first).or_default() += 1;
+    }
+
+    /// Whether every forward `first..=last` (all answered; watched from `first`) was
+    /// taken by its primary: none refused, none failed. Ends that watch (an empty range,
+    /// `last < first`, only ends it).
+    pub fn all_taken(&self, first: u64, last: u64) -> bool {
+        let mut s = self.state.lock();
+        let refused = last >= first && s.watched_refused.range(first..=last).next().is_some();
+        let failed = s.failure.as_ref().is_some_and(|(f, _)| *f <= last);
+        if let Some(n) = s.watched.get_mut(&first) {
+            *n -= 1;
+            if *n == 0 {
+                s.watched.remove(&first);
+            }
+        }
+        match s.watched.keys().next().copied() {
+            Some(oldest) => s.watched_refused = s.watched_refused.split_off(&oldest),
+            None => s.watched_refused.clear(),
+        }
+        !refused && !failed
     }
 
     /// Where the forwards stand, read at once (the connection asks once per wake-up).
@@ -504,6 +540,27 @@ mod tests {
         t.settle(c, ForwardOutcome::Failed("gone".into()));
         assert_eq!(t.status().answered_through, 4);
         assert_eq!(t.status().failure, Some((3, "gone".to_owned())));
+    }
+
+    #[test]
+    fn a_watched_batch_sees_its_refusals_even_after_a_publish_decided_past_them() {
+        let t = ForwardTracker::default();
+        let publish = t.issue();
+        t.watch(publish + 1);
+        let (dead, other) = (t.issue(), t.issue());
+        t.settle(publish, ForwardOutcome::Confirmed);
+        t.settle(dead, ForwardOutcome::Refused);
+        t.settle(other, ForwardOutcome::Confirmed);
+        assert_eq!(t.fate(publish, other), ForwardFate::Refused);
+        assert!(!t.all_taken(dead, other), "the refusal was kept for it");
+
+        let first = t.issue();
+        t.watch(first);
+        t.settle(first, ForwardOutcome::Confirmed);
+        assert!(t.all_taken(first, first));
+        t.watch(first + 1);
+        assert!(t.all_taken(first + 1, first), "no forward at all: ended");
+        assert!(t.state.lock().watched.is_empty());
     }
 
     #[test]

@@ -48,7 +48,7 @@ pub struct Progress {
 
 impl Conditions {
     /// Whether everything the held output promises is true at `progress`.
-    fn hold_at(&self, progress: Progress) -> bool {
+    pub fn hold_at(&self, progress: Progress) -> bool {
         progress.journal_synced >= self.journal_seq
             && progress.forwards_confirmed >= self.forwards
             && progress.replicas_acked >= self.replicated

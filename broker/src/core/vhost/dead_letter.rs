@@ -72,9 +72,36 @@ impl VHost {
                         }
                     }
                 }
-                self.enqueue_all(&targets, &message, now_ms, fx, &mut next);
+                let refused = self.enqueue_all(&targets, &message, now_ms, fx, &mut next);
+                if let Some(id) = d.held {
+                    self.hold_or_return(&d.queue, id, refused, fx);
+                }
             }
             dead = next;
+        }
+    }
+}
+
+impl VHost {
+    /// The copy of the held message `id` of `queue` left (to this member's target queues,
+    /// and in forwards): held until the copy's batch is safe — or, when a target queue here
+    /// refused it (`x-overflow` = reject-publish), put back in its queue at once, marked
+    /// redelivered, for another try.
+    fn hold_or_return(&mut self, queue: &Arc<str>, id: u64, refused: bool, fx: &mut Effects) {
+        if !refused {
+            fx.dead_letters_held.push(super::HeldDeadLetter {
+                queue: queue.clone(),
+                id,
+            });
+            return;
+        }
+        let record = self.record_ops;
+        if let Some(q) = self
+            .queues
+            .get_mut(queue)
+            .filter(|q| q.unacked(id).is_some())
+        {
+            super::effects::apply(q, crate::core::ops::OpKind::Requeue { id }, record, fx);
         }
     }
 }

@@ -56,6 +56,9 @@ pub struct Effects {
     /// hands this batch's removals to the journal, and passes them back with
     /// [`VHost::dead_letter_resolved`](super::VHost::dead_letter_resolved).
     pub paged_dead_letters: Vec<DeadLetter>,
+    /// Rejected messages of `at-least-once` queues whose dead-lettered copies this batch
+    /// made: the connection that rejected them keeps them until the batch's conditions hold.
+    pub dead_letters_held: Vec<HeldDeadLetter>,
 
     /// Messages for queues whose primary is another cluster member: the server hands each to
     /// that member, which routes it again over the same replicated bindings into the queues
@@ -139,6 +142,25 @@ pub struct DeadLetter {
     pub queue: Arc<str>,
     /// Why it left.
     pub reason: DropReason,
+    /// Its id in that queue when it has not left yet: a rejected message of an
+    /// `at-least-once` queue stays unacknowledged there until its copy is safe
+    /// ([`HeldDeadLetter`]).
+    pub held: Option<u64>,
+}
+
+/// A rejected message kept in its `at-least-once` queue (as an unacknowledged entry that
+/// no channel holds) while its dead-lettered copy is on its way: the connection that
+/// rejected it settles it with
+/// [`VHost::dead_letters_settled`](super::VHost::dead_letters_settled) once the batch that
+/// made the copy is durable, replicated and confirmed by the primaries it was forwarded to —
+/// removed then, or put back for another try when a forward was refused or the connection
+/// went first.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeldDeadLetter {
+    /// The queue it was rejected from.
+    pub queue: Arc<str>,
+    /// Its id there.
+    pub id: u64,
 }
 
 /// A body that flow-to-disk moved out of memory and that no journal record holds: the server

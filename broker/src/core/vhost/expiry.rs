@@ -89,6 +89,7 @@ pub(super) fn expire_head(
             message: entry.message,
             queue: q.name.clone(),
             reason: DropReason::Expired,
+            held: None,
         });
     }
 }

@@ -25,7 +25,8 @@ mod settle;
 pub use consume::{Consume, GetOk};
 pub use declare::{ExchangeDeclare, QueueDeclare, QueueDeclared};
 pub use effects::{
-    Cancelled, DeadLetter, Delivery, Effects, Forward, PageOut, RemoteSettle, Settlement,
+    Cancelled, DeadLetter, Delivery, Effects, Forward, HeldDeadLetter, PageOut, RemoteSettle,
+    Settlement,
 };
 pub use feeds::{Feed, Feeds};
 pub use routing::{FLOW_READY_THRESHOLD, PublishOutcome};

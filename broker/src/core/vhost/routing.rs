@@ -450,6 +450,7 @@ impl VHost {
                         message: message.clone(),
                         queue: q.name.clone(),
                         reason: DropReason::MaxLength,
+                        held: None,
                     });
                 }
                 continue;
@@ -504,6 +505,7 @@ impl VHost {
                     message: entry.message,
                     queue: q.name.clone(),
                     reason: DropReason::MaxLength,
+                    held: None,
                 });
             }
             expire_head(q, now_ms, true, record, fx, dead);

@@ -4,7 +4,7 @@
 
 use super::consume::consumer_queues;
 use super::effects::apply;
-use super::{DeadLetter, Delivery, Effects, RemoteSettle, Settlement, VHost};
+use super::{DeadLetter, Delivery, Effects, HeldDeadLetter, RemoteSettle, Settlement, VHost};
 use crate::amqp::codes;
 use crate::core::channel::{ChannelKey, Unacked};
 use crate::core::error::{AmqpError, CoreResult};
@@ -84,13 +84,26 @@ impl VHost {
             let mut dead = Vec::new();
             for u in settled {
                 if let Some(q) = self.served_unacked(&u) {
-                    let entry =
-                        apply(q, OpKind::Settle { id: u.id }, record, fx).expect("unacked exists");
-                    dead.push(DeadLetter {
-                        message: entry.message,
-                        queue: q.name.clone(),
-                        reason: DropReason::Rejected,
-                    });
+                    if q.args.dead_letter_at_least_once && q.args.dead_letter_exchange.is_some() {
+                        // Stays until its copy is safe: no channel holds it any more, the
+                        // connection that rejected it does (`HeldDeadLetter`).
+                        let message = q.unacked(u.id).expect("unacked exists").message.clone();
+                        dead.push(DeadLetter {
+                            message,
+                            queue: q.name.clone(),
+                            reason: DropReason::Rejected,
+                            held: Some(u.id),
+                        });
+                    } else {
+                        let entry = apply(q, OpKind::Settle { id: u.id }, record, fx)
+                            .expect("unacked exists");
+                        dead.push(DeadLetter {
+                            message: entry.message,
+                            queue: q.name.clone(),
+                            reason: DropReason::Rejected,
+                            held: None,
+                        });
+                    }
                 }
                 if !touched.contains(&u.queue) {
                     touched.push(u.queue);
@@ -103,6 +116,44 @@ impl VHost {
         }
         self.dispatch_all(touched, now_ms, fx);
         Ok(())
+    }
+
+    /// Rejected messages of `at-least-once` queues whose dead-lettered copies were made in a
+    /// batch that is now durable, replicated and confirmed (`safe`: every forward of it taken
+    /// by its primary) — removed from their queues — or whose copies may be missing (a
+    /// forward refused, or the connection that held them went before it knew): put back at
+    /// their place, marked redelivered, for another try. A queue that moved to another
+    /// member meanwhile is left alone: its new primary requeued the message already.
+    pub fn dead_letters_settled(
+        &mut self,
+        held: &[HeldDeadLetter],
+        safe: bool,
+        now_ms: u64,
+        fx: &mut Effects,
+    ) {
+        let record = self.record_ops;
+        let mut touched: Vec<Arc<str>> = Vec::new();
+        for h in held {
+            let Self { queues, node, .. } = self;
+            let Some(q) = queues
+                .get_mut(&h.queue)
+                .filter(|q| q.served_here(node.as_deref()) && q.unacked(h.id).is_some())
+            else {
+                continue;
+            };
+            let kind = if safe {
+                OpKind::Settle { id: h.id }
+            } else {
+                OpKind::Requeue { id: h.id }
+            };
+            apply(q, kind, record, fx);
+            if !touched.contains(&h.queue) {
+                touched.push(h.queue.clone());
+            }
+        }
+        if !safe {
+            self.dispatch_all(touched, now_ms, fx);
+        }
     }
 
     /// basic.recover (requeue = true): every unacked delivery of the channel goes back.

@@ -14,6 +14,7 @@
 //!   every batch — where output is held behind the [`ConfirmGate`].
 
 mod basic;
+mod dead_letters;
 mod foreign;
 mod fragmented;
 mod frames;
@@ -201,6 +202,9 @@ struct Connection {
     /// This batch confirmed a resent duplicate: its output also waits for the session's
     /// barrier (what the first confirm of that publish waited for).
     resent_confirmed: bool,
+    /// Rejected messages of `at-least-once` queues held until their dead-lettered copies are
+    /// safe, per batch in batch order (`dead_letters.rs`).
+    dead_letters: VecDeque<dead_letters::PendingDeadLetters>,
 }
 
 /// How a connection's task ends with its socket.
@@ -264,6 +268,7 @@ where
         next_serial: 0,
         remote_wait: None,
         resent_confirmed: false,
+        dead_letters: VecDeque::new(),
     };
     let result = conn.run(&mut stream).await;
     // The connection's state goes first — unacked messages requeued, exclusive queues
@@ -377,11 +382,17 @@ impl Connection {
                 journal_synced: *synced.borrow(),
                 forwards_confirmed: forwards.answered_through,
                 replicas_acked: *replicated.borrow(),
-                lease_held: self.gate.waits_for_lease() && self.lease_held_now(),
+                lease_held: (self.gate.waits_for_lease() || self.dead_letters_wait())
+                    && self.lease_held_now(),
             };
+            if self.dead_letters_wait() && self.phase == Phase::Running {
+                self.settle_dead_letters(progress);
+            }
             let buffered = self.writer.len();
             let writable = self.gate.release(buffered, progress);
             let held = writable < buffered;
+            // Held output and held dead letters wait for the same progress.
+            let waiting = held || self.dead_letters_wait();
             if writable > 0 {
                 self.stats.bytes_out += writable as u64; // metrics
                 if !write_with_progress(stream, &self.writer.as_slice()[..writable], stall).await? {
@@ -448,7 +459,7 @@ impl Connection {
                 rbuf.reserve(read_chunk);
             }
             tokio::select! {
-                r = synced.changed(), if held => {
+                r = synced.changed(), if waiting => {
                     if r.is_err() {
                         self.close_reason = "the journal stopped".into();
                         return Ok(Finish::Drop);
@@ -466,15 +477,15 @@ impl Connection {
                     self.stats.bytes_in += n as u64; // metrics
                     more_input = self.on_bytes(&mut rbuf);
                 }
-                r = replicated.changed(), if held => {
+                r = replicated.changed(), if waiting => {
                     if r.is_err() {
                         self.close_reason = "replication stopped".into();
                         return Ok(Finish::Drop);
                     }
                 }
-                _ = lease_renewed(&mut lease), if held => {}
+                _ = lease_renewed(&mut lease), if waiting => {}
                 _ = self.outbox.notified() => self.drain_outbox(),
-                _ = self.forwards.changed(), if forwarding || held => {}
+                _ = self.forwards.changed(), if forwarding || waiting => {}
                 answer = proxied::answered(&mut self.remote_wait) => {
                     self.on_remote_answer(answer);
                     more_input = self.on_bytes(&mut rbuf);
@@ -637,6 +648,7 @@ impl Connection {
         let now = now_ms();
         let kept = self.session_kept();
         let mut v = vhost.lock();
+        self.abandon_dead_letters(&mut v);
         for ch in self.channels.values() {
             if kept {
                 v.channel_detach(ch.key, now, &mut self.fx);

@@ -214,6 +214,11 @@ impl Connection {
             return;
         }
         self.flush_confirms();
+        if let Some(guard) = v.guard.as_mut() {
+            // Before the forwards: a paged dead letter's forward is the connection's too.
+            self.broker.resolve_paged_dead_letters(guard, &mut self.fx);
+        }
+        let watched = self.watch_dead_letter_forwards();
         self.broker
             .forward(&self.vhost_name, &mut self.fx, Some(&self.forwards));
         self.send_remote_settles();
@@ -233,7 +238,8 @@ impl Connection {
         // Held proxied deliveries take their tags last, so they are written last.
         let released = self.release_held(&mut v);
         drop(v.guard.take());
-        self.hold_output(journal_seq);
+        let conditions = self.hold_output(journal_seq);
+        self.keep_dead_letters(watched, conditions);
         self.write_own_effects(&mut earlier);
         self.write_admitted(released);
         self.spare.deliveries = earlier;
@@ -242,7 +248,8 @@ impl Connection {
     /// Holds everything written so far until the journal is durable up to `journal_seq`,
     /// every publish forwarded so far is confirmed by its primary, and the in-sync backups
     /// acknowledged the batch's replication stamp (taken from the effects).
-    pub(super) fn hold_output(&mut self, journal_seq: Option<u64>) {
+    /// Returns the conditions it held them behind.
+    pub(super) fn hold_output(&mut self, journal_seq: Option<u64>) -> Option<Conditions> {
         let forwards = self.forwards.issued();
         let replicated = self.fx.replica_stamp.take();
         let mut conditions =
@@ -272,6 +279,7 @@ impl Connection {
         }
         self.forwards_held = forwards;
         self.gate.hold(self.writer.len(), conditions);
+        conditions
     }
 
     /// Whether this broker may release output that waits for the lease now: it holds the

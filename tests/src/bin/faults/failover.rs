@@ -38,7 +38,7 @@ pub async fn start(uris: Vec<String>, queue: String, k: i64, first: usize) -> Wo
         };
         let publisher = tokio::spawn(publisher(session(first, &shared.stop_publishing)));
         let consumer = tokio::spawn(consumer(session(first + 1, &shared.stop_consuming)));
-        (vec![publisher], consumer)
+        (vec![publisher], vec![consumer])
     })
 }
 

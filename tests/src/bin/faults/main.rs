@@ -402,6 +402,17 @@ fn main() {
             rng.clone(),
         )));
         queues.push((fragmented_queue, 1));
+        // A queue that dead-letters at least once (k = 1): its consumer rejects half of
+        // what it gets, which must arrive through the dead-letter queue.
+        let dead_queue = format!("faults-{}-dead", nemesis.name());
+        workloads.push(runtime.block_on(Workload::start_dead_lettering(
+            uris.clone(),
+            dead_queue.clone(),
+            1,
+            2,
+            rng.clone(),
+        )));
+        queues.push((dead_queue, 1));
         let stop = Arc::new(AtomicBool::new(false));
         let two_primaries = Arc::new(AtomicU64::new(0));
         let sampler = {
@@ -461,6 +472,12 @@ fn main() {
             }
             let history: Arc<Mutex<History>> = runtime.block_on(w.finish());
             let h = history.lock().unwrap();
+            if h.dead_lettered > 0 {
+                println!(
+                    "faults: {q}: {} deliveries from its dead-letter queue",
+                    h.dead_lettered
+                );
+            }
             let row = check(
                 nemesis.name(),
                 q.clone(),

@@ -4,7 +4,7 @@
 
 use futures_lite::StreamExt;
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
+    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions, BasicRejectOptions,
     ConfirmSelectOptions, QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
@@ -60,6 +60,8 @@ pub struct History {
     /// Deliveries the failover client handed to its application twice (printed, the first
     /// ten; counted in `duplicated`).
     failover_repeats: u64,
+    /// Deliveries from a dead-letter queue.
+    pub dead_lettered: u64,
 }
 
 impl History {
@@ -78,6 +80,14 @@ impl History {
     /// confirm for the rest of the schedule was unavailable that long too.
     pub fn stopped(&mut self, last_confirm: Instant) {
         self.longest_gap = self.longest_gap.max(last_confirm.elapsed());
+    }
+
+    /// The dead-letter queue's consumer got `id`: it arrived, out of the order checks (a
+    /// copy dead-lettered again after its original went back comes behind later ones).
+    pub fn dead_lettered(&mut self, id: &str) {
+        self.operations += 1;
+        self.dead_lettered += 1;
+        *self.delivered.entry(id.to_owned()).or_default() += 1;
     }
 
     /// A consumer got `id` (`P:E-SEQ`); a first delivery (not `redelivered`, and the first
@@ -178,8 +188,32 @@ pub struct Workload {
     stop_publishing: Arc<AtomicBool>,
     stop_consuming: Arc<AtomicBool>,
     publishers: Vec<tokio::task::JoinHandle<()>>,
-    consumer: tokio::task::JoinHandle<()>,
+    consumers: Vec<tokio::task::JoinHandle<()>>,
     pub reconnects: Arc<AtomicU64>,
+}
+
+/// What a workload's consumer does with a delivery.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Takes {
+    /// Acks every message: it arrived.
+    All,
+    /// Rejects (`requeue=false`) the messages whose number ends in an odd digit, which go to
+    /// the queue's dead-letter queue; acks the others, which arrived.
+    RejectOdd,
+    /// The dead-letter queue's consumer: acks every message, which arrived (its order is
+    /// not held against the publisher's: a copy dead-lettered again comes later).
+    DeadLetters,
+}
+
+impl Takes {
+    /// Whether this consumer rejects `id` (`P:E-SEQ`).
+    fn rejects(self, id: &str) -> bool {
+        self == Takes::RejectOdd
+            && id
+                .bytes()
+                .last()
+                .is_some_and(|d| d.is_ascii_digit() && (d - b'0') % 2 == 1)
+    }
 }
 
 /// What a workload's client tasks share: the history they add to, when publishers and the
@@ -221,8 +255,62 @@ impl Workload {
                 .collect();
             let mut rng = rng.clone();
             rng.0 ^= 0x5bd1_e995;
-            let consumer = tokio::spawn(consumer(client(&shared.stop_consuming, rng)));
-            (publishers, consumer)
+            let consumer = tokio::spawn(consumer(client(&shared.stop_consuming, rng), Takes::All));
+            (publishers, vec![consumer])
+        })
+    }
+
+    /// [`Workload::start`] on a queue that dead-letters at least once (`k` backups, and
+    /// its dead-letter queue `<queue>-dlq` as well): its consumer rejects half of the
+    /// messages (by their numbers), a second consumer takes them from the dead-letter queue.
+    /// Every confirmed message must arrive at one of the two.
+    pub async fn start_dead_lettering(
+        uris: Vec<String>,
+        queue: String,
+        k: i64,
+        producers: usize,
+        rng: Rng,
+    ) -> Workload {
+        let dlq = format!("{queue}-dlq");
+        declare(&uris, &dlq, &queue_arguments(k, false)).await;
+        let mut args = queue_arguments(k, false);
+        for (key, value) in [
+            ("x-dead-letter-exchange", ""),
+            ("x-dead-letter-routing-key", dlq.as_str()),
+            ("x-dead-letter-strategy", "at-least-once"),
+        ] {
+            args.insert(key.into(), AMQPValue::LongString(value.into()));
+        }
+        declare(&uris, &queue, &args).await;
+        Workload::spawn(|shared| {
+            let client = |queue: &str, stop: &Arc<AtomicBool>, rng: Rng| Client {
+                uris: uris.clone(),
+                queue: queue.to_owned(),
+                history: Arc::clone(&shared.history),
+                stop: Arc::clone(stop),
+                reconnects: Arc::clone(&shared.reconnects),
+                rng,
+            };
+            let publishers = (0..producers)
+                .map(|p| {
+                    let mut rng = rng.clone();
+                    rng.0 ^= (p as u64 + 1) * 0x9e37_79b9;
+                    tokio::spawn(publisher(p, client(&queue, &shared.stop_publishing, rng)))
+                })
+                .collect();
+            let consumers = [
+                (queue.as_str(), Takes::RejectOdd),
+                (&dlq, Takes::DeadLetters),
+            ]
+            .into_iter()
+            .enumerate()
+            .map(|(i, (q, takes))| {
+                let mut rng = rng.clone();
+                rng.0 ^= 0x5bd1_e995 + i as u64;
+                tokio::spawn(consumer(client(q, &shared.stop_consuming, rng), takes))
+            })
+            .collect();
+            (publishers, consumers)
         })
     }
 
@@ -232,7 +320,7 @@ impl Workload {
             &Shared,
         ) -> (
             Vec<tokio::task::JoinHandle<()>>,
-            tokio::task::JoinHandle<()>,
+            Vec<tokio::task::JoinHandle<()>>,
         ),
     ) -> Workload {
         let shared = Shared {
@@ -241,13 +329,13 @@ impl Workload {
             stop_consuming: Arc::new(AtomicBool::new(false)),
             reconnects: Arc::new(AtomicU64::new(0)),
         };
-        let (publishers, consumer) = tasks(&shared);
+        let (publishers, consumers) = tasks(&shared);
         Workload {
             history: shared.history,
             stop_publishing: shared.stop_publishing,
             stop_consuming: shared.stop_consuming,
             publishers,
-            consumer,
+            consumers,
             reconnects: shared.reconnects,
         }
     }
@@ -272,10 +360,12 @@ impl Workload {
         wait_for_deliveries(&self.history, quiet).await;
     }
 
-    /// Stops the consumer; the history is complete.
+    /// Stops the consumers; the history is complete.
     pub async fn finish(self) -> Arc<Mutex<History>> {
         self.stop_consuming.store(true, Ordering::SeqCst);
-        let _ = tokio::time::timeout(Duration::from_secs(15), self.consumer).await;
+        for consumer in self.consumers {
+            let _ = tokio::time::timeout(Duration::from_secs(15), consumer).await;
+        }
         self.history
     }
 }
@@ -445,7 +535,7 @@ async fn publisher(producer: usize, client: Client) {
     history.lock().unwrap().stopped(last_confirm);
 }
 
-async fn consumer(client: Client) {
+async fn consumer(client: Client, takes: Takes) {
     let Client {
         uris,
         queue,
@@ -511,11 +601,22 @@ async fn consumer(client: Client) {
             };
             last_delivery = Instant::now();
             let id = String::from_utf8_lossy(&d.data).into_owned();
-            history.lock().unwrap().delivered(&id, d.redelivered);
+            let rejected = takes.rejects(&id);
+            match takes {
+                _ if rejected => history.lock().unwrap().operations += 1,
+                Takes::DeadLetters => history.lock().unwrap().dead_lettered(&id),
+                _ => history.lock().unwrap().delivered(&id, d.redelivered),
+            }
             // Bounded: an ack on a connection that died without lapin noticing never ends.
-            let acked =
-                tokio::time::timeout(Duration::from_secs(5), d.ack(BasicAckOptions::default()))
-                    .await;
+            let settled = async {
+                if rejected {
+                    let reject = BasicRejectOptions { requeue: false };
+                    d.reject(reject).await
+                } else {
+                    d.ack(BasicAckOptions::default()).await
+                }
+            };
+            let acked = tokio::time::timeout(Duration::from_secs(5), settled).await;
             if !matches!(acked, Ok(Ok(_))) {
                 debug(&format!(
                     "consumer of {queue} through {uri}: ack failed: {acked:?}"
