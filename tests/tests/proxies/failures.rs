@@ -1,11 +1,13 @@
 //! Errors and failures: the primary's errors reach the proxy's client as they are; a queue
-//! whose primary is gone with no backup refuses publishes and cancels its consumers.
+//! whose primary is gone with no backup refuses publishes and cancels its consumers; an
+//! at-least-once dead letter whose copy is lost on the way is dead-lettered again.
 
 use crate::support::*;
 use futures_lite::StreamExt;
 use lapin::BasicProperties;
 use lapin::options::{
-    BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions,
+    BasicConsumeOptions, BasicGetOptions, BasicPublishOptions, BasicRejectOptions,
+    ConfirmSelectOptions, QueueDeclareOptions,
 };
 use lapin::types::FieldTable;
 use ringmq_tests::cluster::start_cluster;
@@ -229,4 +231,82 @@ async fn a_purge_or_delete_while_the_primary_is_lost_waits_for_the_new_one() {
         .await
         .expect_err("deleted everywhere");
     assert_eq!(reply_code(&gone), Some(404), "{gone:?}");
+}
+
+/// A rejected message of an `at-least-once` queue whose dead-letter queue's primary is
+/// killed as the copy leaves: the copy's forward fails, the rejecting connection is closed
+/// (320) and puts the original back; rejected again once the dead-letter queue's backup took
+/// over, the message arrives there. With `at-most-once` (set `RINGMQ_DL_STRATEGY` to try it)
+/// the original is gone with its lost copy and the test fails.
+#[tokio::test]
+async fn a_dead_letter_whose_forward_is_lost_is_dead_lettered_again_at_least_once() {
+    let strategy =
+        std::env::var("RINGMQ_DL_STRATEGY").unwrap_or_else(|_| "at-least-once".to_owned());
+    let (mut members, _secret) = start_cluster("proxy-dead-letter", 3);
+    declare(&members[2], "far-dlq").await;
+    let mut args = FieldTable::default();
+    for (k, v) in [
+        ("x-dead-letter-exchange", ""),
+        ("x-dead-letter-routing-key", "far-dlq"),
+        ("x-dead-letter-strategy", strategy.as_str()),
+    ] {
+        args.insert(k.into(), lapin::types::AMQPValue::LongString(v.into()));
+    }
+    {
+        let (_c, ch) = members[1].channel().await;
+        ch.queue_declare(
+            "rejecting".into(),
+            QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            args,
+        )
+        .await
+        .unwrap();
+        publish_confirmed(&ch, "rejecting", "m", 1).await;
+    }
+    let (_c1, on_1) = members[1].channel().await;
+    let got = on_1
+        .basic_get("rejecting".into(), BasicGetOptions::default())
+        .await
+        .unwrap()
+        .expect("the message");
+    members[2].kill();
+    // Rejected while the dead-letter queue's primary is gone: its copy's forward fails.
+    let _ = got
+        .delivery
+        .reject(BasicRejectOptions { requeue: false })
+        .await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the rejected message reached neither queue again ({strategy})"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let c = members[0].connect().await;
+        let Ok(ch) = c.create_channel().await else {
+            continue;
+        };
+        if let Ok(Some(copy)) = ch
+            .basic_get("far-dlq".into(), BasicGetOptions { no_ack: true })
+            .await
+        {
+            assert_eq!(copy.delivery.data, b"m-0");
+            break;
+        }
+        // Back in its queue: reject it again, now towards the promoted backup.
+        if let Ok(Some(again)) = ch
+            .basic_get("rejecting".into(), BasicGetOptions::default())
+            .await
+        {
+            assert!(again.delivery.redelivered);
+            let _ = again
+                .delivery
+                .reject(BasicRejectOptions { requeue: false })
+                .await;
+        }
+        let _ = c.close(200, "again".into()).await;
+    }
 }
