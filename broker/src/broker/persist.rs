@@ -44,9 +44,21 @@ impl Broker {
             gate = gate.max(Some(self.journal.last_submitted()));
             fx.replica_stamp = fx.replica_stamp.max(Some(self.replicator().issued()));
         }
-        if !fx.ops.is_empty() || !fx.page_out.is_empty() {
+        if !fx.ops.is_empty() || !fx.page_out.is_empty() || !fx.producers_replaced.is_empty() {
             let mut records = Vec::new();
-            records_from_ops(&fx.ops, &mut records);
+            // Each replaced producer table at its place among the ops (B18).
+            let mut from = 0;
+            for r in fx.producers_replaced.drain(..) {
+                let at = r.after_ops.min(fx.ops.len());
+                records_from_ops(&fx.ops[from..at], &mut records);
+                from = at;
+                records.push(Record::Producers {
+                    uid: r.uid,
+                    highest: r.highest,
+                    replace: true,
+                });
+            }
+            records_from_ops(&fx.ops[from..], &mut records);
             fx.ops.clear();
             records.extend(fx.page_out.drain(..).map(|p| Record::Paged {
                 uid: p.uid,

@@ -19,7 +19,7 @@
 //!
 //! Pure state, no I/O: the replicator ([`super::replicator`]) does the locking and sending.
 
-use super::codec::{ChunkLimits, image_entry_len};
+use super::codec::{ChunkLimits, image_entry_len, producers_len};
 use crate::core::message::Message;
 use crate::core::queue::{ImageEntry, QueueImage};
 use std::collections::VecDeque;
@@ -81,6 +81,8 @@ pub struct ChunkWork {
     pub last_seq: u64,
     /// The image's next id.
     pub next_id: u64,
+    /// The image's producer table, on its first chunk (empty on the others).
+    pub producers: crate::core::producers::Highest,
 }
 
 /// An encoded ops frame of one queue, as a catch-up holds it back until the image's last
@@ -110,6 +112,8 @@ pub struct CatchUp {
     next_id: u64,
     /// Entries not yet put in a chunk.
     pending: VecDeque<ImageEntry>,
+    /// The image's producer table, until the first chunk takes it.
+    producers: crate::core::producers::Highest,
     first_sent: bool,
     /// A chunk is being built (its entries taken, not yet sent).
     building: bool,
@@ -150,6 +154,7 @@ impl CatchUp {
             next_id: image.next_id,
             messages_total: image.entries.len() as u64,
             pending: image.entries.into(),
+            producers: image.producers,
             first_sent: false,
             building: false,
             in_flight: VecDeque::new(),
@@ -219,9 +224,12 @@ impl CatchUp {
         {
             return None;
         }
-        let n = limits
-            .chunk
-            .take(queue, self.pending.iter().map(image_entry_len));
+        let producers = std::mem::take(&mut self.producers);
+        let n = limits.chunk.take(
+            queue,
+            producers_len(&producers),
+            self.pending.iter().map(image_entry_len),
+        );
         let entries: Vec<ImageEntry> = self.pending.drain(..n).collect();
         self.building = true;
         let first = !self.first_sent;
@@ -233,6 +241,7 @@ impl CatchUp {
             last: self.pending.is_empty(),
             last_seq: self.last_seq,
             next_id: self.next_id,
+            producers,
         })
     }
 
@@ -298,6 +307,7 @@ mod tests {
 
     fn image(n: u64, body: usize) -> QueueImage {
         QueueImage {
+            producers: Vec::new(),
             last_seq: 100,
             next_id: n + 1,
             entries: (1..=n)

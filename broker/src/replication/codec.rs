@@ -14,8 +14,12 @@
 //!   ids u64 × count.
 //! * `2` Image chunk: incarnation u64, queue, flags u8 (1 first, 2 last), the image's last
 //!   seq u64 and next id u64, count u32, then per entry: id u64, expires-at ms u64, flags u8
-//!   (1 redelivered, 2 unacked), message. A catch-up sends an image as a run of these, each
-//!   bounded in bytes and entries ([`ChunkLimits`]).
+//!   (1 redelivered, 2 unacked), message; with flag 4 (the first chunk, when the queue has
+//!   any), then its producer table: count u32, per producer its name (u32 len + bytes) and
+//!   number u64. A catch-up sends an image as a run of these, each bounded in bytes and
+//!   entries ([`ChunkLimits`]). (Flag 4 is new: a member of an earlier release refuses such
+//!   a chunk as malformed, so a rolling upgrade's catch-ups to old members fail until they
+//!   are upgraded too.)
 //!
 //! The incarnation is the queue's cluster-wide identity: a queue deleted and declared again
 //! under the same name is another queue, and a backup must not apply one's ops to the other.
@@ -43,6 +47,7 @@ const UNACKED: u8 = 2;
 
 const FIRST: u8 = 1;
 const LAST: u8 = 2;
+const PRODUCERS: u8 = 4;
 
 /// Bytes of an image chunk frame before its entries, besides the queue name: kind,
 /// incarnation, name length, flags, last seq, next id, count.
@@ -73,10 +78,16 @@ impl ChunkLimits {
     }
 
     /// How many of `entries` (their encoded lengths, from the front) the next chunk of
-    /// `queue`'s image takes: at least one, then as many as fit.
-    pub fn take(&self, queue: &str, entries: impl IntoIterator<Item = usize>) -> usize {
+    /// `queue`'s image takes, besides `extra` bytes of producer table: at least one, then as
+    /// many as fit.
+    pub fn take(
+        &self,
+        queue: &str,
+        extra: usize,
+        entries: impl IntoIterator<Item = usize>,
+    ) -> usize {
         fit(
-            IMAGE_HEAD_BYTES + queue.len(),
+            IMAGE_HEAD_BYTES + queue.len() + extra,
             self.max_bytes,
             self.max_entries,
             entries,
@@ -144,6 +155,17 @@ pub const DEFAULT_CHUNK_BYTES: usize = 1024 * 1024;
 /// Default bound of an image chunk's entries.
 pub const DEFAULT_CHUNK_ENTRIES: usize = 4096;
 
+/// Encoded bytes of an image chunk's producer table (0 when there is none).
+pub fn producers_len(producers: &[(Arc<str>, u64)]) -> usize {
+    if producers.is_empty() {
+        return 0;
+    }
+    4 + producers
+        .iter()
+        .map(|(p, _)| 4 + p.len() + 8)
+        .sum::<usize>()
+}
+
 /// Encoded bytes of one image entry (body included, wherever it is now).
 pub fn image_entry_len(e: &ImageEntry) -> usize {
     8 + 8 + 1 + message_len(&e.message)
@@ -207,7 +229,15 @@ impl Frame {
                 out.push(IMAGE);
                 out.extend_from_slice(&incarnation.to_be_bytes());
                 put_str(out, queue);
-                out.push(if chunk.first { FIRST } else { 0 } | if chunk.last { LAST } else { 0 });
+                out.push(
+                    if chunk.first { FIRST } else { 0 }
+                        | if chunk.last { LAST } else { 0 }
+                        | if chunk.producers.is_empty() {
+                            0
+                        } else {
+                            PRODUCERS
+                        },
+                );
                 out.extend_from_slice(&chunk.last_seq.to_be_bytes());
                 out.extend_from_slice(&chunk.next_id.to_be_bytes());
                 out.extend_from_slice(&(chunk.entries.len() as u32).to_be_bytes());
@@ -219,6 +249,14 @@ impl Frame {
                         | if e.unacked { UNACKED } else { 0 };
                     out.push(flags);
                     put_message_content(out, &e.message);
+                }
+                if !chunk.producers.is_empty() {
+                    out.extend_from_slice(&(chunk.producers.len() as u32).to_be_bytes());
+                    for (producer, seq) in &chunk.producers {
+                        out.extend_from_slice(&(producer.len() as u32).to_be_bytes());
+                        out.extend_from_slice(producer.as_bytes());
+                        out.extend_from_slice(&seq.to_be_bytes());
+                    }
                 }
             }
         }
@@ -246,7 +284,7 @@ impl Frame {
                 let incarnation = r.u64()?;
                 let queue = r.short_str()?.into();
                 let chunk_flags = r.u8()?;
-                if chunk_flags & !(FIRST | LAST) != 0 {
+                if chunk_flags & !(FIRST | LAST | PRODUCERS) != 0 {
                     return Err(DecodeError::Malformed("image chunk flags"));
                 }
                 let last_seq = r.u64()?;
@@ -266,6 +304,19 @@ impl Frame {
                         })
                     })
                     .collect::<Result<_, DecodeError>>()?;
+                let producers = if chunk_flags & PRODUCERS != 0 {
+                    let n = count(&mut r, 12)?;
+                    (0..n)
+                        .map(|_| {
+                            let name = std::str::from_utf8(&r.bytes()?)
+                                .map_err(|_| DecodeError::Malformed("producer name"))?
+                                .into();
+                            Ok((name, r.u64()?))
+                        })
+                        .collect::<Result<_, DecodeError>>()?
+                } else {
+                    Vec::new()
+                };
                 Frame::Image {
                     incarnation,
                     queue,
@@ -275,6 +326,7 @@ impl Frame {
                         last_seq,
                         next_id,
                         entries,
+                        producers,
                     },
                 }
             }
@@ -491,6 +543,11 @@ mod tests {
             unacked,
         };
         for (first, last) in [(true, false), (false, false), (false, true), (true, true)] {
+            let producers = if first {
+                vec![(Arc::from("session:1"), 12), (Arc::from("s:2"), 3)]
+            } else {
+                Vec::new()
+            };
             let chunk = ImageChunk {
                 first,
                 last,
@@ -501,6 +558,7 @@ mod tests {
                     entry(5, true, false),
                     entry(8, false, false),
                 ],
+                producers,
             };
             let mut out = Vec::new();
             Frame::Image {
@@ -510,8 +568,10 @@ mod tests {
             }
             .encode(&mut out)
             .unwrap();
-            let expected_len =
-                IMAGE_HEAD_BYTES + 1 + chunk.entries.iter().map(image_entry_len).sum::<usize>();
+            let expected_len = IMAGE_HEAD_BYTES
+                + 1
+                + producers_len(&chunk.producers)
+                + chunk.entries.iter().map(image_entry_len).sum::<usize>();
             assert_eq!(out.len(), expected_len, "image_entry_len is exact");
             let data = Bytes::from(out);
             let Frame::Image {
@@ -537,11 +597,24 @@ mod tests {
             max_entries: 3,
         };
         let head = IMAGE_HEAD_BYTES + "q".len();
-        assert_eq!(limits.take("q", [100, 100, 100, 100]), 3, "entries bound");
-        assert_eq!(limits.take("q", [400, 400, 400]), 2, "bytes bound");
-        assert_eq!(limits.take("q", [1000 - head, 1]), 1, "exactly full");
-        assert_eq!(limits.take("q", [5000, 1]), 1, "a large message goes alone");
-        assert_eq!(limits.take("q", []), 0);
+        assert_eq!(
+            limits.take("q", 0, [100, 100, 100, 100]),
+            3,
+            "entries bound"
+        );
+        assert_eq!(limits.take("q", 0, [400, 400, 400]), 2, "bytes bound");
+        assert_eq!(limits.take("q", 0, [1000 - head, 1]), 1, "exactly full");
+        assert_eq!(
+            limits.take("q", 0, [5000, 1]),
+            1,
+            "a large message goes alone"
+        );
+        assert_eq!(
+            limits.take("q", 400, [400, 400]),
+            1,
+            "a producer table counts too"
+        );
+        assert_eq!(limits.take("q", 0, []), 0);
         assert_eq!(
             limits.take_ops("q", [10; 500]),
             (1000 - OPS_HEAD_BYTES - 1) / 10,

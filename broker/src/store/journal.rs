@@ -363,9 +363,6 @@ struct BatchPlan {
     removals: bool,
     released: Vec<RecordKey>,
     released_queues: Vec<u64>,
-    /// Per queue uid, the producers' numbers of the enqueues this batch cancelled: written
-    /// as Producers records, since no Enqueued record will say them.
-    cancelled_producers: HashMap<u64, crate::core::producers::Highest>,
 }
 
 impl BatchPlan {
@@ -375,36 +372,31 @@ impl BatchPlan {
         self.records.push(Some(Pending { record, durable }));
     }
 
-    /// Cancels the record of a message this batch would write; false if it has none.
+    /// Cancels the record of a message this batch would write; false if it has none. An
+    /// enqueue numbered by a session producer leaves a Producers record in its place, so
+    /// that its number outlives it exactly where the enqueue stood (before or after a
+    /// replaced table, B18).
     fn cancel(&mut self, key: RecordKey) -> bool {
         match self.pending.remove(&key) {
             Some(at) => {
-                if let Some(Pending {
-                    record: Record::Enqueued { uid, message, .. },
-                    ..
-                }) = self.records[at].take()
-                    && let Some((producer, seq)) = producer_of(&message)
-                {
-                    self.cancelled_producers
-                        .entry(uid)
-                        .or_default()
-                        .push((producer.into(), seq));
-                }
+                let kept = match self.records[at].take() {
+                    Some(Pending {
+                        record: Record::Enqueued { uid, message, .. },
+                        ..
+                    }) => producer_of(&message).map(|(producer, seq)| Pending {
+                        record: Record::Producers {
+                            uid,
+                            highest: vec![(producer.into(), seq)],
+                            replace: false,
+                        },
+                        durable: true,
+                    }),
+                    _ => None,
+                };
+                self.records[at] = kept;
                 true
             }
             None => false,
-        }
-    }
-
-    /// The Producers records of the enqueues cancelled so far, for the queues still live.
-    fn push_cancelled_producers(&mut self, live: &HashSet<u64>) {
-        for (uid, highest) in std::mem::take(&mut self.cancelled_producers) {
-            if live.contains(&uid) {
-                self.records.push(Some(Pending {
-                    record: Record::Producers { uid, highest },
-                    durable: true,
-                }));
-            }
         }
     }
 
@@ -640,7 +632,6 @@ impl Writer {
             }
         }
         self.apply_releases(&plan);
-        plan.push_cancelled_producers(&self.live_uids);
         self.buf.clear();
         let mut must_sync = plan.wiring_changed || plan.removals;
         let (written, durable) = self.encode(plan.records);
@@ -702,10 +693,23 @@ impl Writer {
                     }
                 }
                 Record::Paged { uid, id, .. } => plan.push((uid, id), r, false),
-                Record::Producers { .. } => plan.records.push(Some(Pending {
-                    record: r,
-                    durable: true,
-                })),
+                Record::Producers {
+                    uid,
+                    ref highest,
+                    replace,
+                } => {
+                    if self.live_uids.contains(&uid) {
+                        let table = self.producers.entry(uid).or_default();
+                        if replace {
+                            *table = Producers::default();
+                        }
+                        table.note_all(highest);
+                    }
+                    plan.records.push(Some(Pending {
+                        record: r,
+                        durable: true,
+                    }))
+                }
                 Record::Removed { uid, ids } => {
                     let mut keep = Vec::new();
                     let mut index = self.index.index.lock();
@@ -901,6 +905,7 @@ impl Writer {
                 Record::Producers {
                     uid,
                     highest: table.highest(),
+                    replace: false,
                 }
                 .encode(&mut copy);
             }

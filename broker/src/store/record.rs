@@ -9,12 +9,14 @@
 //! * `3` Paged: laid out as Enqueued. The body of a message that is not persistent (or not on
 //!   a durable queue), written only so that flow-to-disk can drop it from memory. Recovery
 //!   skips it: a transient message never comes back after a restart.
-//! * `4` Producers: uid u64, count u32, count × (producer name (u32 len + bytes), number
-//!   u64). The highest number each session producer reached the queue with, where no
-//!   Enqueued record says it: a publish whose enqueue was cancelled by its ack in the same
-//!   batch, and every table before the compactor deletes a segment (B15 in
-//!   docs/reliability.md). Recovery takes the highest of these and of every Enqueued
-//!   record's producer, so that a session's resend after a restart is still recognised.
+//! * `4` Producers: uid u64, flags u8 (1 = replace), count u32, count × (producer name
+//!   (u32 len + bytes), number u64). The highest number each session producer reached the
+//!   queue with, where no Enqueued record says it: a publish whose enqueue was cancelled by
+//!   its ack in the same batch, and every table before the compactor deletes a segment (B15
+//!   in docs/reliability.md). Recovery takes the highest of these and of every Enqueued
+//!   record's producer, so that a session's resend after a restart is still recognised —
+//!   except after a record that *replaces* the table: a replica that installed its
+//!   primary's image took the primary's table in place of its own (B18).
 
 use crate::core::ops::{OpKind, QueueOp};
 use crate::core::{Body, DiskBody, Message};
@@ -70,6 +72,9 @@ pub enum Record {
         uid: u64,
         /// Producer and highest number.
         highest: crate::core::producers::Highest,
+        /// The table is this one from here on (a replica took its primary's), rather than
+        /// raised by it.
+        replace: bool,
     },
 }
 
@@ -179,9 +184,14 @@ impl Record {
                     out.extend_from_slice(&id.to_be_bytes());
                 }
             }
-            Record::Producers { uid, highest } => {
+            Record::Producers {
+                uid,
+                highest,
+                replace,
+            } => {
                 out.push(PRODUCERS);
                 out.extend_from_slice(&uid.to_be_bytes());
+                out.push(u8::from(*replace));
                 out.extend_from_slice(&(highest.len() as u32).to_be_bytes());
                 for (producer, seq) in highest {
                     put_bytes(out, producer.as_bytes());
@@ -305,6 +315,11 @@ impl Record {
             }
             PRODUCERS => {
                 let uid = r.u64()?;
+                let replace = match r.u8()? {
+                    0 => false,
+                    1 => true,
+                    _ => return Err(DecodeError::Malformed("producers flags")),
+                };
                 let n = r.u32()? as usize;
                 if n > body.len() / 12 {
                     return Err(DecodeError::Malformed("producer count"));
@@ -316,7 +331,11 @@ impl Record {
                         .into();
                     highest.push((name, r.u64()?));
                 }
-                Ok(Record::Producers { uid, highest })
+                Ok(Record::Producers {
+                    uid,
+                    highest,
+                    replace,
+                })
             }
             _ => Err(DecodeError::Malformed("record type")),
         }
@@ -499,17 +518,23 @@ mod tests {
         Record::Producers {
             uid: 9,
             highest: highest.clone(),
+            replace: true,
         }
         .encode(&mut out);
         let data = Bytes::from(out);
         let (body, _) = next_record(&data, 0).unwrap();
         assert_eq!(Record::enqueued_key(&body), None, "no message in it");
-        let Record::Producers { uid, highest: back } = Record::decode(&body).unwrap() else {
+        let Record::Producers {
+            uid,
+            highest: back,
+            replace,
+        } = Record::decode(&body).unwrap()
+        else {
             panic!()
         };
-        assert_eq!((uid, back), (9, highest));
+        assert_eq!((uid, back, replace), (9, highest, true));
         let mut lying = body.to_vec();
-        lying[9..13].copy_from_slice(&u32::MAX.to_be_bytes());
+        lying[10..14].copy_from_slice(&u32::MAX.to_be_bytes());
         assert!(Record::decode(&Bytes::from(lying)).is_err());
     }
 }

@@ -262,13 +262,17 @@ fn replay_segment(
                     out.disk.index.remove((uid, id));
                 }
             }
-            Record::Producers { uid, highest } => {
+            Record::Producers {
+                uid,
+                highest,
+                replace,
+            } => {
                 if live_uids.contains(&uid) {
-                    out.disk
-                        .producers
-                        .entry(uid)
-                        .or_default()
-                        .note_all(&highest);
+                    let table = out.disk.producers.entry(uid).or_default();
+                    if replace {
+                        *table = crate::core::producers::Producers::default();
+                    }
+                    table.note_all(&highest);
                 }
             }
         }

@@ -26,6 +26,9 @@ enum Step {
     Enqueue(usize, usize),
     Remove(usize, usize),
     RemoveFreshlyEnqueued(usize),
+    /// The queue's producer table replaced (a replica installed its primary's image) by
+    /// one that has the producer at a number below its current one.
+    ReplaceProducers(usize, u64),
     DeleteQueue(usize),
     /// A page record: on queue 0..3 (durable) or 3 (a queue the wiring does not list).
     Page(usize, usize),
@@ -45,6 +48,7 @@ fn step() -> impl Strategy<Value = Step> {
         6 => (0usize..3, 1usize..300).prop_map(|(q, size)| Step::Enqueue(q, size)),
         4 => (0usize..3, any::<usize>()).prop_map(|(q, k)| Step::Remove(q, k)),
         2 => (0usize..3).prop_map(Step::RemoveFreshlyEnqueued),
+        1 => (0usize..3, any::<u64>()).prop_map(|(q, n)| Step::ReplaceProducers(q, n)),
         1 => (0usize..3).prop_map(Step::DeleteQueue),
         3 => (0usize..4, 1usize..300).prop_map(|(q, size)| Step::Page(q, size)),
         2 => any::<usize>().prop_map(Step::ReleasePage),
@@ -259,6 +263,18 @@ proptest! {
                     ]));
                     highest.insert(uid, *id);
                     *id += 1;
+                }
+                Step::ReplaceProducers(q, n) => {
+                    let uid = uids[q];
+                    if let Some(h) = highest.get_mut(&uid) {
+                        let replaced = n % (*h + 1);
+                        journal.submit(Job::Records(vec![Record::Producers {
+                            uid,
+                            highest: vec![(Arc::from(PRODUCER), replaced)],
+                            replace: true,
+                        }]));
+                        *h = replaced;
+                    }
                 }
                 Step::DeleteQueue(q) => {
                     let old = uids[q];

@@ -20,6 +20,7 @@
 use super::{Entry, Queue};
 use crate::core::message::{DiskBody, Message};
 use crate::core::ops::{OpKind, QueueOp};
+use crate::core::producers::Producers;
 use std::sync::Arc;
 use thiserror::Error;
 
@@ -48,6 +49,10 @@ pub struct QueueImage {
     pub next_id: u64,
     /// Ready and unacked messages, in id order.
     pub entries: Vec<ImageEntry>,
+    /// The queue's producer table (`core::producers`): what a session's resend is checked
+    /// against. A copy that installs the image takes it in place of its own, which may
+    /// hold numbers of publishes only that copy ever took (B18 in docs/reliability.md).
+    pub producers: crate::core::producers::Highest,
 }
 
 /// One piece of a [`QueueImage`], as a catch-up sends it: the entries of one id range, and
@@ -67,6 +72,8 @@ pub struct ImageChunk {
     pub next_id: u64,
     /// Ready and unacked messages, in id order, all above the previous chunk's.
     pub entries: Vec<ImageEntry>,
+    /// On the first chunk: the image's producer table ([`QueueImage::producers`]).
+    pub producers: crate::core::producers::Highest,
 }
 
 impl QueueImage {
@@ -76,6 +83,7 @@ impl QueueImage {
         let max_entries = max_entries.max(1);
         let mut chunks: Vec<ImageChunk> = Vec::new();
         let mut entries = self.entries.into_iter().peekable();
+        let mut producers = self.producers;
         loop {
             let part: Vec<ImageEntry> = entries.by_ref().take(max_entries).collect();
             chunks.push(ImageChunk {
@@ -84,6 +92,7 @@ impl QueueImage {
                 last_seq: self.last_seq,
                 next_id: self.next_id,
                 entries: part,
+                producers: std::mem::take(&mut producers),
             });
             if entries.peek().is_none() {
                 return chunks;
@@ -158,6 +167,7 @@ impl Queue {
             last_seq: self.last_seq,
             next_id: self.next_id,
             entries,
+            producers: self.producers.highest(),
         }
     }
 
@@ -199,6 +209,13 @@ impl Queue {
                 });
             }
             last_id = e.id;
+        }
+        if chunk.first {
+            // What this copy took on its own (as a primary cut off from the others, say)
+            // and the image does not hold must not pass for taken: a resend of it would
+            // be dropped as a duplicate here once this copy is promoted (B18).
+            self.producers = Producers::default();
+            self.producers.note_all(&chunk.producers);
         }
         let mut own_pages = Vec::new();
         for e in chunk.entries {
@@ -483,18 +500,21 @@ mod tests {
             unacked: false,
         };
         let disordered = QueueImage {
+            producers: Vec::new(),
             last_seq: 4,
             next_id: 5,
             entries: vec![e(2), e(1)],
         };
         assert!(q.install_image(disordered).is_err());
         let beyond_next_id = QueueImage {
+            producers: Vec::new(),
             last_seq: 4,
             next_id: 2,
             entries: vec![e(3)],
         };
         assert!(q.install_image(beyond_next_id).is_err());
         let good = QueueImage {
+            producers: Vec::new(),
             last_seq: 4,
             next_id: 5,
             entries: vec![e(1), e(3)],
@@ -517,6 +537,7 @@ mod tests {
             unacked: id == 4,
         };
         let image = QueueImage {
+            producers: Vec::new(),
             last_seq: 9,
             next_id: 7,
             entries: vec![e(1), e(2), e(4), e(6)],

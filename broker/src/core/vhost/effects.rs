@@ -45,6 +45,10 @@ pub struct Effects {
     /// Queue ops of durable and replicated queues, in order, when the vhost records them (see
     /// [`VHost::set_record_ops`](super::VHost::set_record_ops)).
     pub ops: Vec<QueueOp>,
+    /// Producer tables a replica took from its primary's image in place of its own, each
+    /// with the number of [`Self::ops`] before it: the journal replaces its table for the
+    /// queue there, between the ops before and after (B18 in docs/reliability.md).
+    pub producers_replaced: Vec<ProducersReplaced>,
     /// Bodies paged out that need a page record of their own (flow-to-disk).
     pub page_out: Vec<PageOut>,
     /// Page records (uid, id) whose entries left their queue: the store may forget them.
@@ -161,6 +165,17 @@ pub struct HeldDeadLetter {
     pub queue: Arc<str>,
     /// Its id there.
     pub id: u64,
+}
+
+/// A replica's producer table replaced by its primary's ([`Effects::producers_replaced`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProducersReplaced {
+    /// How many of the batch's ops come before it.
+    pub after_ops: usize,
+    /// The queue's uid.
+    pub uid: u64,
+    /// The table it has now.
+    pub highest: crate::core::producers::Highest,
 }
 
 /// A body that flow-to-disk moved out of memory and that no journal record holds: the server

@@ -89,8 +89,17 @@ impl VHost {
             })
             .collect();
         let journals = journals_persistent(q, record);
+        let replaced = (chunk.first && journals).then(|| chunk.producers.clone());
         let own_pages = q.install_chunk(chunk, budget, journals)?;
         let uid = q.uid;
+        if let Some(highest) = replaced {
+            fx.producers_replaced
+                .push(super::effects::ProducersReplaced {
+                    after_ops: fx.ops.len(),
+                    uid,
+                    highest,
+                });
+        }
         fx.page_out.extend(
             own_pages
                 .into_iter()
@@ -550,6 +559,39 @@ mod tests {
             a.publish_forwarded("amq.fanout", "", message(), 0, &mut fx),
             PublishOutcome::Routed
         );
+    }
+
+    #[test]
+    fn a_replica_caught_up_from_an_image_forgets_the_publishes_only_it_took() {
+        use crate::core::producers::numbered;
+        // `b` was the primary, cut off: it took the session's publish 5, which nobody
+        // confirmed and no other copy has.
+        let mut b = member("b");
+        b.set_queue_home("q", "b");
+        let mut fx = Effects::default();
+        let own = Arc::new(numbered("only-b", "s:1", 5));
+        b.publish("", "q", own.clone(), 0, &mut fx).unwrap();
+        // `a` is the primary now, with the session's publishes 1..=3; `b` catches up from it.
+        let mut a = member("a");
+        for seq in 1..=3 {
+            let m = Arc::new(numbered("m", "s:1", seq));
+            a.publish("", "q", m, 0, &mut Effects::default()).unwrap();
+        }
+        b.set_queue_home("q", "a");
+        let mut fx = Effects::default();
+        b.drop_replica("q", &mut fx);
+        for chunk in a.queue_image("q").unwrap().into_chunks(2) {
+            b.install_replica("q", chunk, &mut fx).unwrap();
+        }
+        let q = b.queue("q").unwrap();
+        assert!(
+            !q.holds_resent(&own),
+            "5 was never confirmed: its resend must be taken, not dropped"
+        );
+        assert!(q.holds_resent(&numbered("m", "s:1", 3)));
+        let replaced = &fx.producers_replaced;
+        assert_eq!(replaced.len(), 1, "the journal replaces its table too");
+        assert_eq!(replaced[0].highest, vec![(Arc::from("s:1"), 3)]);
     }
 
     /// Gives `b`'s replica of `q` a stale message of its own, as a replica that fell out of

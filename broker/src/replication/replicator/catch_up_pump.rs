@@ -168,6 +168,7 @@ impl Replicator {
             last,
             last_seq,
             next_id,
+            producers,
         } = work;
         let built = async {
             let mut stand_ins = 0;
@@ -207,6 +208,7 @@ impl Replicator {
                     last_seq,
                     next_id,
                     entries,
+                    producers,
                 },
             };
             encode(&frame)

@@ -249,6 +249,7 @@ mod tests {
 
     fn image(messages: u64) -> QueueImage {
         QueueImage {
+            producers: Vec::new(),
             last_seq: 10,
             next_id: messages + 1,
             entries: (1..=messages)
