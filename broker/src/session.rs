@@ -562,6 +562,15 @@ impl Sessions {
         self.sessions.lock().contains_key(&id)
     }
 
+    /// Whether no connection of this broker is attached to session `id` (held detached
+    /// here, or not held here at all).
+    pub fn has_no_connection(&self, id: Uuid) -> bool {
+        self.sessions
+            .lock()
+            .get(&id)
+            .is_none_or(|s| s.detached_since.is_some())
+    }
+
     /// Whether this broker holds session `id` and no connection is attached to it.
     pub fn is_detached(&self, id: Uuid) -> bool {
         self.sessions

@@ -69,8 +69,8 @@ impl Broker {
     /// leader died with it) is asked again until it is committed: until then the directory
     /// says a connection holds the session, and every resume of it is refused with 405. Both
     /// ops are safe to repeat (one that finds the session settled changes nothing); a detach
-    /// is asked again only while the session still waits detached here, so that a late one
-    /// cannot detach a session its client resumed here meanwhile. A member that cannot
+    /// is asked again only while no connection here is attached to the session, so that a
+    /// late one cannot detach a session its client resumed here meanwhile. A member that cannot
     /// commit for [`SESSION_COMMIT_PATIENCE`] has lost the majority and is evicted, and the
     /// others detach its sessions then anyway.
     pub fn commit_session(self: &Arc<Self>, op: SessionOp) {
@@ -83,7 +83,7 @@ impl Broker {
                 if again && let SessionOp::Detach { id, .. } = &op {
                     let broker = broker.upgrade()?;
                     let uuid = Uuid::parse_str(id).ok()?;
-                    broker.sessions().is_detached(uuid).then_some(())?;
+                    broker.sessions().has_no_connection(uuid).then_some(())?;
                 }
                 Some(cluster.submit("", WiringOp::Session(op.clone())))
             };

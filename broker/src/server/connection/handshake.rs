@@ -280,7 +280,12 @@ impl Connection {
         };
         let committed = match outcome {
             Some(Ok(_)) => Ok(()),
-            Some(Err(e)) => Err(ConnError::new(e.code, e.text)),
+            Some(Err(e)) => {
+                if ![codes::NOT_FOUND, codes::RESOURCE_LOCKED].contains(&e.code) {
+                    self.detach_uncertain(&wait.request);
+                }
+                Err(ConnError::new(e.code, e.text))
+            }
             None => Err(ConnError::new(
                 codes::CONNECTION_FORCED,
                 "the cluster layer stopped before the session was committed",
@@ -312,6 +317,24 @@ impl Connection {
                 method_id: 11,
                 ..e
             }),
+        }
+    }
+
+    /// The cluster could not say whether this connection's session start or resume was
+    /// committed (its leader went with the answer): it may have been, attaching the session
+    /// to this member with no connection here — and then every resume of it was refused
+    /// with 405 for good (a failover client gave the session up after 30 s in CI's
+    /// `kill-primary`, B19 in docs/reliability.md). A detach from this member undoes that,
+    /// and changes nothing if the session is elsewhere.
+    fn detach_uncertain(&self, request: &SessionRequest) {
+        let id = match request {
+            SessionRequest::Start { id, .. } | SessionRequest::Resume { id } => *id,
+        };
+        if let Some(cluster) = self.broker.cluster() {
+            self.broker.commit_session(SessionOp::Detach {
+                id: id.to_string(),
+                member: cluster.node_id().to_owned(),
+            });
         }
     }
 
