@@ -635,6 +635,20 @@ pub fn publish_frames(
     w.as_slice().to_vec()
 }
 
+/// Declare arguments that dead-letter a queue's messages into `dlq` (through the default
+/// exchange) with `x-dead-letter-strategy` = `strategy`.
+pub fn dead_letter_args(dlq: &str, strategy: &str) -> lapin::types::FieldTable {
+    let mut args = lapin::types::FieldTable::default();
+    for (k, v) in [
+        ("x-dead-letter-exchange", ""),
+        ("x-dead-letter-routing-key", dlq),
+        ("x-dead-letter-strategy", strategy),
+    ] {
+        args.insert(k.into(), lapin::types::AMQPValue::LongString(v.into()));
+    }
+    args
+}
+
 /// Ready messages in `queue` (a passive declare).
 pub async fn depth(ch: &lapin::Channel, queue: &str) -> u32 {
     queue_counts(ch, queue).await.expect("the queue exists").0

@@ -4,7 +4,7 @@ use futures_lite::StreamExt;
 use lapin::options::*;
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Channel};
-use ringmq_tests::{Broker, binary};
+use ringmq_tests::{Broker, binary, dead_letter_args, depth};
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
@@ -250,39 +250,16 @@ async fn a_session_publish_consumed_before_a_kill_is_dropped_when_resent_after_t
 
 /// Declares durable `queue` dead-lettering into `dlq` with `strategy`.
 async fn dead_lettering_queue(ch: &Channel, queue: &str, dlq: &str, strategy: &str) {
-    let mut args = FieldTable::default();
-    for (k, v) in [
-        ("x-dead-letter-exchange", ""),
-        ("x-dead-letter-routing-key", dlq),
-        ("x-dead-letter-strategy", strategy),
-    ] {
-        args.insert(k.into(), lapin::types::AMQPValue::LongString(v.into()));
-    }
     ch.queue_declare(
         queue.into(),
         QueueDeclareOptions {
             durable: true,
             ..Default::default()
         },
-        args,
+        dead_letter_args(dlq, strategy),
     )
     .await
     .unwrap();
-}
-
-/// Messages ready in `queue`, as a passive declare counts them.
-async fn ready(ch: &Channel, queue: &str) -> u32 {
-    ch.queue_declare(
-        queue.into(),
-        QueueDeclareOptions {
-            passive: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await
-    .unwrap()
-    .message_count()
 }
 
 #[tokio::test]
@@ -311,7 +288,7 @@ async fn an_at_least_once_dead_letter_is_settled_while_its_connection_lives() {
     // The copies' batch is durable at once on one broker: the originals are settled while
     // the connection lives. Were they still held, the close below would put them back.
     let deadline = Instant::now() + Duration::from_secs(10);
-    while ready(&ch, "alo-dlq").await < 3 {
+    while depth(&ch, "alo-dlq").await < 3 {
         assert!(Instant::now() < deadline, "the copies never arrived");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -320,7 +297,7 @@ async fn an_at_least_once_dead_letter_is_settled_while_its_connection_lives() {
     tokio::time::sleep(Duration::from_millis(200)).await;
     c.close(200, "done".into()).await.unwrap();
     let (_c, ch) = b.channel().await;
-    assert_eq!(ready(&ch, "alo").await, 0, "no original went back");
+    assert_eq!(depth(&ch, "alo").await, 0, "no original went back");
     let got = drain(&ch, "alo-dlq").await;
     assert_eq!(
         got,
@@ -378,7 +355,7 @@ async fn an_at_least_once_dead_letter_refused_by_its_target_leaves_the_original_
         .expect("at least once: the refused copy left the original in its queue");
     assert!(again.delivery.redelivered);
     assert_eq!(
-        ready(&ch, "amo").await,
+        depth(&ch, "amo").await,
         0,
         "at most once: gone with its refused copy"
     );

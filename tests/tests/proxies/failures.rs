@@ -244,14 +244,7 @@ async fn a_dead_letter_whose_forward_is_lost_is_dead_lettered_again_at_least_onc
         std::env::var("RINGMQ_DL_STRATEGY").unwrap_or_else(|_| "at-least-once".to_owned());
     let (mut members, _secret) = start_cluster("proxy-dead-letter", 3);
     declare(&members[2], "far-dlq").await;
-    let mut args = FieldTable::default();
-    for (k, v) in [
-        ("x-dead-letter-exchange", ""),
-        ("x-dead-letter-routing-key", "far-dlq"),
-        ("x-dead-letter-strategy", strategy.as_str()),
-    ] {
-        args.insert(k.into(), lapin::types::AMQPValue::LongString(v.into()));
-    }
+    let args = ringmq_tests::dead_letter_args("far-dlq", &strategy);
     {
         let (_c, ch) = members[1].channel().await;
         ch.queue_declare(

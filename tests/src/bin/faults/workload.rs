@@ -237,27 +237,8 @@ impl Workload {
         rng: Rng,
     ) -> Workload {
         declare(&uris, &queue, &args).await;
-        Workload::spawn(|shared| {
-            let client = |stop: &Arc<AtomicBool>, rng: Rng| Client {
-                uris: uris.clone(),
-                queue: queue.clone(),
-                history: Arc::clone(&shared.history),
-                stop: Arc::clone(stop),
-                reconnects: Arc::clone(&shared.reconnects),
-                rng,
-            };
-            let publishers = (0..producers)
-                .map(|p| {
-                    let mut rng = rng.clone();
-                    rng.0 ^= (p as u64 + 1) * 0x9e37_79b9;
-                    tokio::spawn(publisher(p, client(&shared.stop_publishing, rng)))
-                })
-                .collect();
-            let mut rng = rng.clone();
-            rng.0 ^= 0x5bd1_e995;
-            let consumer = tokio::spawn(consumer(client(&shared.stop_consuming, rng), Takes::All));
-            (publishers, vec![consumer])
-        })
+        let consumers = vec![(queue.clone(), Takes::All)];
+        Workload::clients(uris, queue, consumers, producers, rng)
     }
 
     /// [`Workload::start`] on a queue that dead-letters at least once (`k` backups, and
@@ -282,6 +263,19 @@ impl Workload {
             args.insert(key.into(), AMQPValue::LongString(value.into()));
         }
         declare(&uris, &queue, &args).await;
+        let consumers = vec![(queue.clone(), Takes::RejectOdd), (dlq, Takes::DeadLetters)];
+        Workload::clients(uris, queue, consumers, producers, rng)
+    }
+
+    /// `producers` publishers to `queue` and a consumer per `consumers` entry (its queue,
+    /// and what it does with a delivery), each with random choices of its own.
+    fn clients(
+        uris: Vec<String>,
+        queue: String,
+        consumers: Vec<(String, Takes)>,
+        producers: usize,
+        rng: Rng,
+    ) -> Workload {
         Workload::spawn(|shared| {
             let client = |queue: &str, stop: &Arc<AtomicBool>, rng: Rng| Client {
                 uris: uris.clone(),
@@ -298,18 +292,15 @@ impl Workload {
                     tokio::spawn(publisher(p, client(&queue, &shared.stop_publishing, rng)))
                 })
                 .collect();
-            let consumers = [
-                (queue.as_str(), Takes::RejectOdd),
-                (&dlq, Takes::DeadLetters),
-            ]
-            .into_iter()
-            .enumerate()
-            .map(|(i, (q, takes))| {
-                let mut rng = rng.clone();
-                rng.0 ^= 0x5bd1_e995 + i as u64;
-                tokio::spawn(consumer(client(q, &shared.stop_consuming, rng), takes))
-            })
-            .collect();
+            let consumers = consumers
+                .into_iter()
+                .enumerate()
+                .map(|(i, (q, takes))| {
+                    let mut rng = rng.clone();
+                    rng.0 ^= 0x5bd1_e995 + i as u64;
+                    tokio::spawn(consumer(client(&q, &shared.stop_consuming, rng), takes))
+                })
+                .collect();
             (publishers, consumers)
         })
     }
