@@ -47,6 +47,53 @@ pub fn start_cluster(name: &str, n: usize) -> (Vec<Broker>, PathBuf) {
     (members, secret)
 }
 
+/// Like [`start_cluster`], on ports fixed for the members' lives: a member killed and
+/// started again ([`Broker::start_again`]) comes back at once on the same addresses, as a
+/// restarted pod does behind its stable name — where a restart on new ports would leave
+/// the others looking for it at the old ones.
+pub fn start_cluster_on_fixed_ports(name: &str, n: usize) -> (Vec<Broker>, PathBuf) {
+    let secret = secret(name);
+    let ports: Vec<crate::Ports> = (0..n).map(|_| crate::Ports::allocate()).collect();
+    let mut members: Vec<Broker> = Vec::new();
+    for i in 0..n {
+        let seeds: Vec<String> = ports[..i].iter().map(|p| p.cluster.to_string()).collect();
+        let seeds: Vec<&str> = seeds.iter().map(String::as_str).collect();
+        let yaml = member_yaml(&format!("{name}-{i}"), &seeds, &secret).replace(
+            "cluster_listen: 127.0.0.1:0",
+            &format!("cluster_listen: \"{}\"", ports[i].cluster),
+        );
+        members.push(Broker::start_on_ports(&yaml, ports[i]));
+        members[i].wait_ready(Duration::from_secs(30));
+    }
+    (members, secret)
+}
+
+/// Waits until every member of `members` counts them all as consensus voters
+/// (`/api/overview`'s `cluster.voters`): a member admitted a moment ago may still be a
+/// learner, and until it votes, the loss of another member loses the majority. Tests that
+/// kill members right after [`start_cluster`] wait for this first.
+pub fn wait_voters(members: &[Broker], limit: Duration) {
+    let deadline = std::time::Instant::now() + limit;
+    for m in members {
+        let admin = m.admin_client();
+        loop {
+            let overview = admin.get("/api/overview").expect("admin API answers");
+            let voters = overview.body["cluster"]["voters"].as_u64().unwrap_or(0);
+            if voters == members.len() as u64 {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{} counts {voters} voters of {} within {limit:?}: {}",
+                m.addr,
+                members.len(),
+                overview.body
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
 /// A three-member cluster that stands in for one [`Broker`] in the single-broker suites
 /// (`tests/suites/`), so that they run unchanged against one virtual broker: each new
 /// connection goes to the next member in turn, and the members place new queues' primaries

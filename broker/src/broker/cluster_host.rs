@@ -83,8 +83,13 @@ impl BrokerHost {
             && owner != NO_CONNECTION
             && !self.broker.has_connection(owner)
         {
-            // Its connection closed while the declare was on its way: nobody owns it.
-            v.retire_exclusive(name, &mut fx);
+            match v.queue(name).and_then(|q| q.session.clone()) {
+                // Its session's connection went while the declare was on its way: the
+                // session keeps it, and a resume adopts it.
+                Some(session) => v.release_session_queues(&session),
+                // Its connection closed while the declare was on its way: nobody owns it.
+                None => v.retire_exclusive(name, &mut fx),
+            }
         }
         // Saved with the wiring, in the same journal job: a restart then never applies this
         // op twice, whatever it did (a purge replayed would drop later messages).
@@ -126,6 +131,10 @@ impl ClusterHost for BrokerHost {
 
     fn session_left(&mut self, id: &str) {
         self.broker.session_left(id);
+    }
+
+    fn session_ended(&mut self, id: &str) {
+        self.broker.session_ended(id);
     }
 
     fn shutdown(&mut self) {

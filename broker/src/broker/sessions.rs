@@ -5,7 +5,7 @@
 use super::Broker;
 use crate::clock::now_ms;
 use crate::cluster::OpOutcome;
-use crate::core::{Effects, WiringOp};
+use crate::core::{Effects, MoveStep, WiringOp};
 use crate::session::directory::SessionOp;
 use crate::session::{Ended, Left};
 use std::collections::HashMap;
@@ -95,9 +95,54 @@ impl Broker {
         }
     }
 
+    /// Session `id` is held here by connection `conn` of vhost `vhost` (started, resumed or
+    /// taken over): its exclusive queues are that connection's, and the primary of each
+    /// that is served by another member (the backup promoted when the session's member was
+    /// lost, or the member the session left) moves here, as a planned move does — the
+    /// queues follow their session (`docs/sessions.md` §4). Until a move is done the
+    /// connection uses the queue over this member's link to its primary.
+    pub fn adopt_session_queues(self: &Arc<Self>, vhost: &str, id: &str, conn: u64) {
+        let Some(v) = self.vhost(vhost) else {
+            return;
+        };
+        let names = v.lock().adopt_session_queues(id, conn);
+        let Some(cluster) = self.cluster().cloned() else {
+            return;
+        };
+        let me = cluster.node_id().to_owned();
+        for name in names {
+            let Some(roles) = cluster.queue_roles(vhost, &name) else {
+                continue;
+            };
+            if roles.primary == me || roles.moving_to.as_deref() == Some(me.as_str()) {
+                continue;
+            }
+            let op = WiringOp::MovePrimary {
+                queue: name.to_string(),
+                incarnation: roles.incarnation,
+                to: me.clone(),
+                step: MoveStep::Request,
+            };
+            let outcome = cluster.submit(vhost, op);
+            let (session, queue) = (id.to_owned(), name);
+            tokio::spawn(async move {
+                match outcome.await {
+                    Ok(Ok(_)) => {
+                        tracing::info!(%session, %queue, "a session's exclusive queue moves to its session's member")
+                    }
+                    Ok(Err(e)) => {
+                        tracing::warn!(%session, %queue, error = %e.text, "a session's exclusive queue cannot move to its session's member now: it is used over the link")
+                    }
+                    Err(_) => {}
+                }
+            });
+        }
+    }
+
     /// The directory moved session `id` away from this member, or ended it: what this member
     /// kept of it goes, and a connection still attached to it is closed with 320 (its
-    /// client resumes where the directory says the session is).
+    /// client resumes where the directory says the session is). Its exclusive queues stay:
+    /// the session owns them, wherever it is.
     pub fn session_left(&self, id: &str) {
         let Ok(uuid) = Uuid::parse_str(id) else {
             return;
@@ -105,6 +150,9 @@ impl Broker {
         match self.sessions().leave(uuid) {
             Some(Left::Detached(ended)) => {
                 tracing::info!(session = %id, "session taken over by another member: its state here goes");
+                if let Some(v) = ended.vhost.as_deref().and_then(|name| self.vhost(name)) {
+                    v.lock().release_session_queues(id);
+                }
                 self.release_session(&ended);
             }
             Some(Left::Attached { owner }) => {
@@ -112,6 +160,17 @@ impl Broker {
                 self.force_close(owner, "the session moved to another cluster member");
             }
             None => {}
+        }
+    }
+
+    /// Session `id` ended, as the directory agreed (on every member): its exclusive queues
+    /// belong to nobody, and their primaries retire them.
+    pub fn session_ended(&self, id: &str) {
+        for (_, vhost) in self.vhosts() {
+            let mut fx = Effects::default();
+            let mut v = vhost.lock();
+            v.session_ended(id, &mut fx);
+            self.finish_batch(0, &mut v, &mut fx);
         }
     }
 

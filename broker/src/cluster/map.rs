@@ -920,12 +920,12 @@ impl ClusterMap {
         match op {
             WiringOp::DeclareQueue {
                 name,
-                exclusive: false,
+                exclusive,
                 home: Some(home),
                 arguments,
                 server_named,
                 ..
-            } if !is_foreign(home) => {
+            } if !is_foreign(home) && (!exclusive || op.declaring_session().is_some()) => {
                 let Ok(args) = QueueArgs::parse(arguments, name, vhost) else {
                     return;
                 };

@@ -642,6 +642,9 @@ pub trait ClusterHost: WiringStore + Send + 'static {
     /// publishing, unacked deliveries, exclusive queues — goes, and a connection still
     /// attached to it here is closed.
     fn session_left(&mut self, id: &str);
+    /// Session `id` ended (closed, or timed out), as every member applies it: what the
+    /// session owned cluster-wide — its exclusive queues — goes.
+    fn session_ended(&mut self, id: &str);
     /// Every cluster event up to agreed index `index` is applied here — whatever it was: a
     /// wiring op, a membership change, a hello, a change of roles or sessions. Another
     /// member's link names the index it had applied when it asks for read-your-writes
@@ -871,6 +874,9 @@ impl<H: ClusterHost> Applier<H> {
                     // directory still named it for; ended here, it let go already.
                     if mine(&was) && !mine(&now) {
                         self.host.session_left(&id);
+                    }
+                    if was.is_some() && now.is_none() {
+                        self.host.session_ended(&id);
                     }
                     self.cluster.sessions.write().set(&id, now);
                 }

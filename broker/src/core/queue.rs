@@ -56,6 +56,11 @@ pub struct Queue {
     pub durable: bool,
     /// The connection that owns an exclusive queue.
     pub exclusive_owner: Option<u64>,
+    /// The resumable session that owns an exclusive queue on a cluster (its id): such a
+    /// queue lives as long as the session, wherever the session goes, and is replicated as
+    /// a shared queue is (`docs/sessions.md` §4). `exclusive_owner` names the connection
+    /// holding the session on this member, if one does.
+    pub session: Option<Arc<str>>,
     /// Deleted when its last consumer goes.
     pub auto_delete: bool,
     /// Arguments as declared, for the equivalence check of a redeclare.
@@ -130,6 +135,19 @@ impl Queue {
         !self.sealed && self.primary_elsewhere(node).is_none()
     }
 
+    /// Whether its content is the cluster's, not one connection's: its ops are replicated
+    /// and the other members may use it over their links. Every queue but an exclusive
+    /// queue a connection owns (a session's exclusive queue outlives its connections).
+    pub fn shares_content(&self) -> bool {
+        self.exclusive_owner.is_none() || self.session.is_some()
+    }
+
+    /// Whether its persistent messages go to this member's journal: durable, and not
+    /// exclusive (an exclusive queue dies with its owner, so no restart finds it).
+    pub fn journaled(&self) -> bool {
+        self.durable && self.exclusive_owner.is_none()
+    }
+
     /// A new, empty queue.
     pub fn new(
         name: Arc<str>,
@@ -146,6 +164,7 @@ impl Queue {
             uid: 0,
             durable,
             exclusive_owner,
+            session: None,
             auto_delete,
             arguments,
             args,
@@ -354,7 +373,7 @@ impl Queue {
             queue: self.name.clone(),
             uid: self.uid,
             seq: self.last_seq + 1,
-            durable: self.durable,
+            durable: self.journaled(),
             kind,
         }
     }

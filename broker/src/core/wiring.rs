@@ -67,6 +67,10 @@ pub struct WiringQueue {
     /// (a joiner routes to them and refuses them to its own connections); no disk does.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub exclusive: bool,
+    /// The resumable session that owns an exclusive queue, when a session's connection
+    /// declared it: it lives with the session, not with a member (`docs/sessions.md` §4).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session: Option<String>,
     /// Its backups and their sync state, beside `home` (the primary): only a cluster map's
     /// snapshot carries them (`cluster::roles`, which decides them); a vhost exports them
     /// empty, and no disk holds them. Flat in JSON, absent when empty.
@@ -245,6 +249,7 @@ impl VHost {
                         View::Shared => q.home.as_deref().map(str::to_owned),
                     },
                     exclusive: q.exclusive_owner.is_some(),
+                    session: q.session.as_deref().map(str::to_owned),
                     // The cluster map owns the roles and adds them to its snapshots.
                     roles: WiringRoles::default(),
                 });
@@ -337,6 +342,8 @@ impl VHost {
         for q in w.queues {
             let home: Option<Arc<str>> = q.home.as_deref().map(Arc::from);
             let exclusive = q.exclusive;
+            let session: Option<Arc<str>> =
+                q.session.as_deref().filter(|_| exclusive).map(Arc::from);
             let same = |cur: &&mut Queue| {
                 cur.durable == q.durable
                     && cur.auto_delete == q.auto_delete
@@ -359,6 +366,7 @@ impl VHost {
             // Another member's connection owns it (or, homed here, a connection of this
             // member's earlier run: retired below).
             queue.exclusive_owner = exclusive.then_some(NO_CONNECTION);
+            queue.session = session;
             self.has_fragmented |= queue.args.fragmented;
             self.queues.insert(queue.name.clone(), queue);
         }
@@ -368,6 +376,7 @@ impl VHost {
             .values()
             .filter(|q| {
                 q.exclusive_owner == Some(NO_CONNECTION)
+                    && q.session.is_none()
                     && q.home.as_deref().is_some_and(|h| self.is_here(h))
             })
             .map(|q| q.name.clone())
@@ -694,6 +703,7 @@ mod tests {
             arguments,
             home: Some("n1".into()),
             exclusive: false,
+            session: None,
             roles: WiringRoles {
                 incarnation: 12,
                 backups: vec!["n2".into(), "n3".into()],

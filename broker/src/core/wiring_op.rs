@@ -8,6 +8,7 @@
 //! way everywhere — the first committed wins and the second gets the error RabbitMQ gives.
 
 use crate::amqp::FieldTable;
+use crate::core::vhost::OwnerToken;
 use crate::core::{AmqpError, Effects, ExchangeDeclare, QueueDeclare, VHost};
 use serde::{Deserialize, Serialize};
 
@@ -291,6 +292,27 @@ impl WiringOp {
         }
     }
 
+    /// The session that owns the exclusive queue this op declares, if a session's
+    /// connection declared it ([`WiringOp::with_exclusive_owner`]): such a queue is the
+    /// cluster's to replicate, like a shared one (`docs/sessions.md` §4).
+    pub fn declaring_session(&self) -> Option<String> {
+        let WiringOp::DeclareQueue {
+            exclusive: true,
+            arguments,
+            ..
+        } = self
+        else {
+            return None;
+        };
+        match arguments.inner().get(OWNER_ARGUMENT)? {
+            crate::amqp::AMQPValue::LongString(s) => {
+                let token = String::from_utf8_lossy(s.as_bytes());
+                OwnerToken::parse(&token)?.session.map(str::to_owned)
+            }
+            _ => None,
+        }
+    }
+
     /// The op as a cluster member multicasts it. A queue's consumers and content are known
     /// only where they are, so the member that took the request checks queue.delete's
     /// `if-unused` and `if-empty` against its own copy before the op leaves, and the op every
@@ -392,6 +414,11 @@ impl WiringOp {
                 });
                 let arguments = FieldTable::from(table);
                 let here = home.as_deref().is_some_and(|h| v.is_here(h));
+                let session = token
+                    .as_deref()
+                    .and_then(OwnerToken::parse)
+                    .and_then(|t| t.session)
+                    .filter(|_| exclusive);
                 let conn = match &token {
                     Some(t) if exclusive && here => v.token_owner(t),
                     _ => conn,
@@ -425,9 +452,11 @@ impl WiringOp {
                 {
                     v.set_queue_home(&name, &home);
                 }
-                if exclusive && here && conn == NO_CONNECTION {
+                if let Some(session) = session.filter(|_| created) {
+                    v.set_queue_session(&name, session);
+                } else if exclusive && here && conn == NO_CONNECTION {
                     // Declared for a connection of an earlier run of this member (a replay):
-                    // nobody owns it, it goes.
+                    // nobody owns it, it goes. (A session's lives while its session does.)
                     v.retire_exclusive(&name, fx);
                 }
                 Ok(OpReply {

@@ -70,6 +70,7 @@ fn wiring(uids: &[u64]) -> Wiring {
                 arguments: Default::default(),
                 home: None,
                 exclusive: false,
+                session: None,
                 roles: Default::default(),
             })
             .collect(),

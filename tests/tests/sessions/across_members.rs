@@ -25,7 +25,11 @@ async fn failover_client(uris: impl IntoIterator<Item = String>) -> Client {
 
 /// Resumes session `id` on `b`, again while the directory still shows it attached (its
 /// lost connection's detach, or its member's loss, not yet committed), for up to `limit`.
-async fn resume_when_detached(b: &Broker, id: &str, limit: Duration) -> lapin::Connection {
+pub(crate) async fn resume_when_detached(
+    b: &Broker,
+    id: &str,
+    limit: Duration,
+) -> lapin::Connection {
     let deadline = Instant::now() + limit;
     loop {
         match lapin_session(b, id, true, None).await {
@@ -48,7 +52,7 @@ async fn resume_when_detached(b: &Broker, id: &str, limit: Duration) -> lapin::C
 
 /// Waits until the admin API of `b` no longer lists session `id` (its end committed) and a
 /// resume of it is refused with 404 naming it.
-async fn wait_gone(b: &Broker, id: &str, limit: Duration) {
+pub(crate) async fn wait_gone(b: &Broker, id: &str, limit: Duration) {
     let deadline = Instant::now() + limit;
     let admin = b.admin_client();
     loop {
@@ -161,13 +165,20 @@ async fn the_sessions_of_a_killed_member_resume_elsewhere_or_expire() {
 /// (`docs/sessions.md` §2).
 #[tokio::test]
 async fn the_failover_client_goes_on_when_its_member_is_killed() {
+    goes_on_when_the_member_is_killed("sessions-client-kill", QueueOptions::default()).await;
+}
+
+/// The failover client publishes to and consumes from a queue declared with `options` on
+/// member 0 of a new cluster `name`, which is killed with -9 halfway: the application sees
+/// what a run without the kill shows.
+pub(crate) async fn goes_on_when_the_member_is_killed(name: &str, options: QueueOptions) {
     const MESSAGES: usize = 200;
-    let (mut m, _secret) = start_cluster("sessions-client-kill", 3);
+    let (mut m, _secret) = start_cluster(name, 3);
     let client = failover_client(m.iter().map(Broker::uri)).await;
     let publisher = client.channel().await.unwrap();
     publisher.confirm_select().await.unwrap();
     publisher
-        .queue_declare("across", QueueOptions::default(), Table::default())
+        .queue_declare("across", options, Table::default())
         .await
         .unwrap();
     let consumer_channel = client.channel().await.unwrap();

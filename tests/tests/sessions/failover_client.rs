@@ -4,7 +4,8 @@
 //! every connection is cut (abruptly, both directions) again and again at seeded random
 //! moments, the two records are identical.
 
-use ringmq_client::{Client, Config, Properties, QueueOptions, Table};
+use super::script::{DELIVERIES, config, next, script, seeds};
+use ringmq_client::Table;
 use ringmq_tests::Broker;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -61,113 +62,6 @@ impl Cutter {
     }
 }
 
-/// What the application saw, per channel, in order.
-#[derive(Debug, Default, PartialEq, Eq)]
-struct Record {
-    /// Publishing channel: each publish and its confirm.
-    publisher: Vec<String>,
-    /// Consuming channel: each delivery (tag, body, redelivered) and what the app did.
-    consumer: Vec<String>,
-}
-
-const MESSAGES: usize = 300;
-
-/// `what` within 20 s, or a failure naming it.
-async fn within<T>(what: &str, f: impl std::future::Future<Output = T>) -> T {
-    tokio::time::timeout(Duration::from_secs(20), f)
-        .await
-        .unwrap_or_else(|_| panic!("{what}: no answer within 20 s"))
-}
-
-/// The scripted application: publishes `MESSAGES` in confirm mode (confirms awaited in
-/// windows of 25), then consumes them one at a time (prefetch 1), rejecting every 7th
-/// delivery once with requeue and acknowledging everything else.
-async fn script(uri: String, queue: String) -> (Record, u64) {
-    let (uri, queue) = (uri.as_str(), queue.as_str());
-    let mut config = Config::new([uri]);
-    config.heartbeat_s = 1;
-    config.failover_timeout = Duration::from_secs(20);
-    let client = within("connect", Client::connect(config))
-        .await
-        .expect("connect");
-    let mut record = Record::default();
-    let publisher = within("channel 1", client.channel()).await.unwrap();
-    within("confirm.select", publisher.confirm_select())
-        .await
-        .unwrap();
-    let declared = within(
-        "queue.declare",
-        publisher.queue_declare(queue, QueueOptions::default(), Table::default()),
-    )
-    .await
-    .unwrap();
-    record
-        .publisher
-        .push(format!("declare-ok {}", declared.message_count));
-    let mut window = Vec::new();
-    for i in 0..MESSAGES {
-        let body = format!("m{i}");
-        window.push((
-            body.clone(),
-            publisher
-                .publish("", queue, Properties::default(), body.into_bytes())
-                .unwrap(),
-        ));
-        record.publisher.push(format!("publish m{i}"));
-        if window.len() == 25 || i + 1 == MESSAGES {
-            for (body, confirmation) in window.drain(..) {
-                let ack = within(&format!("the confirm of {body}"), confirmation.wait())
-                    .await
-                    .expect("a confirm");
-                record.publisher.push(format!("confirm {body} {ack}"));
-            }
-        }
-    }
-    let consumer_channel = within("channel 2", client.channel()).await.unwrap();
-    within("basic.qos", consumer_channel.qos(1)).await.unwrap();
-    let mut consumer = within(
-        "basic.consume",
-        consumer_channel.consume(queue, "c1", false),
-    )
-    .await
-    .unwrap();
-    let mut acked = 0;
-    let mut rejected = std::collections::HashSet::new();
-    while acked < MESSAGES {
-        let d = within(
-            &format!("delivery {}", record.consumer.len()),
-            consumer.next(),
-        )
-        .await
-        .expect("the consumer lives");
-        let body = String::from_utf8(d.body.to_vec()).unwrap();
-        let n: usize = body[1..].parse().unwrap();
-        let action = if n.is_multiple_of(7) && rejected.insert(n) {
-            consumer_channel.nack(d.delivery_tag, false, true).unwrap();
-            "nack-requeue"
-        } else {
-            consumer_channel.ack(d.delivery_tag, false).unwrap();
-            acked += 1;
-            "ack"
-        };
-        record.consumer.push(format!(
-            "deliver {} {body} {} {action}",
-            d.delivery_tag, d.redelivered
-        ));
-    }
-    let failovers = client.failovers();
-    within("close", client.close()).await.unwrap();
-    (record, failovers)
-}
-
-/// A seeded xorshift: the cut moments of a run are reproducible from its seed.
-fn next(state: &mut u64) -> u64 {
-    *state ^= *state << 13;
-    *state ^= *state >> 7;
-    *state ^= *state << 17;
-    *state
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_application_sees_the_same_commands_with_its_connection_cut_again_and_again() {
     // RUST_LOG=ringmq_client=debug shows each failover and what it restored.
@@ -178,30 +72,17 @@ async fn the_application_sees_the_same_commands_with_its_connection_cut_again_an
     let b = Broker::start();
     let uri_at = |addr: std::net::SocketAddr| format!("amqp://guest:guest@{addr}/%2f");
     let direct = Cutter::start(b.addr).await;
-    let (clean, clean_failovers) = script(uri_at(direct.addr), "script-clean".into()).await;
+    let run = |uri: String, queue: String| async move {
+        let config = config([uri], Duration::from_secs(20));
+        script(config, &queue, Table::default(), Duration::from_secs(20)).await
+    };
+    let (clean, clean_failovers) = run(uri_at(direct.addr), "script-clean".into()).await;
     assert_eq!(clean_failovers, 0);
-    assert_eq!(clean.consumer.len(), MESSAGES + MESSAGES.div_ceil(7));
+    assert_eq!(clean.consumer.len(), DELIVERIES);
 
     // FAILOVER_SEEDS: seeds to run instead (decimal or 0x-hex, comma-separated), or
     // FAILOVER_RUNS: that many seeds from 0x5eed0001 on.
-    let seeds: Vec<u64> = match (
-        std::env::var("FAILOVER_SEEDS"),
-        std::env::var("FAILOVER_RUNS"),
-    ) {
-        (Ok(list), _) => list
-            .split(',')
-            .map(|x| {
-                let x = x.trim();
-                x.strip_prefix("0x")
-                    .map_or_else(|| x.parse(), |h| u64::from_str_radix(h, 16))
-                    .unwrap_or_else(|e| panic!("FAILOVER_SEEDS: '{x}' is not a seed: {e}"))
-            })
-            .collect(),
-        (_, Ok(n)) => (0..n.parse::<u64>().expect("FAILOVER_RUNS is a count"))
-            .map(|i| 0x5eed_0001 + i)
-            .collect(),
-        _ => vec![0x5eed_0001, 0x5eed_0002],
-    };
+    let seeds = seeds("FAILOVER", 0x5eed_0001, 2);
     for seed in seeds {
         let cutter = Arc::new(Cutter::start(b.addr).await);
         let cuts = cutter.clone();
@@ -218,7 +99,7 @@ async fn the_application_sees_the_same_commands_with_its_connection_cut_again_an
             }
             n
         });
-        let run = tokio::spawn(script(uri_at(cutter.addr), format!("script-{seed:x}")));
+        let run = tokio::spawn(run(uri_at(cutter.addr), format!("script-{seed:x}")));
         let (cut, failovers) = match run.await {
             Ok(done) => done,
             Err(e) => {
@@ -238,6 +119,10 @@ async fn the_application_sees_the_same_commands_with_its_connection_cut_again_an
         assert_eq!(
             cut.publisher, clean.publisher,
             "seed {seed:#x}: the publishing channel differs from the run without failure"
+        );
+        assert_eq!(
+            cut.plain, clean.plain,
+            "seed {seed:#x}: the channel without confirms differs from the run without failure"
         );
         assert_eq!(
             cut.consumer, clean.consumer,

@@ -2,6 +2,10 @@
 //! sockets. One file per concept.
 
 mod across_members;
+mod exclusive_queues;
 mod failover_client;
+mod plain_clients;
 mod publishing;
+mod script;
+mod scripted_kills;
 mod wire;

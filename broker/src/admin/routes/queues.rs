@@ -98,7 +98,7 @@ async fn primary_numbers(b: &Broker, queues: &mut [Value]) {
         if is_foreign(node) {
             // Another broker's queue: its numbers are that broker's to tell.
             asks.entry((node.to_owned(), String::new())).or_default();
-        } else if node != me && q["exclusive"] != true {
+        } else if node != me && (q["exclusive"] != true || !q["session"].is_null()) {
             asks.entry((
                 node.to_owned(),
                 q["vhost"].as_str().unwrap_or("").to_owned(),
@@ -321,6 +321,7 @@ fn queue_json(b: &Broker, vh: &str, q: &Queue) -> Value {
         "durable": q.durable,
         "auto_delete": q.auto_delete,
         "exclusive": q.exclusive_owner.is_some(),
+        "session": q.session.as_deref(),
         "arguments": table_to_json(&q.arguments),
         "messages_ready": ready,
         "messages_unacknowledged": unacked,

@@ -329,13 +329,14 @@ impl VHost {
         server_named: bool,
     ) -> CoreResult<QueueDeclared> {
         let vhost = self.name.clone();
+        if self
+            .queues
+            .get(d.name.as_str())
+            .is_some_and(|q| !self.may_use(q, conn))
+        {
+            return Err(self.locked(&d.name));
+        }
         if let Some(q) = self.queues.get_mut(d.name.as_str()) {
-            if let Some(owner) = q.exclusive_owner
-                && owner != conn
-                && conn != crate::core::NO_CONNECTION
-            {
-                return Err(self.locked(&d.name));
-            }
             if !d.passive {
                 if d.exclusive && q.exclusive_owner.is_none() {
                     return Err(self.locked(&d.name));

@@ -209,7 +209,7 @@ pub(super) fn apply(q: &mut Queue, kind: OpKind, record: bool, fx: &mut Effects)
             fx.page_released.push((q.uid, e.id));
         }
     }
-    if record && (q.durable || q.replicated) && q.exclusive_owner.is_none() {
+    if record && (q.durable || q.replicated) && q.shares_content() {
         fx.ops.push(op);
     }
     out
@@ -234,7 +234,7 @@ pub(super) fn purge(q: &mut Queue, ids: Vec<u64>, record: bool, fx: &mut Effects
 /// (its ops are recorded, it is durable and not exclusive): a body paged out of such a
 /// message needs no record of its own.
 pub(super) fn journals_persistent(q: &Queue, record: bool) -> bool {
-    record && q.durable && q.exclusive_owner.is_none()
+    record && q.journaled()
 }
 
 /// Flow-to-disk after message `id` entered `q` (its newest): when the bodies `q` holds in

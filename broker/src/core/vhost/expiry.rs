@@ -32,10 +32,12 @@ impl VHost {
             {
                 expired_queues.push(q.name.clone());
             }
-            // An exclusive queue whose owner went: its cluster delete was not taken yet.
+            // An exclusive queue whose owner went: its cluster delete was not taken yet. (A
+            // session's waits for its session: held on another member, or detached.)
             if node.is_some()
                 && !proxied
                 && q.home.is_some()
+                && q.session.is_none()
                 && q.exclusive_owner == Some(crate::core::NO_CONNECTION)
             {
                 expired_queues.push(q.name.clone());

@@ -20,6 +20,7 @@ mod feeds;
 mod fragments;
 mod replica;
 mod routing;
+mod sessions;
 mod settle;
 
 pub use consume::{Consume, GetOk};
@@ -30,6 +31,7 @@ pub use effects::{
 };
 pub use feeds::{Feed, Feeds};
 pub use routing::{FLOW_READY_THRESHOLD, PublishOutcome};
+pub use sessions::OwnerToken;
 
 use super::channel::{ChannelKey, ChannelState, Consumer};
 use super::error::{AmqpError, CoreResult};
@@ -37,7 +39,7 @@ use super::exchange::{Exchange, ExchangeKind};
 use super::queue::Queue;
 use super::{NO_CONNECTION, is_foreign};
 use crate::amqp::FieldTable;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 /// One virtual host's state.
@@ -66,6 +68,8 @@ pub struct VHost {
     pub(super) has_fragmented: bool,
     /// This member's [`crate::core::fragments::fragment_prefix`], hashed once.
     pub(super) fragment_prefix: Option<String>,
+    /// The connections that are other cluster members' links ([`VHost::link_opened`]).
+    pub(super) links: HashSet<u64>,
 }
 
 /// Per-vhost resource limits; 0 means none.
@@ -103,6 +107,7 @@ impl VHost {
             has_foreign: false,
             has_fragmented: false,
             fragment_prefix: None,
+            links: HashSet::new(),
         };
         for (n, kind) in [
             ("", ExchangeKind::Direct),
@@ -297,7 +302,7 @@ impl VHost {
         AmqpError::not_found(format!("no exchange '{name}' in vhost '{}'", self.name))
     }
 
-    fn locked(&self, name: &str) -> AmqpError {
+    pub(super) fn locked(&self, name: &str) -> AmqpError {
         AmqpError::resource_locked(format!(
             "cannot obtain exclusive access to locked queue '{name}' in vhost '{}'. It could be \
              originally declared on another connection or the exclusive property value does not \
@@ -312,10 +317,23 @@ impl VHost {
             .queues
             .get(name)
             .ok_or_else(|| self.not_found_queue(name))?;
+        if self.may_use(q, conn) {
+            Ok(q)
+        } else {
+            Err(self.locked(name))
+        }
+    }
+
+    /// Whether connection `conn` may use queue `q`, exclusive or not. A cluster op
+    /// (NO_CONNECTION) was checked by the member that sent it; so was a link's use of a
+    /// session's exclusive queue whose primary is here while the session is on the link's
+    /// member ([`VHost::check_exclusive`] there).
+    pub(super) fn may_use(&self, q: &Queue, conn: u64) -> bool {
         match q.exclusive_owner {
-            // A cluster op (NO_CONNECTION) was checked by the member that sent it.
-            Some(owner) if owner != conn && conn != NO_CONNECTION => Err(self.locked(name)),
-            _ => Ok(q),
+            Some(owner) if owner != conn && conn != NO_CONNECTION => {
+                q.session.is_some() && self.links.contains(&conn)
+            }
+            _ => true,
         }
     }
 
@@ -472,6 +490,7 @@ impl VHost {
             .filter(|q| q.exclusive_owner == Some(conn) && conn != NO_CONNECTION)
             .map(|q| {
                 q.exclusive_owner = Some(NO_CONNECTION);
+                q.session = None;
                 q.name.clone()
             })
             .collect();
@@ -485,6 +504,7 @@ impl VHost {
     pub fn retire_exclusive(&mut self, name: &str, fx: &mut Effects) {
         if let Some(q) = self.queues.get_mut(name) {
             q.exclusive_owner = Some(NO_CONNECTION);
+            q.session = None;
         }
         self.retire_queue(name, fx);
     }
@@ -492,24 +512,6 @@ impl VHost {
     /// Whether `home` names this cluster member.
     pub fn is_here(&self, home: &str) -> bool {
         self.node.as_deref() == Some(home)
-    }
-
-    /// What a cluster op declaring an exclusive queue for connection `conn` carries to name
-    /// its owner ([`crate::core::OWNER_ARGUMENT`]): this broker run and the connection, so
-    /// that the op replayed by a later run owns nothing.
-    pub fn exclusive_owner_token(&self, conn: u64) -> String {
-        format!("{:x}:{conn}", self.name_seed)
-    }
-
-    /// The connection of this broker run an owner token names; [`NO_CONNECTION`] for
-    /// another run's (or a malformed) token.
-    pub fn token_owner(&self, token: &str) -> u64 {
-        match token.split_once(':') {
-            Some((run, conn)) if u64::from_str_radix(run, 16) == Ok(self.name_seed) => {
-                conn.parse().unwrap_or(NO_CONNECTION)
-            }
-            _ => NO_CONNECTION,
-        }
     }
 
     /// The survivors' view changed: exclusive queues of members that left go (their
@@ -520,6 +522,7 @@ impl VHost {
             .values()
             .filter(|q| {
                 q.exclusive_owner.is_some()
+                    && q.session.is_none()
                     && q.home
                         .as_ref()
                         .is_some_and(|h| !is_foreign(h) && !self.live_nodes.iter().any(|n| n == h))

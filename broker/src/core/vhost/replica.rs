@@ -80,7 +80,7 @@ impl VHost {
                 queue: q.name.clone(),
                 uid: q.uid,
                 seq: chunk.last_seq,
-                durable: q.durable,
+                durable: q.journaled(),
                 kind: OpKind::Enqueue {
                     id: e.id,
                     message: e.message.clone(),

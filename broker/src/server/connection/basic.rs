@@ -67,6 +67,7 @@ impl Connection {
                 let priority = consumer_priority(&c.arguments, &q, v.get().name())?;
                 let q = self.read_target(q, v);
                 if let Some(primary) = v.get().remote_primary(&q) {
+                    v.get().check_exclusive(&q, self.id)?;
                     return self.consume_remote(id, c, q, primary, v);
                 }
                 if self
@@ -127,7 +128,10 @@ impl Connection {
                 permit(&self.perms, Access::Read, Resource::Queue(&q))?;
                 let q = self.read_target(q, v);
                 match v.get().remote_primary(&q) {
-                    Some(primary) => self.get_remote(id, q, g.no_ack, primary)?,
+                    Some(primary) => {
+                        v.get().check_exclusive(&q, self.id)?;
+                        self.get_remote(id, q, g.no_ack, primary)?
+                    }
                     None => self.basic_get(id, &q, g.no_ack, v)?,
                 }
             }

@@ -481,8 +481,17 @@ impl Connection {
         } else {
             self.broker.users.permissions_for(&user.name, name)
         };
+        if self.link {
+            vhost.lock().link_opened(self.id);
+        }
         self.vhost = Some(vhost);
         self.vhost_name = name.to_owned();
+        if let Some(session) = &self.session
+            && self.broker.cluster().is_some()
+        {
+            self.broker
+                .adopt_session_queues(name, &session.id.to_string(), self.id);
+        }
         // open-ok's reserved shortstr is 0-8's known-hosts: a cluster fills it with the
         // members' AMQP addresses, the failover candidates.
         let known_hosts = self

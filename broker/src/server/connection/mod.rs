@@ -648,6 +648,9 @@ impl Connection {
         let now = now_ms();
         let kept = self.session_kept();
         let mut v = vhost.lock();
+        if self.link {
+            v.link_closed(self.id);
+        }
         self.abandon_dead_letters(&mut v);
         for ch in self.channels.values() {
             if kept {

@@ -82,7 +82,11 @@ impl Connection {
             permit(&self.perms, access, resource)?;
         }
         let op = match &cluster {
-            Some(_) => op.with_exclusive_owner(v.get().exclusive_owner_token(self.id)),
+            Some(_) => {
+                // A session's exclusive queue is the session's (`docs/sessions.md` §4).
+                let session = self.session.as_ref().map(|s| s.id.to_string());
+                op.with_exclusive_owner(v.get().exclusive_owner_token(self.id, session.as_deref()))
+            }
             None => op,
         };
         if let WiringOp::DeleteQueue {
@@ -326,6 +330,7 @@ impl Connection {
         if let Some(primary) = v.get().remote_primary(&name)
             && !d.exclusive
         {
+            v.get().check_exclusive(&name, self.id)?;
             return self.count_remote(id, name, d.nowait, primary);
         }
         let declared = v.get().queue_declare(
@@ -408,6 +413,7 @@ impl Connection {
             return Ok(());
         }
         if let Some(primary) = v.get().remote_primary(&q) {
+            v.get().check_exclusive(&q, self.id)?;
             return self.purge_remote(id, q, p.nowait, primary);
         }
         let message_count = v.get().queue_purge(self.id, &q, &mut self.fx)?;
