@@ -111,22 +111,26 @@ pub async fn bench(args: BenchArgs) -> anyhow::Result<()> {
     let delivered = Arc::new(Mutex::new(Seen::default()));
     let start = Instant::now();
     let (stop_consuming, stop) = tokio::sync::watch::channel(false);
+    let pauses = Arc::new(Pauses::default());
     let mut clients = Vec::new();
     let mut consumers = Vec::new();
     for i in 0..args.consumers {
-        let client = Client::connect(config.clone()).await?;
+        let client = Arc::new(Client::connect(config.clone()).await?);
         let ch = client.channel().await?;
         ch.qos(args.prefetch).await?;
         let mut consumer = ch.consume(&queue, &format!("bench-{i}"), false).await?;
         let (counts, delivered, mut stop) = (counts.clone(), delivered.clone(), stop.clone());
+        let (pauses, watched) = (pauses.clone(), client.clone());
         consumers.push(tokio::spawn(async move {
             let mut last: HashMap<u32, u64> = HashMap::new();
+            let mut progress = Progress::new(&watched);
             loop {
                 let d = tokio::select! {
                     d = consumer.next() => d,
                     _ = stop.changed() => return,
                 };
                 let Some(mut d) = d else { return };
+                progress.made(&watched, &pauses);
                 let mut tag = d.delivery_tag;
                 loop {
                     if d.body.len() >= STAMP {
@@ -158,10 +162,11 @@ pub async fn bench(args: BenchArgs) -> anyhow::Result<()> {
     let deadline = start + Duration::from_secs(args.seconds);
     let mut producers = Vec::new();
     for p in 0..args.producers {
-        let client = Client::connect(config.clone()).await?;
+        let client = Arc::new(Client::connect(config.clone()).await?);
         let ch = client.channel().await?;
         ch.confirm_select().await?;
         let (counts, confirmed, queue) = (counts.clone(), confirmed.clone(), queue.clone());
+        let (pauses, watched) = (pauses.clone(), client.clone());
         let (size, persistent, limit) = (args.size, args.persistent, args.count);
         producers.push(tokio::spawn(async move {
             let mut body = vec![0u8; size];
@@ -173,6 +178,7 @@ pub async fn bench(args: BenchArgs) -> anyhow::Result<()> {
             };
             let mut waiting = VecDeque::new();
             let mut n = 0u64;
+            let mut progress = Progress::new(&watched);
             while Instant::now() < deadline && limit.is_none_or(|l| n < l) {
                 body[..8].copy_from_slice(&(start.elapsed().as_nanos() as u64).to_be_bytes());
                 body[12..20].copy_from_slice(&n.to_be_bytes());
@@ -182,6 +188,7 @@ pub async fn bench(args: BenchArgs) -> anyhow::Result<()> {
                 n += 1;
                 if waiting.len() >= window {
                     settle(&mut waiting, 1, p, &counts, &confirmed).await?;
+                    progress.made(&watched, &pauses);
                 }
             }
             let all = waiting.len();
@@ -226,7 +233,8 @@ pub async fn bench(args: BenchArgs) -> anyhow::Result<()> {
     for c in consumers {
         let _ = c.await;
     }
-    let failovers: u64 = clients.iter().map(Client::failovers).sum();
+    let failovers: u64 = clients.iter().map(|c| c.failovers()).sum();
+    let pauses = pauses.summary();
     for c in &clients {
         let _ = c.close().await;
     }
@@ -240,11 +248,14 @@ pub async fn bench(args: BenchArgs) -> anyhow::Result<()> {
     let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
     let (published, consumed) = (load(&counts.published), load(&counts.consumed));
     println!(
-        "failover bench: {} producer(s), {} consumer(s), {} B, {elapsed:.1} s: published {published} ({:.0} msg/s), consumed {consumed}, failovers {failovers}, lost {lost}, duplicates {}, out of order {}, nacked {}",
+        "failover bench: {} producer(s), {} consumer(s), {} B, {elapsed:.1} s: published {published} ({:.0} msg/s), consumed {consumed}, failovers {failovers} (pause median {:.0} ms, p99 {:.0} ms, longest {:.0} ms), lost {lost}, duplicates {}, out of order {}, nacked {}",
         args.producers,
         args.consumers,
         args.size,
         published as f64 / elapsed,
+        pauses.median_ms,
+        pauses.p99_ms,
+        pauses.max_ms,
         load(&counts.duplicates),
         load(&counts.out_of_order),
         load(&counts.nacked),
@@ -257,6 +268,11 @@ pub async fn bench(args: BenchArgs) -> anyhow::Result<()> {
                 "published": published,
                 "consumed": consumed,
                 "failovers": failovers,
+                "failover_pauses": pauses.count,
+                "pause_ms_median": pauses.median_ms,
+                "pause_ms_p99": pauses.p99_ms,
+                "pause_ms_max": pauses.max_ms,
+                "pauses_ms": pauses.all,
                 "lost": lost,
                 "duplicates": load(&counts.duplicates),
                 "out_of_order": load(&counts.out_of_order),
@@ -275,6 +291,67 @@ pub async fn bench(args: BenchArgs) -> anyhow::Result<()> {
         bail!("producers failed: {}", producer_errors.join("; "));
     }
     Ok(())
+}
+
+/// The pauses the application saw across failovers: for each producer and consumer, the
+/// time from its last progress (a confirm, a delivery) before a failover of its client to
+/// its first progress after it.
+#[derive(Default)]
+struct Pauses(Mutex<Vec<f64>>);
+
+/// [`Pauses`] summed up, in milliseconds (0 without a failover).
+struct PauseSummary {
+    all: Vec<f64>,
+    count: usize,
+    median_ms: f64,
+    p99_ms: f64,
+    max_ms: f64,
+}
+
+impl Pauses {
+    fn summary(&self) -> PauseSummary {
+        let mut v = self.0.lock().expect("not poisoned").clone();
+        v.sort_by(f64::total_cmp);
+        let at = |q: f64| match v.len() {
+            0 => 0.0,
+            n => v[((n - 1) as f64 * q).round() as usize],
+        };
+        PauseSummary {
+            count: v.len(),
+            median_ms: at(0.5),
+            p99_ms: at(0.99),
+            max_ms: at(1.0),
+            all: v,
+        }
+    }
+}
+
+/// One producer's or consumer's progress: when it last moved on, and how many failovers
+/// its client had made by then.
+struct Progress {
+    at: Instant,
+    failovers: u64,
+}
+
+impl Progress {
+    fn new(client: &Client) -> Self {
+        Self {
+            at: Instant::now(),
+            failovers: client.failovers(),
+        }
+    }
+
+    /// It moved on: a failover since the last time makes the time between a pause.
+    fn made(&mut self, client: &Client, pauses: &Pauses) {
+        let now = Instant::now();
+        let failovers = client.failovers();
+        if failovers != self.failovers {
+            let pause = now.duration_since(self.at).as_secs_f64() * 1000.0;
+            pauses.0.lock().expect("not poisoned").push(pause);
+            self.failovers = failovers;
+        }
+        self.at = now;
+    }
 }
 
 /// Waits for the oldest `n` confirmations of producer `p`, recording the acked ones.
