@@ -303,3 +303,48 @@ async fn a_dead_letter_whose_forward_is_lost_is_dead_lettered_again_at_least_onc
         let _ = c.close(200, "again".into()).await;
     }
 }
+
+/// A client cancels its proxied consumer while the queue's primary is frozen, and the
+/// primary is then killed: the cancel's answer can never come from it, but the consumer is
+/// gone with its link all the same — the client gets cancel-ok and keeps its channel (it was
+/// closed with 404, taking the failover client's channel down: found by the scripted kill
+/// runs, `docs/sessions.md` §6).
+#[tokio::test]
+async fn a_cancel_whose_primary_dies_on_the_way_is_answered_and_the_channel_lives() {
+    let (mut members, _secret) = start_cluster("proxy-cancel", 3);
+    ringmq_tests::cluster::wait_voters(&members, Duration::from_secs(30));
+    declare(&members[0], "frozen").await;
+    let (_c1, on_1) = members[1].channel().await;
+    let _consumer = on_1
+        .basic_consume(
+            "frozen".into(),
+            "c".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    members[0].pause();
+    let cancel = {
+        let ch = on_1.clone();
+        tokio::spawn(async move {
+            ch.basic_cancel("c".into(), lapin::options::BasicCancelOptions::default())
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    members[0].kill();
+    tokio::time::timeout(Duration::from_secs(20), cancel)
+        .await
+        .expect("the cancel is answered")
+        .unwrap()
+        .expect("cancel-ok, not a channel error");
+    assert!(on_1.status().connected(), "the channel lives");
+    on_1.queue_declare(
+        "after-the-cancel".into(),
+        QueueDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .expect("the channel still works");
+}

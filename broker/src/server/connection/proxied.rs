@@ -357,7 +357,15 @@ impl Connection {
             move |result| Answer::Cancelled {
                 tag,
                 nowait,
-                result,
+                // The primary went while the cancel was on its way (killed, or its link
+                // cut): the consumer ended with its upstream channel, which is all the
+                // cancel asked for — a channel error here would take the client's channel
+                // down for a consumer that is gone anyway (found by the scripted kill runs,
+                // `docs/sessions.md` §6).
+                result: result.or_else(|e| {
+                    let ended = upstream::is_unreachable(&e) || e.code == codes::CONNECTION_FORCED;
+                    if ended { Ok(()) } else { Err(e) }
+                }),
             },
         )?;
         Ok(true)
