@@ -26,6 +26,9 @@ const PUBLISH_SEQ_HEADER: &str = "x-ringmq-publish-seq";
 const PRODUCER_HEADER: &str = "x-ringmq-producer";
 /// Reply code of a broker's close that keeps the session (drain, lost quorum, shutdown).
 const CONNECTION_FORCED: u16 = 320;
+/// Reply code of a broker that could not say whether it committed a change (its cluster's
+/// leader went with the answer).
+const RESOURCE_ERROR: u16 = 506;
 
 /// What the handles and the driver share.
 #[derive(Debug)]
@@ -138,30 +141,7 @@ pub(crate) async fn start(
     let Some(first) = targets.first().cloned() else {
         return Err(Error::Uri("no URI given".into()));
     };
-    let session = uuid::Builder::from_random_bytes(rand08::random()).into_uuid();
-    let mut props = FieldTable::default();
-    props.insert(
-        "qpid.session.start".into(),
-        AMQPValue::LongString(session.to_string().as_str().into()),
-    );
-    props.insert(
-        "qpid.session.timeout".into(),
-        AMQPValue::LongLongInt(i64::try_from(config.session_timeout_s).unwrap_or(i64::MAX)),
-    );
-    let mut last = None;
-    let mut opened = None;
-    for t in &targets {
-        match Wire::open(t, props.clone(), config.heartbeat_s).await {
-            Ok(w) => {
-                opened = Some(w);
-                break;
-            }
-            Err(e) => last = Some(e),
-        }
-    }
-    let Some((wire, known_hosts)) = opened else {
-        return Err(last.unwrap_or_else(|| Error::Uri("no URI given".into())));
-    };
+    let (wire, known_hosts, session) = first_connection(&targets, &config).await?;
     let shared = Arc::new(Shared {
         session,
         failovers: AtomicU64::new(0),
@@ -185,6 +165,71 @@ pub(crate) async fn start(
     driver.learn(&known_hosts);
     tokio::spawn(driver.run());
     Ok((tx, shared))
+}
+
+/// Opens the client's first connection, starting a new session: each target in turn, round
+/// after round, pausing longer each time, until one takes it or the failover limit is up. A
+/// member that is not ready or being drained (320), one that cannot say whether it
+/// committed the session (506, its cluster leader changing), and one that does not answer
+/// are passed over as a failover passes them — a cluster in the middle of an election is
+/// no reason for an application not to start; any other refusal (a wrong password, an
+/// unknown vhost) is the answer. Each attempt starts a session of its own id: one whose
+/// start a member may have committed is never asked for twice.
+async fn first_connection(
+    targets: &[Target],
+    config: &crate::Config,
+) -> Result<(Wire, String, uuid::Uuid), Error> {
+    let deadline = tokio::time::Instant::now() + config.failover_timeout;
+    let mut pause = Duration::from_millis(50);
+    loop {
+        let mut last = None;
+        for t in targets {
+            let session = uuid::Builder::from_random_bytes(rand08::random()).into_uuid();
+            let mut props = FieldTable::default();
+            props.insert(
+                "qpid.session.start".into(),
+                AMQPValue::LongString(session.to_string().as_str().into()),
+            );
+            props.insert(
+                "qpid.session.timeout".into(),
+                AMQPValue::LongLongInt(i64::try_from(config.session_timeout_s).unwrap_or(i64::MAX)),
+            );
+            let attempt = tokio::time::timeout(
+                failover::CONNECT_TIMEOUT,
+                Wire::open(t, props, config.heartbeat_s),
+            )
+            .await
+            .unwrap_or_else(|_| {
+                Err(Error::Io(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "no answer to the handshake",
+                )))
+            });
+            match attempt {
+                Ok((wire, known_hosts)) => return Ok((wire, known_hosts, session)),
+                Err(e) if passed_over(&e) => {
+                    tracing::debug!(at = %t.addr, error = %e, "first connection attempt failed: trying the next");
+                    last = Some(e);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        let last = last.unwrap_or_else(|| Error::Uri("no URI given".into()));
+        if tokio::time::Instant::now() + pause > deadline {
+            return Err(last);
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_secs(1));
+    }
+}
+
+/// Whether a failed first connection attempt is one a failover would pass over.
+fn passed_over(e: &Error) -> bool {
+    match e {
+        Error::Io(_) => true,
+        Error::Refused { code, .. } => [CONNECTION_FORCED, RESOURCE_ERROR].contains(code),
+        _ => false,
+    }
 }
 
 /// The `basic.consume` that creates `spec` (again).

@@ -16,8 +16,8 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 use tokio::time::Instant;
 
-/// How long one connection attempt may take during a failover.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long one connection attempt may take: a failover's, and the first connection's.
+pub(super) const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
 impl Driver {
     /// Moves the session to a new connection: a candidate at random, again and again until
