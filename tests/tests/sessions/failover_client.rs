@@ -5,7 +5,7 @@
 //! moments, the two records are identical.
 
 use super::script::{DELIVERIES, config, next, script, seeds};
-use ringmq_client::Table;
+use ringmq_client::{QueueOptions, Table};
 use ringmq_tests::Broker;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -74,7 +74,8 @@ async fn the_application_sees_the_same_commands_with_its_connection_cut_again_an
     let direct = Cutter::start(b.addr).await;
     let run = |uri: String, queue: String| async move {
         let config = config([uri], Duration::from_secs(20));
-        script(config, &queue, Table::default(), Duration::from_secs(20)).await
+        let declare = (QueueOptions::default(), Table::default());
+        script(config, &queue, declare, Duration::from_secs(20)).await
     };
     let (clean, clean_failovers) = run(uri_at(direct.addr), "script-clean".into()).await;
     assert_eq!(clean_failovers, 0);

@@ -34,7 +34,7 @@ async fn within_for<T>(what: &str, limit: Duration, f: impl std::future::Future<
 }
 
 /// The scripted application on a client configured by `config`, on queue `queue` and
-/// `<queue>-plain`, both declared with `arguments`:
+/// `<queue>-plain`, both declared with `options` and `arguments`:
 ///
 /// 1. channel 1 selects confirms and declares both queues;
 /// 2. channel 3 publishes [`PLAIN_MESSAGES`] to `<queue>-plain` without confirms;
@@ -47,7 +47,7 @@ async fn within_for<T>(what: &str, limit: Duration, f: impl std::future::Future<
 pub(crate) async fn script(
     config: Config,
     queue: &str,
-    arguments: Table,
+    (options, arguments): (QueueOptions, Table),
     patience: Duration,
 ) -> (Record, u64) {
     let within = |what: &str| (what.to_owned(), patience);
@@ -66,7 +66,7 @@ pub(crate) async fn script(
         let declared = within_for(
             &w,
             p,
-            publisher.queue_declare(name, QueueOptions::default(), arguments.clone()),
+            publisher.queue_declare(name, options, arguments.clone()),
         )
         .await
         .unwrap();

@@ -10,6 +10,7 @@
 use super::script::{DELIVERIES, Record, config, next, script, seeds};
 use lapin::options::QueueDeclareOptions;
 use lapin::types::{AMQPValue, FieldTable};
+use ringmq_client::QueueOptions;
 use ringmq_tests::Broker;
 use ringmq_tests::cluster::{start_cluster_on_fixed_ports, wait_voters};
 use std::time::{Duration, Instant};
@@ -25,12 +26,22 @@ enum Victim {
     Both,
 }
 
-/// Each queue has two backups: a copy survives two kills one after the other, even when
-/// the second comes before the first member has caught up again.
+/// Each queue is durable — a member killed and started again gets its wiring back from its
+/// disk (a transient queue's it would not, `docs/cluster.md`) — and has two backups: a copy
+/// survives two kills one after the other, even when the second comes before the first
+/// member has caught up again.
 fn queue_arguments() -> FieldTable {
     let mut t = FieldTable::default();
     t.insert("qpid.cluster.backups".into(), AMQPValue::LongInt(2));
     t
+}
+
+/// How the script declares the queues: as [`declare_on`] did.
+fn durable() -> QueueOptions {
+    QueueOptions {
+        durable: true,
+        ..QueueOptions::default()
+    }
 }
 
 /// Declares `<queue>` and `<queue>-plain` on `primary` with a plain client, so that their
@@ -40,7 +51,10 @@ async fn declare_on(primary: &Broker, queue: &str) {
     for name in [queue.to_owned(), format!("{queue}-plain")] {
         ch.queue_declare(
             name.as_str().into(),
-            QueueDeclareOptions::default(),
+            QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
             queue_arguments(),
         )
         .await
@@ -76,10 +90,15 @@ async fn run_with_kills(
     uris.extend((0..m.len()).filter(|&i| i != connected).map(|i| m[i].uri()));
     let patience = Duration::from_secs(60);
     let arguments = ringmq_client::Table::from(queue_arguments().inner().clone());
-    let run =
-        tokio::spawn(
-            async move { script(config(uris, patience), &queue, arguments, patience).await },
-        );
+    let run = tokio::spawn(async move {
+        script(
+            config(uris, patience),
+            &queue,
+            (durable(), arguments),
+            patience,
+        )
+        .await
+    });
     let targets: Vec<usize> = match victim {
         Victim::Connected => vec![connected],
         Victim::Primary => vec![primary],
@@ -148,6 +167,11 @@ fn same_but_redelivered(clean: &[String], got: &[String]) -> Result<usize, usize
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_application_sees_the_same_commands_while_its_member_and_primary_are_killed() {
+    // RUST_LOG=ringmq_client=debug shows each failover and what it restored.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
     let (mut m, _secret) = start_cluster_on_fixed_ports("scripted", 3);
     wait_voters(&m, Duration::from_secs(30));
     // The run without failure: connected to member 0, the queues' primary member 1.
@@ -158,7 +182,7 @@ async fn the_application_sees_the_same_commands_while_its_member_and_primary_are
     let (clean, failovers) = script(
         config(uris, patience),
         "scripted-clean",
-        arguments,
+        (durable(), arguments),
         patience,
     )
     .await;
@@ -167,9 +191,9 @@ async fn the_application_sees_the_same_commands_while_its_member_and_primary_are
     let started = Instant::now();
     let (mut landed_runs, mut failover_total, mut flagged_total) = (0, 0, 0);
     let all = seeds("CLUSTER_FAILOVER", 0xc1a5_0001, 3);
-    for (i, &seed) in all.iter().enumerate() {
+    for &seed in &all {
         let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        let victim = [Victim::Connected, Victim::Primary, Victim::Both][i % 3];
+        let victim = [Victim::Connected, Victim::Primary, Victim::Both][(seed % 3) as usize];
         let connected = (next(&mut state) % 3) as usize;
         let primary = match victim {
             Victim::Connected if next(&mut state).is_multiple_of(2) => connected,
