@@ -348,3 +348,57 @@ async fn a_cancel_whose_primary_dies_on_the_way_is_answered_and_the_channel_live
     .await
     .expect("the channel still works");
 }
+
+/// A client rejects a proxied delivery with requeue while the queue's primary is frozen, and
+/// the primary is then killed: the reject's barrier (nothing more is read until the primary
+/// has requeued it) can never be answered, but the delivery goes back to the queue with
+/// every other the lost primary had out — so the client keeps its channel, and the message
+/// comes again from the new primary (found by the scripted kill runs, `docs/sessions.md` §6).
+#[tokio::test]
+async fn a_requeue_whose_primary_dies_on_the_way_keeps_the_channel_and_the_message() {
+    let (mut members, _secret) = start_cluster("proxy-nack", 3);
+    ringmq_tests::cluster::wait_voters(&members, Duration::from_secs(30));
+    declare(&members[0], "rejected").await;
+    let (_c0, on_0) = members[0].channel().await;
+    publish_confirmed(&on_0, "rejected", "r", 1).await;
+    let (_c1, on_1) = members[1].channel().await;
+    let mut consumer = on_1
+        .basic_consume(
+            "rejected".into(),
+            "c".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let first = tokio::time::timeout(Duration::from_secs(10), consumer.next())
+        .await
+        .expect("a delivery")
+        .expect("the consumer lives")
+        .expect("a delivery");
+    members[0].pause();
+    first
+        .nack(lapin::options::BasicNackOptions {
+            requeue: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    members[0].kill();
+    let again = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            match on_1
+                .basic_get("rejected".into(), BasicGetOptions { no_ack: true })
+                .await
+                .expect("the channel lives")
+            {
+                Some(m) => return m,
+                None => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        }
+    })
+    .await
+    .expect("the requeued message comes again from the new primary");
+    assert!(again.delivery.redelivered, "marked redelivered");
+}

@@ -339,7 +339,7 @@ impl Connection {
         method_id: u16,
         v: &mut Lazy,
     ) {
-        tracing::info!(conn = self.id, channel = id, code = error.code, text = %error.text, "closing channel on error");
+        tracing::info!(conn = self.id, channel = id, code = error.code, text = %error.text, class_id, method_id, "closing channel on error");
         let Some(ch) = self.channels.get_mut(&id) else {
             return;
         };

@@ -161,6 +161,17 @@ async fn reply<T>(
     rx.await.unwrap_or_else(|_| Err(upstream::gone(primary)))
 }
 
+/// `Ok` for an error that says the queue's primary went while a command was on its way to
+/// it (it cannot be reached, or the link to it failed), else the error: for a command whose
+/// purpose the primary's loss fulfils anyway.
+fn unless_link_ended(e: AmqpError) -> Result<(), AmqpError> {
+    if upstream::is_unreachable(&e) || e.code == codes::CONNECTION_FORCED {
+        Ok(())
+    } else {
+        Err(e)
+    }
+}
+
 impl Connection {
     /// The upstream channel of client channel `id` to `primary`, started on first use.
     fn upstream(&mut self, id: u16, primary: &Arc<str>) -> Result<&Upstream, AmqpError> {
@@ -362,10 +373,7 @@ impl Connection {
                 // cancel asked for — a channel error here would take the client's channel
                 // down for a consumer that is gone anyway (found by the scripted kill runs,
                 // `docs/sessions.md` §6).
-                result: result.or_else(|e| {
-                    let ended = upstream::is_unreachable(&e) || e.code == codes::CONNECTION_FORCED;
-                    if ended { Ok(()) } else { Err(e) }
-                }),
+                result: result.or_else(unless_link_ended),
             },
         )?;
         Ok(true)
@@ -656,7 +664,10 @@ impl Connection {
                 }
                 return self.handle(id, again.method, v);
             }
-            Answer::Settled { result } => result?,
+            // A nack's or reject's barrier whose primary went (killed, or its link cut):
+            // that primary's deliveries go back to the queue with it — this one too — so the
+            // order the barrier keeps holds (found by the scripted kill runs).
+            Answer::Settled { result } => result.or_else(unless_link_ended)?,
             Answer::CaughtUp { nowait } => {
                 if !nowait {
                     w.method(
