@@ -169,6 +169,18 @@ impl ForwardTracker {
         let mut s = self.state.lock();
         let refused = last >= first && s.watched_refused.range(first..=last).next().is_some();
         let failed = s.failure.as_ref().is_some_and(|(f, _)| *f <= last);
+        Self::end_watch(&mut s, first);
+        !refused && !failed
+    }
+
+    /// Ends the watch from `first` without asking about it: the batch it was for forwarded
+    /// nothing.
+    pub fn unwatch(&self, first: u64) {
+        Self::end_watch(&mut self.state.lock(), first);
+    }
+
+    /// Ends one watch from `first`, and forgets the refusals no watch covers any more.
+    fn end_watch(s: &mut TrackerState, first: u64) {
         if let Some(n) = s.watched.get_mut(&first) {
             *n -= 1;
             if *n == 0 {
@@ -179,7 +191,6 @@ impl ForwardTracker {
             Some(oldest) => s.watched_refused = s.watched_refused.split_off(&oldest),
             None => s.watched_refused.clear(),
         }
-        !refused && !failed
     }
 
     /// Where the forwards stand, read at once (the connection asks once per wake-up).

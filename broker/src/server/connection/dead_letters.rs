@@ -54,7 +54,7 @@ impl Connection {
             Some((first, last))
         } else {
             // No forward after all: end the watch at once.
-            self.forwards.all_taken(first, first.saturating_sub(1));
+            self.forwards.unwatch(first);
             None
         };
         self.dead_letters.push_back(PendingDeadLetters {

@@ -255,12 +255,8 @@ impl Workload {
         let dlq = format!("{queue}-dlq");
         declare(&uris, &dlq, &queue_arguments(k, false)).await;
         let mut args = queue_arguments(k, false);
-        for (key, value) in [
-            ("x-dead-letter-exchange", ""),
-            ("x-dead-letter-routing-key", dlq.as_str()),
-            ("x-dead-letter-strategy", "at-least-once"),
-        ] {
-            args.insert(key.into(), AMQPValue::LongString(value.into()));
+        for (key, value) in &ringmq_tests::dead_letter_args(&dlq, "at-least-once") {
+            args.insert(key.clone(), value.clone());
         }
         declare(&uris, &queue, &args).await;
         let consumers = vec![(queue.clone(), Takes::RejectOdd), (dlq, Takes::DeadLetters)];
