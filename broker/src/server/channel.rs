@@ -142,6 +142,13 @@ pub struct ChannelCtx {
     /// later publish of the channel (confirms go out in publish order, so that a `multiple`
     /// ack never covers a publish still undecided).
     pub awaiting: std::collections::VecDeque<AwaitingConfirm>,
+    /// On a session's channel without confirms: the publishes forwarded to other members'
+    /// primaries that no primary has answered yet — their number on the channel and the
+    /// last of their forwards' numbers. A session kept while one is unanswered (or failed)
+    /// counts the channel's publishes processed only up to before it, so that the client
+    /// sends it and every later one again (the queues drop what they took by producer and
+    /// number) — counted processed, a publish lost with its forward would be lost for good.
+    pub unanswered_forwards: std::collections::VecDeque<(u64, u64)>,
     /// tx.select was sent.
     pub tx: Option<Transaction>,
     /// Name of the queue declared last on this channel (the spec's empty-name shortcut).
@@ -163,6 +170,7 @@ impl ChannelCtx {
             confirms: Vec::new(),
             moving: std::collections::BTreeSet::new(),
             awaiting: std::collections::VecDeque::new(),
+            unanswered_forwards: std::collections::VecDeque::new(),
             tx: None,
             last_queue: None,
             publishing: PublishState::default(),
@@ -208,6 +216,29 @@ impl ChannelCtx {
         } else {
             Some(name.to_owned())
         }
+    }
+
+    /// Forgets the unconfirmed forwarded publishes every forward of which was answered by
+    /// `answered_through`, stopping at the first whose forwards include the first that
+    /// failed (`failed`): that one and every later stay unanswered.
+    pub fn prune_unanswered_forwards(&mut self, answered_through: u64, failed: Option<u64>) {
+        while let Some(&(_, last)) = self.unanswered_forwards.front() {
+            if last > answered_through || failed.is_some_and(|f| f <= last) {
+                break;
+            }
+            self.unanswered_forwards.pop_front();
+        }
+    }
+
+    /// What a session keeps of the channel ([`ChannelCtx::publish_state`]), with its publish
+    /// count cut to before the first forwarded publish no primary answered (see
+    /// [`ChannelCtx::unanswered_forwards`]; prune them first).
+    pub fn kept_publish_state(&self) -> PublishState {
+        let mut state = self.publish_state();
+        if let Some(&(number, _)) = self.unanswered_forwards.front() {
+            state.published = state.published.min(number - 1);
+        }
+        state
     }
 
     /// Records the confirm of publish `seq`: decided now (`accepted`) unless it was
@@ -446,6 +477,26 @@ mod tests {
             },
         );
         assert!(tx.tx.is_some() && !tx.publishing.confirming());
+    }
+
+    #[test]
+    fn a_kept_channel_without_confirms_counts_up_to_its_first_unanswered_forward() {
+        let key = ChannelKey {
+            conn: 1,
+            channel: 1,
+        };
+        let mut ch = ChannelCtx::new(key);
+        for _ in 0..6 {
+            ch.publishing.count_publish();
+        }
+        // Publishes 2 and 4 went to other members' primaries: forwards 1 and 2..=3.
+        ch.unanswered_forwards.extend([(2, 1), (4, 3)]);
+        ch.prune_unanswered_forwards(1, None);
+        assert_eq!(ch.kept_publish_state().published, 3, "publish 4 unanswered");
+        ch.prune_unanswered_forwards(3, Some(2));
+        assert_eq!(ch.kept_publish_state().published, 3, "its forward 2 failed");
+        ch.prune_unanswered_forwards(3, None);
+        assert_eq!(ch.kept_publish_state().published, 6, "all answered");
     }
 
     #[test]

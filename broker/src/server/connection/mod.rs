@@ -629,9 +629,10 @@ impl Connection {
         let Some(session) = self.session else {
             return;
         };
+        self.prune_unanswered_forwards();
         let mut kept = Vec::new();
         for (&id, ch) in &self.channels {
-            let state = ch.publish_state();
+            let state = ch.kept_publish_state();
             kept.push((id, state.published));
             self.broker.sessions().keep_channel(session.id, id, state);
         }

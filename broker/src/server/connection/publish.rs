@@ -277,6 +277,15 @@ impl Connection {
                         .expect("publishing channel is open")
                         .confirm_publish(n, accepted, forwards);
                     self.awaiting_confirms |= forwards.is_some();
+                } else if self.session.is_some() && self.fx.forwards.len() > forwards_before {
+                    // Its forwards are numbered up to this (see above).
+                    let last = self.forwards.issued() + self.fx.forwards.len() as u64;
+                    let ch = self
+                        .channels
+                        .get_mut(&id)
+                        .expect("publishing channel is open");
+                    let number = ch.publishing.published;
+                    ch.unanswered_forwards.push_back((number, last));
                 }
             }
         }

@@ -135,6 +135,23 @@ impl Connection {
         self.awaiting_confirms = waiting;
     }
 
+    /// Forgets the forwarded publishes without confirms that their primaries answered
+    /// ([`ChannelCtx::unanswered_forwards`]), on a session's channels that have any.
+    pub(super) fn prune_unanswered_forwards(&mut self) {
+        if self
+            .channels
+            .values()
+            .all(|ch| ch.unanswered_forwards.is_empty())
+        {
+            return;
+        }
+        let status = self.forwards.status();
+        let failed = status.failure.as_ref().map(|(f, _)| *f);
+        for ch in self.channels.values_mut() {
+            ch.prune_unanswered_forwards(status.answered_through, failed);
+        }
+    }
+
     /// Between batches, when the primaries answered forwards: writes the confirms that were
     /// waiting for them (behind whatever the gate still holds).
     pub(super) fn decide_forwarded_confirms(&mut self, answered: u64) {
@@ -155,6 +172,7 @@ impl Connection {
             let answered = self.forwards.status().answered_through;
             self.decide_awaiting(answered);
         }
+        self.prune_unanswered_forwards();
         for (id, ch) in &mut self.channels {
             if ch.confirms.is_empty() {
                 continue;
