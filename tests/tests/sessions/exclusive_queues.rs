@@ -78,6 +78,23 @@ async fn wait_listed(
     }
 }
 
+/// Waits until queue `name`, as `b` lists it, has an in-sync backup; the listing.
+async fn wait_in_sync(b: &Broker, name: &str) -> serde_json::Value {
+    let has_one = |q: &serde_json::Value| {
+        q["in_sync_backup_nodes"]
+            .as_array()
+            .is_some_and(|b| !b.is_empty())
+    };
+    wait_listed(
+        b,
+        name,
+        Duration::from_secs(20),
+        "an in-sync backup",
+        has_one,
+    )
+    .await
+}
+
 /// Whether another connection (without the session) is refused the queue with 405.
 async fn refused_to_others(b: &Broker, name: &str) {
     let (_c, ch) = b.channel().await;
@@ -103,18 +120,7 @@ async fn a_sessions_exclusive_queue_survives_its_members_loss_and_follows_the_se
     let sent: Vec<String> = (0..20).map(|i| format!("m{i}")).collect();
     publish_confirmed(&ch, "mine", &sent).await;
     // Every member knows the session owns it; a backup holds its content.
-    let q = wait_listed(
-        &m[1],
-        "mine",
-        Duration::from_secs(20),
-        "an in-sync backup",
-        |q| {
-            q["in_sync_backup_nodes"]
-                .as_array()
-                .is_some_and(|b| !b.is_empty())
-        },
-    )
-    .await;
+    let q = wait_in_sync(&m[1], "mine").await;
     assert_eq!(q["session"], id.as_str(), "{q}");
     assert_eq!(q["exclusive"], true, "{q}");
     assert_eq!(q["node"], "sessions-excl-0", "{q}");
@@ -183,18 +189,7 @@ async fn a_sessions_exclusive_queue_lives_until_the_session_times_out_after_its_
     let ch = conn.create_channel().await.unwrap();
     declare_exclusive(&ch, "brief").await;
     publish_confirmed(&ch, "brief", &["kept".to_owned()]).await;
-    wait_listed(
-        &m[1],
-        "brief",
-        Duration::from_secs(20),
-        "an in-sync backup",
-        |q| {
-            q["in_sync_backup_nodes"]
-                .as_array()
-                .is_some_and(|b| !b.is_empty())
-        },
-    )
-    .await;
+    wait_in_sync(&m[1], "brief").await;
     m[0].kill();
     // The backup takes over, and the queue waits for the session: still there (refused
     // to others with 405, not 404) once the failover is done.
