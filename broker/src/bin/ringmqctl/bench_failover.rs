@@ -63,6 +63,9 @@ struct Counts {
     published: AtomicU64,
     consumed: AtomicU64,
     duplicates: AtomicU64,
+    /// Of `duplicates`, those marked redelivered: a delivery the client did not recognise
+    /// as one the application had (unmarked: a second copy of the message in its queue).
+    duplicates_redelivered: AtomicU64,
     out_of_order: AtomicU64,
     nacked: AtomicU64,
 }
@@ -139,6 +142,11 @@ pub async fn bench(args: BenchArgs) -> anyhow::Result<()> {
                         counts.consumed.fetch_add(1, Ordering::Relaxed);
                         if !delivered.lock().expect("not poisoned").insert(producer, n) {
                             counts.duplicates.fetch_add(1, Ordering::Relaxed);
+                            if d.redelivered {
+                                counts
+                                    .duplicates_redelivered
+                                    .fetch_add(1, Ordering::Relaxed);
+                            }
                         }
                         let previous = last.insert(producer, n);
                         if previous.is_some_and(|p| p > n) {
@@ -275,6 +283,7 @@ pub async fn bench(args: BenchArgs) -> anyhow::Result<()> {
                 "pauses_ms": pauses.all,
                 "lost": lost,
                 "duplicates": load(&counts.duplicates),
+                "duplicates_redelivered": load(&counts.duplicates_redelivered),
                 "out_of_order": load(&counts.out_of_order),
                 "nacked": load(&counts.nacked),
                 "seconds": elapsed,
