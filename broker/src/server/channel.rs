@@ -142,13 +142,14 @@ pub struct ChannelCtx {
     /// later publish of the channel (confirms go out in publish order, so that a `multiple`
     /// ack never covers a publish still undecided).
     pub awaiting: std::collections::VecDeque<AwaitingConfirm>,
-    /// On a session's channel without confirms: the publishes forwarded to other members'
-    /// primaries that no primary has answered yet — their number on the channel and the
-    /// last of their forwards' numbers. A session kept while one is unanswered (or failed)
-    /// counts the channel's publishes processed only up to before it, so that the client
-    /// sends it and every later one again (the queues drop what they took by producer and
-    /// number) — counted processed, a publish lost with its forward would be lost for good.
-    pub unanswered_forwards: std::collections::VecDeque<(u64, u64)>,
+    /// On a session's channel without confirms: the publishes (and committed transactions)
+    /// forwarded to other members' primaries that no primary has answered yet. A session
+    /// kept while one is unanswered (or failed) counts the channel's publishes processed
+    /// only up to before it, and its commits only up to before its transaction, so that the
+    /// client sends it and every later one again (the queues drop what they took by producer
+    /// and number) — counted processed, a publish lost with its forward would be lost for
+    /// good, and a commit counted would tell the client its transaction went through.
+    pub unanswered_forwards: std::collections::VecDeque<UnansweredForward>,
     /// tx.select was sent.
     pub tx: Option<Transaction>,
     /// Name of the queue declared last on this channel (the spec's empty-name shortcut).
@@ -222,7 +223,7 @@ impl ChannelCtx {
     /// `answered_through`, stopping at the first whose forwards include the first that
     /// failed (`failed`): that one and every later stay unanswered.
     pub fn prune_unanswered_forwards(&mut self, answered_through: u64, failed: Option<u64>) {
-        while let Some(&(_, last)) = self.unanswered_forwards.front() {
+        while let Some(&UnansweredForward { last, .. }) = self.unanswered_forwards.front() {
             if last > answered_through || failed.is_some_and(|f| f <= last) {
                 break;
             }
@@ -231,12 +232,13 @@ impl ChannelCtx {
     }
 
     /// What a session keeps of the channel ([`ChannelCtx::publish_state`]), with its publish
-    /// count cut to before the first forwarded publish no primary answered (see
+    /// and commit counts cut to before the first forwarded publish no primary answered (see
     /// [`ChannelCtx::unanswered_forwards`]; prune them first).
     pub fn kept_publish_state(&self) -> PublishState {
         let mut state = self.publish_state();
-        if let Some(&(number, _)) = self.unanswered_forwards.front() {
-            state.published = state.published.min(number - 1);
+        if let Some(first) = self.unanswered_forwards.front() {
+            state.published = state.published.min(first.number - 1);
+            state.commits = state.commits.min(first.commits_before);
         }
         state
     }
@@ -316,6 +318,20 @@ impl ChannelCtx {
         }
         self.confirms.clear();
     }
+}
+
+/// A session channel's publish without a confirm (or a committed transaction's first
+/// publish) that was forwarded to another member's primary and not answered yet
+/// ([`ChannelCtx::unanswered_forwards`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UnansweredForward {
+    /// The (first) publish's number on the channel.
+    pub number: u64,
+    /// The last of its forwards' numbers (the connection's forward tracker).
+    pub last: u64,
+    /// The channel's commit count before it: a transaction's commit stays uncounted until
+    /// its forwards are answered.
+    pub commits_before: u64,
 }
 
 /// A publisher confirm that waits for the primaries its publish was forwarded to.
@@ -490,13 +506,47 @@ mod tests {
             ch.publishing.count_publish();
         }
         // Publishes 2 and 4 went to other members' primaries: forwards 1 and 2..=3.
-        ch.unanswered_forwards.extend([(2, 1), (4, 3)]);
+        ch.unanswered_forwards
+            .extend([(2, 1), (4, 3)].map(|(number, last)| UnansweredForward {
+                number,
+                last,
+                commits_before: 0,
+            }));
         ch.prune_unanswered_forwards(1, None);
         assert_eq!(ch.kept_publish_state().published, 3, "publish 4 unanswered");
         ch.prune_unanswered_forwards(3, Some(2));
         assert_eq!(ch.kept_publish_state().published, 3, "its forward 2 failed");
         ch.prune_unanswered_forwards(3, None);
         assert_eq!(ch.kept_publish_state().published, 6, "all answered");
+    }
+
+    #[test]
+    fn a_kept_channel_counts_a_commit_only_once_its_forwards_were_answered() {
+        let key = ChannelKey {
+            conn: 1,
+            channel: 1,
+        };
+        let mut ch = ChannelCtx::new(key);
+        ch.publishing.transactional = true;
+        ch.publishing.published = 10;
+        ch.publishing.commits = 3;
+        // The fourth commit applies publishes 11..=15; two went to other members' primaries.
+        ch.unanswered_forwards.push_back(UnansweredForward {
+            number: 11,
+            last: 2,
+            commits_before: 3,
+        });
+        ch.publishing.published = 15;
+        ch.publishing.commits = 4;
+        let kept = ch.kept_publish_state();
+        assert_eq!(
+            (kept.published, kept.commits),
+            (10, 3),
+            "its outcome is unknown: the client sends the transaction again"
+        );
+        ch.prune_unanswered_forwards(2, None);
+        let kept = ch.kept_publish_state();
+        assert_eq!((kept.published, kept.commits), (15, 4));
     }
 
     #[test]

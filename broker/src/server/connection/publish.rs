@@ -11,7 +11,7 @@ use crate::amqp::table_depth::header_within_depth;
 use crate::amqp::{AMQPClass, basic, codes};
 use crate::clock::now_ms;
 use crate::core::{AmqpError, Message, PublishOutcome};
-use crate::server::channel::{HeldPublish, PendingPublish};
+use crate::server::channel::{HeldPublish, PendingPublish, UnansweredForward};
 use crate::session::PUBLISH_SEQ_HEADER;
 use std::sync::Arc;
 
@@ -284,8 +284,11 @@ impl Connection {
                         .channels
                         .get_mut(&id)
                         .expect("publishing channel is open");
-                    let number = ch.publishing.published;
-                    ch.unanswered_forwards.push_back((number, last));
+                    ch.unanswered_forwards.push_back(UnansweredForward {
+                        number: ch.publishing.published,
+                        last,
+                        commits_before: ch.publishing.commits,
+                    });
                 }
             }
         }

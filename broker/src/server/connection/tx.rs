@@ -7,7 +7,7 @@ use super::{Connection, Lazy};
 use crate::amqp::{AMQPClass, basic, confirm, tx};
 use crate::clock::now_ms;
 use crate::core::{AmqpError, ChannelKey, PublishOutcome};
-use crate::server::channel::Transaction;
+use crate::server::channel::{Transaction, UnansweredForward};
 
 impl Connection {
     /// confirm.select: from now on every publish on the channel is confirmed.
@@ -56,9 +56,24 @@ impl Connection {
                 let Some(held) = ch.tx.replace(Transaction::default()) else {
                     return Err(AmqpError::precondition("channel is not transactional"));
                 };
+                let (number, commits_before) = (ch.publishing.published + 1, ch.publishing.commits);
                 ch.publishing.published += held.publishes.len() as u64;
                 ch.publishing.commits += 1;
+                let forwards_before = self.fx.forwards.len();
                 self.commit(id, held, v)?;
+                if self.session.is_some() && self.fx.forwards.len() > forwards_before {
+                    // Counted only once its primaries answered (B22).
+                    let last = self.forwards.issued() + self.fx.forwards.len() as u64;
+                    self.channels
+                        .get_mut(&id)
+                        .expect("checked by the caller")
+                        .unanswered_forwards
+                        .push_back(UnansweredForward {
+                            number,
+                            last,
+                            commits_before,
+                        });
+                }
                 if self.commit_remote_settles(id) {
                     return Ok(());
                 }
