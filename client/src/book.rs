@@ -116,6 +116,24 @@ pub(crate) struct ChannelBook {
     pub failovers: u64,
     /// The channel's name on its publishes (`x-ringmq-producer`: `<session>:<channel>`).
     pub producer: String,
+    /// Its transactions, once `tx.select` was sent.
+    pub tx: Option<TxBook>,
+}
+
+/// What a transactional channel remembers so that a failover neither loses a transaction nor
+/// applies one twice (`docs/sessions.md` §5).
+#[derive(Debug, Default)]
+pub(crate) struct TxBook {
+    /// `tx.commit-ok`s since the channel was opened on the member it is on (started over at
+    /// a takeover): after a resume on the same member, the session status's `commits`
+    /// above this says a commit whose answer was lost went through.
+    pub commits: u64,
+    /// Application tags the open transaction settled.
+    open_settled: Vec<u64>,
+    /// Per `tx.commit` or `tx.rollback` sent and not answered, in order: the channel's
+    /// publish count when it was sent (its transaction's publishes are those up to it), and
+    /// the tags its transaction settled.
+    ending: VecDeque<(u64, Vec<u64>)>,
 }
 
 /// What identifies a message across the members that may deliver it: its producer's name
@@ -165,6 +183,51 @@ impl ChannelBook {
         if self.confirm_base.is_none() {
             self.confirm_base = Some(self.published);
             self.log.clear();
+        }
+    }
+
+    /// `tx.select` is being sent.
+    pub fn select_tx(&mut self) {
+        self.tx.get_or_insert_with(TxBook::default);
+    }
+
+    /// A `tx.commit` or `tx.rollback` is being sent: it ends the open transaction — the
+    /// publishes sent so far and what the application settled since the last one.
+    pub fn tx_ending(&mut self) {
+        let published = self.published;
+        if let Some(tx) = self.tx.as_mut() {
+            let settled = std::mem::take(&mut tx.open_settled);
+            tx.ending.push_back((published, settled));
+        }
+    }
+
+    /// The oldest `tx.commit` (`committed`) or `tx.rollback` sent was answered (or, after a
+    /// resume, found to have gone through): its transaction's publishes leave the log —
+    /// applied or discarded, never to be sent again — and, rolled back, its settlements are
+    /// undone: the deliveries are the application's again, to settle.
+    pub fn tx_ended(&mut self, committed: bool) {
+        let Some((through, settled)) = self.tx.as_mut().and_then(|tx| tx.ending.pop_front()) else {
+            return;
+        };
+        while self.log.front().is_some_and(|p| p.seq <= through) {
+            self.log.pop_front();
+        }
+        if committed {
+            if let Some(tx) = self.tx.as_mut() {
+                tx.commits += 1;
+            }
+            return;
+        }
+        for t in settled {
+            self.settled.remove(&t);
+            self.recent.remove(&t);
+            self.outstanding.insert(t);
+            if let Some(id) = self.identities.get(&t)
+                && let Some(expected) = self.returning.get_mut(id)
+                && matches!(expected.0, Returning::Settled(_))
+            {
+                expected.0 = Returning::Held(t);
+            }
         }
     }
 
@@ -219,6 +282,9 @@ impl ChannelBook {
             .flatten();
         if let Some(b) = covered {
             out.push(in_broker_tag(b, true, how));
+        }
+        if let Some(tx) = self.tx.as_mut() {
+            tx.open_settled.extend(&tags);
         }
         for t in tags {
             self.outstanding.remove(&t);
@@ -362,6 +428,10 @@ impl ChannelBook {
             // The member numbers confirms from its confirm.select, at count 0, by the
             // client's numbers: the n-th confirm is publish n.
             self.confirm_base = Some(0);
+        }
+        if let Some(tx) = self.tx.as_mut() {
+            // The member counts the channel's commits from its tx.select.
+            tx.commits = 0;
         }
     }
 

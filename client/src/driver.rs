@@ -9,7 +9,7 @@ use crate::book::{Arrival, ChannelBook, ConsumerSpec, Identity, Logged, Settle};
 use crate::recovery::{Recoveries, Refused};
 use crate::wire::{Incoming, Target, Wire};
 use amq_protocol::protocol::basic::AMQPProperties;
-use amq_protocol::protocol::{AMQPClass, basic, channel, connection, queue};
+use amq_protocol::protocol::{AMQPClass, basic, channel, connection, queue, tx};
 use amq_protocol::types::{AMQPValue, FieldTable};
 use bytes::{Bytes, BytesMut};
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -89,6 +89,10 @@ struct Pending {
     reply: Option<oneshot::Sender<Result<AMQPClass, Error>>>,
     /// `channel.open` of a channel the application opens (answered with its number).
     open: Option<oneshot::Sender<Result<u16, Error>>>,
+    /// The channel's publish count when it was sent: after a failover it is sent again
+    /// after the publishes that came before it and before those that came after (a
+    /// `tx.commit` after its transaction's publishes).
+    published_before: u64,
 }
 
 /// A message whose content frames are still arriving.
@@ -363,6 +367,7 @@ impl Driver {
                     consumer: None,
                     reply: None,
                     open: Some(reply),
+                    published_before: 0,
                 });
             }
             Cmd::Call {
@@ -379,15 +384,22 @@ impl Driver {
                     }));
                     return None;
                 };
-                if matches!(method, AMQPClass::Confirm(_)) {
-                    book.select_confirms();
+                match &method {
+                    AMQPClass::Confirm(_) => book.select_confirms(),
+                    AMQPClass::Tx(tx::AMQPMethod::Select(_)) => book.select_tx(),
+                    AMQPClass::Tx(tx::AMQPMethod::Commit(_) | tx::AMQPMethod::Rollback(_)) => {
+                        book.tx_ending();
+                    }
+                    _ => {}
                 }
+                let published_before = book.published;
                 self.wire.method(channel, method.clone());
                 self.pending.entry(channel).or_default().push_back(Pending {
                     method,
                     consumer,
                     reply: Some(reply),
                     open: None,
+                    published_before,
                 });
             }
             Cmd::Publish {
@@ -644,11 +656,13 @@ impl Driver {
                 tracing::info!(channel = ch, tag = %spec.tag, queue = %spec.queue, "consumer created again");
                 let method = AMQPClass::Basic(basic::AMQPMethod::Consume(consume_method(&spec)));
                 self.wire.method(ch, method.clone());
+                let published_before = self.books.get(&ch).map_or(0, |b| b.published);
                 self.pending.entry(ch).or_default().push_back(Pending {
                     method,
                     consumer: Some(spec),
                     reply: None,
                     open: None,
+                    published_before,
                 });
             }
             AMQPClass::Channel(channel::AMQPMethod::Close(c)) => {
@@ -678,8 +692,13 @@ impl Driver {
             if let Some(spec) = p.consumer {
                 book.consumers.push(spec);
             }
-            if let AMQPClass::Basic(basic::AMQPMethod::Qos(q)) = &p.method {
-                book.prefetch = Some((q.prefetch_count, q.global));
+            match &p.method {
+                AMQPClass::Basic(basic::AMQPMethod::Qos(q)) => {
+                    book.prefetch = Some((q.prefetch_count, q.global));
+                }
+                AMQPClass::Tx(tx::AMQPMethod::Commit(_)) => book.tx_ended(true),
+                AMQPClass::Tx(tx::AMQPMethod::Rollback(_)) => book.tx_ended(false),
+                _ => {}
             }
         }
         if let Some(r) = p.open {

@@ -19,7 +19,7 @@
 //! taken the queue over, without a failover of the connection (`recovery`).
 //!
 //! What it offers is the part of 0-9-1 the failover has to carry: channels, confirm mode,
-//! prefetch, queue declarations, publishing, consuming and settling. Why a client of its own
+//! transactions, prefetch, queue declarations, publishing, consuming and settling. Why a client of its own
 //! and not lapin: `docs/dependencies.md`.
 
 mod book;
@@ -254,6 +254,37 @@ impl Channel {
             AMQPClass::Confirm(confirm::AMQPMethod::Select(confirm::Select {
                 nowait: false,
             })),
+            None,
+        )
+        .await
+        .map(drop)
+    }
+
+    /// Makes the channel transactional: its publishes and settlements wait for
+    /// [`Channel::tx_commit`]. A transaction survives a failover: one whose commit the lost
+    /// connection did not answer is sent again only if it did not go through
+    /// (`docs/sessions.md` §5).
+    pub async fn tx_select(&self) -> Result<(), Error> {
+        use amq_protocol::protocol::{AMQPClass, tx};
+        self.call(AMQPClass::Tx(tx::AMQPMethod::Select(tx::Select {})), None)
+            .await
+            .map(drop)
+    }
+
+    /// Applies the channel's open transaction: its publishes, then its settlements.
+    pub async fn tx_commit(&self) -> Result<(), Error> {
+        use amq_protocol::protocol::{AMQPClass, tx};
+        self.call(AMQPClass::Tx(tx::AMQPMethod::Commit(tx::Commit {})), None)
+            .await
+            .map(drop)
+    }
+
+    /// Discards the channel's open transaction: its publishes are dropped, and the
+    /// deliveries it settled are the application's again, unsettled.
+    pub async fn tx_rollback(&self) -> Result<(), Error> {
+        use amq_protocol::protocol::{AMQPClass, tx};
+        self.call(
+            AMQPClass::Tx(tx::AMQPMethod::Rollback(tx::Rollback {})),
             None,
         )
         .await

@@ -6,8 +6,9 @@
 
 use super::{Driver, Ended, Pending, consume_method, publish_method, settle_method};
 use crate::Error;
+use crate::book::ChannelBook;
 use crate::wire::{Incoming, Wire};
-use amq_protocol::protocol::{AMQPClass, basic, channel, confirm};
+use amq_protocol::protocol::{AMQPClass, basic, channel, confirm, tx};
 use amq_protocol::types::{AMQPValue, FieldTable};
 use bytes::Bytes;
 use rand08::seq::SliceRandom;
@@ -83,100 +84,127 @@ impl Driver {
     /// Puts the session's channels back on the new connection (see the crate documentation),
     /// then sends again what the application asked and got no answer for.
     async fn restore(&mut self) -> Result<(), Error> {
-        let unacked = self.broker_unacked().await?;
+        let status = self.session_status().await?;
         let ids: Vec<u16> = self.books.keys().copied().collect();
         for id in ids {
-            // A channel.open the application is still waiting for is answered by this one.
-            let queue = self.pending.remove(&id).unwrap_or_default();
-            let mut queue: VecDeque<Pending> = queue;
-            let open_waiting = queue
-                .front()
-                .is_some_and(|p| matches!(p.method, AMQPClass::Channel(_)));
-            let open = open_waiting.then(|| queue.pop_front()).flatten();
-            self.rpc(
-                id,
-                AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
-            )
-            .await?;
-            if let Some(r) = open.and_then(|p| p.open) {
-                let _ = r.send(Ok(id));
-            }
-            let book = self.books.get_mut(&id).expect("listed above");
-            // A channel the status does not list: the session was taken over from another
-            // member, and the channel starts over here.
-            let started_over = !unacked.contains_key(&id);
-            if started_over {
-                book.start_over();
-            }
-            let prefetch = book.prefetch;
-            let consumers = book.consumers.clone();
-            let confirming = book.confirm_base.is_some();
-            let again = book.settle_again(&unacked.get(&id).cloned().unwrap_or_default());
-            if started_over && confirming {
-                self.rpc(
-                    id,
-                    AMQPClass::Confirm(confirm::AMQPMethod::Select(confirm::Select {
-                        nowait: false,
-                    })),
-                )
-                .await?;
-            }
-            if let Some((prefetch_count, global)) = prefetch {
-                self.rpc(
-                    id,
-                    AMQPClass::Basic(basic::AMQPMethod::Qos(basic::Qos {
-                        prefetch_count,
-                        global,
-                    })),
-                )
-                .await?;
-            }
-            // Settlements first, so that the consumers created again below are not sent
-            // what the application settled already.
-            for settle in again {
-                self.wire
-                    .method(id, AMQPClass::Basic(settle_method(settle)));
-            }
-            // On a resumed session the broker sends each consumer created again what its
-            // predecessor left unacknowledged, under the old tags, before anything new; the
-            // book lets through only what the application has not had.
-            for spec in &consumers {
-                self.rpc(
-                    id,
-                    AMQPClass::Basic(basic::AMQPMethod::Consume(consume_method(spec))),
-                )
-                .await?;
-            }
-            // What the application asked before the publishes it sent after (a
-            // confirm.select before the publishes it numbers), then the publishes.
-            for p in &queue {
-                self.wire.method(id, p.method.clone());
-            }
-            let book = self.books.get(&id).expect("listed above");
-            tracing::debug!(
-                channel = id,
-                resent = book.log.len(),
-                first = book.log.front().map(|p| p.seq),
-                last = book.log.back().map(|p| p.seq),
-                base = book.confirm_base,
-                pending = queue.len(),
-                "restoring the channel"
-            );
-            // Each was numbered when first sent.
-            for p in &book.log {
-                self.wire
-                    .publish(id, publish_method(p), &p.properties, &p.body);
-            }
+            // What the application waits for stays waiting if this attempt fails: the next
+            // one sends it again.
+            let mut queue = self.pending.remove(&id).unwrap_or_default();
+            let restored = self.restore_channel(id, &status, &mut queue).await;
             self.pending.insert(id, queue);
+            restored?;
             self.wire.flush().await?;
         }
         Ok(())
     }
 
+    /// Puts channel `id` back, with `queue`, the methods sent on it and not answered.
+    async fn restore_channel(
+        &mut self,
+        id: u16,
+        status: &BTreeMap<u16, KeptChannel>,
+        queue: &mut VecDeque<Pending>,
+    ) -> Result<(), Error> {
+        self.rpc(
+            id,
+            AMQPClass::Channel(channel::AMQPMethod::Open(channel::Open {})),
+        )
+        .await?;
+        // A channel.open the application is still waiting for is answered by this one.
+        if queue
+            .front()
+            .is_some_and(|p| matches!(p.method, AMQPClass::Channel(_)))
+            && let Some(r) = queue.pop_front().and_then(|p| p.open)
+        {
+            let _ = r.send(Ok(id));
+        }
+        let book = self.books.get_mut(&id).expect("listed above");
+        // A channel the status does not list: the session was taken over from another
+        // member, and the channel starts over here.
+        let kept = status.get(&id);
+        let started_over = kept.is_none();
+        if started_over {
+            book.start_over();
+        }
+        let prefetch = book.prefetch;
+        let consumers = book.consumers.clone();
+        let confirming = book.confirm_base.is_some();
+        let transactional = book.tx.is_some();
+        let again = book.settle_again(&kept.map(|k| k.unacked.clone()).unwrap_or_default());
+        if let Some(kept) = kept {
+            answer_what_went_through(book, queue, kept.commits);
+        }
+        if started_over && confirming {
+            self.rpc(
+                id,
+                AMQPClass::Confirm(confirm::AMQPMethod::Select(confirm::Select {
+                    nowait: false,
+                })),
+            )
+            .await?;
+        }
+        if started_over && transactional {
+            self.rpc(id, AMQPClass::Tx(tx::AMQPMethod::Select(tx::Select {})))
+                .await?;
+        }
+        if let Some((prefetch_count, global)) = prefetch {
+            self.rpc(
+                id,
+                AMQPClass::Basic(basic::AMQPMethod::Qos(basic::Qos {
+                    prefetch_count,
+                    global,
+                })),
+            )
+            .await?;
+        }
+        // Settlements first, so that the consumers created again below are not sent
+        // what the application settled already.
+        for settle in again {
+            self.wire
+                .method(id, AMQPClass::Basic(settle_method(settle)));
+        }
+        // On a resumed session the broker sends each consumer created again what its
+        // predecessor left unacknowledged, under the old tags, before anything new; the
+        // book lets through only what the application has not had.
+        for spec in &consumers {
+            self.rpc(
+                id,
+                AMQPClass::Basic(basic::AMQPMethod::Consume(consume_method(spec))),
+            )
+            .await?;
+        }
+        let book = self.books.get(&id).expect("listed above");
+        tracing::debug!(
+            channel = id,
+            resent = book.log.len(),
+            first = book.log.front().map(|p| p.seq),
+            last = book.log.back().map(|p| p.seq),
+            base = book.confirm_base,
+            pending = queue.len(),
+            "restoring the channel"
+        );
+        // What the application asked and the publishes, in the order it sent them (a
+        // confirm.select before the publishes it numbers, a tx.commit after its
+        // transaction's); each publish was numbered when first sent.
+        let mut log = book.log.iter().peekable();
+        for p in queue.iter() {
+            while let Some(l) = log.next_if(|l| l.seq <= p.published_before) {
+                self.wire
+                    .publish(id, publish_method(l), &l.properties, &l.body);
+            }
+            self.wire.method(id, p.method.clone());
+        }
+        for l in log {
+            self.wire
+                .publish(id, publish_method(l), &l.properties, &l.body);
+        }
+        Ok(())
+    }
+
     /// Reads the session's status (`amq.session`) on a channel of its own — so that the
-    /// application's channels keep their delivery tags — and returns, per channel, the tags
-    /// the broker counts unacknowledged.
-    async fn broker_unacked(&mut self) -> Result<BTreeMap<u16, BTreeSet<u64>>, Error> {
+    /// application's channels keep their delivery tags — and returns what it says of each
+    /// channel.
+    async fn session_status(&mut self) -> Result<BTreeMap<u16, KeptChannel>, Error> {
         let scratch = (1..=self.channel_max)
             .rev()
             .find(|id| !self.books.contains_key(id))
@@ -219,7 +247,7 @@ impl Driver {
         )
         .await?;
         tracing::debug!(status = %String::from_utf8_lossy(&body), "session status");
-        Ok(parse_unacked(&body))
+        Ok(parse_status(&body))
     }
 
     /// Sends `method` on `ch` and reads until its reply.
@@ -266,8 +294,50 @@ impl Driver {
     }
 }
 
-/// The per-channel `unacked` lists of a session status (`docs/sessions.md`).
-fn parse_unacked(status: &[u8]) -> BTreeMap<u16, BTreeSet<u64>> {
+/// What the member the session resumed on kept of one of its channels.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct KeptChannel {
+    /// The delivery tags it counts unacknowledged.
+    unacked: BTreeSet<u64>,
+    /// The `tx.commit`s it applied.
+    commits: u64,
+}
+
+/// After a resume on the same member: the `tx.commit`s sent whose `commit-ok` the lost
+/// connection did not bring, but that the member applied (`commits`, its count, above the
+/// channel's), are answered now and not sent again — nor is their transaction; so are the
+/// `tx.rollback`s sent before them. The rest stay to be sent again.
+fn answer_what_went_through(book: &mut ChannelBook, queue: &mut VecDeque<Pending>, commits: u64) {
+    let Some(known) = book.tx.as_ref().map(|tx| tx.commits) else {
+        return;
+    };
+    let mut went_through = commits.saturating_sub(known);
+    let mut still = VecDeque::with_capacity(queue.len());
+    while let Some(p) = queue.pop_front() {
+        let reply = match p.method {
+            AMQPClass::Tx(tx::AMQPMethod::Commit(_)) if went_through > 0 => {
+                went_through -= 1;
+                book.tx_ended(true);
+                tx::AMQPMethod::CommitOk(tx::CommitOk {})
+            }
+            AMQPClass::Tx(tx::AMQPMethod::Rollback(_)) if went_through > 0 => {
+                book.tx_ended(false);
+                tx::AMQPMethod::RollbackOk(tx::RollbackOk {})
+            }
+            _ => {
+                still.push_back(p);
+                continue;
+            }
+        };
+        if let Some(r) = p.reply {
+            let _ = r.send(Ok(AMQPClass::Tx(reply)));
+        }
+    }
+    *queue = still;
+}
+
+/// What a session status (`docs/sessions.md`) says of each channel.
+fn parse_status(status: &[u8]) -> BTreeMap<u16, KeptChannel> {
     let Ok(v) = serde_json::from_slice::<serde_json::Value>(status) else {
         return BTreeMap::new();
     };
@@ -280,7 +350,13 @@ fn parse_unacked(status: &[u8]) -> BTreeMap<u16, BTreeSet<u64>> {
             let tags = c.get("unacked")?.as_array()?;
             Some((
                 id.parse().ok()?,
-                tags.iter().filter_map(serde_json::Value::as_u64).collect(),
+                KeptChannel {
+                    unacked: tags.iter().filter_map(serde_json::Value::as_u64).collect(),
+                    commits: c
+                        .get("commits")
+                        .and_then(serde_json::Value::as_u64)
+                        .unwrap_or(0),
+                },
             ))
         })
         .collect()
@@ -289,13 +365,73 @@ fn parse_unacked(status: &[u8]) -> BTreeMap<u16, BTreeSet<u64>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::book::Logged;
+    use tokio::sync::oneshot;
 
     #[test]
-    fn the_unacked_tags_of_each_channel_are_read_from_the_status() {
-        let status = br#"{"session":"x","timeout_s":60,"resumed":true,"channels":{"1":{"next_delivery_tag":9,"unacked":[3, 5],"publishes_processed":4,"confirm":true,"transactional":false,"commits":0},"12":{"next_delivery_tag":1,"unacked":[],"publishes_processed":0,"confirm":false,"transactional":false,"commits":0}}}"#;
-        let got = parse_unacked(status);
-        assert_eq!(got.get(&1), Some(&BTreeSet::from([3, 5])));
-        assert_eq!(got.get(&12), Some(&BTreeSet::new()));
+    fn the_unacked_tags_and_commits_of_each_channel_are_read_from_the_status() {
+        let status = br#"{"session":"x","timeout_s":60,"resumed":true,"channels":{"1":{"next_delivery_tag":9,"unacked":[3, 5],"publishes_processed":4,"confirm":true,"transactional":false,"commits":0},"12":{"next_delivery_tag":1,"unacked":[],"publishes_processed":0,"confirm":false,"transactional":true,"commits":7}}}"#;
+        let got = parse_status(status);
+        let kept = |unacked: &[u64], commits| KeptChannel {
+            unacked: unacked.iter().copied().collect(),
+            commits,
+        };
+        assert_eq!(got.get(&1), Some(&kept(&[3, 5], 0)));
+        assert_eq!(got.get(&12), Some(&kept(&[], 7)));
         assert_eq!(got.len(), 2);
+    }
+
+    fn pending(
+        method: AMQPClass,
+        published_before: u64,
+    ) -> (Pending, oneshot::Receiver<Result<AMQPClass, Error>>) {
+        let (reply, rx) = oneshot::channel();
+        let p = Pending {
+            method,
+            consumer: None,
+            reply: Some(reply),
+            open: None,
+            published_before,
+        };
+        (p, rx)
+    }
+
+    #[test]
+    fn a_commit_the_member_applied_is_answered_and_one_it_did_not_is_sent_again() {
+        let mut book = ChannelBook::default();
+        book.select_tx();
+        let commit = || AMQPClass::Tx(tx::AMQPMethod::Commit(tx::Commit {}));
+        let mut queue = VecDeque::new();
+        let mut answers = Vec::new();
+        for through in [2, 4] {
+            for _ in 0..2 {
+                book.record_publish(Logged {
+                    seq: 0,
+                    exchange: String::new(),
+                    routing_key: "q".into(),
+                    properties: Default::default(),
+                    body: Bytes::from_static(b"x"),
+                    outcome: None,
+                });
+            }
+            book.tx_ending();
+            let (p, rx) = pending(commit(), through);
+            queue.push_back(p);
+            answers.push(rx);
+        }
+        // The member applied the first commit; its answer was lost with the connection.
+        answer_what_went_through(&mut book, &mut queue, 1);
+        assert!(matches!(
+            answers[0].try_recv(),
+            Ok(Ok(AMQPClass::Tx(tx::AMQPMethod::CommitOk(_))))
+        ));
+        assert!(answers[1].try_recv().is_err(), "the second is still open");
+        assert_eq!(queue.len(), 1);
+        assert_eq!(
+            book.log.iter().map(|l| l.seq).collect::<Vec<_>>(),
+            [3, 4],
+            "only the second transaction is sent again"
+        );
+        assert_eq!(book.tx.as_ref().map(|t| t.commits), Some(1));
     }
 }

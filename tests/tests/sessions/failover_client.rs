@@ -4,63 +4,13 @@
 //! every connection is cut (abruptly, both directions) again and again at seeded random
 //! moments, the two records are identical.
 
-use super::script::{DELIVERIES, config, next, script, seeds};
+use super::relay::Cutter;
+use super::script::{DELIVERIES, TX_COMMITTED, config, next, script, seeds};
 use ringmq_client::{QueueOptions, Table};
 use ringmq_tests::Broker;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
-use tokio::io::AsyncWriteExt;
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
-
-/// A TCP relay in front of the broker whose connections the test can cut: every relayed
-/// connection ends at once, without a close, as when a member dies or the network drops.
-struct Cutter {
-    addr: std::net::SocketAddr,
-    cuts: watch::Sender<u64>,
-    relayed: Arc<AtomicU64>,
-}
-
-impl Cutter {
-    async fn start(upstream: std::net::SocketAddr) -> Cutter {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let (cuts, _) = watch::channel(0u64);
-        let relayed = Arc::new(AtomicU64::new(0));
-        let (cut_rx, count) = (cuts.subscribe(), relayed.clone());
-        tokio::spawn(async move {
-            while let Ok((client, _)) = listener.accept().await {
-                let Ok(server) = TcpStream::connect(upstream).await else {
-                    continue;
-                };
-                count.fetch_add(1, Ordering::Relaxed);
-                let mut cut = cut_rx.clone();
-                cut.borrow_and_update();
-                tokio::spawn(async move {
-                    let (mut cr, mut cw) = client.into_split();
-                    let (mut sr, mut sw) = server.into_split();
-                    tokio::select! {
-                        _ = tokio::io::copy(&mut cr, &mut sw) => {}
-                        _ = tokio::io::copy(&mut sr, &mut cw) => {}
-                        _ = cut.changed() => {}
-                    }
-                    // Dropped without a shutdown: both peers see the connection end abruptly.
-                    let _ = (cw.flush().await, sw.flush().await);
-                });
-            }
-        });
-        Cutter {
-            addr,
-            cuts,
-            relayed,
-        }
-    }
-
-    fn cut(&self) {
-        self.cuts.send_modify(|n| *n += 1);
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_application_sees_the_same_commands_with_its_connection_cut_again_and_again() {
@@ -80,6 +30,10 @@ async fn the_application_sees_the_same_commands_with_its_connection_cut_again_an
     let (clean, clean_failovers) = run(uri_at(direct.addr), "script-clean".into()).await;
     assert_eq!(clean_failovers, 0);
     assert_eq!(clean.consumer.len(), DELIVERIES);
+    assert_eq!(
+        clean.tx.iter().filter(|l| l.starts_with("deliver")).count(),
+        TX_COMMITTED
+    );
 
     // FAILOVER_SEEDS: seeds to run instead (decimal or 0x-hex, comma-separated), or
     // FAILOVER_RUNS: that many seeds from 0x5eed0001 on.
@@ -128,6 +82,10 @@ async fn the_application_sees_the_same_commands_with_its_connection_cut_again_an
         assert_eq!(
             cut.consumer, clean.consumer,
             "seed {seed:#x}: the consuming channel differs from the run without failure"
+        );
+        assert_eq!(
+            cut.tx, clean.tx,
+            "seed {seed:#x}: the transactional channel differs from the run without failure"
         );
         eprintln!(
             "seed {seed:#x}: {cuts_made} cuts, {failovers} failovers, {} connections, same commands",

@@ -6,6 +6,8 @@ mod exclusive_queues;
 mod failover_client;
 mod plain_clients;
 mod publishing;
+mod relay;
 mod script;
 mod scripted_kills;
+mod transactions;
 mod wire;

@@ -113,7 +113,8 @@ async fn message_count(ch: &lapin::Channel, queue: &str) -> u32 {
     .message_count()
 }
 
-fn dropped_duplicates(b: &Broker) -> f64 {
+/// `ringmq_session_duplicates_dropped_total` of `b`.
+pub(crate) fn dropped_duplicates(b: &Broker) -> f64 {
     let text = b.admin_client().get("/metrics").unwrap().body;
     let text = text.as_str().expect("metrics are text").to_owned();
     text.lines()

@@ -14,6 +14,9 @@ pub(crate) struct Record {
     pub(crate) plain: Vec<String>,
     /// Consuming channel: each delivery (tag, body, redelivered) and what the app did.
     pub(crate) consumer: Vec<String>,
+    /// Transactional channel: each publish, commit and rollback, then each delivery it
+    /// acknowledges in transactions and each commit of those acks.
+    pub(crate) tx: Vec<String>,
 }
 
 /// Messages published with confirms.
@@ -26,6 +29,22 @@ pub(crate) const PLAIN_MESSAGES: usize = 50;
 /// confirmed ones a second time after its rejection.
 pub(crate) const DELIVERIES: usize = MESSAGES + MESSAGES.div_ceil(7) + PLAIN_MESSAGES;
 
+/// Publishes per transaction of the transactional channel: one transaction after each
+/// window of confirmed publishes.
+const TX_SIZE: usize = 5;
+
+/// Every this-many-th transaction is rolled back instead of committed.
+const TX_ROLLED_BACK_EVERY: usize = 4;
+
+/// The confirmed publishes' windows: one transaction follows each.
+const WINDOW: usize = 25;
+
+/// Messages the transactional channel commits (and consumes again, in transactions).
+pub(crate) const TX_COMMITTED: usize = {
+    let transactions = MESSAGES.div_ceil(WINDOW);
+    (transactions - transactions / TX_ROLLED_BACK_EVERY) * TX_SIZE
+};
+
 /// `what` within `limit`, or a failure naming it.
 async fn within_for<T>(what: &str, limit: Duration, f: impl std::future::Future<Output = T>) -> T {
     tokio::time::timeout(limit, f)
@@ -33,14 +52,17 @@ async fn within_for<T>(what: &str, limit: Duration, f: impl std::future::Future<
         .unwrap_or_else(|_| panic!("{what}: no answer within {limit:?}"))
 }
 
-/// The scripted application on a client configured by `config`, on queue `queue` and
-/// `<queue>-plain`, both declared with `options` and `arguments`:
+/// The scripted application on a client configured by `config`, on queues `queue`,
+/// `<queue>-plain` and `<queue>-tx`, all declared with `options` and `arguments`:
 ///
-/// 1. channel 1 selects confirms and declares both queues;
+/// 1. channel 1 selects confirms and declares the queues; channel 4 selects transactions;
 /// 2. channel 3 publishes [`PLAIN_MESSAGES`] to `<queue>-plain` without confirms;
-/// 3. channel 1 publishes [`MESSAGES`] to `queue`, confirms awaited in windows of 25;
+/// 3. channel 1 publishes [`MESSAGES`] to `queue`, confirms awaited in windows of 25; after
+///    each window channel 4 publishes a transaction of [`TX_SIZE`] to `<queue>-tx` and
+///    commits it, or every [`TX_ROLLED_BACK_EVERY`]-th, rolls it back;
 /// 4. channel 2 (prefetch 1) consumes `queue`, rejecting every 7th delivery once with requeue
-///    and acknowledging everything else, then consumes `<queue>-plain`, acknowledging all.
+///    and acknowledging everything else, then consumes `<queue>-plain`, acknowledging all;
+/// 5. channel 4 consumes `<queue>-tx`, acknowledging [`TX_SIZE`] deliveries per transaction.
 ///
 /// Every step is given `patience` (a failover included). Returns the record and the
 /// client's failover count.
@@ -61,7 +83,12 @@ pub(crate) async fn script(
     let publisher = within_for(&w, p, client.channel()).await.unwrap();
     let (w, p) = within("confirm.select");
     within_for(&w, p, publisher.confirm_select()).await.unwrap();
-    for (role, name) in [("queue", queue), ("plain", plain_queue.as_str())] {
+    let tx_queue = format!("{queue}-tx");
+    for (role, name) in [
+        ("queue", queue),
+        ("plain", plain_queue.as_str()),
+        ("tx", tx_queue.as_str()),
+    ] {
         let (w, p) = within("queue.declare");
         let declared = within_for(
             &w,
@@ -82,6 +109,14 @@ pub(crate) async fn script(
         let (w, p) = within("channel 3");
         within_for(&w, p, client.channel()).await.unwrap()
     };
+    let transactional = {
+        let (w, p) = within("channel 4");
+        within_for(&w, p, client.channel()).await.unwrap()
+    };
+    let (w, p) = within("tx.select");
+    within_for(&w, p, transactional.tx_select()).await.unwrap();
+    record.tx.push("select-ok".into());
+    let mut transactions = 0;
     for i in 0..PLAIN_MESSAGES {
         let body = format!("u{i}");
         // Without confirm mode the confirmation only says the client took it.
@@ -102,13 +137,39 @@ pub(crate) async fn script(
                 .unwrap(),
         ));
         record.publisher.push(format!("publish m{i}"));
-        if window.len() == 25 || i + 1 == MESSAGES {
+        if window.len() == WINDOW || i + 1 == MESSAGES {
             for (body, confirmation) in window.drain(..) {
                 let (w, p) = within(&format!("the confirm of {body}"));
                 let ack = within_for(&w, p, confirmation.wait())
                     .await
                     .expect("a confirm");
                 record.publisher.push(format!("confirm {body} {ack}"));
+            }
+            transactions += 1;
+            for k in 0..TX_SIZE {
+                let body = format!("t{}", (transactions - 1) * TX_SIZE + k);
+                drop(
+                    transactional
+                        .publish(
+                            "",
+                            &tx_queue,
+                            Properties::default(),
+                            body.clone().into_bytes(),
+                        )
+                        .unwrap(),
+                );
+                record.tx.push(format!("publish {body}"));
+            }
+            if transactions % TX_ROLLED_BACK_EVERY == 0 {
+                let (w, p) = within(&format!("the rollback of transaction {transactions}"));
+                within_for(&w, p, transactional.tx_rollback())
+                    .await
+                    .unwrap();
+                record.tx.push("rollback-ok".into());
+            } else {
+                let (w, p) = within(&format!("the commit of transaction {transactions}"));
+                within_for(&w, p, transactional.tx_commit()).await.unwrap();
+                record.tx.push("commit-ok".into());
             }
         }
     }
@@ -144,6 +205,28 @@ pub(crate) async fn script(
                 d.delivery_tag, d.redelivered
             ));
         }
+    }
+    let (w, p) = within("basic.consume on the transactional channel");
+    let mut consumer = within_for(&w, p, transactional.consume(&tx_queue, "c3", false))
+        .await
+        .unwrap();
+    for _ in 0..TX_COMMITTED / TX_SIZE {
+        for _ in 0..TX_SIZE {
+            let (w, p) = within(&format!("transactional delivery {}", record.tx.len()));
+            let d = within_for(&w, p, consumer.next())
+                .await
+                .expect("the consumer lives");
+            transactional.ack(d.delivery_tag, false).unwrap();
+            record.tx.push(format!(
+                "deliver {} {} {} ack",
+                d.delivery_tag,
+                String::from_utf8_lossy(&d.body),
+                d.redelivered
+            ));
+        }
+        let (w, p) = within("the commit of acks");
+        within_for(&w, p, transactional.tx_commit()).await.unwrap();
+        record.tx.push("commit-ok".into());
     }
     let failovers = client.failovers();
     let (w, p) = within("close");

@@ -7,7 +7,7 @@
 //! `CLUSTER_FAILOVER_RUNS=100` (or `CLUSTER_FAILOVER_SEEDS=...`) runs that many; the default
 //! is three, one of each kind.
 
-use super::script::{DELIVERIES, Record, config, next, script, seeds};
+use super::script::{DELIVERIES, Record, TX_COMMITTED, config, next, script, seeds};
 use lapin::options::QueueDeclareOptions;
 use lapin::types::{AMQPValue, FieldTable};
 use ringmq_client::QueueOptions;
@@ -44,11 +44,15 @@ fn durable() -> QueueOptions {
     }
 }
 
-/// Declares `<queue>` and `<queue>-plain` on `primary` with a plain client, so that their
+/// Declares `<queue>`, `<queue>-plain` and `<queue>-tx` on `primary` with a plain client, so that their
 /// primary is that member whichever member the scripted client uses.
 async fn declare_on(primary: &Broker, queue: &str) {
     let (_c, ch) = primary.channel().await;
-    for name in [queue.to_owned(), format!("{queue}-plain")] {
+    for name in [
+        queue.to_owned(),
+        format!("{queue}-plain"),
+        format!("{queue}-tx"),
+    ] {
         ch.queue_declare(
             name.as_str().into(),
             QueueDeclareOptions {
@@ -188,6 +192,10 @@ async fn the_application_sees_the_same_commands_while_its_member_and_primary_are
     .await;
     assert_eq!(failovers, 0);
     assert_eq!(clean.consumer.len(), DELIVERIES);
+    assert_eq!(
+        clean.tx.iter().filter(|l| l.starts_with("deliver")).count(),
+        TX_COMMITTED
+    );
     let started = Instant::now();
     let (mut landed_runs, mut failover_total, mut flagged_total) = (0, 0, 0);
     let all = seeds("CLUSTER_FAILOVER", 0xc1a5_0001, 3);
@@ -216,6 +224,14 @@ async fn the_application_sees_the_same_commands_while_its_member_and_primary_are
                 record.consumer.get(line)
             )
         });
+        let tx_flagged = same_but_redelivered(&clean.tx, &record.tx).unwrap_or_else(|line| {
+            panic!(
+                "seed {seed:#x} ({victim:?}): the transactional channel differs from the run without failure at line {line}:\n  clean: {:?}\n  this:  {:?}",
+                clean.tx.get(line),
+                record.tx.get(line)
+            )
+        });
+        let flagged = flagged + tx_flagged;
         flagged_total += flagged;
         landed_runs += usize::from(landed > 0);
         failover_total += failovers;
