@@ -7,6 +7,8 @@
 //! map from the first synced member, then follows the stream. Queue *content* stays on the
 //! member that owns the queue. `docs/cluster.md` has the whole story.
 
+mod applier;
+mod host;
 pub mod layout;
 pub mod map;
 pub mod membership;
@@ -17,7 +19,8 @@ pub mod placement;
 pub mod rebalance;
 pub mod roles;
 
+pub use host::ClusterHost;
 pub use membership::{MemberInfo, MemberState, Membership};
-pub use node::{Cluster, ClusterError, ClusterHost, ClusterSettings, OpOutcome, Retirement};
+pub use node::{Cluster, ClusterError, ClusterSettings, OpOutcome, Retirement};
 pub use rebalance::{MoveState, PlannedMove, Rebalance};
 pub use roles::{Held, QueueRoles, Roles};

@@ -1,25 +1,28 @@
-//! A broker as a cluster member: starts CPG, joins the cluster group, applies delivered
-//! events to the broker's vhosts in agreed order, and answers the requests its own clients
-//! made.
+//! A broker as a cluster member: the handle the rest of the broker holds ([`Cluster`]). It
+//! starts CPG, joins the cluster group, starts the applier (`applier.rs`) that applies
+//! delivered events in agreed order, submits its own clients' requests and answers them, and
+//! answers what the map says (roles, sessions, members, readiness).
 
-use super::map::{Action, Checkpoint, ClusterMap, WiringStore};
+use super::applier::{Applier, read_checkpoint};
+use super::host::ClusterHost;
+use super::map::ClusterMap;
 use super::membership::{MemberInfo, MemberState, Membership};
 use super::message::ClusterMsg;
 use super::rebalance::{PlannedMove, Rebalance};
 use super::roles::{QueueRoles, Roles};
 use crate::core::AmqpError;
-use crate::core::{OpReply, RebalanceStep, WiringOp};
-use crate::cpg::{Cpg, CpgConfig, CpgError, CpgEvent, CpgEvents, MemberId, SyncPoint};
+use crate::core::{OpReply, WiringOp};
+use crate::cpg::{Cpg, CpgConfig, CpgError, MemberId};
 use crate::session::directory::{SessionDirectory, SessionRecord};
 use bytes::Bytes;
 use parking_lot::{Mutex, RwLock};
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::{Duration, Instant};
-use tokio::sync::{mpsc, oneshot, watch};
+use std::time::Duration;
+use tokio::sync::oneshot;
 
 /// The CPG group every member of a cluster joins.
 pub const GROUP: &str = "ringmq";
@@ -55,12 +58,6 @@ pub struct ClusterSettings {
     /// member, resuming where it stopped.
     pub dir: PathBuf,
 }
-
-/// The map checkpoint's file in the cluster directory.
-const CHECKPOINT_FILE: &str = "map.json";
-
-/// How often, at most, a member saves its map checkpoint.
-const CHECKPOINT_EVERY: Duration = Duration::from_millis(200);
 
 /// How often [`Cluster::ready_within_grace`] looks again.
 const READY_POLL: Duration = Duration::from_millis(10);
@@ -104,19 +101,19 @@ pub type OpOutcome = Result<(OpReply, Option<u64>), AmqpError>;
 
 /// A running cluster member.
 pub struct Cluster {
-    cpg: Cpg,
-    me: MemberId,
-    node_id: String,
+    pub(super) cpg: Cpg,
+    pub(super) me: MemberId,
+    pub(super) node_id: String,
     pending: Mutex<HashMap<u64, oneshot::Sender<OpOutcome>>>,
-    next_request: AtomicU64,
-    membership: RwLock<Membership>,
+    pub(super) next_request: AtomicU64,
+    pub(super) membership: RwLock<Membership>,
     /// Every clustered queue's roles, as of the newest event applied.
-    roles: RwLock<Roles>,
+    pub(super) roles: RwLock<Roles>,
     /// Every resumable session, as of the newest cluster event applied.
-    sessions: RwLock<SessionDirectory>,
+    pub(super) sessions: RwLock<SessionDirectory>,
     /// The newest rebalance, as of the newest cluster event applied.
-    rebalance: RwLock<Option<Rebalance>>,
-    progress: Mutex<Progress>,
+    pub(super) rebalance: RwLock<Option<Rebalance>>,
+    pub(super) progress: Mutex<Progress>,
     link_password: String,
     /// How long a lapse of readiness is ridden out before clients are turned away
     /// ([`Cluster::serving_grace`]).
@@ -127,12 +124,12 @@ pub struct Cluster {
     /// of the last one applied in full (set after): equal while no event is being applied,
     /// so a reader can tell a consistent view from one torn by an event
     /// ([`Cluster::read_consistent`]).
-    event_begun: AtomicU64,
-    event_ended: AtomicU64,
+    pub(super) event_begun: AtomicU64,
+    pub(super) event_ended: AtomicU64,
     /// This member is leaving the cluster for good ([`Cluster::retire_if_drained`]): its
     /// consensus stopping is then the end of the process's shutdown, not a reason to exit
     /// and restart.
-    retiring: AtomicBool,
+    pub(super) retiring: AtomicBool,
 }
 
 /// What [`Cluster::retire_if_drained`] did.
@@ -152,12 +149,12 @@ pub enum Retirement {
 /// How far this member is on its way to serving: its incarnation started, it holds the map,
 /// and it has applied everything committed when it asked (a read index).
 #[derive(Debug, Default, Clone, Copy)]
-struct Progress {
-    live: bool,
-    synced: bool,
+pub(super) struct Progress {
+    pub(super) live: bool,
+    pub(super) synced: bool,
     /// Its own hello has been applied (see [`ClusterMap::is_announced`]).
-    announced: bool,
-    caught_up: bool,
+    pub(super) announced: bool,
+    pub(super) caught_up: bool,
 }
 
 impl std::fmt::Debug for Cluster {
@@ -234,18 +231,7 @@ impl Cluster {
             event_ended: AtomicU64::new(0),
             retiring: AtomicBool::new(false),
         });
-        let applier = Applier {
-            map,
-            host,
-            cluster: cluster.clone(),
-            info: settings.info,
-            dir: settings.dir,
-            saved_through: Arc::new(AtomicU64::new(0)),
-            saving: None,
-            last_save: Instant::now(),
-            sync_point: None,
-            share_claimed: false,
-        };
+        let applier = Applier::new(map, host, cluster.clone(), settings.info, settings.dir);
         tokio::spawn(applier.run(events));
         tracing::info!(
             member = cluster.me,
@@ -606,413 +592,16 @@ impl Cluster {
         rx
     }
 
-    async fn mcast(&self, msg: &ClusterMsg) -> Result<(), CpgError> {
+    pub(super) async fn mcast(&self, msg: &ClusterMsg) -> Result<(), CpgError> {
         self.cpg
             .mcast(GROUP, Bytes::from(msg.encode()))
             .await
             .map(|_| ())
     }
 
-    fn answer(&self, request: u64, outcome: OpOutcome) {
+    pub(super) fn answer(&self, request: u64, outcome: OpOutcome) {
         if let Some(tx) = self.pending.lock().remove(&request) {
             let _ = tx.send(outcome);
         }
     }
-}
-
-/// What the cluster layer needs of the broker it runs in: the wiring store the map changes,
-/// plus the two things a member does to the broker outside the map. A trait the cluster
-/// owns, so that the cluster layer never reaches up into the broker or the server.
-pub trait ClusterHost: WiringStore + Send + 'static {
-    /// The live members changed: `hosts` are their AMQP addresses, for the clients of every
-    /// vhost (`amq.qpid`); `nodes` their node ids, for the queues they own (a queue whose
-    /// primary is not among them refuses publishes).
-    fn members_changed(&mut self, hosts: &[String], nodes: &[String]);
-    /// Queue `queue` of `vhost` has new roles (`None`: it has none any more): its primary,
-    /// where its messages live, is `roles.primary`.
-    fn roles_changed(&mut self, vhost: &str, queue: &str, roles: Option<&QueueRoles>);
-    /// This process's incarnation started ([`CpgEvent::Started`]): the roles a restart's
-    /// replay passed through were not the last, `roles` are. A copy this member holds of a
-    /// queue it is neither primary nor backup of may go now, and from here on whenever the
-    /// roles say so (never during the replay: a role it lost there it may have got back
-    /// later, with a copy caught up outside the agreed log).
-    fn started(&mut self, roles: &Roles);
-    /// Session `id` was held by this member and no longer is (another member took it over
-    /// from the directory, or it ended): what this member kept of it — its channels'
-    /// publishing, unacked deliveries, exclusive queues — goes, and a connection still
-    /// attached to it here is closed.
-    fn session_left(&mut self, id: &str);
-    /// Session `id` ended (closed, or timed out), as every member applies it: what the
-    /// session owned cluster-wide — its exclusive queues — goes.
-    fn session_ended(&mut self, id: &str);
-    /// Every cluster event up to agreed index `index` is applied here — whatever it was: a
-    /// wiring op, a membership change, a hello, a change of roles or sessions. Another
-    /// member's link names the index it had applied when it asks for read-your-writes
-    /// (`proxy::catch_up`), and it counts every event too.
-    fn event_applied(&mut self, index: u64);
-    /// Saves what must survive before the process exits (the journal).
-    fn shutdown(&mut self);
-    /// The newest journal sequence number handed to the journal, and a watch of the newest
-    /// one on disk: a map checkpoint is saved only once every change before it is.
-    fn journal(&self) -> (u64, watch::Receiver<u64>);
-}
-
-/// Feeds the cluster group's events to the map, in agreed order, carries out what it asks
-/// for, and saves its checkpoint.
-struct Applier<H> {
-    map: ClusterMap,
-    host: H,
-    cluster: Arc<Cluster>,
-    info: MemberInfo,
-    dir: PathBuf,
-    /// The newest checkpoint saved (and reported to CPG).
-    saved_through: Arc<AtomicU64>,
-    /// The checkpoint being saved, if any.
-    saving: Option<tokio::task::JoinHandle<()>>,
-    last_save: Instant,
-    /// The read index this member catches up to before it serves.
-    sync_point: Option<SyncPoint>,
-    /// This process asked for its share of the queues as a member new to the ring.
-    share_claimed: bool,
-}
-
-impl<H: ClusterHost> Applier<H> {
-    async fn run(mut self, mut events: CpgEvents) {
-        let (sync_tx, mut sync_rx) = mpsc::channel::<SyncPoint>(1);
-        let mut tick = tokio::time::interval(CHECKPOINT_EVERY);
-        loop {
-            tokio::select! {
-                ev = events.recv() => {
-                    let Some(ev) = ev else { break };
-                    if let Err(e) = self.on_event(ev, &sync_tx) {
-                        tracing::error!(error = %e, "cannot follow the cluster");
-                        break;
-                    }
-                }
-                Some(point) = sync_rx.recv() => self.sync_point = Some(point),
-                _ = tick.tick() => {}
-            }
-            self.check_caught_up(&events);
-            self.save_checkpoint();
-        }
-        if self.cluster.retiring.load(Ordering::SeqCst) {
-            // Removed from the voters at its own request: the process's shutdown ends it.
-            tracing::info!("this broker left the cluster for good");
-            return;
-        }
-        // CPG stopped: evicted (cut off or too slow) or shut down. A member that is not in
-        // the cluster must not go on serving a wiring it can no longer keep in step; its
-        // supervisor restarts it and it resumes, as the same member, from its cluster state.
-        tracing::error!(reason = ?self.cluster.cpg.stop_reason(), "this broker left the cluster; exiting so that it restarts and rejoins");
-        self.host.shutdown();
-        std::process::exit(3);
-    }
-
-    fn on_event(
-        &mut self,
-        ev: CpgEvent,
-        sync_tx: &mpsc::Sender<SyncPoint>,
-    ) -> Result<(), super::map::MapError> {
-        if ev.group().is_some_and(|g| g != GROUP) {
-            return Ok(());
-        }
-        if let CpgEvent::ConfChg {
-            members,
-            joined,
-            left,
-            failed,
-            ..
-        } = &ev
-        {
-            let addrs =
-                |ms: &[crate::cpg::Member]| ms.iter().map(|m| m.addr.clone()).collect::<Vec<_>>();
-            tracing::info!(members = members.len(), joined = ?addrs(joined), left = ?addrs(left), failed = ?addrs(failed), "cluster membership changed");
-        }
-        let started = matches!(ev, CpgEvent::Started { .. });
-        let index = ev.index();
-        self.cluster.event_begun.store(index, Ordering::SeqCst);
-        let actions = self.map.on_event(ev, &mut self.host)?;
-        self.act(actions);
-        self.claim_share();
-        self.cluster.event_ended.store(index, Ordering::SeqCst);
-        if !started && self.map.is_synced() {
-            self.host.event_applied(index);
-        }
-        if started {
-            self.cluster.progress.lock().live = true;
-            self.host.started(self.map.roles());
-            self.spawn_sync(sync_tx.clone());
-        }
-        Ok(())
-    }
-
-    /// Asks for the read index this member must reach before serving (retrying until the
-    /// cluster answers).
-    fn spawn_sync(&self, tx: mpsc::Sender<SyncPoint>) {
-        let cluster = self.cluster.clone();
-        tokio::spawn(async move {
-            loop {
-                match cluster.cpg.sync().await {
-                    Ok(point) => {
-                        let _ = tx.send(point).await;
-                        return;
-                    }
-                    Err(CpgError::Stopped(_)) => return,
-                    Err(e) => {
-                        tracing::debug!(error = %e, "read index not confirmed yet; retrying");
-                        tokio::time::sleep(Duration::from_millis(200)).await;
-                    }
-                }
-            }
-        });
-    }
-
-    fn check_caught_up(&mut self, events: &CpgEvents) {
-        let mut p = self.cluster.progress.lock();
-        p.synced = self.map.is_synced();
-        p.announced = self.map.is_announced();
-        if let Some(point) = self.sync_point
-            && events.received() >= point.events
-            && !p.caught_up
-        {
-            p.caught_up = true;
-            tracing::info!(
-                index = point.index,
-                "caught up with the cluster: serving clients"
-            );
-        }
-    }
-
-    /// Saves the map checkpoint when it moved on (at most every [`CHECKPOINT_EVERY`], one
-    /// save at a time): once the journal holds every change applied before it, write
-    /// `map.json`, then tell CPG that events up to it need no replay.
-    fn save_checkpoint(&mut self) {
-        if self.saving.as_ref().is_some_and(|h| !h.is_finished()) {
-            return;
-        }
-        let Some(checkpoint) = self.map.checkpoint() else {
-            return;
-        };
-        let saved = self.saved_through.load(Ordering::Acquire);
-        if checkpoint.through <= saved || self.last_save.elapsed() < CHECKPOINT_EVERY {
-            return;
-        }
-        self.last_save = Instant::now();
-        let (submitted, mut synced) = self.host.journal();
-        let dir = self.dir.clone();
-        let saved = Arc::clone(&self.saved_through);
-        let cpg = self.cluster.cpg.clone();
-        self.saving = Some(tokio::spawn(async move {
-            while *synced.borrow() < submitted {
-                if synced.changed().await.is_err() {
-                    return;
-                }
-            }
-            let through = checkpoint.through;
-            match tokio::task::spawn_blocking(move || write_checkpoint(&dir, &checkpoint)).await {
-                Ok(Ok(())) => {
-                    saved.store(through, Ordering::Release);
-                    cpg.checkpointed(through);
-                }
-                Ok(Err(e)) => tracing::error!(error = %e, "cannot save the cluster map checkpoint"),
-                Err(_) => {}
-            }
-        }));
-    }
-
-    fn act(&mut self, actions: Vec<Action>) {
-        for action in actions {
-            match action {
-                Action::SendHello => self.announce(),
-                Action::SendSnapshot { to, through } => {
-                    // Retried like the hello: the joiner waits for nothing else, and no later
-                    // event asks again (found by the roles simulation, seed 30087: a lost
-                    // snapshot left a new member without the map for good). A copy that
-                    // committed twice is harmless: the joiner installs the first.
-                    let msg = self.map.snapshot(to, through, &mut self.host);
-                    self.multicast_until_committed(msg, "sending the cluster map to a joiner");
-                }
-                Action::Answer { request, outcome } => self.cluster.answer(request, outcome),
-                Action::HostsChanged => {
-                    *self.cluster.membership.write() = self.map.membership().clone();
-                    self.publish_known_hosts();
-                }
-                Action::MembershipChanged => {
-                    *self.cluster.membership.write() = self.map.membership().clone();
-                }
-                Action::RebalanceChanged => {
-                    *self.cluster.rebalance.write() = self.map.rebalance().cloned();
-                }
-                Action::Synced => {
-                    let roles = self.map.roles().clone();
-                    // The broker follows every queue's roles from here: which copy serves,
-                    // which replicates to whom.
-                    for (vhost, queue, r) in roles.iter() {
-                        self.host.roles_changed(vhost, queue, Some(r));
-                    }
-                    *self.cluster.roles.write() = roles;
-                    *self.cluster.sessions.write() = self.map.sessions().clone();
-                    *self.cluster.rebalance.write() = self.map.rebalance().cloned();
-                    self.cluster.progress.lock().synced = true;
-                }
-                Action::RolesChanged {
-                    vhost,
-                    queue,
-                    was,
-                    now,
-                } => {
-                    log_roles_change(&vhost, &queue, was.as_ref(), now.as_ref());
-                    self.cluster.roles.write().set(&vhost, &queue, now.clone());
-                    self.host.roles_changed(&vhost, &queue, now.as_ref());
-                }
-                Action::SessionChanged { id, was, now } => {
-                    tracing::debug!(session = %id, ?was, ?now, "session directory changed");
-                    let me = self.cluster.node_id.as_str();
-                    let mine =
-                        |r: &Option<SessionRecord>| r.as_ref().is_some_and(|r| r.member == me);
-                    // Restarted in place, this member held nothing of a session the
-                    // directory still named it for; ended here, it let go already.
-                    if mine(&was) && !mine(&now) {
-                        self.host.session_left(&id);
-                    }
-                    if was.is_some() && now.is_none() {
-                        self.host.session_ended(&id);
-                    }
-                    self.cluster.sessions.write().set(&id, now);
-                }
-                Action::Join => self.join(false),
-                Action::Rejoin => self.join(true),
-            }
-        }
-    }
-
-    /// Joins the cluster group (after leaving it, for a rejoin), retrying until it is done
-    /// or the member stops.
-    fn join(&self, leave_first: bool) {
-        let cpg = self.cluster.cpg.clone();
-        tokio::spawn(async move {
-            if leave_first {
-                while let Err(e) = cpg.leave(GROUP).await {
-                    if matches!(e, CpgError::Stopped(_) | CpgError::NotInGroup { .. }) {
-                        break;
-                    }
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                }
-            }
-            loop {
-                match cpg.join(GROUP).await {
-                    Ok(_) | Err(CpgError::Stopped(_)) => return,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "joining the cluster group; retrying");
-                        tokio::time::sleep(Duration::from_millis(200)).await;
-                    }
-                }
-            }
-        });
-    }
-
-    /// Multicasts this member's hello, retrying until it commits: the member serves only
-    /// once its own hello is applied ([`ClusterMap::is_announced`]). (A retry after a timeout
-    /// that committed after all makes a second hello, which the others take for a restart in
-    /// place: this member's backups catch up again — extra work, never a lost op.)
-    fn announce(&self) {
-        let msg = ClusterMsg::Hello(self.info.clone());
-        self.multicast_until_committed(msg, "announcing this member to the cluster");
-    }
-
-    /// A member new to the ring, once it holds the map, asks for its share of the queues
-    /// ([`RebalanceStep::Join`]): once per process, and again by the next process if this
-    /// one dies before it commits (the map keeps it a newcomer until then). Not through
-    /// [`Cluster::submit`], which waits for readiness: a newcomer is not ready until then.
-    fn claim_share(&mut self) {
-        let me = &self.cluster.node_id;
-        if self.share_claimed
-            || !self.map.is_synced()
-            || !self.map.is_live()
-            || !self.map.membership().is_newcomer(me)
-        {
-            return;
-        }
-        self.share_claimed = true;
-        let msg = ClusterMsg::Op {
-            origin: self.cluster.me,
-            request: self.cluster.next_request.fetch_add(1, Ordering::Relaxed),
-            vhost: String::new(),
-            op: WiringOp::Rebalance(RebalanceStep::Join { node: me.clone() }),
-        };
-        self.multicast_until_committed(msg, "claiming this new member's share of the queues");
-    }
-
-    /// Multicasts `msg` again after every failure until it commits or this member stops.
-    fn multicast_until_committed(&self, msg: ClusterMsg, what: &'static str) {
-        let cluster = self.cluster.clone();
-        tokio::spawn(async move {
-            loop {
-                match cluster.mcast(&msg).await {
-                    Ok(()) | Err(CpgError::Stopped(_)) => return,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "{what}; retrying");
-                        tokio::time::sleep(Duration::from_millis(500)).await;
-                    }
-                }
-            }
-        });
-    }
-
-    fn publish_known_hosts(&mut self) {
-        let hosts = self.cluster.known_hosts();
-        let nodes: Vec<String> = self
-            .cluster
-            .members()
-            .into_iter()
-            .filter_map(|m| m.info.map(|i| i.node_id))
-            .collect();
-        self.host.members_changed(&hosts, &nodes);
-    }
-}
-
-/// One line for a change of a queue's roles a person wants to know about: an election, a
-/// queue becoming unavailable or available again (at `debug`, backups coming and going).
-fn log_roles_change(vhost: &str, queue: &str, was: Option<&QueueRoles>, now: Option<&QueueRoles>) {
-    let (Some(was), Some(now)) = (was, now) else {
-        return;
-    };
-    if now.unavailable && !was.unavailable {
-        tracing::warn!(
-            vhost,
-            queue,
-            lost_primary = %now.primary,
-            waiting_for = ?now.in_sync,
-            "queue unavailable: its primary is gone and no backup was in sync; it returns with the lost primary or one of the nodes it waits for"
-        );
-    } else if now.primary != was.primary {
-        tracing::info!(vhost, queue, from = %was.primary, to = %now.primary, backups = ?now.backups, "queue primary elected: an in-sync backup took over");
-    } else if was.unavailable && !now.unavailable {
-        tracing::info!(vhost, queue, primary = %now.primary, "queue available again: its primary is back");
-    } else if now.backups != was.backups || now.in_sync != was.in_sync {
-        tracing::debug!(vhost, queue, backups = ?now.backups, in_sync = ?now.in_sync, "queue backups changed");
-    }
-}
-
-/// Reads the map checkpoint of the cluster directory `dir`, if there is one.
-fn read_checkpoint(dir: &Path) -> Result<Option<Checkpoint>, ClusterError> {
-    let path = dir.join(CHECKPOINT_FILE);
-    let err = |reason: String| ClusterError::State {
-        dir: dir.display().to_string(),
-        reason,
-    };
-    match std::fs::read(&path) {
-        Ok(bytes) => serde_json::from_slice(&bytes)
-            .map(Some)
-            .map_err(|e| err(format!("{} is damaged: {e}", path.display()))),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(err(e.to_string())),
-    }
-}
-
-/// Replaces the map checkpoint atomically.
-fn write_checkpoint(dir: &Path, checkpoint: &Checkpoint) -> std::io::Result<()> {
-    std::fs::create_dir_all(dir)?;
-    let bytes = serde_json::to_vec(checkpoint).map_err(std::io::Error::other)?;
-    crate::atomic_file::write_atomically(dir, CHECKPOINT_FILE, &bytes)
 }
