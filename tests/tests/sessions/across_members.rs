@@ -222,6 +222,12 @@ pub(crate) async fn goes_on_when_the_member_is_killed(name: &str, options: Queue
                     .await
                     .unwrap_or_else(|_| panic!("the confirm of m{i} in time"))
                     .expect("no error reaches the application");
+                if !ack {
+                    // What the surviving members said around the nack: the cause.
+                    for (k, b) in m.iter().enumerate().skip(1) {
+                        eprintln!("member {k}:\n{}", b.log_tail(80));
+                    }
+                }
                 assert!(ack, "m{i} nacked");
                 confirmed.insert(i);
             }
