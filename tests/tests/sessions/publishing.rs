@@ -99,7 +99,8 @@ fn outcomes(confirms: &[(u64, bool, bool)]) -> Vec<(u64, bool)> {
     out
 }
 
-async fn message_count(ch: &lapin::Channel, queue: &str) -> u32 {
+/// The message count of `queue`, by a passive declare on `ch`.
+pub(crate) async fn message_count(ch: &lapin::Channel, queue: &str) -> u32 {
     ch.queue_declare(
         queue.into(),
         QueueDeclareOptions {

@@ -3,28 +3,12 @@
 //! commit that never reached the broker (sent again, with its transaction). A rollback's
 //! settlements are the application's again.
 
-use super::publishing::dropped_duplicates;
+use super::publishing::{dropped_duplicates, message_count};
 use super::relay::Cutter;
 use super::script::config;
-use lapin::options::QueueDeclareOptions;
-use lapin::types::FieldTable as LapinTable;
 use ringmq_client::{Client, Properties, QueueOptions, Table};
 use ringmq_tests::Broker;
 use std::time::{Duration, Instant};
-
-async fn message_count(ch: &lapin::Channel, queue: &str) -> u32 {
-    ch.queue_declare(
-        queue.into(),
-        QueueDeclareOptions {
-            passive: true,
-            ..Default::default()
-        },
-        LapinTable::default(),
-    )
-    .await
-    .unwrap()
-    .message_count()
-}
 
 /// Waits (at most 10 s) until `queue` holds `n` messages.
 async fn until_count(ch: &lapin::Channel, queue: &str, n: u32) {
@@ -53,6 +37,37 @@ fn publish_all(ch: &ringmq_client::Channel, queue: &str, bodies: std::ops::Range
     }
 }
 
+/// A broker behind a relay, the failover client through the relay, and queue `queue`
+/// declared on a channel of it.
+struct Setup {
+    broker: Broker,
+    relay: Cutter,
+    client: Client,
+    channel: ringmq_client::Channel,
+}
+
+async fn setup(queue: &str) -> Setup {
+    let broker = Broker::start();
+    let relay = Cutter::start(broker.addr).await;
+    let client = Client::connect(config(
+        [format!("amqp://guest:guest@{}/%2f", relay.addr)],
+        Duration::from_secs(20),
+    ))
+    .await
+    .unwrap();
+    let channel = client.channel().await.unwrap();
+    channel
+        .queue_declare(queue, QueueOptions::default(), Table::default())
+        .await
+        .unwrap();
+    Setup {
+        broker,
+        relay,
+        client,
+        channel,
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_commit_whose_answer_was_lost_is_not_applied_twice_and_one_that_never_arrived_is_sent_again()
  {
@@ -61,19 +76,13 @@ async fn a_commit_whose_answer_was_lost_is_not_applied_twice_and_one_that_never_
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_test_writer()
         .try_init();
-    let b = Broker::start();
-    let relay = Cutter::start(b.addr).await;
-    let client = Client::connect(config(
-        [format!("amqp://guest:guest@{}/%2f", relay.addr)],
-        Duration::from_secs(20),
-    ))
-    .await
-    .unwrap();
-    let ch = client.channel().await.unwrap();
     let queue = "tx-through-cuts";
-    ch.queue_declare(queue, QueueOptions::default(), Table::default())
-        .await
-        .unwrap();
+    let Setup {
+        broker: b,
+        relay,
+        client,
+        channel: ch,
+    } = setup(queue).await;
     ch.tx_select().await.unwrap();
     let (_c, direct) = b.channel().await;
 
@@ -154,19 +163,13 @@ async fn a_commit_whose_answer_was_lost_is_not_applied_twice_and_one_that_never_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acks_a_rolled_back_transaction_held_are_the_applications_again_after_a_failover() {
-    let b = Broker::start();
-    let relay = Cutter::start(b.addr).await;
-    let client = Client::connect(config(
-        [format!("amqp://guest:guest@{}/%2f", relay.addr)],
-        Duration::from_secs(20),
-    ))
-    .await
-    .unwrap();
-    let ch = client.channel().await.unwrap();
     let queue = "tx-rolled-back-acks";
-    ch.queue_declare(queue, QueueOptions::default(), Table::default())
-        .await
-        .unwrap();
+    let Setup {
+        broker: b,
+        relay,
+        client,
+        channel: ch,
+    } = setup(queue).await;
     publish_all(&ch, queue, 0..3);
     let (_c, direct) = b.channel().await;
     until_count(&direct, queue, 3).await;

@@ -484,7 +484,7 @@ mod tests {
     }
 
     #[test]
-    fn a_publish_forwarded_for_a_queue_that_moved_away_is_refused_not_acked_as_unroutable() {
+    fn a_publish_forwarded_for_a_queue_that_moved_away_is_moving_not_acked_as_unroutable() {
         use crate::core::vhost::PublishOutcome;
         let message = || {
             Arc::new(Message::authored(
@@ -495,12 +495,14 @@ mod tests {
             ))
         };
         let mut fx = Effects::default();
-        // The sender still takes `b` for the primary; `b` applied the election that made
-        // `a` the primary: its nack makes the publisher send again.
+        // The sender still takes `b` for the primary; `b` applied the election (or the
+        // planned move's switch) that made `a` the primary: the publish is sent again at
+        // `a`, as one that reached a sealed queue (B23) — a session's client resends it, a
+        // plain publisher gets a nack.
         let mut b = member("b");
         assert_eq!(
             b.publish_forwarded("", "q", message(), 0, &mut fx),
-            PublishOutcome::Rejected
+            PublishOutcome::Moving
         );
         assert_eq!(b.queue("q").unwrap().ready_count(), 0);
         assert_eq!(

@@ -173,8 +173,13 @@ impl VHost {
                 .is_some_and(|q| self.primary_elsewhere(q).is_none())
         });
         if targets.is_empty() {
+            // Matched, but none of the queues is this member's any more: the sender routed
+            // it on a map older than this member's — the queue moved (a planned move's
+            // switch, an election) while the forward was on its way. Not a refusal: like a
+            // sealed queue's, it is sent again at the new primary (a session's client sends
+            // it again; a plain publisher gets a nack, B23).
             return if matched {
-                PublishOutcome::Rejected
+                PublishOutcome::Moving
             } else {
                 PublishOutcome::Unroutable
             };
