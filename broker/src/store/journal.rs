@@ -899,16 +899,19 @@ impl Writer {
             }
         }
         // The producers the deleted segment's Enqueued records named live on in whole
-        // tables written ahead of it (recovery takes the highest number it reads).
+        // tables written ahead of it. Each replaces what a scan has read by then: the live
+        // Enqueued records just copied name their numbers again, which a replaced table may
+        // have lowered since — a full scan then read a higher number than the table held
+        // (B24).
+        // (Every live record that names a producer has its queue's table here, since each
+        // Enqueued record noted its number when it was planned or recovered.)
         for (&uid, table) in &self.producers {
-            if !table.is_empty() {
-                Record::Producers {
-                    uid,
-                    highest: table.highest(),
-                    replace: false,
-                }
-                .encode(&mut copy);
+            Record::Producers {
+                uid,
+                highest: table.highest(),
+                replace: true,
             }
+            .encode(&mut copy);
         }
         if !copy.is_empty() {
             let (segment, base) = self.append(&copy)?;
