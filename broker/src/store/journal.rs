@@ -902,9 +902,8 @@ impl Writer {
         // tables written ahead of it. Each replaces what a scan has read by then: the live
         // Enqueued records just copied name their numbers again, which a replaced table may
         // have lowered since — a full scan then read a higher number than the table held
-        // (B24).
-        // (Every live record that names a producer has its queue's table here, since each
-        // Enqueued record noted its number when it was planned or recovered.)
+        // (B24). Every live record that names a producer has its queue's table here: each
+        // Enqueued record noted its number when it was planned or recovered.
         for (&uid, table) in &self.producers {
             Record::Producers {
                 uid,

@@ -37,6 +37,25 @@ fn publish_all(ch: &ringmq_client::Channel, queue: &str, bodies: std::ops::Range
     }
 }
 
+/// `tx.commit` on `ch`, answered in a task of its own (the test cuts the connection under it).
+fn commit_in_background(
+    ch: &ringmq_client::Channel,
+) -> tokio::task::JoinHandle<Result<(), ringmq_client::Error>> {
+    let ch = ch.clone();
+    tokio::spawn(async move { ch.tx_commit().await })
+}
+
+/// Waits for `commit`'s `commit-ok`, which comes after the failover.
+async fn answered_after_the_failover(
+    commit: tokio::task::JoinHandle<Result<(), ringmq_client::Error>>,
+) {
+    tokio::time::timeout(Duration::from_secs(20), commit)
+        .await
+        .expect("the commit is answered after the failover")
+        .unwrap()
+        .expect("commit-ok");
+}
+
 /// A broker behind a relay, the failover client through the relay, and queue `queue`
 /// declared on a channel of it.
 struct Setup {
@@ -90,20 +109,13 @@ async fn a_commit_whose_answer_was_lost_is_not_applied_twice_and_one_that_never_
     publish_all(&ch, queue, 0..5);
     tokio::time::sleep(Duration::from_millis(100)).await;
     relay.mute_down(true);
-    let commit = tokio::spawn({
-        let ch = ch.clone();
-        async move { ch.tx_commit().await }
-    });
+    let commit = commit_in_background(&ch);
     until_count(&direct, queue, 5).await;
     // The commit-ok follows the applied commit: give it time to be dropped.
     tokio::time::sleep(Duration::from_millis(200)).await;
     relay.cut();
     relay.mute_down(false);
-    tokio::time::timeout(Duration::from_secs(20), commit)
-        .await
-        .expect("the commit is answered after the failover")
-        .unwrap()
-        .expect("commit-ok");
+    answered_after_the_failover(commit).await;
     assert_eq!(client.failovers(), 1);
     // Answered from the session's commit count: neither the transaction nor its commit was
     // sent again. (After a takeover the member's publish count is behind the client's
@@ -118,19 +130,12 @@ async fn a_commit_whose_answer_was_lost_is_not_applied_twice_and_one_that_never_
     publish_all(&ch, queue, 5..10);
     tokio::time::sleep(Duration::from_millis(100)).await;
     relay.mute_up(true);
-    let commit = tokio::spawn({
-        let ch = ch.clone();
-        async move { ch.tx_commit().await }
-    });
+    let commit = commit_in_background(&ch);
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(message_count(&direct, queue).await, 5, "not committed yet");
     relay.cut();
     relay.mute_up(false);
-    tokio::time::timeout(Duration::from_secs(20), commit)
-        .await
-        .expect("the commit is answered after the failover")
-        .unwrap()
-        .expect("commit-ok");
+    answered_after_the_failover(commit).await;
     assert_eq!(client.failovers(), 2);
     until_count(&direct, queue, 10).await;
 

@@ -278,17 +278,9 @@ impl Connection {
                         .confirm_publish(n, accepted, forwards);
                     self.awaiting_confirms |= forwards.is_some();
                 } else if self.session.is_some() && self.fx.forwards.len() > forwards_before {
-                    // Its forwards are numbered up to this (see above).
-                    let last = self.forwards.issued() + self.fx.forwards.len() as u64;
-                    let ch = self
-                        .channels
-                        .get_mut(&id)
-                        .expect("publishing channel is open");
-                    ch.unanswered_forwards.push_back(UnansweredForward {
-                        number: ch.publishing.published,
-                        last,
-                        commits_before: ch.publishing.commits,
-                    });
+                    let ch = &self.channels[&id];
+                    let (number, commits) = (ch.publishing.published, ch.publishing.commits);
+                    self.track_unanswered_forwards(id, forwards_before, number, commits);
                 }
             }
         }
@@ -334,6 +326,33 @@ impl Connection {
             self.resent_confirmed = true;
         }
         Resent::Dropped
+    }
+
+    /// On a session's channel without confirms: when the work just done (a publish, or a
+    /// commit's publishes, first numbered `number` on the channel, its commit count before
+    /// it `commits_before`) added forwards past `forwards_before`, remembers them as
+    /// unanswered ([`crate::server::channel::ChannelCtx::unanswered_forwards`]).
+    pub(super) fn track_unanswered_forwards(
+        &mut self,
+        id: u16,
+        forwards_before: usize,
+        number: u64,
+        commits_before: u64,
+    ) {
+        if self.session.is_none() || self.fx.forwards.len() <= forwards_before {
+            return;
+        }
+        // Forwards are numbered in the tracker in the order the batch hands them over.
+        let last = self.forwards.issued() + self.fx.forwards.len() as u64;
+        self.channels
+            .get_mut(&id)
+            .expect("the channel is open")
+            .unanswered_forwards
+            .push_back(UnansweredForward {
+                number,
+                last,
+                commits_before,
+            });
     }
 
     pub(super) fn send_return(&mut self, id: u16, message: &Message) {

@@ -7,7 +7,7 @@ use super::{Connection, Lazy};
 use crate::amqp::{AMQPClass, basic, confirm, tx};
 use crate::clock::now_ms;
 use crate::core::{AmqpError, ChannelKey, PublishOutcome};
-use crate::server::channel::{Transaction, UnansweredForward};
+use crate::server::channel::Transaction;
 
 impl Connection {
     /// confirm.select: from now on every publish on the channel is confirmed.
@@ -61,19 +61,8 @@ impl Connection {
                 ch.publishing.commits += 1;
                 let forwards_before = self.fx.forwards.len();
                 self.commit(id, held, v)?;
-                if self.session.is_some() && self.fx.forwards.len() > forwards_before {
-                    // Counted only once its primaries answered (B22).
-                    let last = self.forwards.issued() + self.fx.forwards.len() as u64;
-                    self.channels
-                        .get_mut(&id)
-                        .expect("checked by the caller")
-                        .unanswered_forwards
-                        .push_back(UnansweredForward {
-                            number,
-                            last,
-                            commits_before,
-                        });
-                }
+                // Counted only once its primaries answered (B22).
+                self.track_unanswered_forwards(id, forwards_before, number, commits_before);
                 if self.commit_remote_settles(id) {
                     return Ok(());
                 }
