@@ -25,7 +25,7 @@ impl BrokerHost {
 
 impl WiringStore for BrokerHost {
     fn apply(&mut self, index: u64, vhost: &str, op: &WiringOp) -> OpOutcome {
-        let outcome = self.apply_to_vhost(index, vhost, op);
+        let outcome = self.apply_to_vhost(Some(index), vhost, op);
         // Links wait for it (`proxy::catch_up`), whatever the op's outcome.
         self.broker.proxies().applied.advance(index);
         outcome
@@ -64,10 +64,49 @@ impl WiringStore for BrokerHost {
         self.broker.proxies().applied.advance(through);
         tracing::info!("cluster map installed");
     }
+
+    fn export_transient(&mut self) -> BTreeMap<String, Wiring> {
+        self.broker
+            .vhosts()
+            .into_iter()
+            .map(|(name, vhost)| (name, vhost.lock().transient_wiring()))
+            .filter(|(_, wiring)| *wiring != Wiring::default())
+            .collect()
+    }
+
+    fn restore_transient(&mut self, vhosts: BTreeMap<String, Wiring>) {
+        let now = now_ms();
+        let mut fx = Effects::default();
+        for (name, wiring) in vhosts {
+            self.broker.add_vhost(&name);
+            let Some(vhost) = self.broker.vhost(&name) else {
+                continue;
+            };
+            let mut v = vhost.lock();
+            let (queues, exchanges) = (wiring.queues.len(), wiring.exchanges.len());
+            for skipped in v.restore_transient_wiring(wiring, now, &mut fx) {
+                tracing::info!(vhost = %name, %skipped, "transient cluster wiring not restored");
+            }
+            self.broker.finish_batch(0, &mut v, &mut fx);
+            tracing::info!(vhost = %name, queues, exchanges, "transient cluster wiring restored from the map checkpoint");
+        }
+    }
+
+    fn reapply_transient(&mut self, vhost: &str, op: &WiringOp) {
+        let Some(vhost_ref) = self.broker.vhost(vhost) else {
+            return;
+        };
+        if vhost_ref.lock().has_transient_part(op) {
+            // Its outcome was answered by the previous process; only the state matters.
+            let _ = self.apply_to_vhost(None, vhost, op);
+        }
+    }
 }
 
 impl BrokerHost {
-    fn apply_to_vhost(&mut self, index: u64, vhost: &str, op: &WiringOp) -> OpOutcome {
+    /// Applies `op` to `vhost`, and records agreed index `index` as applied there (none: a
+    /// replay of an op the saved state already reflects).
+    fn apply_to_vhost(&mut self, index: Option<u64>, vhost: &str, op: &WiringOp) -> OpOutcome {
         let Some(vhost_ref) = self.broker.vhost(vhost) else {
             return Err(AmqpError::not_found(format!("no vhost '{vhost}'")));
         };
@@ -93,7 +132,9 @@ impl BrokerHost {
         }
         // Saved with the wiring, in the same journal job: a restart then never applies this
         // op twice, whatever it did (a purge replayed would drop later messages).
-        v.cluster_applied(index);
+        if let Some(index) = index {
+            v.cluster_applied(index);
+        }
         let gate = self.broker.finish_batch(0, &mut v, &mut fx);
         result.map(|reply| (reply, gate))
     }

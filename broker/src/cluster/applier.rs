@@ -179,13 +179,13 @@ impl<H: ClusterHost> Applier<H> {
         if self.saving.as_ref().is_some_and(|h| !h.is_finished()) {
             return;
         }
-        let Some(checkpoint) = self.map.checkpoint() else {
-            return;
-        };
         let saved = self.saved_through.load(Ordering::Acquire);
-        if checkpoint.through <= saved || self.last_save.elapsed() < CHECKPOINT_EVERY {
+        if self.map.through() <= saved || self.last_save.elapsed() < CHECKPOINT_EVERY {
             return;
         }
+        let Some(checkpoint) = self.map.checkpoint(&mut self.host) else {
+            return;
+        };
         self.last_save = Instant::now();
         let (submitted, mut synced) = self.host.journal();
         let dir = self.dir.clone();

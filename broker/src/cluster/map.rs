@@ -37,6 +37,17 @@ pub trait WiringStore {
     fn export(&mut self) -> BTreeMap<String, Wiring>;
     /// Replaces the shared wiring with a snapshot's, which reflects agreed index `through`.
     fn install(&mut self, vhosts: BTreeMap<String, Wiring>, through: u64);
+    /// The shared wiring of every vhost that no disk holds, for the map checkpoint
+    /// ([`crate::core::VHost::transient_wiring`]).
+    fn export_transient(&mut self) -> BTreeMap<String, Wiring>;
+    /// Puts a checkpoint's transient wiring back beside what the disk restored, before a
+    /// restart replays the log after the checkpoint
+    /// ([`crate::core::VHost::restore_transient_wiring`]).
+    fn restore_transient(&mut self, vhosts: BTreeMap<String, Wiring>);
+    /// Applies again the transient part of `op`, which `vhost`'s saved state reflects (a
+    /// restart's replay between the checkpoint and [`WiringStore::applied_through`]), if it
+    /// has one ([`crate::core::VHost::has_transient_part`]); the saved state's index stays.
+    fn reapply_transient(&mut self, vhost: &str, op: &WiringOp);
 }
 
 /// What a member keeps of its map on disk, so that a restart resumes from it (replaying the
@@ -59,6 +70,13 @@ pub struct Checkpoint {
     /// rebalances existed).
     #[serde(default)]
     pub rebalance: Option<Rebalance>,
+    /// Every vhost's shared wiring that no disk holds, as of then: non-durable exchanges and
+    /// queues, the cluster's exclusive queues, bindings with such an end. The journal keeps
+    /// only durable wiring, so without this a member restarted in place would lack, until a
+    /// snapshot, the transient wiring the others have (none in a checkpoint written before
+    /// it was kept).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub transient: BTreeMap<String, Wiring>,
 }
 
 /// What the node must do after an event.
@@ -174,6 +192,9 @@ pub struct ClusterMap {
     /// restarted in place, that hello is what hands its primaries over to in-sync backups;
     /// see [`ClusterMap::is_announced`]).
     announced: bool,
+    /// A resumed checkpoint's transient wiring, put back into the store before the first
+    /// event (the store is not at hand when the map is made).
+    transient: Option<BTreeMap<String, Wiring>>,
 }
 
 impl ClusterMap {
@@ -192,6 +213,7 @@ impl ClusterMap {
             sessions: SessionDirectory::default(),
             rebalance: None,
             announced: false,
+            transient: None,
         }
     }
 
@@ -211,19 +233,26 @@ impl ClusterMap {
             sessions: checkpoint.sessions,
             rebalance: checkpoint.rebalance,
             announced: false,
+            transient: Some(checkpoint.transient),
         }
     }
 
     /// What to save so that a restart resumes from here (nothing until this member holds the
-    /// map: a restart then starts afresh).
-    pub fn checkpoint(&self) -> Option<Checkpoint> {
+    /// map: a restart then starts afresh), with `store`'s transient wiring as of now.
+    pub fn checkpoint(&self, store: &mut impl WiringStore) -> Option<Checkpoint> {
         self.synced.then(|| Checkpoint {
             through: self.through,
             membership: self.membership.clone(),
             roles: self.roles.clone(),
             sessions: self.sessions.clone(),
             rebalance: self.rebalance.clone(),
+            transient: store.export_transient(),
         })
+    }
+
+    /// The agreed index of the newest event applied.
+    pub fn through(&self) -> u64 {
+        self.through
     }
 
     /// Whether this member holds the map.
@@ -273,6 +302,9 @@ impl ClusterMap {
         store: &mut impl WiringStore,
     ) -> Result<Vec<Action>, MapError> {
         let mut actions = Vec::new();
+        if let Some(transient) = self.transient.take() {
+            store.restore_transient(transient);
+        }
         if let CpgEvent::Started { groups, .. } = &ev {
             self.start(groups.iter().any(|g| g == super::node::GROUP), &mut actions);
             return Ok(actions);
@@ -562,6 +594,8 @@ impl ClusterMap {
                     }
                     if store.applied_through(&vhost).is_some_and(|t| index <= t) {
                         // Applied and saved by the previous process: a restart's replay.
+                        // What no disk holds comes back from the checkpoint and the replay.
+                        store.reapply_transient(&vhost, &op);
                         self.track_queue(index, origin, &vhost, &op, None, actions);
                         return Ok(());
                     }

@@ -16,6 +16,7 @@
 //! written before the types were merged (no `durable`, no `home`) still reads.
 
 use super::NO_CONNECTION;
+use super::WiringOp;
 use super::args::QueueArgs;
 use super::exchange::{Binding, Destination, Exchange, ExchangeKind};
 use super::message::Message;
@@ -165,23 +166,47 @@ enum View {
     Durable,
     /// What the cluster shares: every object, durable or not.
     Shared,
+    /// What the cluster shares and no disk holds: the shared view less the durable one.
+    Transient,
 }
 
 impl View {
     /// Whether an object with this durability belongs to the view.
     fn holds(self, durable: bool) -> bool {
-        self == View::Shared || durable
+        match self {
+            View::Durable => durable,
+            View::Shared => true,
+            View::Transient => !durable,
+        }
     }
 
     /// Whether queue `q` belongs to the view: exclusive queues live and die with one
     /// connection, so no disk holds them, but every cluster member knows them (those of a
-    /// single broker, which has no home for them, stay out of both).
+    /// single broker, which has no home for them, stay out of every view).
     fn holds_queue(self, q: &Queue) -> bool {
         match q.exclusive_owner {
-            Some(_) => self == View::Shared && q.home.is_some(),
+            Some(_) => self != View::Durable && q.home.is_some(),
             None => self.holds(q.durable),
         }
     }
+
+    /// Whether a binding belongs to the view, from whether each end is in the durable view
+    /// and whether its destination is shared at all: a binding is durable when both ends are.
+    fn holds_binding(self, source_durable: bool, destination: Ends) -> bool {
+        let durable = source_durable && destination.durable;
+        match self {
+            View::Durable => durable,
+            View::Shared => destination.shared,
+            View::Transient => destination.shared && !durable,
+        }
+    }
+}
+
+/// Which views a binding's destination belongs to.
+#[derive(Clone, Copy)]
+struct Ends {
+    durable: bool,
+    shared: bool,
 }
 
 impl VHost {
@@ -196,13 +221,21 @@ impl VHost {
         self.wiring(View::Shared)
     }
 
+    /// The shared wiring no disk holds (non-durable and exclusive queues, non-durable
+    /// exchanges, bindings with such an end): a cluster member keeps it in its map
+    /// checkpoint, so that a restart in place gets it back with the durable part
+    /// ([`VHost::restore_transient_wiring`]).
+    pub fn transient_wiring(&self) -> Wiring {
+        self.wiring(View::Transient)
+    }
+
     fn wiring(&self, view: View) -> Wiring {
         let mut w = Wiring::default();
         for ex in self.exchanges.values() {
-            if !view.holds(ex.durable) {
+            if view == View::Durable && !ex.durable {
                 continue;
             }
-            if !predeclared(&ex.name) {
+            if view.holds(ex.durable) && !predeclared(&ex.name) {
                 w.exchanges.push(WiringExchange {
                     name: ex.name.to_string(),
                     kind: ex.kind.as_str().to_owned(),
@@ -213,19 +246,28 @@ impl VHost {
                 });
             }
             for b in ex.bindings() {
-                let (destination, is_queue, held) = match &b.destination {
-                    Destination::Queue(q) => (
-                        q,
-                        true,
-                        self.queues.get(q).is_some_and(|q| view.holds_queue(q)),
-                    ),
+                let (destination, is_queue, ends) = match &b.destination {
+                    Destination::Queue(name) => {
+                        let q = self.queues.get(name);
+                        (
+                            name,
+                            true,
+                            Ends {
+                                durable: q.is_some_and(|q| View::Durable.holds_queue(q)),
+                                shared: q.is_some_and(|q| View::Shared.holds_queue(q)),
+                            },
+                        )
+                    }
                     Destination::Exchange(e) => (
                         e,
                         false,
-                        view.holds(self.exchanges.get(e).is_some_and(|e| e.durable)),
+                        Ends {
+                            durable: self.exchanges.get(e).is_some_and(|e| e.durable),
+                            shared: true,
+                        },
                     ),
                 };
-                if held {
+                if view.holds_binding(ex.durable, ends) {
                     w.bindings.push(WiringBinding {
                         source: ex.name.to_string(),
                         destination: destination.to_string(),
@@ -246,7 +288,7 @@ impl VHost {
                     arguments: q.arguments.clone(),
                     home: match view {
                         View::Durable => None,
-                        View::Shared => q.home.as_deref().map(str::to_owned),
+                        View::Shared | View::Transient => q.home.as_deref().map(str::to_owned),
                     },
                     exclusive: q.exclusive_owner.is_some(),
                     session: q.session.as_deref().map(str::to_owned),
@@ -386,6 +428,89 @@ impl VHost {
         }
         self.mark_wiring_changed();
         skipped
+    }
+
+    /// Whether `op`, which this vhost's saved state already reflects (a restart's replay
+    /// skips it), also changed the transient wiring, which no disk holds, so that the replay
+    /// must apply it again: a declare of a non-durable or exclusive object, a delete of one
+    /// that is here, a bind or unbind with an end that is not durable. Its durable part, if
+    /// any, is already here and applies as a no-op or fails harmlessly.
+    pub fn has_transient_part(&self, op: &WiringOp) -> bool {
+        let saved_queue = |name: &str| {
+            self.queues
+                .get(name)
+                .is_some_and(|q| View::Durable.holds_queue(q))
+        };
+        let saved_exchange = |name: &str| self.exchanges.get(name).is_some_and(|e| e.durable);
+        match op {
+            WiringOp::DeclareExchange { durable, .. } => !durable,
+            WiringOp::DeclareQueue {
+                durable, exclusive, ..
+            } => !durable || *exclusive,
+            WiringOp::DeleteExchange { name, .. } => {
+                self.exchanges.contains_key(name.as_str()) && !saved_exchange(name)
+            }
+            WiringOp::DeleteQueue { name, .. } => {
+                self.queues.contains_key(name.as_str()) && !saved_queue(name)
+            }
+            WiringOp::BindQueue {
+                queue, exchange, ..
+            }
+            | WiringOp::UnbindQueue {
+                queue, exchange, ..
+            } => !(saved_exchange(exchange) && saved_queue(queue)),
+            WiringOp::BindExchange {
+                destination,
+                source,
+                ..
+            }
+            | WiringOp::UnbindExchange {
+                destination,
+                source,
+                ..
+            } => !(saved_exchange(source) && saved_exchange(destination)),
+            _ => false,
+        }
+    }
+
+    /// Puts back, after a restart in place, the transient wiring `w` this member's map
+    /// checkpoint kept ([`VHost::transient_wiring`]), beside the durable wiring the store
+    /// restored. The store may be newer than the checkpoint: an object its durable wiring
+    /// names wins, and the transient one (with its bindings) is left out — the replay of the
+    /// cluster's log after the checkpoint is what removed it. Returns what could not be put
+    /// back (not those), for the caller to log.
+    pub fn restore_transient_wiring(
+        &mut self,
+        w: Wiring,
+        now_ms: u64,
+        fx: &mut Effects,
+    ) -> Vec<String> {
+        let mut merged = self.shared_wiring();
+        merged.cluster_through = self.cluster_through;
+        // Names (and whether each is a queue's) the durable wiring has and `w` has too.
+        let mut shadowed: Vec<(String, bool)> = Vec::new();
+        for e in w.exchanges {
+            if merged.exchanges.iter().any(|m| m.name == e.name) {
+                shadowed.push((e.name, false));
+            } else {
+                merged.exchanges.push(e);
+            }
+        }
+        for q in w.queues {
+            if merged.queues.iter().any(|m| m.name == q.name) {
+                shadowed.push((q.name, true));
+            } else {
+                merged.queues.push(q);
+            }
+        }
+        let kept =
+            |name: &str, is_queue: bool| !shadowed.iter().any(|(n, q)| n == name && *q == is_queue);
+        merged.bindings.extend(
+            w.bindings
+                .into_iter()
+                .filter(|b| kept(&b.source, false) && kept(&b.destination, b.destination_is_queue)),
+        );
+        self.install_shared_wiring(merged, now_ms, fx)
     }
 
     /// Adds exchange `e`, replacing one of the same name (bindings and all); an unknown type

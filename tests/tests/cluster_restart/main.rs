@@ -26,3 +26,4 @@ mod replicated_full_restart;
 mod replicated_metrics;
 mod replicated_paging;
 mod sigstop;
+mod transient_wiring;

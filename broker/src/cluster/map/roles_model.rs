@@ -146,7 +146,7 @@ impl Model {
             self.act(at, actions);
             if self.rng.gen_bool(0.3) {
                 let node = &mut self.nodes[at];
-                if let Some(c) = node.map.checkpoint() {
+                if let Some(c) = node.map.checkpoint(&mut node.store) {
                     node.saved = Some(c);
                 }
             }

@@ -166,7 +166,7 @@ fn in_sync_counts_only_from_the_primary_for_its_incarnation_and_promotes_on_fail
 #[test]
 fn a_restart_replaying_ops_its_store_saved_rebuilds_the_same_roles() {
     let (mut map, mut store) = three_members();
-    let checkpoint = map.checkpoint().unwrap();
+    let checkpoint = map.checkpoint(&mut store).unwrap();
     map.on_event(declare_on(7, 1, "a", "n2"), &mut store)
         .unwrap();
     map.on_event(declare_on(8, 1, "b", "n3"), &mut store)
@@ -223,7 +223,7 @@ fn roles_travel_in_snapshots_and_checkpoints_and_old_ones_still_read() {
     assert_eq!(q.roles.incarnation, 7);
     assert_eq!(q.roles.backups, ["n2", "n3"]);
     assert_eq!(&Roles::from_wiring(&s.vhosts), map.roles());
-    let json = serde_json::to_string(&map.checkpoint().unwrap()).unwrap();
+    let json = serde_json::to_string(&map.checkpoint(&mut store).unwrap()).unwrap();
     let back: Checkpoint = serde_json::from_str(&json).unwrap();
     assert_eq!(&back.roles, map.roles());
     // A checkpoint written before roles existed.
@@ -256,7 +256,7 @@ fn a_member_restarted_in_place_is_announced_only_once_its_own_hello_applies() {
     map.on_event(op(8, 1, mark), &mut store).unwrap();
     assert_eq!(map.roles().get("/", "q").unwrap().in_sync, ["n2"]);
     // Member 1's process restarts in place: its map resumes and starts.
-    let mut resumed = ClusterMap::resume(1, map.checkpoint().unwrap());
+    let mut resumed = ClusterMap::resume(1, map.checkpoint(&mut store).unwrap());
     assert!(!resumed.is_announced());
     resumed
         .on_event(

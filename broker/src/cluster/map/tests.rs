@@ -58,6 +58,30 @@ impl WiringStore for Store {
             v.install_shared_wiring(w, 0, &mut Effects::default());
         }
     }
+
+    fn export_transient(&mut self) -> BTreeMap<String, Wiring> {
+        self.vhosts
+            .iter()
+            .map(|(n, v)| (n.clone(), v.transient_wiring()))
+            .collect()
+    }
+
+    fn restore_transient(&mut self, vhosts: BTreeMap<String, Wiring>) {
+        for (name, w) in vhosts {
+            let v = self
+                .vhosts
+                .entry(name.clone())
+                .or_insert_with(|| VHost::new(&name, 7));
+            v.restore_transient_wiring(w, 0, &mut Effects::default());
+        }
+    }
+
+    fn reapply_transient(&mut self, vhost: &str, op: &WiringOp) {
+        let v = self.vhosts.get_mut(vhost).expect("test vhost");
+        if v.has_transient_part(op) {
+            let _ = op.apply(v, crate::core::NO_CONNECTION, 0, &mut Effects::default());
+        }
+    }
 }
 
 struct Node {
@@ -447,7 +471,9 @@ fn a_restart_replays_what_its_checkpoint_lacks_and_nothing_its_store_saved() {
     let mut map = ClusterMap::new(1, true);
     map.on_event(started(1, false), &mut store).unwrap();
     map.on_event(conf(2, &[1], &[1], &[]), &mut store).unwrap();
-    let checkpoint = map.checkpoint().expect("a synced map has a checkpoint");
+    let checkpoint = map
+        .checkpoint(&mut store)
+        .expect("a synced map has a checkpoint");
     assert_eq!(checkpoint.through, 2);
     map.on_event(declare(3, 1, "a"), &mut store).unwrap();
     map.on_event(delete(4, 1, "a"), &mut store).unwrap();
@@ -476,6 +502,109 @@ fn a_restart_replays_what_its_checkpoint_lacks_and_nothing_its_store_saved() {
     assert!(matches!(actions[0], Action::Answer { request: 7, .. }));
 }
 
+fn declare_queue(index: u64, name: &str, durable: bool) -> CpgEvent {
+    let op = WiringOp::DeclareQueue {
+        name: name.into(),
+        durable,
+        exclusive: false,
+        auto_delete: false,
+        arguments: FieldTable::default(),
+        home: None,
+        server_named: false,
+    };
+    op_event(index, 1, op)
+}
+
+fn declare_exchange(index: u64, name: &str, durable: bool) -> CpgEvent {
+    let op = WiringOp::DeclareExchange {
+        name: name.into(),
+        kind: "direct".into(),
+        durable,
+        auto_delete: false,
+        internal: false,
+        arguments: FieldTable::default(),
+    };
+    op_event(index, 1, op)
+}
+
+fn bind(index: u64, exchange: &str, queue: &str) -> CpgEvent {
+    let op = WiringOp::BindQueue {
+        queue: queue.into(),
+        exchange: exchange.into(),
+        routing_key: "k".into(),
+        arguments: FieldTable::default(),
+    };
+    op_event(index, 1, op)
+}
+
+/// What member `me`'s disk gives a restarted process: `store`'s durable wiring.
+fn restarted_store(store: &Store, me: u64) -> Store {
+    let mut restarted = Store::new(me);
+    let v = restarted.vhosts.get_mut("/").unwrap();
+    v.restore_wiring(store.vhosts["/"].durable_wiring(), 0);
+    restarted
+}
+
+#[test]
+fn a_restart_in_place_gets_back_the_transient_wiring_its_disk_did_not_keep() {
+    let mut store = Store::new(1);
+    let mut map = ClusterMap::new(1, true);
+    map.on_event(started(1, false), &mut store).unwrap();
+    map.on_event(conf(2, &[1], &[1], &[]), &mut store).unwrap();
+    let before_checkpoint = [
+        declare_exchange(3, "tx", false),
+        declare_exchange(4, "dx", true),
+        declare_queue(5, "t1", false),
+        declare_queue(6, "d", true),
+        bind(7, "tx", "d"),
+        bind(8, "dx", "t1"),
+        bind(9, "dx", "d"),
+        declare_queue(10, "gone", false),
+    ];
+    for ev in before_checkpoint {
+        map.on_event(ev, &mut store).unwrap();
+    }
+    let checkpoint = map.checkpoint(&mut store).unwrap();
+    assert_eq!(checkpoint.transient["/"].queues.len(), 2);
+    assert_eq!(
+        checkpoint.transient["/"].bindings.len(),
+        2,
+        "tx->d and dx->t1"
+    );
+    // After the checkpoint, saved by the store but not by a checkpoint: a transient queue
+    // comes, one goes, and a transient name comes back durable.
+    let after_checkpoint = [
+        declare_queue(11, "t2", false),
+        bind(12, "tx", "t2"),
+        delete(13, 1, "gone"),
+        delete(14, 1, "t1"),
+        declare_queue(15, "t1", true),
+        bind(16, "tx", "t1"),
+    ];
+    for ev in after_checkpoint.iter().cloned() {
+        map.on_event(ev, &mut store).unwrap();
+    }
+    // The process dies and comes back with what its disk kept; it replays from its
+    // checkpoint, and then applies what came while it was down.
+    let mut back = restarted_store(&store, 1);
+    let mut resumed = ClusterMap::resume(1, checkpoint);
+    for ev in after_checkpoint {
+        resumed.on_event(ev, &mut back).unwrap();
+    }
+    for ev in [declare_queue(17, "after", false), bind(18, "tx", "after")] {
+        map.on_event(ev.clone(), &mut store).unwrap();
+        resumed.on_event(ev, &mut back).unwrap();
+    }
+    resumed.on_event(started(19, true), &mut back).unwrap();
+    assert_eq!(
+        back.vhosts["/"].shared_wiring(),
+        store.vhosts["/"].shared_wiring(),
+        "the restarted member has the wiring the cluster has"
+    );
+    assert!(back.vhosts["/"].queue("t1").unwrap().durable);
+    assert!(!back.vhosts["/"].queue("t2").unwrap().durable);
+}
+
 #[test]
 fn a_restarted_member_failed_meanwhile_joins_again_and_never_founds_alone() {
     let mut store = Store::new(2);
@@ -485,6 +614,7 @@ fn a_restarted_member_failed_meanwhile_joins_again_and_never_founds_alone() {
         roles: Roles::default(),
         sessions: Default::default(),
         rebalance: None,
+        transient: BTreeMap::new(),
     };
     let mut map = ClusterMap::resume(2, checkpoint);
     // The replay shows the others declaring it failed while it was down.

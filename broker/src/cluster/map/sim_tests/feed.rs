@@ -93,7 +93,7 @@ impl World {
         }
         let s = &mut self.slots[slot];
         let m = s.member.as_ref().expect("acting keeps the member");
-        if let Some(c) = m.map.checkpoint()
+        if let Some(c) = m.map.checkpoint(&mut s.store)
             && self.rng.gen_bool(0.3)
         {
             let through = c.through;
