@@ -205,6 +205,9 @@ pub(crate) async fn goes_on_when_the_member_is_killed(name: &str, options: Queue
     let mut window = Vec::new();
     for i in 0..MESSAGES {
         if i == MESSAGES / 2 {
+            // A queue survives its primary's loss through an in-sync backup; killed before
+            // there is one, it is rightly unavailable and nacks (docs/replication.md).
+            super::exclusive_queues::wait_in_sync(&m[1], "across").await;
             m[0].kill();
         }
         let confirmation = publisher
