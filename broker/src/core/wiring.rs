@@ -24,6 +24,7 @@ use super::queue::Queue;
 use super::vhost::{Effects, VHost};
 use crate::amqp::FieldTable;
 use serde::{Deserialize, Serialize};
+use std::collections::HashSet;
 use std::sync::Arc;
 
 /// An exchange's declaration: enough to declare it again, identically, elsewhere or later.
@@ -487,29 +488,29 @@ impl VHost {
     ) -> Vec<String> {
         let mut merged = self.shared_wiring();
         merged.cluster_through = self.cluster_through;
-        // Names (and whether each is a queue's) the durable wiring has and `w` has too.
-        let mut shadowed: Vec<(String, bool)> = Vec::new();
-        for e in w.exchanges {
-            if merged.exchanges.iter().any(|m| m.name == e.name) {
-                shadowed.push((e.name, false));
+        // Names the durable wiring has that `w` has too: those of `w` are left out.
+        let exchanges: HashSet<String> = merged.exchanges.iter().map(|e| e.name.clone()).collect();
+        let queues: HashSet<String> = merged.queues.iter().map(|q| q.name.clone()).collect();
+        let (kept, shadowed): (Vec<_>, Vec<_>) = w
+            .exchanges
+            .into_iter()
+            .partition(|e| !exchanges.contains(&e.name));
+        let shadowed_exchanges: HashSet<String> = shadowed.into_iter().map(|e| e.name).collect();
+        merged.exchanges.extend(kept);
+        let (kept, shadowed): (Vec<_>, Vec<_>) = w
+            .queues
+            .into_iter()
+            .partition(|q| !queues.contains(&q.name));
+        let shadowed_queues: HashSet<String> = shadowed.into_iter().map(|q| q.name).collect();
+        merged.queues.extend(kept);
+        merged.bindings.extend(w.bindings.into_iter().filter(|b| {
+            let destination_shadowed = if b.destination_is_queue {
+                shadowed_queues.contains(&b.destination)
             } else {
-                merged.exchanges.push(e);
-            }
-        }
-        for q in w.queues {
-            if merged.queues.iter().any(|m| m.name == q.name) {
-                shadowed.push((q.name, true));
-            } else {
-                merged.queues.push(q);
-            }
-        }
-        let kept =
-            |name: &str, is_queue: bool| !shadowed.iter().any(|(n, q)| n == name && *q == is_queue);
-        merged.bindings.extend(
-            w.bindings
-                .into_iter()
-                .filter(|b| kept(&b.source, false) && kept(&b.destination, b.destination_is_queue)),
-        );
+                shadowed_exchanges.contains(&b.destination)
+            };
+            !shadowed_exchanges.contains(&b.source) && !destination_shadowed
+        }));
         self.install_shared_wiring(merged, now_ms, fx)
     }
 
