@@ -5,7 +5,9 @@
 use super::roles_tests::{conf, declare_on, hello, op, three_members};
 use super::*;
 use crate::amqp::{AMQPValue, FieldTable};
+use crate::cluster::layout::RingLayout;
 use crate::cluster::roles::BACKUPS_ARGUMENT;
+use crate::core::WiringOp;
 
 fn layout_op(
     index: u64,

@@ -7,6 +7,7 @@ use super::tests::{Store, member};
 use super::*;
 use crate::amqp::FieldTable;
 use crate::cluster::MemberInfo;
+use crate::core::WiringOp;
 use bytes::Bytes;
 
 pub(super) fn conf(

@@ -6,6 +6,7 @@
 use super::*;
 use crate::amqp::FieldTable;
 use crate::cluster::MemberInfo;
+use crate::core::{AmqpError, OpReply, WiringOp};
 use crate::core::{Effects, VHost};
 use crate::cpg::Member;
 use bytes::Bytes;

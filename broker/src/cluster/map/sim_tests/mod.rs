@@ -58,6 +58,8 @@ use crate::cluster::MemberInfo;
 use crate::cluster::node::GROUP;
 use crate::cluster::rebalance::{MoveState, Rebalance};
 use crate::cluster::roles::BACKUPS_ARGUMENT;
+use crate::cluster::roles::QueueRoles;
+use crate::core::{MoveStep, RebalanceStep, WiringOp};
 use crate::cpg::sim::{App, Links, Proc, run_app};
 use crate::cpg::{Cpg, CpgError};
 use bytes::Bytes;
