@@ -169,7 +169,7 @@ impl Broker {
         for (_, vhost) in self.vhosts() {
             let mut fx = Effects::default();
             let mut v = vhost.lock();
-            v.session_ended(id, &mut fx);
+            v.session_ended(id, now_ms(), &mut fx);
             self.finish_batch(0, &mut v, &mut fx);
         }
     }

@@ -35,6 +35,13 @@ pub use wiring_op::{MoveStep, NO_CONNECTION, OWNER_ARGUMENT, OpReply, RebalanceS
 /// [`exchange::Exchange::home`]).
 pub const PROXY_ARGUMENT: &str = "qpid.cluster.proxy";
 
+/// The consume argument (honoured on links only) by which a member consuming for its
+/// client's channel names that client's resumable session to the queue's primary: what the
+/// consumer is delivered is then held for the session should the link be lost with it
+/// unsettled (`core::queue::holds`). A client's own use of it is dropped by the member it
+/// is connected to.
+pub const SESSION_ARGUMENT: &str = "x-ringmq-session";
+
 /// Whether a queue's home (its primary) names another AMQP broker — a foreign proxy, whose
 /// home is that broker's `amqp://` or `amqps://` URI — rather than a cluster member.
 pub fn is_foreign(home: &str) -> bool {

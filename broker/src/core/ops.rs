@@ -41,6 +41,12 @@ pub enum OpKind {
     Deliver {
         /// Message id.
         id: u64,
+        /// The resumable session whose consumer took it, if one did: should the delivery
+        /// come back unsettled because a member was lost (a promotion, a proxy's link), the
+        /// queue holds it for that session a while rather than hand it to a competing
+        /// consumer, whose application would see a message the session's had already seen
+        /// (`docs/sessions.md` §5, "Held for its session").
+        session: Option<Arc<str>>,
     },
     /// A ready message was handed out with no ack expected (no-ack consume or get): it is gone.
     Take {

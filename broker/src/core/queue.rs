@@ -10,8 +10,10 @@ use crate::amqp::FieldTable;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
+mod holds;
 mod image;
 
+pub use holds::HOLD_MS;
 pub use image::{ImageChunk, ImageEntry, QueueImage, ReplicaError};
 
 /// A message held by a queue.
@@ -43,6 +45,8 @@ pub struct ConsumerRef {
     pub priority: i32,
     /// Another member's pull ([`Consume::pull`](crate::core::Consume::pull)).
     pub pull: bool,
+    /// The session whose consumer it is ([`Consume::session`](crate::core::Consume::session)).
+    pub session: Option<Arc<str>>,
 }
 
 /// A queue: its declaration and its content.
@@ -114,6 +118,13 @@ pub struct Queue {
     /// by every copy alike (they apply the same enqueues): a resend after a failover is
     /// dropped by the number (`core::producers`).
     producers: Producers,
+    /// The session each unacked delivery to a session's consumer went to
+    /// ([`OpKind::Deliver`]'s `session`), kept by every copy alike: a promoted backup holds
+    /// what comes back for the session that had it ([`Queue::hold`]).
+    delivered_to: HashMap<u64, Arc<str>>,
+    /// Ready messages held for a session ([`Queue::hold`]): the primary's alone, as the ops
+    /// do not carry them.
+    holds: HashMap<u64, holds::Hold>,
 }
 
 impl Queue {
@@ -187,6 +198,8 @@ impl Queue {
             pulled_in: HashSet::new(),
             pulled_redelivered: None,
             producers: Producers::default(),
+            delivered_to: HashMap::new(),
+            holds: HashMap::new(),
         }
     }
 
@@ -460,8 +473,12 @@ impl Queue {
                 });
                 None
             }
-            OpKind::Deliver { id } => {
+            OpKind::Deliver { id, session } => {
                 let mut entry = self.remove_ready(*id).unwrap_or_else(|| self.missing(*id));
+                self.unhold(*id);
+                if let Some(session) = session {
+                    self.delivered_to.insert(*id, session.clone());
+                }
                 let returned = entry.clone();
                 entry.redelivered = true;
                 self.unacked.insert(*id, entry);
@@ -469,20 +486,24 @@ impl Queue {
             }
             OpKind::Take { id } | OpKind::Drop { id, .. } => {
                 let entry = self.remove_ready(*id).unwrap_or_else(|| self.missing(*id));
+                self.unhold(*id);
                 self.gone(&entry);
                 Some(entry)
             }
             OpKind::Settle { id } => {
                 let entry = self.unacked.remove(id).unwrap_or_else(|| self.missing(*id));
+                self.forget_delivered_to(*id);
                 self.gone(&entry);
                 Some(entry)
             }
             OpKind::Requeue { id } => {
                 let entry = self.unacked.remove(id).unwrap_or_else(|| self.missing(*id));
+                self.forget_delivered_to(*id);
                 self.insert_ready(entry);
                 None
             }
             OpKind::Purge { .. } => {
+                self.holds.clear();
                 for deque in &mut self.levels {
                     for entry in deque.drain(..) {
                         if entry.message.body.in_memory().is_some() {
@@ -557,8 +578,20 @@ mod tests {
                 },
             );
         }
-        step(&mut q, OpKind::Deliver { id: 1 });
-        step(&mut q, OpKind::Deliver { id: 2 });
+        step(
+            &mut q,
+            OpKind::Deliver {
+                id: 1,
+                session: None,
+            },
+        );
+        step(
+            &mut q,
+            OpKind::Deliver {
+                id: 2,
+                session: None,
+            },
+        );
         step(&mut q, OpKind::Requeue { id: 2 });
         step(&mut q, OpKind::Requeue { id: 1 });
         let order: Vec<_> = q.ready().map(|e| (e.id, e.redelivered)).collect();
@@ -631,7 +664,10 @@ mod tests {
                 unacked.sort_unstable();
                 let kind = match a {
                     Action::Enqueue(p) => Some(OpKind::Enqueue { id: primary.next_id(), message: message(p), expires_at_ms: None }),
-                    Action::DeliverHead => primary.peek().map(|e| OpKind::Deliver { id: e.id }),
+                    Action::DeliverHead => primary.peek().map(|e| OpKind::Deliver {
+                        id: e.id,
+                        session: None,
+                    }),
                     Action::TakeHead => primary.peek().map(|e| OpKind::Take { id: e.id }),
                     Action::DropHead => primary.oldest().map(|e| OpKind::Drop { id: e.id, reason: crate::core::ops::DropReason::MaxLength }),
                     Action::SettleSome(i) => (!unacked.is_empty()).then(|| OpKind::Settle { id: unacked[i % unacked.len()] }),

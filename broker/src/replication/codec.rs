@@ -11,7 +11,10 @@
 //! * `1` Ops: incarnation u64, queue (u8 len + bytes), count u32, then per op: seq u64, kind
 //!   u8, and the kind's fields — Enqueue: id u64, expires-at ms u64 (0 = none), message;
 //!   Deliver, Take, Settle, Requeue: id u64; Drop: id u64, reason u8; Purge: count u32,
-//!   ids u64 × count.
+//!   ids u64 × count; a delivery to a session's consumer is kind `8`: id u64, session (u8
+//!   len + bytes). (Kind 8 is new: a member of an earlier release refuses it as malformed,
+//!   so in a rolling upgrade the queues that session clients consume are replicated to
+//!   old members only once they are upgraded too.)
 //! * `2` Image chunk: incarnation u64, queue, flags u8 (1 first, 2 last), the image's last
 //!   seq u64 and next id u64, count u32, then per entry: id u64, expires-at ms u64, flags u8
 //!   (1 redelivered, 2 unacked), message; with flag 4 (the first chunk, when the queue has
@@ -41,6 +44,7 @@ const SETTLE: u8 = 4;
 const REQUEUE: u8 = 5;
 const DROP: u8 = 6;
 const PURGE: u8 = 7;
+const DELIVER_TO: u8 = 8;
 
 const REDELIVERED: u8 = 1;
 const UNACKED: u8 = 2;
@@ -130,6 +134,9 @@ pub fn op_len(op: &QueueOp) -> usize {
     8 + 1
         + match &op.kind {
             OpKind::Enqueue { message, .. } => 8 + 8 + message_len(message),
+            OpKind::Deliver {
+                session: Some(s), ..
+            } => 8 + 1 + s.len(),
             OpKind::Deliver { .. }
             | OpKind::Take { .. }
             | OpKind::Settle { .. }
@@ -384,7 +391,14 @@ fn put_op(out: &mut Vec<u8>, op: &QueueOp) -> Result<(), EncodeError> {
             out.extend_from_slice(&expires_at_ms.unwrap_or(0).to_be_bytes());
             put_message_content(out, message);
         }
-        OpKind::Deliver { id } => id_only(out, DELIVER, *id),
+        OpKind::Deliver { id, session: None } => id_only(out, DELIVER, *id),
+        OpKind::Deliver {
+            id,
+            session: Some(session),
+        } => {
+            id_only(out, DELIVER_TO, *id);
+            put_str(out, session);
+        }
         OpKind::Take { id } => id_only(out, TAKE, *id),
         OpKind::Settle { id } => id_only(out, SETTLE, *id),
         OpKind::Requeue { id } => id_only(out, REQUEUE, *id),
@@ -419,7 +433,14 @@ fn read_op(r: &mut Reader<'_>, queue: &Arc<str>) -> Result<QueueOp, DecodeError>
                 message: Arc::new(r.message()?),
             }
         }
-        DELIVER => OpKind::Deliver { id: r.u64()? },
+        DELIVER => OpKind::Deliver {
+            id: r.u64()?,
+            session: None,
+        },
+        DELIVER_TO => OpKind::Deliver {
+            id: r.u64()?,
+            session: Some(r.short_str()?.into()),
+        },
         TAKE => OpKind::Take { id: r.u64()? },
         SETTLE => OpKind::Settle { id: r.u64()? },
         REQUEUE => OpKind::Requeue { id: r.u64()? },
@@ -483,7 +504,11 @@ mod tests {
                     expires_at_ms: expires.filter(|&e| e != 0),
                     message: message(&body, persistent),
                 }),
-            any::<u64>().prop_map(|id| OpKind::Deliver { id }),
+            any::<u64>().prop_map(|id| OpKind::Deliver { id, session: None }),
+            (any::<u64>(), "[a-f0-9-]{1,36}").prop_map(|(id, s)| OpKind::Deliver {
+                id,
+                session: Some(s.into()),
+            }),
             any::<u64>().prop_map(|id| OpKind::Take { id }),
             any::<u64>().prop_map(|id| OpKind::Settle { id }),
             any::<u64>().prop_map(|id| OpKind::Requeue { id }),

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 /// A failover client on `uris` (the first tried first) that notices a dead member within two
 /// seconds (1 s heartbeats) and gives a failover 30 s.
-async fn failover_client(uris: impl IntoIterator<Item = String>) -> Client {
+pub(crate) async fn failover_client(uris: impl IntoIterator<Item = String>) -> Client {
     let mut config = Config::new(uris);
     config.heartbeat_s = 1;
     config.failover_timeout = Duration::from_secs(30);

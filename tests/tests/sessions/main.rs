@@ -2,6 +2,7 @@
 //! sockets. One file per concept.
 
 mod across_members;
+mod competing_consumers;
 mod exclusive_queues;
 mod failover_client;
 mod plain_clients;

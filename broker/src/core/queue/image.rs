@@ -299,7 +299,7 @@ impl Queue {
         };
         match &op.kind {
             OpKind::Enqueue { id, .. } if *id < self.next_id => Err(misplaced(*id)),
-            OpKind::Deliver { id } | OpKind::Take { id } | OpKind::Drop { id, .. }
+            OpKind::Deliver { id, .. } | OpKind::Take { id } | OpKind::Drop { id, .. }
                 if !self.is_ready(*id) =>
             {
                 Err(misplaced(*id))
@@ -378,6 +378,7 @@ mod tests {
             },
             2 => OpKind::Deliver {
                 id: pick_of(&ready)?,
+                session: None,
             },
             3 => OpKind::Settle {
                 id: pick_of(&unacked)?,
@@ -421,7 +422,10 @@ mod tests {
                 if i == cut {
                     // In chunks: every op is refused until the last one is in.
                     let mut b = queue();
-                    let probe = primary.op(OpKind::Deliver { id: 0 });
+                    let probe = primary.op(OpKind::Deliver {
+                        id: 0,
+                        session: None,
+                    });
                     for chunk in primary.image().into_chunks(chunk_entries) {
                         let last = chunk.last;
                         b.install_chunk(chunk, None, false).unwrap();
@@ -480,12 +484,21 @@ mod tests {
         for kind in [
             OpKind::Settle { id: 1 },
             OpKind::Requeue { id: 1 },
-            OpKind::Deliver { id: 9 },
+            OpKind::Deliver {
+                id: 9,
+                session: None,
+            },
             OpKind::Purge { ids: vec![] },
         ] {
             assert!(q.fits(&q.op(kind.clone())).is_err(), "{kind:?}");
         }
-        assert!(q.fits(&q.op(OpKind::Deliver { id: 1 })).is_ok());
+        assert!(
+            q.fits(&q.op(OpKind::Deliver {
+                id: 1,
+                session: None
+            }))
+            .is_ok()
+        );
         assert!(q.fits(&q.op(OpKind::Purge { ids: vec![1] })).is_ok());
     }
 

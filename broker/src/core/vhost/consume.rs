@@ -10,7 +10,8 @@ use crate::core::channel::{ChannelKey, ChannelState, Consumer, Unacked};
 use crate::core::error::{AmqpError, CoreResult};
 use crate::core::message::Message;
 use crate::core::ops::OpKind;
-use crate::core::queue::ConsumerRef;
+use crate::core::queue::{ConsumerRef, Queue};
+use std::collections::HashMap;
 use std::sync::Arc;
 
 /// basic.consume, decoded.
@@ -37,6 +38,11 @@ pub struct Consume {
     /// ([`crate::core::fragments::PULL_ARGUMENT`]): not a consumer of the queue's own, so
     /// left out of its consumer counts.
     pub pull: bool,
+    /// The resumable session whose consumer this is (its own connection's, or the one a
+    /// proxying member names, [`crate::core::SESSION_ARGUMENT`]): what it is delivered is
+    /// held for it should the delivery come back unsettled with a lost member
+    /// (`core::queue::holds`).
+    pub session: Option<Arc<str>>,
 }
 
 /// Reply to basic.get with a message.
@@ -186,6 +192,7 @@ impl VHost {
             tag: tag.clone(),
             priority: c.priority,
             pull: c.pull,
+            session: c.session,
         });
         q.had_consumer = true;
         q.last_used_ms = now_ms;
@@ -289,7 +296,8 @@ impl VHost {
         }
         q.last_used_ms = now_ms;
         expire_head(q, now_ms, true, record, fx, &mut dead);
-        let got = match q.peek().map(|e| e.id) {
+        // A get is no session's: it skips what is held for one.
+        let got = match q.first_offerable(None).map(|e| e.id) {
             None => None,
             Some(id) => {
                 let qname = q.name.clone();
@@ -298,7 +306,7 @@ impl VHost {
                     if no_ack {
                         OpKind::Take { id }
                     } else {
-                        OpKind::Deliver { id }
+                        OpKind::Deliver { id, session: None }
                     },
                     record,
                     fx,
@@ -374,43 +382,9 @@ impl VHost {
         let top = q.consumers.iter().map(|r| r.priority).max().unwrap_or(0);
         loop {
             expire_head(q, now_ms, false, record, fx, dead);
-            let Some((id, bytes)) = q.peek().map(|h| (h.id, h.message.body_len() as u64)) else {
+            let Some((id, bytes, at)) = next_delivery(q, &self.channels, top) else {
                 return;
             };
-            // A message pulled in from another fragment stays for this member's consumers
-            // (while it has any: else nothing would ever take it). Only a fragment with
-            // pulled-in messages looks at its consumers for it.
-            let pulled = q.is_pulled(id) && q.consumers.iter().any(|r| !r.pull);
-            let candidates = if q.args.single_active_consumer {
-                1
-            } else {
-                q.consumers.len()
-            };
-            // The first consumer with room in round-robin order among those of the highest
-            // priority that have room.
-            let mut chosen: Option<(usize, i32)> = None;
-            for i in 0..candidates {
-                let at = if q.args.single_active_consumer {
-                    0
-                } else {
-                    (q.next_consumer + i) % q.consumers.len()
-                };
-                let r = &q.consumers[at];
-                if chosen.is_some_and(|(_, p)| r.priority <= p) || (pulled && r.pull) {
-                    continue;
-                }
-                if self
-                    .channels
-                    .get(&r.channel)
-                    .is_some_and(|ch| ch.can_deliver(&r.tag, bytes))
-                {
-                    chosen = Some((at, r.priority));
-                    if r.priority == top {
-                        break;
-                    }
-                }
-            }
-            let Some((at, _)) = chosen else { return };
             q.next_consumer = (at + 1) % q.consumers.len();
             let r = q.consumers[at].clone();
             let ch = self
@@ -423,12 +397,15 @@ impl VHost {
                 if no_ack {
                     OpKind::Take { id }
                 } else {
-                    OpKind::Deliver { id }
+                    OpKind::Deliver {
+                        id,
+                        session: r.session.clone(),
+                    }
                 },
                 record,
                 fx,
             )
-            .expect("head exists");
+            .expect("chosen from the ready list");
             let delivery_tag = ch.next_tag();
             if !no_ack {
                 ch.track(Unacked {
@@ -452,6 +429,82 @@ impl VHost {
             });
         }
     }
+}
+
+/// The next message `q` hands out and the consumer (its index) that takes it: the head, to
+/// the first consumer with room in round-robin order among those of the highest priority
+/// that have room. A message held for a session goes only to that session's consumers,
+/// and the others pass over it to the first message they may take
+/// (`core::queue::holds`); with a single active consumer nothing is passed over, as that
+/// would break the one consumer's order.
+fn next_delivery(
+    q: &Queue,
+    channels: &HashMap<ChannelKey, ChannelState>,
+    top: i32,
+) -> Option<(u64, u64, usize)> {
+    if !q.has_holds() || q.args.single_active_consumer {
+        let head = q.peek()?;
+        let bytes = head.message.body_len() as u64;
+        return choose_consumer(q, channels, head.id, bytes, None, top)
+            .map(|at| (head.id, bytes, at));
+    }
+    for e in q.ready() {
+        let held_for = q.held_for(e.id);
+        let bytes = e.message.body_len() as u64;
+        if let Some(at) = choose_consumer(q, channels, e.id, bytes, held_for, top) {
+            return Some((e.id, bytes, at));
+        }
+        // Anyone may take a message held for nobody: no room for it, no room for any.
+        held_for?;
+    }
+    None
+}
+
+/// The consumer (its index) that takes message `id` of `bytes` body bytes: the first with
+/// room in round-robin order among those of the highest priority that have room — of
+/// session `only`'s consumers, if given.
+fn choose_consumer(
+    q: &Queue,
+    channels: &HashMap<ChannelKey, ChannelState>,
+    id: u64,
+    bytes: u64,
+    only: Option<&Arc<str>>,
+    top: i32,
+) -> Option<usize> {
+    // A message pulled in from another fragment stays for this member's consumers (while
+    // it has any: else nothing would ever take it). Only a fragment with pulled-in messages
+    // looks at its consumers for it.
+    let pulled = q.is_pulled(id) && q.consumers.iter().any(|r| !r.pull);
+    let candidates = if q.args.single_active_consumer {
+        1
+    } else {
+        q.consumers.len()
+    };
+    let mut chosen: Option<(usize, i32)> = None;
+    for i in 0..candidates {
+        let at = if q.args.single_active_consumer {
+            0
+        } else {
+            (q.next_consumer + i) % q.consumers.len()
+        };
+        let r = &q.consumers[at];
+        if chosen.is_some_and(|(_, p)| r.priority <= p)
+            || (pulled && r.pull)
+            || only.is_some_and(|s| r.session.as_ref() != Some(s))
+        {
+            continue;
+        }
+        if channels
+            .get(&r.channel)
+            .is_some_and(|ch| ch.can_deliver(&r.tag, bytes))
+        {
+            chosen = Some((at, r.priority));
+            if r.priority == top {
+                break;
+            }
+        }
+    }
+    chosen.map(|(at, _)| at)
 }
 
 pub(super) fn consumer_queues(ch: &ChannelState) -> Vec<Arc<str>> {

@@ -11,13 +11,19 @@ impl VHost {
     /// Advances time: expires messages at queue heads and deletes queues unused past their
     /// `x-expires`. The server calls it periodically. On a cluster member it also names
     /// again the auto-delete queues still waiting for their deletion to be committed (a
-    /// cluster op that could not be committed is asked for again).
+    /// cluster op that could not be committed is asked for again), and ends the holds
+    /// for sessions that did not come back for their messages in time
+    /// (`core::queue::holds`).
     pub fn tick(&mut self, now_ms: u64, fx: &mut Effects) {
         let record = self.record_ops;
         let mut dead = Vec::new();
         let mut expired_queues = Vec::new();
+        let mut released = Vec::new();
         let node = self.node.clone();
         for q in self.queues.values_mut() {
+            if q.has_holds() && q.release_stale_holds(now_ms) {
+                released.push(q.name.clone());
+            }
             // A proxied queue's use is seen by its primary, which decides its expiry — and its
             // messages' (a replica here drops a message when the primary's op says so). A
             // sealed one is moving: its new primary decides.
@@ -55,6 +61,7 @@ impl VHost {
             self.retire_queue(&name, fx);
         }
         self.dead_letter_all(dead, now_ms, fx);
+        self.dispatch_all(released, now_ms, fx);
     }
 }
 

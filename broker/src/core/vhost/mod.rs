@@ -464,6 +464,25 @@ impl VHost {
     /// channel.close (or the connection went away): unacked messages go back to their
     /// queues in their original places, consumers are removed.
     pub fn channel_close(&mut self, key: ChannelKey, now_ms: u64, fx: &mut Effects) {
+        self.close_channel(key, None, now_ms, fx);
+    }
+
+    /// A channel of another member's link closed with its link (the member was lost, or
+    /// cut off): as [`VHost::channel_close`], but what went to a session's consumer over it
+    /// is held for that session, which resumes elsewhere (`core::queue::holds`).
+    pub fn link_channel_lost(&mut self, key: ChannelKey, now_ms: u64, fx: &mut Effects) {
+        self.close_channel(key, Some(now_ms), now_ms, fx);
+    }
+
+    /// Closes channel `key`; with `hold_since`, requeued deliveries of a session's consumer
+    /// are held for the session from then.
+    fn close_channel(
+        &mut self,
+        key: ChannelKey,
+        hold_since: Option<u64>,
+        now_ms: u64,
+        fx: &mut Effects,
+    ) {
         let Some(mut ch) = self.channels.remove(&key) else {
             return;
         };
@@ -476,7 +495,7 @@ impl VHost {
             self.detach_consumer(key, &c.queue, &c.tag, fx);
             touched.push(c.queue);
         }
-        self.requeue(unacked, &mut touched, fx);
+        self.requeue(unacked, hold_since, &mut touched, fx);
         self.dispatch_all(touched, now_ms, fx);
     }
 

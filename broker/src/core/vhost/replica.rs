@@ -134,7 +134,8 @@ impl VHost {
 
     /// This member became the primary of `queue`, whose replica it held: what the old primary
     /// had delivered and not seen acked goes back to the ready list in its original order,
-    /// marked redelivered, and the queue's consumers are served. Returns how many messages
+    /// marked redelivered — held for its session when a session's consumer had it — and the
+    /// queue's consumers are served. Returns how many messages
     /// were requeued.
     pub fn promote_replica(
         &mut self,
@@ -151,7 +152,13 @@ impl VHost {
             .ok_or_else(|| ReplicaError::NoReplica(queue.to_owned()))?;
         let unacked = q.unacked_in_order();
         for &id in &unacked {
+            // What went to a session's consumer may have been seen there: it waits for that
+            // session a while (`core::queue::holds`).
+            let session = q.delivered_to(id).cloned();
             apply(q, OpKind::Requeue { id }, record, fx);
+            if let Some(session) = session {
+                q.hold(id, session, now_ms);
+            }
         }
         self.dispatch(queue, now_ms, fx);
         Ok(unacked.len())
@@ -228,6 +235,7 @@ fn empty(q: &mut Queue, record: bool, fx: &mut Effects) {
 
 #[cfg(test)]
 mod tests {
+    mod holds;
     mod paging;
 
     use crate::amqp::Properties;

@@ -78,7 +78,7 @@ impl VHost {
         settle_remote(key, &mut settled, settlement, fx);
         let mut touched = Vec::new();
         if requeue {
-            self.requeue(settled, &mut touched, fx);
+            self.requeue(settled, None, &mut touched, fx);
         } else {
             let record = self.record_ops;
             let mut dead = Vec::new();
@@ -164,7 +164,7 @@ impl VHost {
         let mut unacked = ch.settle(0, true).unwrap_or_default();
         settle_remote(key, &mut unacked, Settlement::Requeue, fx);
         let mut touched = consumer_queues(ch);
-        self.requeue(unacked, &mut touched, fx);
+        self.requeue(unacked, None, &mut touched, fx);
         self.dispatch_all(touched, now_ms, fx);
     }
 
@@ -243,16 +243,23 @@ impl VHost {
             .ok_or_else(|| AmqpError::precondition(format!("unknown delivery tag {tag}")))
     }
 
+    /// Puts `unacked` back into their queues; with `hold_since`, each that went to a
+    /// session's consumer is held for the session from then (`core::queue::holds`).
     pub(super) fn requeue(
         &mut self,
         unacked: Vec<Unacked>,
+        hold_since: Option<u64>,
         touched: &mut Vec<Arc<str>>,
         fx: &mut Effects,
     ) {
         let record = self.record_ops;
         for u in unacked {
             if let Some(q) = self.served_unacked(&u) {
+                let session = hold_since.and_then(|_| q.delivered_to(u.id).cloned());
                 apply(q, OpKind::Requeue { id: u.id }, record, fx);
+                if let (Some(session), Some(since)) = (session, hold_since) {
+                    q.hold(u.id, session, since);
+                }
             }
             if !touched.contains(&u.queue) {
                 touched.push(u.queue);

@@ -5,12 +5,14 @@
 use super::frames::{permit, short};
 use super::{Connection, Lazy};
 use crate::amqp::{AMQPClass, basic, codes};
+use crate::amqp::{AMQPValue, FieldTable};
 use crate::auth::permissions::{Access, Resource};
 use crate::clock::now_ms;
 use crate::core::args::consumer_priority;
 use crate::core::fragments::PULL_ARGUMENT;
-use crate::core::{AmqpError, ChannelKey, Consume};
+use crate::core::{AmqpError, ChannelKey, Consume, SESSION_ARGUMENT};
 use crate::server::channel::{BodyParts, HeldAck, PendingPublish};
+use std::sync::Arc;
 
 impl Connection {
     /// Every basic method on an open channel.
@@ -91,6 +93,7 @@ impl Connection {
                     resend_unacked: self.session.is_some_and(|s| s.resumed),
                     priority,
                     pull: self.link && c.arguments.inner().contains_key(PULL_ARGUMENT),
+                    session: self.consumer_session(&c.arguments),
                 };
                 let tag = v.get().basic_consume(key, consume, now, &mut self.fx)?;
                 if !nowait {
@@ -190,6 +193,20 @@ impl Connection {
             }
         }
         Ok(())
+    }
+
+    /// The resumable session a consume on this connection is for: the connection's own,
+    /// or, on another member's link, the one that member names ([`SESSION_ARGUMENT`]).
+    fn consumer_session(&self, arguments: &FieldTable) -> Option<Arc<str>> {
+        if !self.link {
+            return self.session.map(|s| s.id.to_string().into());
+        }
+        match arguments.inner().get(SESSION_ARGUMENT) {
+            Some(AMQPValue::LongString(s)) => {
+                std::str::from_utf8(s.as_bytes()).ok().map(Into::into)
+            }
+            _ => None,
+        }
     }
 
     /// basic.get: get-ok with the message (its body read back if it was paged out), or

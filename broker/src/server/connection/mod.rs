@@ -656,6 +656,8 @@ impl Connection {
         for ch in self.channels.values() {
             if kept {
                 v.channel_detach(ch.key, now, &mut self.fx);
+            } else if self.link {
+                v.link_channel_lost(ch.key, now, &mut self.fx);
             } else {
                 v.channel_close(ch.key, now, &mut self.fx);
             }

@@ -12,9 +12,9 @@ mod settles;
 use super::frames::short;
 use super::wiring::Pending;
 use super::{Connection, Lazy};
-use crate::amqp::{AMQPClass, basic, codes, exchange, queue, tx};
+use crate::amqp::{AMQPClass, AMQPValue, basic, codes, exchange, queue, tx};
 use crate::core::fragments::PULL_ARGUMENT;
-use crate::core::{AmqpError, ChannelKey, VHost};
+use crate::core::{AmqpError, ChannelKey, SESSION_ARGUMENT, VHost, is_foreign};
 use crate::proxy::forward::ForwardTracker;
 use crate::proxy::upstream::{
     self, Command, DEFAULT_CREDIT, ProxiedDelivery, ProxiedGet, Target, Upstream,
@@ -305,10 +305,21 @@ impl Connection {
             },
         );
         // Only a member's pull may say it is one (`x-ringmq-pull`, honoured on links): a
-        // client's consume passed on over a link must not.
+        // client's consume passed on over a link must not. The session is this member's
+        // to name (`x-ringmq-session`): the client's own, to a member (a foreign broker
+        // knows no sessions).
         let mut c = c;
         let mut arguments = c.arguments.inner().clone();
-        if arguments.remove(PULL_ARGUMENT).is_some() {
+        let mut changed = arguments.remove(PULL_ARGUMENT).is_some();
+        changed |= arguments.remove(SESSION_ARGUMENT).is_some();
+        if let Some(session) = self.session.filter(|_| !is_foreign(&primary)) {
+            arguments.insert(
+                SESSION_ARGUMENT.into(),
+                AMQPValue::LongString(session.id.to_string().as_str().into()),
+            );
+            changed = true;
+        }
+        if changed {
             c.arguments = arguments.into();
         }
         let (no_ack, exclusive, nowait) = (c.no_ack, c.exclusive, c.nowait);
