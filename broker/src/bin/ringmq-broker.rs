@@ -384,6 +384,7 @@ async fn join_cluster(
             ring_order: config.ring_order,
             places_ring: true,
             lays_out_ring: true,
+            holds_for_sessions: true,
             process: rand08::random::<u64>().max(1),
         },
         join_timeout: std::time::Duration::from_millis(config.cluster_join_timeout_ms),

@@ -67,6 +67,13 @@ impl ReplicationHost for Host {
         })
     }
 
+    fn names_sessions(&self) -> bool {
+        self.broker
+            .upgrade()
+            .and_then(|b| b.cluster().cloned())
+            .is_some_and(|c| c.every_member_holds_for_sessions())
+    }
+
     fn applied_index(&self) -> u64 {
         self.broker
             .upgrade()

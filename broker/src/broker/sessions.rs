@@ -51,15 +51,21 @@ async fn until_committed(
 }
 
 impl Broker {
-    /// A session ended here (closed, or timed out): what it owned goes — its channels'
-    /// unacked deliveries back to their queues, its exclusive and auto-delete queues.
-    pub fn release_session(&self, ended: &Ended) {
+    /// A session ended here (closed, or timed out) or `moved` to another member: what it
+    /// owned here goes — its channels' unacked deliveries back to their queues (held for
+    /// the session if it moved: its client may have seen them, `core::queue::holds`), its
+    /// exclusive and auto-delete queues.
+    pub fn release_session(&self, ended: &Ended, moved: bool) {
         let Some(vhost) = ended.vhost.as_deref().and_then(|name| self.vhost(name)) else {
             return;
         };
         let mut fx = Effects::default();
         let mut v = vhost.lock();
-        v.close_channels_of(ended.owner, now_ms(), &mut fx);
+        if moved {
+            v.hand_channels_over(ended.owner, now_ms(), &mut fx);
+        } else {
+            v.close_channels_of(ended.owner, now_ms(), &mut fx);
+        }
         v.connection_closed(ended.owner, &mut fx);
         self.finish_batch(ended.owner, &mut v, &mut fx);
     }
@@ -153,7 +159,7 @@ impl Broker {
                 if let Some(v) = ended.vhost.as_deref().and_then(|name| self.vhost(name)) {
                     v.lock().release_session_queues(id);
                 }
-                self.release_session(&ended);
+                self.release_session(&ended, true);
             }
             Some(Left::Attached { owner }) => {
                 tracing::warn!(session = %id, conn = owner, "session moved while a connection was attached here: closing it");

@@ -69,6 +69,12 @@ pub struct MemberInfo {
     /// cluster. Nobody sets a layout while such a member is announced.
     #[serde(default)]
     pub lays_out_ring: bool,
+    /// It reads replicated deliveries that name their session (replication frame kind 8,
+    /// `core::queue::holds`): false from a member that predates them, which would refuse
+    /// such a frame and fall out of sync. Until every announced member reads them, primaries
+    /// leave the sessions out of the stream ([`Membership::every_member_holds_for_sessions`]).
+    #[serde(default)]
+    pub holds_for_sessions: bool,
     /// A random nonce of the process that announced it: a second hello with the same nonce
     /// is that process retrying a send that timed out, not a restart in place (which hands
     /// its primaries over to in-sync backups while it may still be serving them). 0 from a
@@ -290,6 +296,14 @@ impl Membership {
         }
     }
 
+    /// Whether every announced member reads replicated deliveries that name their session
+    /// ([`MemberInfo::holds_for_sessions`]).
+    pub fn every_member_holds_for_sessions(&self) -> bool {
+        (self.members.iter())
+            .filter_map(|m| m.info.as_ref())
+            .all(|i| i.holds_for_sessions)
+    }
+
     /// Node id of an announced member that predates ring layouts, if there is one.
     pub fn predating_layouts(&self) -> Option<&str> {
         (self.members.iter())
@@ -421,6 +435,7 @@ mod tests {
             ring_order: None,
             places_ring: true,
             lays_out_ring: true,
+            holds_for_sessions: true,
             process: 0,
         }
     }
@@ -473,6 +488,7 @@ mod tests {
             MemberInfo {
                 places_ring: false,
                 lays_out_ring: false,
+                holds_for_sessions: false,
                 ..info(2)
             },
         );
@@ -488,5 +504,20 @@ mod tests {
         assert!(m.place("n4", Insertion::Before("n2".into())));
         assert_eq!(m.ring(), ["n1", "n4", "n2", "n3"]);
         assert!(m.is_newcomer("n4"));
+    }
+
+    #[test]
+    fn sessions_are_named_in_the_replication_stream_only_once_every_member_reads_them() {
+        let mut m = Membership::default();
+        m.on_conf_change(&[10, 20]);
+        m.on_hello(10, info(1));
+        let old = MemberInfo {
+            holds_for_sessions: false,
+            ..info(2)
+        };
+        m.on_hello(20, old);
+        assert!(!m.every_member_holds_for_sessions());
+        m.on_hello(20, info(2));
+        assert!(m.every_member_holds_for_sessions());
     }
 }

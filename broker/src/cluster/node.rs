@@ -350,6 +350,13 @@ impl Cluster {
         self.cpg.addr()
     }
 
+    /// Whether every announced member reads replicated deliveries that name their session
+    /// ([`Membership::every_member_holds_for_sessions`]): until then a primary leaves the
+    /// sessions out of its replication stream.
+    pub fn every_member_holds_for_sessions(&self) -> bool {
+        self.membership.read().every_member_holds_for_sessions()
+    }
+
     /// This member's node id.
     pub fn node_id(&self) -> &str {
         &self.node_id

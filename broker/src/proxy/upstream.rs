@@ -19,6 +19,7 @@ use crate::core::vhost::Settlement;
 use crate::core::{AmqpError, Message};
 use std::collections::BTreeSet;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use tokio::sync::{mpsc, oneshot};
 
 /// The upstream prefetch of a proxied consumer whose client set none (or consumes with
@@ -163,6 +164,8 @@ pub enum Command {
 #[derive(Debug, Clone)]
 pub struct Upstream {
     commands: mpsc::UnboundedSender<Command>,
+    /// Set by [`Upstream::detach`].
+    detached: Arc<AtomicBool>,
 }
 
 /// Where an upstream channel is and whom it serves.
@@ -186,8 +189,17 @@ impl Upstream {
     /// Starts the task of a new upstream channel (it connects on its first command).
     pub fn spawn(target: Target) -> Self {
         let (commands, rx) = mpsc::unbounded_channel();
-        tokio::spawn(run(target, rx));
-        Self { commands }
+        let detached = Arc::new(AtomicBool::new(false));
+        tokio::spawn(run(target, rx, detached.clone()));
+        Self { commands, detached }
+    }
+
+    /// The client's connection was lost and its session is kept: when the handle is
+    /// dropped, the channel closes telling the primary so (reply code 330, KEEP_SESSION),
+    /// and the primary holds for the session what it had delivered here — the client,
+    /// resuming elsewhere, may have seen it (`core::queue::holds`).
+    pub fn detach(&self) {
+        self.detached.store(true, Ordering::Release);
     }
 
     /// Queues a command; a command sent after the channel failed is answered with the
@@ -238,7 +250,7 @@ enum Channel {
     Foreign(ForeignChannel),
 }
 
-async fn run(t: Target, mut commands: mpsc::UnboundedReceiver<Command>) {
+async fn run(t: Target, mut commands: mpsc::UnboundedReceiver<Command>, detached: Arc<AtomicBool>) {
     let opened = if is_foreign(&t.primary) {
         ForeignChannel::open(&t)
             .await
@@ -323,6 +335,7 @@ async fn run(t: Target, mut commands: mpsc::UnboundedReceiver<Command>) {
     }
     // The client channel closed: close ours, so the primary requeues what it delivered.
     match ch {
+        Channel::Member(m) if detached.load(Ordering::Acquire) => m.close_for_kept_session(),
         Channel::Member(m) => m.close(),
         Channel::Foreign(f) => f.close().await,
     }

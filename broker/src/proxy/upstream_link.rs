@@ -37,6 +37,7 @@ use crate::broker::outbox::Outbox;
 use crate::core::vhost::Settlement;
 use crate::core::{AmqpError, Message};
 use crate::server::channel::BodyParts;
+use crate::session::KEEP_SESSION;
 use bytes::{Bytes, BytesMut};
 use parking_lot::Mutex;
 use reader::{Reader, silence_limit};
@@ -454,6 +455,17 @@ impl UpstreamChannel {
     /// Closes the channel: the member requeues what it had not had acked, in its original
     /// order. Does not wait: the reader frees the number when close-ok comes.
     pub fn close(self) {
+        self.close_with(codes::REPLY_SUCCESS, "client channel closed");
+    }
+
+    /// [`UpstreamChannel::close`] for a client whose connection was lost with its session
+    /// kept ([`super::upstream::Upstream::detach`]): the member holds for the session what
+    /// it requeues (reply code 330, KEEP_SESSION).
+    pub fn close_for_kept_session(self) {
+        self.close_with(KEEP_SESSION, "client connection lost, its session kept");
+    }
+
+    fn close_with(self, reply_code: u16, reply_text: &str) {
         let inner = self.inner();
         let id = self.chan.id;
         let mut st = self.chan.state.lock();
@@ -470,8 +482,8 @@ impl UpstreamChannel {
         inner.queue_control(
             id,
             AMQPClass::Channel(channel::AMQPMethod::Close(channel::Close {
-                reply_code: codes::REPLY_SUCCESS,
-                reply_text: ShortString::from("client channel closed"),
+                reply_code,
+                reply_text: ShortString::from(reply_text),
                 class_id: 0,
                 method_id: 0,
             })),

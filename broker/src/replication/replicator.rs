@@ -41,7 +41,7 @@ use super::codec::{Frame, op_len};
 use super::ledger::Ledger;
 use crate::core::VHost;
 use crate::core::message::{DiskBody, Message};
-use crate::core::ops::QueueOp;
+use crate::core::ops::{OpKind, QueueOp};
 use crate::proxy::forward::{ForwardTracker, Forwarders, Job};
 use crate::proxy::link::Links;
 use bytes::Bytes;
@@ -82,6 +82,10 @@ pub trait ReplicationHost: Send + Sync + std::fmt::Debug + 'static {
     /// The newest cluster change applied here: a backup applies it before the frames after
     /// it (so it knows the queue they name).
     fn applied_index(&self) -> u64;
+    /// Whether every member reads replicated deliveries that name their session (a rolling
+    /// upgrade may still have members that do not, which would refuse such a frame): until
+    /// then the stream leaves the sessions out.
+    fn names_sessions(&self) -> bool;
     /// Reads paged-out bodies back from the journal, in `keys` order; `None` for a body
     /// whose record is gone (its message left the queue since). Blocking I/O: call it off
     /// the async workers and outside the vhost lock.
@@ -206,6 +210,7 @@ impl Replicator {
             return None;
         }
         let mut frames: Vec<(ReplicaSet, Frame)> = Vec::new();
+        let names_sessions = host.names_sessions();
         for run in ops.chunk_by(|a, b| a.queue == b.queue) {
             let key = (vhost.to_owned(), run[0].queue.clone());
             let Some(roles) = state.roles.get(&key) else {
@@ -224,7 +229,11 @@ impl Replicator {
                     Frame::Ops {
                         incarnation: roles.incarnation,
                         queue: run[0].queue.clone(),
-                        ops: rest[..n].to_vec(),
+                        ops: if names_sessions {
+                            rest[..n].to_vec()
+                        } else {
+                            rest[..n].iter().map(without_session).collect()
+                        },
                     },
                 ));
                 rest = &rest[n..];
@@ -465,6 +474,15 @@ impl Replicator {
                 .collect(),
         );
     }
+}
+
+/// `op` without the session a delivery names, for a member that cannot read it.
+fn without_session(op: &QueueOp) -> QueueOp {
+    let mut op = op.clone();
+    if let OpKind::Deliver { session, .. } = &mut op.kind {
+        *session = None;
+    }
+    op
 }
 
 /// A frame as the message that carries it (encoded once, whatever number of backups it goes

@@ -179,7 +179,7 @@ fn end_expired_sessions(broker: &Arc<Broker>, orphans: &mut HashMap<String, std:
     let now = std::time::Instant::now();
     for ended in broker.sessions().expire(now) {
         tracing::info!(session = %ended.id, owner = ended.owner, "session expired without a resume");
-        broker.release_session(&ended);
+        broker.release_session(&ended, false);
         if let Some(cluster) = broker.cluster() {
             broker.commit_session(SessionOp::End {
                 id: ended.id.to_string(),

@@ -102,6 +102,7 @@ impl Model {
                         ring_order: None,
                         places_ring: true,
                         lays_out_ring: true,
+                        holds_for_sessions: true,
                         process: 0,
                     };
                     let delay = self.rng.gen_range(0..3);

@@ -45,6 +45,7 @@ pub(super) fn hello(index: u64, id: MemberId) -> CpgEvent {
         ring_order: None,
         places_ring: true,
         lays_out_ring: true,
+        holds_for_sessions: true,
         process: 0,
     };
     deliver(index, id, ClusterMsg::Hello(info))
@@ -331,6 +332,7 @@ fn a_hello_retried_by_the_same_process_is_not_a_restart() {
             ring_order: None,
             places_ring: true,
             lays_out_ring: true,
+            holds_for_sessions: true,
             process,
         };
         deliver(index, 1, ClusterMsg::Hello(info))

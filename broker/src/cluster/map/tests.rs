@@ -133,6 +133,7 @@ impl Model {
                             ring_order: None,
                             places_ring: true,
                             lays_out_ring: true,
+                            holds_for_sessions: true,
                             process: 0,
                         };
                         let delay = self.rng.gen_range(0..4);
@@ -646,6 +647,7 @@ fn a_snapshot_delivered_to_a_joiner_is_reported_after_its_hello() {
         ring_order: None,
         places_ring: true,
         lays_out_ring: true,
+        holds_for_sessions: true,
         process: 7,
     });
     let deliver = |index: u64, sender: MemberId, msg: &ClusterMsg| CpgEvent::Deliver {

@@ -20,6 +20,7 @@ fn membership(count: u64) -> Membership {
                 ring_order: None,
                 places_ring: true,
                 lays_out_ring: true,
+                holds_for_sessions: true,
                 process: 0,
             },
         );
@@ -264,6 +265,7 @@ fn join(m: &mut Membership, roles: &Roles, id: u64, zone: &str, order: Option<u3
         ring_order: order,
         places_ring: true,
         lays_out_ring: true,
+        holds_for_sessions: true,
         process: 0,
     };
     let at = insertion(roles, m, &info);

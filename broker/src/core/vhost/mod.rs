@@ -438,6 +438,21 @@ impl VHost {
         }
     }
 
+    /// The session whose channels `conn` (its owner) names moved to another member: its
+    /// channels close as in [`VHost::close_channels_of`], and what went to its consumers is
+    /// held for it (`core::queue::holds`): its client, resuming elsewhere, may have seen it.
+    pub fn hand_channels_over(&mut self, conn: u64, now_ms: u64, fx: &mut Effects) {
+        let keys: Vec<ChannelKey> = self
+            .channels
+            .keys()
+            .filter(|k| k.conn == conn)
+            .copied()
+            .collect();
+        for key in keys {
+            self.close_channel(key, Some(now_ms), now_ms, fx);
+        }
+    }
+
     /// What a session's status tells about its channels: per channel of `conn`, the next
     /// delivery tag and the tags still unacknowledged, in channel order.
     pub fn channel_summaries(&self, conn: u64) -> Vec<(u16, u64, Vec<u64>)> {

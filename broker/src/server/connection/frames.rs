@@ -10,6 +10,7 @@ use crate::auth::permissions::{Access, Permissions, Resource};
 use crate::clock::now_ms;
 use crate::core::{AmqpError, ChannelKey};
 use crate::server::channel::ChannelCtx;
+use crate::session::KEEP_SESSION;
 use std::sync::Arc;
 
 /// A connection-level failure: the broker sends connection.close with these and ends.
@@ -213,7 +214,7 @@ impl Connection {
         for id in ids {
             if let Some(ch) = self.channels.remove(&id) {
                 v.get().channel_detach(ch.key, now, &mut self.fx);
-                self.drop_upstreams(id);
+                self.detach_upstreams(id);
                 if let Some(session) = self.session {
                     self.broker
                         .sessions()
@@ -398,8 +399,13 @@ impl Connection {
         v: &mut Lazy,
     ) -> Result<(), AmqpError> {
         match m {
-            channel::AMQPMethod::Close(_) => {
+            channel::AMQPMethod::Close(close) => {
                 if let Some(ch) = self.channels.remove(&id) {
+                    if self.link && close.reply_code == KEEP_SESSION {
+                        // The member's client lost its connection and kept its session:
+                        // what went to it is held for it (`core::queue::holds`).
+                        v.get().link_channel_lost(ch.key, now_ms(), &mut self.fx);
+                    }
                     self.forget_channel(ch.key, v);
                 }
                 self.writer.method(

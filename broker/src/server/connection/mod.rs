@@ -671,7 +671,11 @@ impl Connection {
         self.fx.cancelled.retain(|c| c.channel.conn != self.id);
         self.fx.remote_settles.clear();
         self.broker.finish_batch(self.id, &mut v, &mut self.fx);
-        // Proxied consumers end with their upstream channels: the primaries requeue.
+        // Proxied consumers end with their upstream channels: the primaries requeue (and
+        // hold for a kept session what went to it).
+        if kept {
+            self.upstreams.values().for_each(Upstream::detach);
+        }
         self.upstreams.clear();
         self.remote_consumers.clear();
         self.held.clear();

@@ -516,6 +516,23 @@ impl Connection {
         nowait: bool,
         primary: Arc<str>,
     ) -> Result<(), AmqpError> {
+        self.count_remote_unless(id, queue, nowait, primary, None)
+    }
+
+    /// [`Connection::count_remote`], but should the primary still hold the queue, the answer
+    /// is `locked` (405), if given: another member's exclusive queue, which this member
+    /// refuses this connection — unless its owner's close already retired it on the primary,
+    /// its home, which applies the retirement before the owner's close-ok, and this member
+    /// has not applied it yet (then the primary's 404 is the answer, as one broker would
+    /// give it).
+    pub(super) fn count_remote_unless(
+        &mut self,
+        id: u16,
+        queue: String,
+        nowait: bool,
+        primary: Arc<str>,
+        locked: Option<AmqpError>,
+    ) -> Result<(), AmqpError> {
         let upstream_queue = queue.clone();
         let again = Again {
             queue: queue.clone(),
@@ -538,10 +555,10 @@ impl Connection {
                 queue: upstream_queue,
                 reply,
             },
-            move |result| Answer::Counted {
+            move |result: Result<(u32, u32), AmqpError>| Answer::Counted {
                 queue,
                 nowait,
-                result,
+                result: result.and_then(|counts| locked.map_or(Ok(counts), Err)),
             },
             Some(again),
         )
@@ -746,6 +763,16 @@ impl Connection {
             }
         }
         Ok(())
+    }
+
+    /// [`Connection::drop_upstreams`] for a channel whose connection was lost with its session
+    /// kept: the primaries hold for the session what they had delivered
+    /// ([`crate::proxy::upstream::Upstream::detach`]).
+    pub(super) fn detach_upstreams(&mut self, id: u16) {
+        for ((_, _), upstream) in self.upstreams.iter().filter(|((ch, _), _)| *ch == id) {
+            upstream.detach();
+        }
+        self.drop_upstreams(id);
     }
 
     /// Closes the upstream channels of client channel `id` (its proxied consumers end; what

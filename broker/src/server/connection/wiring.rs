@@ -330,8 +330,8 @@ impl Connection {
         if let Some(primary) = v.get().remote_primary(&name)
             && !d.exclusive
         {
-            v.get().check_exclusive(&name, self.id)?;
-            return self.count_remote(id, name, d.nowait, primary);
+            let locked = v.get().check_exclusive(&name, self.id).err();
+            return self.count_remote_unless(id, name, d.nowait, primary, locked);
         }
         let declared = v.get().queue_declare(
             self.id,

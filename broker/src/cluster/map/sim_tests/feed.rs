@@ -123,6 +123,7 @@ impl World {
                     ring_order: None,
                     places_ring: true,
                     lays_out_ring: true,
+                    holds_for_sessions: true,
                     process: m.proc + 1,
                 };
                 spawn_announce(m.cpg.clone(), ClusterMsg::Hello(info));
