@@ -105,12 +105,21 @@ struct Assembling {
     body: BytesMut,
 }
 
+/// `connection.close` reply code that keeps the session (`docs/sessions.md` §1).
+const KEEP_SESSION: u16 = 330;
+
+/// Longest wait for the close that leaves a member to be written.
+const LEAVE_TIMEOUT: Duration = Duration::from_millis(200);
+
 /// How serving a connection ended.
 enum Ended {
     /// The application closed the client.
     Closed,
     /// The connection broke: fail over.
     Broken(String),
+    /// The member cannot serve a command the application waits for: leave it, keeping the
+    /// session, and fail over.
+    Unserved(String),
     /// The session cannot go on.
     Fatal(String),
 }
@@ -261,8 +270,30 @@ impl Driver {
                         return self.end(why);
                     }
                 }
+                Ended::Unserved(why) => {
+                    self.leave_keeping_session().await;
+                    if let Err(why) = self.failover(&why).await {
+                        return self.end(why);
+                    }
+                }
             }
         }
+    }
+
+    /// Closes the connection with 330 (KEEP_SESSION), without waiting for the answer: the
+    /// member lets go of the session at once, and the resume elsewhere is not refused as
+    /// attached to this connection.
+    async fn leave_keeping_session(&mut self) {
+        self.wire.method(
+            0,
+            AMQPClass::Connection(connection::AMQPMethod::Close(connection::Close {
+                reply_code: KEEP_SESSION,
+                reply_text: "failing over".into(),
+                class_id: 0,
+                method_id: 0,
+            })),
+        );
+        let _ = tokio::time::timeout(LEAVE_TIMEOUT, self.wire.flush()).await;
     }
 
     /// The session is over: every waiter learns why.
@@ -551,6 +582,19 @@ impl Driver {
                         .cancelled(ch, spec, now, now + self.config.failover_timeout);
                 }
             }
+            AMQPClass::Channel(channel::AMQPMethod::Close(c))
+                if crate::recovery::is_unreachable(c.reply_code, c.reply_text.as_str()) =>
+            {
+                // A queue's primary was lost while the channel waited for it (a commit's
+                // acks, a get): the member cannot say what became of the command, and the
+                // application must not see the loss. Failing over resumes the session; the
+                // channel, closed here, starts over there, and what the application waits
+                // for is sent again (docs/sessions.md §5).
+                return Some(Ended::Unserved(format!(
+                    "channel {ch} closed by the broker: {} {}",
+                    c.reply_code, c.reply_text
+                )));
+            }
             AMQPClass::Channel(channel::AMQPMethod::Close(c)) => {
                 self.wire.method(
                     ch,
@@ -737,12 +781,13 @@ impl Driver {
         else {
             return;
         };
+        let redelivered = book.redelivered(identity.as_ref(), d.redelivered);
         if !book.consumers[i].no_ack {
             book.held(tag, identity);
         }
         let _ = book.consumers[i].deliveries.send(crate::Delivery {
             delivery_tag: tag,
-            redelivered: d.redelivered,
+            redelivered,
             exchange: d.exchange.to_string(),
             routing_key: d.routing_key.to_string(),
             consumer_tag: d.consumer_tag.to_string(),

@@ -13,6 +13,12 @@ use std::collections::VecDeque;
 use std::time::Duration;
 use tokio::time::Instant;
 
+/// Whether a refusal (`code`, `text`) says that the queue's primary cannot be reached: the
+/// member lost its link to it, and the cluster names another primary a moment later.
+pub fn is_unreachable(code: u16, text: &str) -> bool {
+    code == NOT_FOUND && text.contains("cannot be reached")
+}
+
 /// The first pause before asking for a queue again; it doubles up to [`MAX_PAUSE`].
 const FIRST_PAUSE: Duration = Duration::from_millis(100);
 
@@ -128,7 +134,7 @@ impl Recoveries {
     /// consumer up.
     pub fn refused(&mut self, code: u16, text: &str, now: Instant) -> Option<Refused> {
         let mut item = self.probe.take()?.item?;
-        let transient = code == NOT_FOUND && text.contains("cannot be reached");
+        let transient = is_unreachable(code, text);
         if !transient || now >= item.until {
             return Some(Refused::GivenUp(item.spec, format!("{code} {text}")));
         }

@@ -289,7 +289,9 @@ impl Driver {
     fn unexpected(&mut self, frame: Incoming) -> Result<(), Error> {
         match self.on_frame(frame) {
             None | Some(Ended::Closed) => Ok(()),
-            Some(Ended::Broken(why) | Ended::Fatal(why)) => Err(Error::Protocol(why)),
+            Some(Ended::Broken(why) | Ended::Unserved(why) | Ended::Fatal(why)) => {
+                Err(Error::Protocol(why))
+            }
         }
     }
 }
