@@ -6,7 +6,7 @@
 use super::wire::{
     closed_code, lapin_session, new_session_id, props, raw_publish, raw_session, status,
 };
-use ringmq_client::{Client, Config, Properties, QueueOptions, Table};
+use ringmq_client::{Client, Config, Confirmation, Properties, QueueOptions, Table};
 use ringmq_tests::cluster::start_cluster;
 use ringmq_tests::{Broker, Ports};
 use std::time::{Duration, Instant};
@@ -21,6 +21,15 @@ pub(crate) async fn failover_client(uris: impl IntoIterator<Item = String>) -> C
         .await
         .expect("connect in time")
         .expect("connect")
+}
+
+/// Whether publish `m{i}` was acked (not nacked), its confirm awaited up to 60 s; an error
+/// never reaches the failover client's application.
+pub(crate) async fn acked(i: usize, c: Confirmation) -> bool {
+    tokio::time::timeout(Duration::from_secs(60), c.wait())
+        .await
+        .unwrap_or_else(|_| panic!("the confirm of m{i} in time"))
+        .expect("no error reaches the application")
 }
 
 /// Resumes session `id` on `b`, again while the directory still shows it attached (its
@@ -221,10 +230,7 @@ pub(crate) async fn goes_on_when_the_member_is_killed(name: &str, options: Queue
         window.push((i, confirmation));
         if window.len() == 20 || i + 1 == MESSAGES {
             for (i, c) in window.drain(..) {
-                let ack = tokio::time::timeout(Duration::from_secs(60), c.wait())
-                    .await
-                    .unwrap_or_else(|_| panic!("the confirm of m{i} in time"))
-                    .expect("no error reaches the application");
+                let ack = acked(i, c).await;
                 if !ack {
                     // What the surviving members said around the nack: the cause.
                     for (k, b) in m.iter().enumerate().skip(1) {

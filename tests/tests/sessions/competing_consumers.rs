@@ -5,7 +5,7 @@
 //! queue's primary were on is killed, or the member they consume through closes their
 //! connections while the primary lives on.
 
-use super::across_members::failover_client;
+use super::across_members::{acked, failover_client};
 use super::exclusive_queues::wait_in_sync;
 use ringmq_client::{Client, Properties, QueueOptions, Table};
 use ringmq_tests::Broker;
@@ -133,11 +133,7 @@ async fn each_message_once_through(name: &str, fault: Fault) {
         window.push((i, c));
         if window.len() == 50 || i + 1 == MESSAGES {
             for (i, c) in window.drain(..) {
-                let ack = tokio::time::timeout(Duration::from_secs(60), c.wait())
-                    .await
-                    .unwrap_or_else(|_| panic!("the confirm of m{i} in time"))
-                    .expect("no error reaches the application");
-                assert!(ack, "m{i} nacked");
+                assert!(acked(i, c).await, "m{i} nacked");
             }
         }
     }

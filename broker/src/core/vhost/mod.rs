@@ -427,21 +427,25 @@ impl VHost {
     /// Closes every channel of connection (or session owner) `conn`, open or detached: the
     /// end of a session, whose detached channels no connection holds.
     pub fn close_channels_of(&mut self, conn: u64, now_ms: u64, fx: &mut Effects) {
-        let keys: Vec<ChannelKey> = self
-            .channels
-            .keys()
-            .filter(|k| k.conn == conn)
-            .copied()
-            .collect();
-        for key in keys {
-            self.channel_close(key, now_ms, fx);
-        }
+        self.close_channels_holding(conn, None, now_ms, fx);
     }
 
     /// The session whose channels `conn` (its owner) names moved to another member: its
     /// channels close as in [`VHost::close_channels_of`], and what went to its consumers is
     /// held for it (`core::queue::holds`): its client, resuming elsewhere, may have seen it.
     pub fn hand_channels_over(&mut self, conn: u64, now_ms: u64, fx: &mut Effects) {
+        self.close_channels_holding(conn, Some(now_ms), now_ms, fx);
+    }
+
+    /// Closes every channel of `conn`; with `hold_since`, requeued deliveries of a session's
+    /// consumer are held for the session from then.
+    fn close_channels_holding(
+        &mut self,
+        conn: u64,
+        hold_since: Option<u64>,
+        now_ms: u64,
+        fx: &mut Effects,
+    ) {
         let keys: Vec<ChannelKey> = self
             .channels
             .keys()
@@ -449,7 +453,7 @@ impl VHost {
             .copied()
             .collect();
         for key in keys {
-            self.close_channel(key, Some(now_ms), now_ms, fx);
+            self.close_channel(key, hold_since, now_ms, fx);
         }
     }
 

@@ -169,6 +169,15 @@ fn what_went_over_a_lost_link_to_a_session_waits_for_it_and_a_closed_channels_do
     );
 }
 
+/// `b` follows what primary `a` did in `fx`, and `a` is lost: `b` is promoted at 1 s.
+fn take_over(b: &mut VHost, fx: &Effects) {
+    b.apply_replicated("q", &fx.ops, &mut Effects::default())
+        .unwrap();
+    b.set_queue_home("q", "b");
+    b.promote_replica("q", 1_000, &mut Effects::default())
+        .unwrap();
+}
+
 /// Publishes `body` numbered `seq` by producer `p`, as the failover client does.
 fn publish_numbered(v: &mut VHost, body: &'static str, seq: i64, fx: &mut Effects) {
     let mut headers = FieldTable::default();
@@ -208,11 +217,7 @@ fn a_held_message_goes_back_under_its_lost_deliverys_flag_to_a_client_that_recog
         bodies_of(&fx, 2),
         expect(&[("n1", true), ("n2", false), ("m3", false)])
     );
-    b.apply_replicated("q", &fx.ops, &mut Effects::default())
-        .unwrap();
-    b.set_queue_home("q", "b");
-    b.promote_replica("q", 1_000, &mut Effects::default())
-        .unwrap();
+    take_over(&mut b, &fx);
 
     // s1 resumes: what it never got looks as it would have without the failure, where an
     // identity lets its client hide what its application had; m3 has none.
@@ -231,11 +236,7 @@ fn a_held_message_goes_back_marked_redelivered_to_a_client_that_does_not_recogni
     let mut fx = Effects::default();
     publish_numbered(&mut a, "n1", 1, &mut fx);
     consume_for(&mut a, 2, "s1", 1, &mut fx);
-    b.apply_replicated("q", &fx.ops, &mut Effects::default())
-        .unwrap();
-    b.set_queue_home("q", "b");
-    b.promote_replica("q", 1_000, &mut Effects::default())
-        .unwrap();
+    take_over(&mut b, &fx);
     let mut fx = Effects::default();
     consume_for(&mut b, 3, "s1", 10, &mut fx);
     assert_eq!(bodies_of(&fx, 3), expect(&[("n1", true)]));
