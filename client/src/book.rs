@@ -114,11 +114,6 @@ pub(crate) struct ChannelBook {
     pub returning: HashMap<Identity, (Returning, u64)>,
     /// How many times [`Self::consumer_lost`] ran: the age of what `returning` expects.
     pub failovers: u64,
-    /// Messages the application gave back to their queue lately (nack or reject with
-    /// requeue), by identity, with the application tag they had: when one comes again it
-    /// is marked `redelivered` — the broker may send it unmarked, under the flag of a
-    /// delivery lost before the application's nack reached it (`docs/sessions.md` §5).
-    pub requeued: HashMap<Identity, u64>,
     /// The channel's name on its publishes (`x-ringmq-producer`: `<session>:<channel>`).
     pub producer: String,
     /// Its transactions, once `tx.select` was sent.
@@ -295,15 +290,6 @@ impl ChannelBook {
             self.outstanding.remove(&t);
             self.settled.insert(t, how);
             self.recent.insert(t, how);
-            if how == (Settled::Nack { requeue: true })
-                && let Some(id) = self.identities.get(&t)
-            {
-                self.requeued.insert(id.clone(), t);
-                if self.requeued.len() > SETTLED_IDENTITIES {
-                    let cut = t.saturating_sub(SETTLED_IDENTITIES as u64);
-                    self.requeued.retain(|_, tag| *tag > cut);
-                }
-            }
             if let Some(id) = self.identities.get(&t)
                 && let Some(expected) = self.returning.get_mut(id)
                 && expected.0 == Returning::Held(t)
@@ -478,14 +464,6 @@ impl ChannelBook {
         }
     }
 
-    /// The `redelivered` flag the application is shown for a new delivery that came with
-    /// `flag`: set for a message it gave back to its queue itself (see [`Self::requeued`]).
-    pub fn redelivered(&mut self, identity: Option<&Identity>, flag: bool) -> bool {
-        let requeued = !self.requeued.is_empty()
-            && identity.is_some_and(|id| self.requeued.remove(id).is_some());
-        flag || requeued
-    }
-
     /// Whether a delivery with application tag `tag` is new to the application (and, if
     /// so, remembers it).
     fn fresh_delivery(&mut self, tag: u64) -> bool {
@@ -631,26 +609,6 @@ mod tests {
             b.held(tag, Some(id(n)));
         }
         arrival
-    }
-
-    #[test]
-    fn a_message_the_application_requeued_comes_again_marked_redelivered() {
-        let mut b = ChannelBook::default();
-        assert_eq!(deliver(&mut b, 1, 1), Arrival::New(1));
-        assert_eq!(deliver(&mut b, 2, 2), Arrival::New(2));
-        b.settle(Settle::Nack {
-            tag: 1,
-            multiple: false,
-            requeue: true,
-        });
-        b.settle(ack(2, false));
-        // Message 1 comes again unmarked: a held message back under the flag of a delivery
-        // lost before the nack reached the broker.
-        assert_eq!(deliver(&mut b, 3, 1), Arrival::New(3));
-        assert!(b.redelivered(Some(&id(1)), false));
-        assert!(!b.redelivered(Some(&id(1)), false), "once");
-        assert!(!b.redelivered(Some(&id(2)), false), "acked, not requeued");
-        assert!(b.redelivered(None, true), "the broker's mark stays");
     }
 
     #[test]

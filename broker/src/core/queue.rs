@@ -13,7 +13,7 @@ use std::sync::Arc;
 mod holds;
 mod image;
 
-pub use holds::{HOLD_MS, SessionDelivery};
+pub use holds::HOLD_MS;
 pub use image::{ImageChunk, ImageEntry, QueueImage, ReplicaError};
 
 /// A message held by a queue.
@@ -47,9 +47,6 @@ pub struct ConsumerRef {
     pub pull: bool,
     /// The session whose consumer it is ([`Consume::session`](crate::core::Consume::session)).
     pub session: Option<Arc<str>>,
-    /// Its client recognises deliveries its application had
-    /// ([`Consume::recognises_redeliveries`](crate::core::Consume::recognises_redeliveries)).
-    pub recognises_redeliveries: bool,
 }
 
 /// A queue: its declaration and its content.
@@ -124,7 +121,7 @@ pub struct Queue {
     /// The session each unacked delivery to a session's consumer went to
     /// ([`OpKind::Deliver`]'s `session`), kept by every copy alike: a promoted backup holds
     /// what comes back for the session that had it ([`Queue::hold`]).
-    delivered_to: HashMap<u64, holds::SessionDelivery>,
+    delivered_to: HashMap<u64, Arc<str>>,
     /// Ready messages held for a session ([`Queue::hold`]): the primary's alone, as the ops
     /// do not carry them.
     holds: HashMap<u64, holds::Hold>,
@@ -480,11 +477,7 @@ impl Queue {
                 let mut entry = self.remove_ready(*id).unwrap_or_else(|| self.missing(*id));
                 self.unhold(*id);
                 if let Some(session) = session {
-                    let delivery = holds::SessionDelivery {
-                        session: session.clone(),
-                        redelivered: entry.redelivered,
-                    };
-                    self.delivered_to.insert(*id, delivery);
+                    self.delivered_to.insert(*id, session.clone());
                 }
                 let returned = entry.clone();
                 entry.redelivered = true;

@@ -12,13 +12,6 @@
 //! [`HOLD_MS`], whichever comes first: a session that never comes back for the queue
 //! does not keep its messages from everybody else.
 //!
-//! A held message goes back to its session under the `redelivered` flag of the delivery
-//! that was lost, when the session's client recognises what its application already had
-//! (the failover client) and the message has an identity to recognise it by: the
-//! application either had it, and its client hides it, or never got it, and sees it as a
-//! run without the failure shows it ([`Queue::restored_flag`]). Any other client gets it
-//! marked redelivered, as 0-9-1 asks.
-//!
 //! Holds are the primary's: the ops do not carry them (a backup promoted again computes
 //! them afresh from the deliveries it knows of). Every copy keeps the session of each
 //! unacked delivery, which the ops do carry ([`crate::core::ops::OpKind::Deliver`]).
@@ -31,56 +24,35 @@ use std::sync::Arc;
 /// enough that the other consumers are not kept waiting for a session that went elsewhere.
 pub const HOLD_MS: u64 = 15_000;
 
-/// A delivery to a session's consumer, as every copy of the queue records it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SessionDelivery {
-    /// The session.
-    pub session: Arc<str>,
-    /// The `redelivered` flag it went out with.
-    pub redelivered: bool,
-}
-
 /// One held message.
 #[derive(Debug, Clone)]
 pub(super) struct Hold {
-    /// The session it waits for, and the flag of its delivery that was lost.
-    delivery: SessionDelivery,
+    /// The session it waits for.
+    session: Arc<str>,
     /// When the hold began (ms).
     since_ms: u64,
 }
 
 impl Queue {
-    /// The delivery of unacked message `id` to a session's consumer, if it went to one.
-    pub fn delivered_to(&self, id: u64) -> Option<&SessionDelivery> {
+    /// The session unacked message `id` was delivered to, if it went to a session's
+    /// consumer.
+    pub fn delivered_to(&self, id: u64) -> Option<&Arc<str>> {
         if self.delivered_to.is_empty() {
             return None;
         }
         self.delivered_to.get(&id)
     }
 
-    /// Holds ready message `id`, back from the lost `delivery`, for its session from
-    /// `now_ms`: only that session's consumers get it until the hold ends.
-    pub fn hold(&mut self, id: u64, delivery: SessionDelivery, now_ms: u64) {
+    /// Holds ready message `id` for `session` from `now_ms`: only that session's consumers
+    /// get it until the hold ends.
+    pub fn hold(&mut self, id: u64, session: Arc<str>, now_ms: u64) {
         self.holds.insert(
             id,
             Hold {
-                delivery,
+                session,
                 since_ms: now_ms,
             },
         );
-    }
-
-    /// The `redelivered` flag of the lost delivery of message `id`, if it is held for
-    /// `session`: what the session's client is sent when it recognises what its application
-    /// already had (see the module).
-    pub fn restored_flag(&self, id: u64, session: &str) -> Option<bool> {
-        if self.holds.is_empty() {
-            return None;
-        }
-        self.holds
-            .get(&id)
-            .filter(|h| &*h.delivery.session == session)
-            .map(|h| h.delivery.redelivered)
     }
 
     /// Whether any message is held.
@@ -93,13 +65,13 @@ impl Queue {
         if self.holds.is_empty() {
             return None;
         }
-        self.holds.get(&id).map(|h| &h.delivery.session)
+        self.holds.get(&id).map(|h| &h.session)
     }
 
     /// Ends the holds for `session` (it ended); whether there were any.
     pub fn release_holds_of(&mut self, session: &str) -> bool {
         let before = self.holds.len();
-        self.holds.retain(|_, h| &*h.delivery.session != session);
+        self.holds.retain(|_, h| &*h.session != session);
         self.holds.len() != before
     }
 

@@ -10,7 +10,6 @@ use crate::core::channel::{ChannelKey, ChannelState, Consumer, Unacked};
 use crate::core::error::{AmqpError, CoreResult};
 use crate::core::message::Message;
 use crate::core::ops::OpKind;
-use crate::core::producers::producer_of;
 use crate::core::queue::{ConsumerRef, Queue};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -44,11 +43,6 @@ pub struct Consume {
     /// held for it should the delivery come back unsettled with a lost member
     /// (`core::queue::holds`).
     pub session: Option<Arc<str>>,
-    /// Its client recognises, by their identity, deliveries its application already had
-    /// (the failover client, capability `ringmq.recognises_redeliveries`; over a link,
-    /// [`crate::core::RECOGNISES_ARGUMENT`]): a message held for its session comes back
-    /// under the flag of the delivery that was lost (`core::queue::holds`).
-    pub recognises_redeliveries: bool,
 }
 
 /// Reply to basic.get with a message.
@@ -199,7 +193,6 @@ impl VHost {
             priority: c.priority,
             pull: c.pull,
             session: c.session,
-            recognises_redeliveries: c.recognises_redeliveries,
         });
         q.had_consumer = true;
         q.last_used_ms = now_ms;
@@ -399,9 +392,6 @@ impl VHost {
                 .get_mut(&r.channel)
                 .expect("checked by can_deliver");
             let no_ack = ch.consumers[&r.tag].no_ack;
-            let restored = (r.session.as_deref())
-                .filter(|_| r.recognises_redeliveries)
-                .and_then(|s| q.restored_flag(id, s));
             let entry = apply(
                 q,
                 if no_ack {
@@ -416,12 +406,6 @@ impl VHost {
                 fx,
             )
             .expect("chosen from the ready list");
-            // Back to the session whose delivery of it was lost, under that delivery's flag
-            // when the client recognises what its application had (`core::queue::holds`).
-            let redelivered = match restored {
-                Some(flag) if producer_of(&entry.message).is_some() => flag,
-                _ => entry.redelivered,
-            };
             let delivery_tag = ch.next_tag();
             if !no_ack {
                 ch.track(Unacked {
@@ -429,7 +413,7 @@ impl VHost {
                     queue: q.name.clone(),
                     id,
                     consumer: Some(r.tag.clone()),
-                    redelivered,
+                    redelivered: entry.redelivered,
                     bytes,
                     upstream: None,
                 });
@@ -440,7 +424,7 @@ impl VHost {
                 channel: r.channel,
                 consumer_tag: r.tag,
                 delivery_tag,
-                redelivered,
+                redelivered: entry.redelivered,
                 message: entry.message,
             });
         }

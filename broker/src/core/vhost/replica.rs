@@ -154,10 +154,10 @@ impl VHost {
         for &id in &unacked {
             // What went to a session's consumer may have been seen there: it waits for that
             // session a while (`core::queue::holds`).
-            let lost = q.delivered_to(id).cloned();
+            let session = q.delivered_to(id).cloned();
             apply(q, OpKind::Requeue { id }, record, fx);
-            if let Some(lost) = lost {
-                q.hold(id, lost, now_ms);
+            if let Some(session) = session {
+                q.hold(id, session, now_ms);
             }
         }
         self.dispatch(queue, now_ms, fx);

@@ -255,10 +255,10 @@ impl VHost {
         let record = self.record_ops;
         for u in unacked {
             if let Some(q) = self.served_unacked(&u) {
-                let lost = hold_since.and_then(|_| q.delivered_to(u.id).cloned());
+                let session = hold_since.and_then(|_| q.delivered_to(u.id).cloned());
                 apply(q, OpKind::Requeue { id: u.id }, record, fx);
-                if let (Some(lost), Some(since)) = (lost, hold_since) {
-                    q.hold(u.id, lost, since);
+                if let (Some(session), Some(since)) = (session, hold_since) {
+                    q.hold(u.id, session, since);
                 }
             }
             if !touched.contains(&u.queue) {
