@@ -83,14 +83,13 @@ impl Queue {
         self.holds.len() != before
     }
 
-    /// The first ready message, in delivery order, that a consumer of `session` (`None`: of
-    /// no session) may take: the head, unless messages held for other sessions come first.
-    pub fn first_offerable(&self, session: Option<&str>) -> Option<&Entry> {
+    /// The first ready message, in delivery order, that is held for nobody: the head, unless
+    /// held messages come first (what a `basic.get`, no session's, may take).
+    pub fn first_unheld(&self) -> Option<&Entry> {
         if self.holds.is_empty() {
             return self.peek();
         }
-        self.ready()
-            .find(|e| self.held_for(e.id).is_none_or(|s| Some(&**s) == session))
+        self.ready().find(|e| !self.holds.contains_key(&e.id))
     }
 
     /// Message `id` left the ready list: no hold for it is left.

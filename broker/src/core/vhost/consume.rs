@@ -297,7 +297,7 @@ impl VHost {
         q.last_used_ms = now_ms;
         expire_head(q, now_ms, true, record, fx, &mut dead);
         // A get is no session's: it skips what is held for one.
-        let got = match q.first_offerable(None).map(|e| e.id) {
+        let got = match q.first_unheld().map(|e| e.id) {
             None => None,
             Some(id) => {
                 let qname = q.name.clone();
