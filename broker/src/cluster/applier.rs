@@ -81,6 +81,7 @@ impl<H: ClusterHost> Applier<H> {
                 Some(point) = sync_rx.recv() => self.sync_point = Some(point),
                 _ = tick.tick() => {}
             }
+            self.cluster.events_applied.send_replace(events.received());
             self.check_caught_up(&events);
             self.save_checkpoint();
         }

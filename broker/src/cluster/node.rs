@@ -130,6 +130,9 @@ pub struct Cluster {
     /// consensus stopping is then the end of the process's shutdown, not a reason to exit
     /// and restart.
     pub(super) retiring: AtomicBool,
+    /// How many CPG events the applier has applied ([`crate::cpg::CpgEvents::received`]):
+    /// what [`Cluster::catch_up`] compares a read index's [`crate::cpg::SyncPoint`] with.
+    pub(super) events_applied: tokio::sync::watch::Sender<u64>,
 }
 
 /// What [`Cluster::retire_if_drained`] did.
@@ -230,6 +233,7 @@ impl Cluster {
             event_begun: AtomicU64::new(0),
             event_ended: AtomicU64::new(0),
             retiring: AtomicBool::new(false),
+            events_applied: tokio::sync::watch::Sender::new(0),
         });
         let applier = Applier::new(map, host, cluster.clone(), settings.info, settings.dir);
         tokio::spawn(applier.run(events));
@@ -263,6 +267,28 @@ impl Cluster {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+    }
+
+    /// Waits until this member has applied every cluster change committed before the call
+    /// (a read index, [`Cpg::sync`]): whether it has, within the cluster's write timeout and
+    /// then [`crate::proxy::catch_up::CATCH_UP_LIMIT`] (at once false without a quorum). A member about to answer 404 for a
+    /// queue or exchange asks this first: a client that another member answered declare-ok
+    /// may name it here before this member applied the same committed declare, and one
+    /// broker would have found it.
+    pub async fn catch_up(&self) -> bool {
+        if !self.cpg.has_quorum_now() {
+            return false;
+        }
+        let Ok(point) = self.cpg.sync().await else {
+            return false;
+        };
+        let mut applied = self.events_applied.subscribe();
+        tokio::time::timeout(
+            crate::proxy::catch_up::CATCH_UP_LIMIT,
+            applied.wait_for(|n| *n >= point.events),
+        )
+        .await
+        .is_ok_and(|r| r.is_ok())
     }
 
     /// Why this member must not serve clients now, or `None` when it may: it must hold the

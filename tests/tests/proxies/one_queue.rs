@@ -151,3 +151,98 @@ async fn a_redeclare_through_a_third_member_right_after_the_create_is_answered()
         assert_eq!((again.message_count(), again.consumer_count()), (0, 0));
     }
 }
+
+#[tokio::test]
+async fn what_one_member_declared_is_found_at_once_through_another() {
+    // A client answered declare-ok by one member tells another client, on a member that has
+    // not applied the committed declare yet, to use the queue or exchange. That member
+    // catches up before it would answer 404, as one broker never does (CI saw a consume
+    // refused 0.5 ms after the declare-ok). The late member is frozen while the others
+    // commit the declare, and the use waits in its socket: on SIGCONT it reads the client
+    // before its consensus layer has stored and applied the change.
+    let (members, _secret) = start_cluster("proxy-found", 3);
+    let overview = members[0].admin_client().get("/api/overview").unwrap();
+    let leader = overview.body["cluster"]["leader"]
+        .as_str()
+        .unwrap_or("")
+        .to_owned();
+    let late = (0..3)
+        .rev()
+        .find(|&i| format!("proxy-found-{i}") != leader)
+        .unwrap();
+    let declarer = (late + 1) % 3;
+    let (_c, on_declarer) = members[declarer].channel().await;
+    let (_c, on_late) = members[late].channel().await;
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
+    };
+    for (i, use_) in ["passive declare", "bind", "get", "consume"]
+        .iter()
+        .enumerate()
+    {
+        let (queue, exchange) = (format!("found-{i}"), format!("found-x-{i}"));
+        members[late].pause();
+        on_declarer
+            .queue_declare(
+                queue.as_str().into(),
+                QueueDeclareOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        on_declarer
+            .exchange_declare(
+                exchange.as_str().into(),
+                lapin::ExchangeKind::Fanout,
+                lapin::options::ExchangeDeclareOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap();
+        let ch = on_late.clone();
+        let using = tokio::spawn(async move {
+            match i {
+                0 => ch
+                    .queue_declare(queue.as_str().into(), passive, FieldTable::default())
+                    .await
+                    .map(drop),
+                1 => {
+                    ch.queue_bind(
+                        queue.as_str().into(),
+                        exchange.as_str().into(),
+                        "".into(),
+                        lapin::options::QueueBindOptions::default(),
+                        FieldTable::default(),
+                    )
+                    .await
+                }
+                2 => ch
+                    .basic_get(queue.as_str().into(), BasicGetOptions::default())
+                    .await
+                    .map(drop),
+                _ => ch
+                    .basic_consume(
+                        queue.as_str().into(),
+                        "c".into(),
+                        BasicConsumeOptions::default(),
+                        FieldTable::default(),
+                    )
+                    .await
+                    .map(drop),
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        members[late].resume();
+        using
+            .await
+            .unwrap()
+            .unwrap_or_else(|e| panic!("{use_} through the member that was late: {e}"));
+    }
+    // What is not there is still 404, once caught up.
+    let missing = on_late
+        .queue_declare("never-declared".into(), passive, FieldTable::default())
+        .await
+        .expect_err("a queue nobody declared");
+    assert!(missing.to_string().contains("NOT_FOUND"), "{missing}");
+}

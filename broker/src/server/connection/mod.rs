@@ -19,6 +19,7 @@ mod foreign;
 mod fragmented;
 mod frames;
 mod handshake;
+mod not_found;
 mod output;
 mod proxied;
 mod publish;

@@ -101,6 +101,11 @@ pub(super) enum Answer {
     CaughtUp {
         nowait: bool,
     },
+    /// The method failed with 404 and this member has since caught up with the cluster
+    /// (`not_found`): it is carried out again, and a second 404 stands.
+    Retry {
+        method: AMQPClass,
+    },
     /// A transaction's proxied acks were processed by their primaries: commit-ok.
     Committed {
         result: Result<(), AmqpError>,
@@ -706,6 +711,7 @@ impl Connection {
                     );
                 }
             }
+            Answer::Retry { method } => return self.handle(id, method, v),
             Answer::Committed { result } => {
                 result?;
                 w.method(id, AMQPClass::Tx(tx::AMQPMethod::CommitOk(tx::CommitOk {})));
