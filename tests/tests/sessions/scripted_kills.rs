@@ -143,10 +143,10 @@ async fn run_with_kills(
 /// documented exception (`docs/sessions.md` §2): a message that a killed member had sent on
 /// towards the application, which never received it, comes back from its queue marked
 /// redelivered — truthfully, since it may have been delivered — where the run without
-/// failure has it unmarked. Returns how many deliveries that was, or the first line that
-/// differs otherwise.
-fn same_but_redelivered(clean: &[String], got: &[String]) -> Result<usize, usize> {
-    let mut flagged = 0;
+/// failure has it unmarked. Returns those deliveries, or the first line that differs
+/// otherwise.
+fn same_but_redelivered<'a>(clean: &[String], got: &'a [String]) -> Result<Vec<&'a str>, usize> {
+    let mut flagged = Vec::new();
     for (i, (c, g)) in clean.iter().zip(got).enumerate() {
         if c == g {
             continue;
@@ -160,7 +160,7 @@ fn same_but_redelivered(clean: &[String], got: &[String]) -> Result<usize, usize
         if !only_the_flag {
             return Err(i);
         }
-        flagged += 1;
+        flagged.push(g.as_str());
     }
     if clean.len() == got.len() {
         Ok(flagged)
@@ -231,12 +231,13 @@ async fn the_application_sees_the_same_commands_while_its_member_and_primary_are
                 record.tx.get(line)
             )
         });
-        let flagged = flagged + tx_flagged;
-        flagged_total += flagged;
+        let flagged: Vec<&str> = flagged.into_iter().chain(tx_flagged).collect();
+        flagged_total += flagged.len();
         landed_runs += usize::from(landed > 0);
         failover_total += failovers;
         eprintln!(
-            "seed {seed:#x}: {victim:?}, connected to {connected}, primary {primary}: {landed} kills during the run, {failovers} failovers, same commands ({flagged} deliveries marked redelivered)"
+            "seed {seed:#x}: {victim:?}, connected to {connected}, primary {primary}: {landed} kills during the run, {failovers} failovers, same commands ({} deliveries marked redelivered: {flagged:?})",
+            flagged.len()
         );
     }
     eprintln!(
