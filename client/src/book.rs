@@ -114,6 +114,11 @@ pub(crate) struct ChannelBook {
     pub returning: HashMap<Identity, (Returning, u64)>,
     /// How many times [`Self::consumer_lost`] ran: the age of what `returning` expects.
     pub failovers: u64,
+    /// Messages the application gave back to their queue lately (nack or reject with
+    /// requeue), by identity, with the application tag they had: when one comes again it
+    /// is marked `redelivered` — the broker may send it unmarked, under the flag of a
+    /// delivery lost before the application's nack reached it (`docs/sessions.md` §5).
+    pub requeued: HashMap<Identity, u64>,
     /// The channel's name on its publishes (`x-ringmq-producer`: `<session>:<channel>`).
     pub producer: String,
     /// Its transactions, once `tx.select` was sent.
@@ -290,6 +295,15 @@ impl ChannelBook {
             self.outstanding.remove(&t);
             self.settled.insert(t, how);
             self.recent.insert(t, how);
+            if how == (Settled::Nack { requeue: true })
+                && let Some(id) = self.identities.get(&t)
+            {
+                self.requeued.insert(id.clone(), t);
+                if self.requeued.len() > SETTLED_IDENTITIES {
+                    let cut = t.saturating_sub(SETTLED_IDENTITIES as u64);
+                    self.requeued.retain(|_, tag| *tag > cut);
+                }
+            }
             if let Some(id) = self.identities.get(&t)
                 && let Some(expected) = self.returning.get_mut(id)
                 && expected.0 == Returning::Held(t)
@@ -347,6 +361,27 @@ impl ChannelBook {
                     .insert(id.clone(), (Returning::Held(*t), first));
             }
         }
+        self.expect_settled_back(now);
+    }
+
+    /// The session resumed on a member that kept its channels: what the application holds
+    /// comes again under its old tags, but what it settled lately may still come back from
+    /// its queue — the queue's primary may have been lost in the same failure, after it took
+    /// the settlements and before its backups did, and the promoted backup gives those
+    /// deliveries back to the session. Recognised by their identity, they are not handed
+    /// out twice (the fault suite's `isolate-primary`: a window of 10 acked on the isolated
+    /// primary came back after the resume).
+    pub fn resumed(&mut self) {
+        self.failovers += 1;
+        if self.returning.len() > RETURNING_LIMIT {
+            self.forget_oldest_settled();
+        }
+        self.expect_settled_back(self.failovers);
+    }
+
+    /// What the application settled lately, but for what it gave back itself, is expected
+    /// back from failover `now` on.
+    fn expect_settled_back(&mut self, now: u64) {
         for (t, how) in &self.recent {
             if *how != (Settled::Nack { requeue: true })
                 && let Some(id) = self.identities.get(t)
@@ -462,6 +497,14 @@ impl ChannelBook {
         } else {
             Arrival::Seen
         }
+    }
+
+    /// The `redelivered` flag the application is shown for a new delivery that came with
+    /// `flag`: set for a message it gave back to its queue itself (see [`Self::requeued`]).
+    pub fn redelivered(&mut self, identity: Option<&Identity>, flag: bool) -> bool {
+        let requeued = !self.requeued.is_empty()
+            && identity.is_some_and(|id| self.requeued.remove(id).is_some());
+        flag || requeued
     }
 
     /// Whether a delivery with application tag `tag` is new to the application (and, if
@@ -609,6 +652,43 @@ mod tests {
             b.held(tag, Some(id(n)));
         }
         arrival
+    }
+
+    #[test]
+    fn after_a_resume_a_delivery_the_application_acked_that_its_queue_gives_back_is_acked_again()
+    {
+        // The application acked messages 1 and 2 on the queue's primary, which was lost
+        // before its backups had the acks; the session resumed on a member that kept its
+        // channel (tags go on), and the promoted backup gives the two back under new tags.
+        let mut b = ChannelBook::default();
+        assert_eq!(deliver(&mut b, 1, 1), Arrival::New(1));
+        assert_eq!(deliver(&mut b, 2, 2), Arrival::New(2));
+        b.settle(ack(2, true));
+        b.resumed();
+        assert_eq!(deliver(&mut b, 3, 1), Arrival::SettleAgain(ack(3, false)));
+        assert_eq!(deliver(&mut b, 4, 2), Arrival::SettleAgain(ack(4, false)));
+        // What comes next is new, and takes the next application tag.
+        assert_eq!(deliver(&mut b, 5, 3), Arrival::New(3));
+    }
+
+    #[test]
+    fn a_message_the_application_requeued_comes_again_marked_redelivered() {
+        let mut b = ChannelBook::default();
+        assert_eq!(deliver(&mut b, 1, 1), Arrival::New(1));
+        assert_eq!(deliver(&mut b, 2, 2), Arrival::New(2));
+        b.settle(Settle::Nack {
+            tag: 1,
+            multiple: false,
+            requeue: true,
+        });
+        b.settle(ack(2, false));
+        // Message 1 comes again unmarked: a held message back under the flag of a delivery
+        // lost before the nack reached the broker.
+        assert_eq!(deliver(&mut b, 3, 1), Arrival::New(3));
+        assert!(b.redelivered(Some(&id(1)), false));
+        assert!(!b.redelivered(Some(&id(1)), false), "once");
+        assert!(!b.redelivered(Some(&id(2)), false), "acked, not requeued");
+        assert!(b.redelivered(None, true), "the broker's mark stays");
     }
 
     #[test]

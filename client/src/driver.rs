@@ -781,12 +781,13 @@ impl Driver {
         else {
             return;
         };
+        let redelivered = book.redelivered(identity.as_ref(), d.redelivered);
         if !book.consumers[i].no_ack {
             book.held(tag, identity);
         }
         let _ = book.consumers[i].deliveries.send(crate::Delivery {
             delivery_tag: tag,
-            redelivered: d.redelivered,
+            redelivered,
             exchange: d.exchange.to_string(),
             routing_key: d.routing_key.to_string(),
             consumer_tag: d.consumer_tag.to_string(),

@@ -107,6 +107,10 @@ impl Wire {
             "consumer_cancel_notify",
             "connection.blocked",
             "authentication_failure_close",
+            // It hides, by their identity, deliveries its application already had
+            // (`book.rs`): the broker may send a message held for its session under the
+            // flag of the delivery that was lost.
+            "ringmq.recognises_redeliveries",
         ] {
             caps.insert(cap.into(), AMQPValue::Boolean(true));
         }

@@ -42,6 +42,12 @@ pub const PROXY_ARGUMENT: &str = "qpid.cluster.proxy";
 /// is connected to.
 pub const SESSION_ARGUMENT: &str = "x-ringmq-session";
 
+/// The consume argument (honoured on links only, beside [`SESSION_ARGUMENT`]) by which a
+/// member says that its client recognises, by their identity, deliveries its application
+/// already had (the failover client): a message held for the session comes back to it under
+/// the flag of the delivery that was lost (`core::queue::holds`).
+pub const RECOGNISES_ARGUMENT: &str = "x-ringmq-recognises-redeliveries";
+
 /// Whether a queue's home (its primary) names another AMQP broker — a foreign proxy, whose
 /// home is that broker's `amqp://` or `amqps://` URI — rather than a cluster member.
 pub fn is_foreign(home: &str) -> bool {

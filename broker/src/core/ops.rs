@@ -24,6 +24,21 @@ pub struct QueueOp {
     pub kind: OpKind,
 }
 
+/// A delivery to a resumable session's consumer, as its op names it: every copy of the
+/// queue records it, so that whichever copy is primary when the delivery is lost holds the
+/// message for the session and knows how to give it back (`core::queue::holds`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SessionDelivery {
+    /// The session.
+    pub session: Arc<str>,
+    /// The consumer that took it, by its serial in the queue
+    /// ([`crate::core::queue::ConsumerRef::serial`]): what went to another consumer of the
+    /// session since may have reached its application ahead of this one.
+    pub consumer: u64,
+    /// The `redelivered` flag it went out with.
+    pub redelivered: bool,
+}
+
 /// The kinds of change a queue knows. Message ids are the queue's own offsets: they grow with
 /// every enqueue and order the queue (a requeued message goes back to its place by id).
 #[derive(Debug, Clone)]
@@ -46,7 +61,7 @@ pub enum OpKind {
         /// queue holds it for that session a while rather than hand it to a competing
         /// consumer, whose application would see a message the session's had already seen
         /// (`docs/sessions.md` §5, "Held for its session").
-        session: Option<Arc<str>>,
+        session: Option<SessionDelivery>,
     },
     /// A ready message was handed out with no ack expected (no-ack consume or get): it is gone.
     Take {

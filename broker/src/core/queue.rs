@@ -13,7 +13,7 @@ use std::sync::Arc;
 mod holds;
 mod image;
 
-pub use holds::HOLD_MS;
+pub use holds::{Delivered, HOLD_MS};
 pub use image::{ImageChunk, ImageEntry, QueueImage, ReplicaError};
 
 /// A message held by a queue.
@@ -47,6 +47,12 @@ pub struct ConsumerRef {
     pub pull: bool,
     /// The session whose consumer it is ([`Consume::session`](crate::core::Consume::session)).
     pub session: Option<Arc<str>>,
+    /// Its client recognises deliveries its application had
+    /// ([`Consume::recognises_redeliveries`](crate::core::Consume::recognises_redeliveries)).
+    pub recognises_redeliveries: bool,
+    /// Its serial in the queue ([`Queue::next_consumer_serial`]), which a delivery to a
+    /// session's consumer names (`core::queue::holds`).
+    pub serial: u64,
 }
 
 /// A queue: its declaration and its content.
@@ -118,10 +124,16 @@ pub struct Queue {
     /// by every copy alike (they apply the same enqueues): a resend after a failover is
     /// dropped by the number (`core::producers`).
     producers: Producers,
-    /// The session each unacked delivery to a session's consumer went to
-    /// ([`OpKind::Deliver`]'s `session`), kept by every copy alike: a promoted backup holds
-    /// what comes back for the session that had it ([`Queue::hold`]).
-    delivered_to: HashMap<u64, Arc<str>>,
+    /// Each unacked delivery to a session's consumer ([`OpKind::Deliver`]'s `session`),
+    /// kept by every copy alike: a promoted backup holds what comes back for the session
+    /// that had it ([`Queue::hold_lost`]).
+    delivered_to: HashMap<u64, holds::Delivered>,
+    /// Deliveries to sessions' consumers so far, by every copy alike: their order.
+    session_deliveries: u64,
+    /// The recent deliveries to each session's consumers (`core::queue::holds`).
+    session_logs: HashMap<Arc<str>, holds::SessionLog>,
+    /// The highest consumer serial given or seen in a delivery.
+    consumer_serials: u64,
     /// Ready messages held for a session ([`Queue::hold`]): the primary's alone, as the ops
     /// do not carry them.
     holds: HashMap<u64, holds::Hold>,
@@ -199,6 +211,9 @@ impl Queue {
             pulled_redelivered: None,
             producers: Producers::default(),
             delivered_to: HashMap::new(),
+            session_deliveries: 0,
+            session_logs: HashMap::new(),
+            consumer_serials: 0,
             holds: HashMap::new(),
         }
     }
@@ -409,6 +424,20 @@ impl Queue {
         }
     }
 
+    /// Ready message `id`.
+    pub fn ready_entry(&self, id: u64) -> Option<&Entry> {
+        self.levels
+            .iter()
+            .rev()
+            .find_map(|deque| match deque.front() {
+                Some(front) if front.id == id => Some(front),
+                _ => deque
+                    .binary_search_by_key(&id, |e| e.id)
+                    .ok()
+                    .map(|at| &deque[at]),
+            })
+    }
+
     fn remove_ready(&mut self, id: u64) -> Option<Entry> {
         for deque in self.levels.iter_mut().rev() {
             let found = match deque.front() {
@@ -476,8 +505,8 @@ impl Queue {
             OpKind::Deliver { id, session } => {
                 let mut entry = self.remove_ready(*id).unwrap_or_else(|| self.missing(*id));
                 self.unhold(*id);
-                if let Some(session) = session {
-                    self.delivered_to.insert(*id, session.clone());
+                if let Some(to) = session {
+                    self.record_session_delivery(*id, to);
                 }
                 let returned = entry.clone();
                 entry.redelivered = true;

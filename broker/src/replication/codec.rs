@@ -12,7 +12,7 @@
 //!   u8, and the kind's fields — Enqueue: id u64, expires-at ms u64 (0 = none), message;
 //!   Deliver, Take, Settle, Requeue: id u64; Drop: id u64, reason u8; Purge: count u32,
 //!   ids u64 × count; a delivery to a session's consumer is kind `8`: id u64, session (u8
-//!   len + bytes). (Kind 8 is new: a member of an earlier release refuses it as malformed,
+//!   len + bytes), the consumer's serial u64, redelivered u8 (0 or 1). (Kind 8 is new: a member of an earlier release refuses it as malformed,
 //!   so in a rolling upgrade the queues that session clients consume are replicated to
 //!   old members only once they are upgraded too.)
 //! * `2` Image chunk: incarnation u64, queue, flags u8 (1 first, 2 last), the image's last
@@ -27,7 +27,7 @@
 //! The incarnation is the queue's cluster-wide identity: a queue deleted and declared again
 //! under the same name is another queue, and a backup must not apply one's ops to the other.
 
-use crate::core::ops::{DropReason, OpKind, QueueOp};
+use crate::core::ops::{DropReason, OpKind, QueueOp, SessionDelivery};
 use crate::core::queue::{ImageChunk, ImageEntry};
 use crate::store::record::{DecodeError, Reader, put_message_content, put_str};
 use bytes::Bytes;
@@ -135,8 +135,8 @@ pub fn op_len(op: &QueueOp) -> usize {
         + match &op.kind {
             OpKind::Enqueue { message, .. } => 8 + 8 + message_len(message),
             OpKind::Deliver {
-                session: Some(s), ..
-            } => 8 + 1 + s.len(),
+                session: Some(to), ..
+            } => 8 + 1 + to.session.len() + 8 + 1,
             OpKind::Deliver { .. }
             | OpKind::Take { .. }
             | OpKind::Settle { .. }
@@ -394,10 +394,12 @@ fn put_op(out: &mut Vec<u8>, op: &QueueOp) -> Result<(), EncodeError> {
         OpKind::Deliver { id, session: None } => id_only(out, DELIVER, *id),
         OpKind::Deliver {
             id,
-            session: Some(session),
+            session: Some(to),
         } => {
             id_only(out, DELIVER_TO, *id);
-            put_str(out, session);
+            put_str(out, &to.session);
+            out.extend_from_slice(&to.consumer.to_be_bytes());
+            out.push(u8::from(to.redelivered));
         }
         OpKind::Take { id } => id_only(out, TAKE, *id),
         OpKind::Settle { id } => id_only(out, SETTLE, *id),
@@ -439,7 +441,15 @@ fn read_op(r: &mut Reader<'_>, queue: &Arc<str>) -> Result<QueueOp, DecodeError>
         },
         DELIVER_TO => OpKind::Deliver {
             id: r.u64()?,
-            session: Some(r.short_str()?.into()),
+            session: Some(SessionDelivery {
+                session: r.short_str()?.into(),
+                consumer: r.u64()?,
+                redelivered: match r.u8()? {
+                    0 => false,
+                    1 => true,
+                    _ => return Err(DecodeError::Malformed("redelivered flag")),
+                },
+            }),
         },
         TAKE => OpKind::Take { id: r.u64()? },
         SETTLE => OpKind::Settle { id: r.u64()? },
@@ -505,10 +515,16 @@ mod tests {
                     message: message(&body, persistent),
                 }),
             any::<u64>().prop_map(|id| OpKind::Deliver { id, session: None }),
-            (any::<u64>(), "[a-f0-9-]{1,36}").prop_map(|(id, s)| OpKind::Deliver {
-                id,
-                session: Some(s.into()),
-            }),
+            (any::<u64>(), "[a-f0-9-]{1,36}", any::<u64>(), any::<bool>()).prop_map(
+                |(id, s, consumer, redelivered)| OpKind::Deliver {
+                    id,
+                    session: Some(SessionDelivery {
+                        session: s.into(),
+                        consumer,
+                        redelivered,
+                    }),
+                }
+            ),
             any::<u64>().prop_map(|id| OpKind::Take { id }),
             any::<u64>().prop_map(|id| OpKind::Settle { id }),
             any::<u64>().prop_map(|id| OpKind::Requeue { id }),

@@ -125,6 +125,8 @@ impl Driver {
         let started_over = kept.is_none();
         if started_over {
             book.start_over();
+        } else {
+            book.resumed();
         }
         let prefetch = book.prefetch;
         let consumers = book.consumers.clone();

@@ -9,7 +9,8 @@ use crate::amqp::codes;
 use crate::core::channel::{ChannelKey, ChannelState, Consumer, Unacked};
 use crate::core::error::{AmqpError, CoreResult};
 use crate::core::message::Message;
-use crate::core::ops::OpKind;
+use crate::core::ops::{OpKind, SessionDelivery};
+use crate::core::producers::producer_of;
 use crate::core::queue::{ConsumerRef, Queue};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -43,6 +44,11 @@ pub struct Consume {
     /// held for it should the delivery come back unsettled with a lost member
     /// (`core::queue::holds`).
     pub session: Option<Arc<str>>,
+    /// Its client recognises, by their identity, deliveries its application already had
+    /// (the failover client, capability `ringmq.recognises_redeliveries`; over a link,
+    /// [`crate::core::RECOGNISES_ARGUMENT`]): a message held for its session comes back
+    /// under the flag of the delivery that was lost (`core::queue::holds`).
+    pub recognises_redeliveries: bool,
 }
 
 /// Reply to basic.get with a message.
@@ -187,12 +193,15 @@ impl VHost {
             },
         );
         let q = self.queues.get_mut(&qname).expect("checked above");
+        let serial = q.next_consumer_serial(now_ms);
         q.consumers.push(ConsumerRef {
             channel: key,
             tag: tag.clone(),
             priority: c.priority,
             pull: c.pull,
             session: c.session,
+            recognises_redeliveries: c.recognises_redeliveries,
+            serial,
         });
         q.had_consumer = true;
         q.last_used_ms = now_ms;
@@ -392,20 +401,25 @@ impl VHost {
                 .get_mut(&r.channel)
                 .expect("checked by can_deliver");
             let no_ack = ch.consumers[&r.tag].no_ack;
-            let entry = apply(
-                q,
-                if no_ack {
-                    OpKind::Take { id }
-                } else {
-                    OpKind::Deliver {
-                        id,
-                        session: r.session.clone(),
-                    }
+            let restored = restored_flag(q, id, &r);
+            let kind = match &r.session {
+                _ if no_ack => OpKind::Take { id },
+                None => OpKind::Deliver { id, session: None },
+                Some(session) => OpKind::Deliver {
+                    id,
+                    session: Some(SessionDelivery {
+                        session: session.clone(),
+                        consumer: r.serial,
+                        redelivered: restored.unwrap_or_else(|| {
+                            q.ready_entry(id)
+                                .expect("chosen from the ready list")
+                                .redelivered
+                        }),
+                    }),
                 },
-                record,
-                fx,
-            )
-            .expect("chosen from the ready list");
+            };
+            let entry = apply(q, kind, record, fx).expect("chosen from the ready list");
+            let redelivered = restored.unwrap_or(entry.redelivered);
             let delivery_tag = ch.next_tag();
             if !no_ack {
                 ch.track(Unacked {
@@ -413,7 +427,7 @@ impl VHost {
                     queue: q.name.clone(),
                     id,
                     consumer: Some(r.tag.clone()),
-                    redelivered: entry.redelivered,
+                    redelivered,
                     bytes,
                     upstream: None,
                 });
@@ -424,11 +438,24 @@ impl VHost {
                 channel: r.channel,
                 consumer_tag: r.tag,
                 delivery_tag,
-                redelivered: entry.redelivered,
+                redelivered,
                 message: entry.message,
             });
         }
     }
+}
+
+/// The `redelivered` flag ready message `id` goes back with to consumer `r` if it is held
+/// for `r`'s session, whose delivery of it was lost, the client recognises what its
+/// application had and the message has an identity to recognise it by: that delivery's
+/// flag, unless a later message overtook it (`core::queue::holds`).
+fn restored_flag(q: &Queue, id: u64, r: &ConsumerRef) -> Option<bool> {
+    if !q.has_holds() || !r.recognises_redeliveries {
+        return None;
+    }
+    let flag = q.restored_flag(id, r.session.as_deref()?)?;
+    let entry = q.ready_entry(id)?;
+    producer_of(&entry.message).is_some().then_some(flag)
 }
 
 /// The next message `q` hands out and the consumer (its index) that takes it: the head, to

@@ -154,11 +154,9 @@ impl VHost {
         for &id in &unacked {
             // What went to a session's consumer may have been seen there: it waits for that
             // session a while (`core::queue::holds`).
-            let session = q.delivered_to(id).cloned();
+            let lost = q.lost_delivery(id);
             apply(q, OpKind::Requeue { id }, record, fx);
-            if let Some(session) = session {
-                q.hold(id, session, now_ms);
-            }
+            q.hold_lost(id, lost, now_ms);
         }
         self.dispatch(queue, now_ms, fx);
         Ok(unacked.len())

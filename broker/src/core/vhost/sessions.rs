@@ -89,12 +89,12 @@ impl VHost {
     /// Session `session` ended (closed or timed out, agreed by the directory on every
     /// member): its exclusive queues belong to nobody, and their primary retires them by a
     /// cluster op, now and on every tick until one is taken; the messages held for it go to
-    /// anyone (`core::queue::holds`).
+    /// anyone, and the queues forget their deliveries to it (`core::queue::holds`).
     pub fn session_ended(&mut self, session: &str, now_ms: u64, fx: &mut Effects) {
         let released: Vec<Arc<str>> = self
             .queues
             .values_mut()
-            .filter_map(|q| (q.has_holds() && q.release_holds_of(session)).then(|| q.name.clone()))
+            .filter_map(|q| q.forget_session(session).then(|| q.name.clone()))
             .collect();
         self.dispatch_all(released, now_ms, fx);
         let ended: Vec<Arc<str>> = self

@@ -255,10 +255,10 @@ impl VHost {
         let record = self.record_ops;
         for u in unacked {
             if let Some(q) = self.served_unacked(&u) {
-                let session = hold_since.and_then(|_| q.delivered_to(u.id).cloned());
+                let lost = hold_since.and_then(|_| q.lost_delivery(u.id));
                 apply(q, OpKind::Requeue { id: u.id }, record, fx);
-                if let (Some(session), Some(since)) = (session, hold_since) {
-                    q.hold(u.id, session, since);
+                if let Some(since) = hold_since {
+                    q.hold_lost(u.id, lost, since);
                 }
             }
             if !touched.contains(&u.queue) {

@@ -10,7 +10,7 @@ use crate::auth::permissions::{Access, Resource};
 use crate::clock::now_ms;
 use crate::core::args::consumer_priority;
 use crate::core::fragments::PULL_ARGUMENT;
-use crate::core::{AmqpError, ChannelKey, Consume, SESSION_ARGUMENT};
+use crate::core::{AmqpError, ChannelKey, Consume, RECOGNISES_ARGUMENT, SESSION_ARGUMENT};
 use crate::server::channel::{BodyParts, HeldAck, PendingPublish};
 use std::sync::Arc;
 
@@ -94,6 +94,7 @@ impl Connection {
                     priority,
                     pull: self.link && c.arguments.inner().contains_key(PULL_ARGUMENT),
                     session: self.consumer_session(&c.arguments),
+                    recognises_redeliveries: self.recognises_redeliveries(&c.arguments),
                 };
                 let tag = v.get().basic_consume(key, consume, now, &mut self.fx)?;
                 if !nowait {
@@ -207,6 +208,19 @@ impl Connection {
             }
             _ => None,
         }
+    }
+
+    /// Whether the client a consume on this connection is for recognises deliveries its
+    /// application already had: the connection's session client says so in its
+    /// capabilities; on another member's link, the consume does ([`RECOGNISES_ARGUMENT`]).
+    fn recognises_redeliveries(&self, arguments: &FieldTable) -> bool {
+        if !self.link {
+            return self.session.is_some() && self.caps.recognises_redeliveries;
+        }
+        matches!(
+            arguments.inner().get(RECOGNISES_ARGUMENT),
+            Some(AMQPValue::Boolean(true))
+        )
     }
 
     /// basic.get: get-ok with the message (its body read back if it was paged out), or

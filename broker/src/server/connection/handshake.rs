@@ -133,6 +133,7 @@ impl Connection {
                 consumer_cancel_notify: on("consumer_cancel_notify"),
                 connection_blocked: on("connection.blocked"),
                 authentication_failure_close: on("authentication_failure_close"),
+                recognises_redeliveries: on("ringmq.recognises_redeliveries"),
             };
         }
         let mechanism = ok.mechanism.as_str();

@@ -116,6 +116,9 @@ struct ClientCaps {
     consumer_cancel_notify: bool,
     connection_blocked: bool,
     authentication_failure_close: bool,
+    /// `ringmq.recognises_redeliveries`: the client recognises, by their identity,
+    /// deliveries its application already had (the failover client; `core::queue::holds`).
+    recognises_redeliveries: bool,
 }
 
 /// What a TLS connection learnt in its handshake.

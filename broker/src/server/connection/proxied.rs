@@ -14,7 +14,9 @@ use super::wiring::Pending;
 use super::{Connection, Lazy};
 use crate::amqp::{AMQPClass, AMQPValue, basic, codes, exchange, queue, tx};
 use crate::core::fragments::PULL_ARGUMENT;
-use crate::core::{AmqpError, ChannelKey, SESSION_ARGUMENT, VHost, is_foreign};
+use crate::core::{
+    AmqpError, ChannelKey, RECOGNISES_ARGUMENT, SESSION_ARGUMENT, VHost, is_foreign,
+};
 use crate::proxy::forward::ForwardTracker;
 use crate::proxy::upstream::{
     self, Command, DEFAULT_CREDIT, ProxiedDelivery, ProxiedGet, Target, Upstream,
@@ -317,11 +319,15 @@ impl Connection {
         let mut arguments = c.arguments.inner().clone();
         let mut changed = arguments.remove(PULL_ARGUMENT).is_some();
         changed |= arguments.remove(SESSION_ARGUMENT).is_some();
+        changed |= arguments.remove(RECOGNISES_ARGUMENT).is_some();
         if let Some(session) = self.session.filter(|_| !is_foreign(&primary)) {
             arguments.insert(
                 SESSION_ARGUMENT.into(),
                 AMQPValue::LongString(session.id.to_string().as_str().into()),
             );
+            if self.caps.recognises_redeliveries {
+                arguments.insert(RECOGNISES_ARGUMENT.into(), AMQPValue::Boolean(true));
+            }
             changed = true;
         }
         if changed {
