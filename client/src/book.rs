@@ -655,8 +655,7 @@ mod tests {
     }
 
     #[test]
-    fn after_a_resume_a_delivery_the_application_acked_that_its_queue_gives_back_is_acked_again()
-    {
+    fn after_a_resume_a_delivery_the_application_acked_that_its_queue_gives_back_is_acked_again() {
         // The application acked messages 1 and 2 on the queue's primary, which was lost
         // before its backups had the acks; the session resumed on a member that kept its
         // channel (tags go on), and the promoted backup gives the two back under new tags.
