@@ -30,16 +30,19 @@ pub fn member_yaml(node: &str, seeds: &[&str], secret: &std::path::Path) -> Stri
 /// its listening lines once admitted, which may be before it has applied its own
 /// announcement or holds the majority's lease, and until then it refuses clients.
 pub fn start_cluster(name: &str, n: usize) -> (Vec<Broker>, PathBuf) {
+    start_cluster_with(name, n, "")
+}
+
+/// [`start_cluster`], each member's configuration ending with `extra` (YAML lines).
+pub fn start_cluster_with(name: &str, n: usize, extra: &str) -> (Vec<Broker>, PathBuf) {
     let secret = secret(name);
     let mut members: Vec<Broker> = Vec::new();
     for i in 0..n {
         let seeds: Vec<String> = members.iter().filter_map(|m| m.cluster.clone()).collect();
         let seeds: Vec<&str> = seeds.iter().map(String::as_str).collect();
-        members.push(Broker::start_with_config(&member_yaml(
-            &format!("{name}-{i}"),
-            &seeds,
-            &secret,
-        )));
+        members.push(Broker::start_with_config(
+            &(member_yaml(&format!("{name}-{i}"), &seeds, &secret) + extra),
+        ));
     }
     for m in &members {
         m.wait_ready(Duration::from_secs(30));

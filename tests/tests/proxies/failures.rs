@@ -10,7 +10,7 @@ use lapin::options::{
     ConfirmSelectOptions, QueueDeclareOptions,
 };
 use lapin::types::FieldTable;
-use ringmq_tests::cluster::start_cluster;
+use ringmq_tests::cluster::{start_cluster, start_cluster_with};
 use ringmq_tests::reply_code;
 use std::time::Duration;
 
@@ -309,9 +309,17 @@ async fn a_dead_letter_whose_forward_is_lost_is_dead_lettered_again_at_least_onc
 /// gone with its link all the same — the client gets cancel-ok and keeps its channel (it was
 /// closed with 404, taking the failover client's channel down: found by the scripted kill
 /// runs, `docs/sessions.md` §6).
+/// Member configuration for a test that freezes the leader and needs its clients served
+/// through the election that follows.
+const PATIENT: &str = "cluster_failure_timeout_ms: 3000\n";
+
 #[tokio::test]
 async fn a_cancel_whose_primary_dies_on_the_way_is_answered_and_the_channel_lives() {
-    let (mut members, _secret) = start_cluster("proxy-cancel", 3);
+    // The frozen primary is the consensus leader: the others elect another while it is
+    // frozen, and on a loaded machine that can outlast the default serving grace (0.2 s),
+    // which would close this test's client with 320 (seen in CI). A longer failure timeout
+    // gives a grace of 1.35 s; what the test checks does not depend on it.
+    let (mut members, _secret) = start_cluster_with("proxy-cancel", 3, PATIENT);
     ringmq_tests::cluster::wait_voters(&members, Duration::from_secs(30));
     declare(&members[0], "frozen").await;
     let (_c1, on_1) = members[1].channel().await;
@@ -356,7 +364,11 @@ async fn a_cancel_whose_primary_dies_on_the_way_is_answered_and_the_channel_live
 /// comes again from the new primary (found by the scripted kill runs, `docs/sessions.md` §6).
 #[tokio::test]
 async fn a_requeue_whose_primary_dies_on_the_way_keeps_the_channel_and_the_message() {
-    let (mut members, _secret) = start_cluster("proxy-nack", 3);
+    // The frozen primary is the consensus leader: the others elect another while it is
+    // frozen, and on a loaded machine that can outlast the default serving grace (0.2 s),
+    // which would close this test's client with 320 (seen in CI). A longer failure timeout
+    // gives a grace of 1.35 s; what the test checks does not depend on it.
+    let (mut members, _secret) = start_cluster_with("proxy-nack", 3, PATIENT);
     ringmq_tests::cluster::wait_voters(&members, Duration::from_secs(30));
     declare(&members[0], "rejected").await;
     let (_c0, on_0) = members[0].channel().await;
