@@ -349,11 +349,7 @@ impl ChannelBook {
     /// primary gives back what the old one had handed out), to the consumer created again.
     /// Recognised by its identity when it does, it is not handed out twice.
     pub fn consumer_lost(&mut self) {
-        self.failovers += 1;
-        if self.returning.len() > RETURNING_LIMIT {
-            self.forget_oldest_settled();
-        }
-        let now = self.failovers;
+        let now = self.count_failover();
         for t in &self.outstanding {
             if let Some(id) = self.identities.get(t) {
                 let first = self.returning.get(id).map_or(now, |(_, since)| *since);
@@ -372,11 +368,18 @@ impl ChannelBook {
     /// out twice (the fault suite's `isolate-primary`: a window of 10 acked on the isolated
     /// primary came back after the resume).
     pub fn resumed(&mut self) {
+        let now = self.count_failover();
+        self.expect_settled_back(now);
+    }
+
+    /// One more failover: returns its number, the age of what it expects back, having
+    /// forgotten the oldest expectations if too many piled up.
+    fn count_failover(&mut self) -> u64 {
         self.failovers += 1;
         if self.returning.len() > RETURNING_LIMIT {
             self.forget_oldest_settled();
         }
-        self.expect_settled_back(self.failovers);
+        self.failovers
     }
 
     /// What the application settled lately, but for what it gave back itself, is expected

@@ -271,10 +271,10 @@ impl Cluster {
 
     /// Waits until this member has applied every cluster change committed before the call
     /// (a read index, [`Cpg::sync`]): whether it has, within the cluster's write timeout and
-    /// then [`crate::proxy::catch_up::CATCH_UP_LIMIT`] (at once false without a quorum). A member about to answer 404 for a
-    /// queue or exchange asks this first: a client that another member answered declare-ok
-    /// may name it here before this member applied the same committed declare, and one
-    /// broker would have found it.
+    /// then [`crate::proxy::catch_up::CATCH_UP_LIMIT`] (at once false without a quorum). A
+    /// member about to answer 404 for a queue or exchange asks this first: a client that
+    /// another member answered declare-ok may name it here before this member applied the
+    /// same committed declare, and one broker would have found it.
     pub async fn catch_up(&self) -> bool {
         if !self.cpg.has_quorum_now() {
             return false;

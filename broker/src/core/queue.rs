@@ -426,32 +426,32 @@ impl Queue {
 
     /// Ready message `id`.
     pub fn ready_entry(&self, id: u64) -> Option<&Entry> {
-        self.levels
-            .iter()
-            .rev()
-            .find_map(|deque| match deque.front() {
-                Some(front) if front.id == id => Some(front),
-                _ => deque
-                    .binary_search_by_key(&id, |e| e.id)
-                    .ok()
-                    .map(|at| &deque[at]),
-            })
+        let (level, at) = self.locate_ready(id)?;
+        self.levels[level].get(at)
     }
 
     fn remove_ready(&mut self, id: u64) -> Option<Entry> {
-        for deque in self.levels.iter_mut().rev() {
-            let found = match deque.front() {
-                Some(front) if front.id == id => Some(0),
-                _ => deque.binary_search_by_key(&id, |e| e.id).ok(),
-            };
-            if let Some(at) = found {
-                let entry = deque.remove(at)?;
-                self.ready_count -= 1;
-                self.ready_bytes -= entry.message.body_len();
-                return Some(entry);
-            }
-        }
-        None
+        let (level, at) = self.locate_ready(id)?;
+        let entry = self.levels[level].remove(at)?;
+        self.ready_count -= 1;
+        self.ready_bytes -= entry.message.body_len();
+        Some(entry)
+    }
+
+    /// Where ready message `id` is: its level and its place there (the head first, as
+    /// messages mostly leave from it).
+    fn locate_ready(&self, id: u64) -> Option<(usize, usize)> {
+        self.levels
+            .iter()
+            .enumerate()
+            .rev()
+            .find_map(|(level, deque)| {
+                let at = match deque.front() {
+                    Some(front) if front.id == id => Some(0),
+                    _ => deque.binary_search_by_key(&id, |e| e.id).ok(),
+                };
+                at.map(|at| (level, at))
+            })
     }
 
     /// The producers' highest numbers a journal kept for this queue (recovery).

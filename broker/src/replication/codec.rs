@@ -12,9 +12,10 @@
 //!   u8, and the kind's fields — Enqueue: id u64, expires-at ms u64 (0 = none), message;
 //!   Deliver, Take, Settle, Requeue: id u64; Drop: id u64, reason u8; Purge: count u32,
 //!   ids u64 × count; a delivery to a session's consumer is kind `8`: id u64, session (u8
-//!   len + bytes), the consumer's serial u64, redelivered u8 (0 or 1). (Kind 8 is new: a member of an earlier release refuses it as malformed,
-//!   so in a rolling upgrade the queues that session clients consume are replicated to
-//!   old members only once they are upgraded too.)
+//!   len + bytes), the consumer's serial u64, redelivered u8 (0 or 1). (Kind 8 is new: a
+//!   member of an earlier release refuses it as malformed, so in a rolling upgrade the
+//!   queues that session clients consume are replicated to old members only once they are
+//!   upgraded too.)
 //! * `2` Image chunk: incarnation u64, queue, flags u8 (1 first, 2 last), the image's last
 //!   seq u64 and next id u64, count u32, then per entry: id u64, expires-at ms u64, flags u8
 //!   (1 redelivered, 2 unacked), message; with flag 4 (the first chunk, when the queue has

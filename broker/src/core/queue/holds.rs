@@ -178,9 +178,7 @@ impl Queue {
 
     /// `session` ended: its holds end and its log goes; whether it held anything.
     pub fn forget_session(&mut self, session: &str) -> bool {
-        if !self.session_logs.is_empty() {
-            self.session_logs.remove(session);
-        }
+        self.session_logs.remove(session);
         if self.holds.is_empty() {
             return false;
         }

@@ -11,7 +11,7 @@ use crate::core::error::{AmqpError, CoreResult};
 use crate::core::message::Message;
 use crate::core::ops::{OpKind, SessionDelivery};
 use crate::core::producers::producer_of;
-use crate::core::queue::{ConsumerRef, Queue};
+use crate::core::queue::{ConsumerRef, Entry, Queue};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -391,7 +391,13 @@ impl VHost {
         let top = q.consumers.iter().map(|r| r.priority).max().unwrap_or(0);
         loop {
             expire_head(q, now_ms, false, record, fx, dead);
-            let Some((id, bytes, at)) = next_delivery(q, &self.channels, top) else {
+            let Some(Next {
+                id,
+                bytes,
+                redelivered,
+                consumer: at,
+            }) = next_delivery(q, &self.channels, top)
+            else {
                 return;
             };
             q.next_consumer = (at + 1) % q.consumers.len();
@@ -410,16 +416,12 @@ impl VHost {
                     session: Some(SessionDelivery {
                         session: session.clone(),
                         consumer: r.serial,
-                        redelivered: restored.unwrap_or_else(|| {
-                            q.ready_entry(id)
-                                .expect("chosen from the ready list")
-                                .redelivered
-                        }),
+                        redelivered: restored.unwrap_or(redelivered),
                     }),
                 },
             };
             let entry = apply(q, kind, record, fx).expect("chosen from the ready list");
-            let redelivered = restored.unwrap_or(entry.redelivered);
+            let redelivered = restored.unwrap_or(redelivered);
             let delivery_tag = ch.next_tag();
             if !no_ack {
                 ch.track(Unacked {
@@ -468,23 +470,38 @@ fn next_delivery(
     q: &Queue,
     channels: &HashMap<ChannelKey, ChannelState>,
     top: i32,
-) -> Option<(u64, u64, usize)> {
+) -> Option<Next> {
+    let next = |e: &Entry, bytes, consumer| Next {
+        id: e.id,
+        bytes,
+        redelivered: e.redelivered,
+        consumer,
+    };
     if !q.has_holds() || q.args.single_active_consumer {
         let head = q.peek()?;
         let bytes = head.message.body_len() as u64;
         return choose_consumer(q, channels, head.id, bytes, None, top)
-            .map(|at| (head.id, bytes, at));
+            .map(|at| next(head, bytes, at));
     }
     for e in q.ready() {
         let held_for = q.held_for(e.id);
         let bytes = e.message.body_len() as u64;
         if let Some(at) = choose_consumer(q, channels, e.id, bytes, held_for, top) {
-            return Some((e.id, bytes, at));
+            return Some(next(e, bytes, at));
         }
         // Anyone may take a message held for nobody: no room for it, no room for any.
         held_for?;
     }
     None
+}
+
+/// What [`next_delivery`] picked: the message (its id, body bytes and own `redelivered`
+/// flag) and the consumer (its index) that takes it.
+struct Next {
+    id: u64,
+    bytes: u64,
+    redelivered: bool,
+    consumer: usize,
 }
 
 /// The consumer (its index) that takes message `id` of `bytes` body bytes: the first with

@@ -316,12 +316,15 @@ impl Connection {
             _ => {}
         }
         let retry = self.retry_if_not_found(&method);
-        match self.handle(id, method, v) {
+        let result = self.handle(id, method, v);
+        if let (Err(error), Some(method)) = (&result, retry)
+            && error.code == codes::NOT_FOUND
+        {
+            self.catch_up_then_retry(id, method);
+            return Ok(());
+        }
+        match result {
             Ok(()) => Ok(()),
-            Err(error) if error.code == codes::NOT_FOUND && retry.is_some() => {
-                self.catch_up_then_retry(id, retry);
-                Ok(())
-            }
             Err(error) => {
                 if error.is_connection_error() {
                     return Err(ConnError {

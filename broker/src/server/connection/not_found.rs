@@ -32,9 +32,10 @@ impl Connection {
     }
 
     /// Reads nothing more until this member has caught up with the cluster, then carries
-    /// `method` out again on channel `id` (nothing when there is no method to retry).
-    pub(super) fn catch_up_then_retry(&mut self, id: u16, method: Option<AMQPClass>) {
-        let (Some(method), Some(cluster)) = (method, self.broker.cluster().cloned()) else {
+    /// `method` out again on channel `id` (a copy [`Connection::retry_if_not_found`] made, so
+    /// on a cluster member).
+    pub(super) fn catch_up_then_retry(&mut self, id: u16, method: AMQPClass) {
+        let Some(cluster) = self.broker.cluster().cloned() else {
             return;
         };
         let ids = (method.get_amqp_class_id(), method.get_amqp_method_id());
