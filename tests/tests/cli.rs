@@ -81,6 +81,48 @@ fn bench_reports_json_with_rates_and_latency() {
 }
 
 #[test]
+fn bench_at_a_fixed_rate_publishes_on_schedule_and_refuses_a_rate_of_zero() {
+    let b = Broker::start();
+    let bench = |rate: &str| {
+        Command::new(binary("ringmqctl"))
+            .args([
+                "bench",
+                "--uri",
+                &b.uri(),
+                "--seconds",
+                "2",
+                "--size",
+                "16",
+                "--rate",
+                rate,
+                "--confirm",
+                "100",
+                "--json",
+            ])
+            .output()
+            .unwrap()
+    };
+    let out = bench("200");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let v: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    // Two seconds at 200 a second: never ahead of the schedule, and not far behind it.
+    let published = v["published"].as_u64().unwrap();
+    assert!((100..=401).contains(&published), "{v}");
+    assert_eq!(v["rate"], 200, "{v}");
+    assert!(v["latency_us"]["samples"].as_u64().unwrap() > 0, "{v}");
+
+    let out = bench("0");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--rate"), "{err}");
+}
+
+#[test]
 fn bench_declares_its_queue_with_the_arguments_given_as_json() {
     let b = Broker::start();
     let bench = |args: &str| {

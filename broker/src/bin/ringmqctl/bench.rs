@@ -50,6 +50,12 @@ pub struct BenchArgs {
     /// Stop each producer after this many messages (default: publish until --seconds ends).
     #[arg(long, value_name = "N")]
     pub(crate) count: Option<u64>,
+    /// Publish at this many messages per second per producer (as PerfTest's --rate), to
+    /// measure latency at a fixed load rather than at the most the broker takes. Message n
+    /// of a producer is due n/RATE seconds after the load starts; a producer that falls
+    /// behind catches up in batches.
+    #[arg(long, value_name = "RATE", value_parser = clap::value_parser!(u64).range(1..))]
+    pub(crate) rate: Option<u64>,
     /// Use publisher confirms with at most this many unconfirmed messages per producer.
     #[arg(long, value_name = "WINDOW")]
     pub(crate) confirm: Option<u32>,
@@ -199,8 +205,11 @@ async fn bench(args: BenchArgs) -> anyhow::Result<()> {
             client,
             queue_name.clone(),
             args.clone(),
-            start,
-            deadline,
+            Clock {
+                start,
+                load_start,
+                deadline,
+            },
             totals.clone(),
         )));
     }
@@ -256,6 +265,7 @@ async fn bench(args: BenchArgs) -> anyhow::Result<()> {
             "consumers": args.consumers,
             "size": args.size,
             "confirm": args.confirm,
+            "rate": args.rate,
             "persistent": args.persistent,
             "latency_us": { "p50": q(0.5), "p99": q(0.99), "p999": q(0.999), "max": latency.max(), "samples": latency.len() },
         });
@@ -271,14 +281,44 @@ fn epoch_ms() -> u128 {
         .unwrap_or(0)
 }
 
+/// The instants a producer works by: `start` is the zero of the timestamps in the bodies.
+struct Clock {
+    start: Instant,
+    load_start: Instant,
+    deadline: Instant,
+}
+
+/// Paces a producer at `--rate`: message n is due n/rate seconds after the load starts.
+struct Pace {
+    from: Instant,
+    rate: f64,
+}
+
+impl Pace {
+    /// How many more messages are due at `now`, `sent` having gone out.
+    fn due(&self, sent: u64, now: Instant) -> u64 {
+        let elapsed = now.saturating_duration_since(self.from).as_secs_f64();
+        ((elapsed * self.rate) as u64 + 1).saturating_sub(sent)
+    }
+
+    /// When the message after the first `sent` is due.
+    fn next_at(&self, sent: u64) -> Instant {
+        self.from + Duration::from_secs_f64(sent as f64 / self.rate)
+    }
+}
+
 async fn publish(
     mut c: RawClient,
     queue_name: String,
     args: BenchArgs,
-    start: Instant,
-    deadline: Instant,
+    clock: Clock,
     totals: Arc<Totals>,
 ) -> anyhow::Result<()> {
+    let Clock {
+        start,
+        load_start,
+        deadline,
+    } = clock;
     if args.confirm.is_some() {
         c.call(
             AMQPClass::Confirm(confirm::AMQPMethod::Select(confirm::Select {
@@ -289,6 +329,10 @@ async fn publish(
         )
         .await?;
     }
+    let pace = args.rate.map(|rate| Pace {
+        from: load_start,
+        rate: rate as f64,
+    });
     let window = args.confirm.map(u64::from).unwrap_or(u64::MAX);
     let mut body = vec![0u8; args.size];
     let mut out = Vec::with_capacity(PUBLISH_BATCH * (args.size + 64));
@@ -296,10 +340,14 @@ async fn publish(
     let limit = args.count.unwrap_or(u64::MAX);
     while Instant::now() < deadline && sent < limit {
         out.clear();
-        let room = window
+        let open = window
             .saturating_sub(sent - confirmed)
             .min(PUBLISH_BATCH as u64)
             .min(limit - sent);
+        let room = match &pace {
+            Some(pace) => open.min(pace.due(sent, Instant::now())),
+            None => open,
+        };
         for _ in 0..room {
             if body.len() >= 8 {
                 body[..8].copy_from_slice(&(start.elapsed().as_nanos() as u64).to_be_bytes());
@@ -319,9 +367,28 @@ async fn publish(
             sent += room;
             totals.published.fetch_add(room, Ordering::Relaxed);
         }
-        if args.confirm.is_some() && sent - confirmed >= window.min(PUBLISH_BATCH as u64).max(1) {
-            // Wait for confirms, but not past the deadline.
-            let Ok(frame) = tokio::time::timeout_at(deadline.into(), c.read_frame()).await else {
+        let unconfirmed = sent - confirmed;
+        let window_full =
+            args.confirm.is_some() && unconfirmed >= window.min(PUBLISH_BATCH as u64).max(1);
+        // Paced and not held by the window: wait for the next message's time, taking the
+        // confirms that come meanwhile.
+        let wake = match &pace {
+            Some(pace) if !window_full && sent < limit => pace.next_at(sent),
+            _ => deadline,
+        };
+        if wake >= deadline && pace.is_some() && !window_full {
+            break;
+        }
+        if wake < deadline && (args.confirm.is_none() || unconfirmed == 0) {
+            tokio::time::sleep_until(wake.into()).await;
+            continue;
+        }
+        if window_full || (args.confirm.is_some() && wake < deadline) {
+            // Wait for confirms, but not past the deadline (nor the next paced message).
+            let Ok(frame) = tokio::time::timeout_at(wake.into(), c.read_frame()).await else {
+                if wake < deadline {
+                    continue;
+                }
                 break;
             };
             let frame = frame?;
