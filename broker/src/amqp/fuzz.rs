@@ -5,6 +5,7 @@
 //! same idea on stable, in CI, for a bounded number of cases.)
 
 use super::frame::{FRAME_END, FRAME_METHOD, split_frame};
+use super::{AMQPClass, basic};
 use bytes::BytesMut;
 use proptest::prelude::*;
 
@@ -51,6 +52,44 @@ fn method_noise() -> impl Strategy<Value = Vec<u8>> {
     })
 }
 
+/// `basic.publish` and `basic.ack` payloads that are well-formed, or nearly: names of any
+/// bytes (UTF-8 or not), any flag octet, a length octet that may lie, a byte more or fewer.
+fn publish_or_ack_noise() -> impl Strategy<Value = Vec<u8>> {
+    let name = (
+        prop::collection::vec(any::<u8>(), 0..12),
+        any::<bool>(),
+        any::<u8>(),
+    );
+    let publish = (any::<u16>(), name.clone(), name, any::<u8>()).prop_map(
+        |(ticket, exchange, routing_key, bits)| {
+            let mut v = vec![0, 60, 0, 40];
+            v.extend_from_slice(&ticket.to_be_bytes());
+            for (bytes, honest, lie) in [exchange, routing_key] {
+                v.push(if honest { bytes.len() as u8 } else { lie });
+                v.extend(bytes);
+            }
+            v.push(bits);
+            v
+        },
+    );
+    let ack = (any::<u64>(), any::<u8>()).prop_map(|(tag, bits)| {
+        let mut v = vec![0, 60, 0, 80];
+        v.extend_from_slice(&tag.to_be_bytes());
+        v.push(bits);
+        v
+    });
+    (prop_oneof![publish, ack], 0usize..4).prop_map(|(mut v, change)| {
+        match change {
+            1 => v.push(0),
+            2 => {
+                v.pop();
+            }
+            _ => {}
+        }
+        v
+    })
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
 
@@ -79,6 +118,24 @@ proptest! {
         let mut buf = BytesMut::from(&framed[..]);
         let f = split_frame(&mut buf, 131_072).unwrap().unwrap();
         prop_assert_eq!(&f.payload[..], &payload[..]);
+    }
+
+    #[test]
+    fn the_hand_decoder_agrees_with_amq_protocol(payload in prop_oneof![method_noise(), publish_or_ack_noise()]) {
+        // Whatever it decodes, amq-protocol decodes to the same method with nothing left
+        // over; a publish or an ack amq-protocol takes whole, it takes too.
+        let ours = super::hot_methods::parse(&payload);
+        let theirs = match amq_protocol::protocol::parse_class(&payload[..]) {
+            Ok(([], m)) => Some(m),
+            _ => None,
+        };
+        match (&ours, &theirs) {
+            (Some(_), _) => prop_assert_eq!(&ours, &theirs),
+            (None, Some(AMQPClass::Basic(basic::AMQPMethod::Publish(_) | basic::AMQPMethod::Ack(_)))) => {
+                prop_assert!(false, "amq-protocol decoded {:?}, the hand decoder nothing", theirs)
+            }
+            (None, _) => {}
+        }
     }
 
     #[test]

@@ -7,6 +7,7 @@
 
 pub mod codes;
 pub mod frame;
+pub mod hot_methods;
 pub mod table_depth;
 pub mod writer;
 

@@ -24,6 +24,7 @@ mod vhosts;
 
 use crate::auth::UserStore;
 use crate::config::Config;
+use crate::core::FastHashMap;
 use crate::core::VHost;
 use crate::store::journal::Journal;
 use crate::store::{DataDir, StoreError};
@@ -63,7 +64,7 @@ pub struct Broker {
     /// Live connections and this node's state, for the admin API.
     pub registry: connections::Registry,
     vhosts: RwLock<HashMap<String, Arc<Mutex<VHost>>>>,
-    outboxes: RwLock<HashMap<u64, Arc<Outbox>>>,
+    outboxes: RwLock<FastHashMap<u64, Arc<Outbox>>>,
     /// Resumable sessions (`docs/sessions.md`).
     sessions: crate::session::Sessions,
     next_conn_id: AtomicU64,
@@ -145,7 +146,7 @@ impl Broker {
             registry: connections::Registry::default(),
             config,
             vhosts: RwLock::new(recovered.vhosts),
-            outboxes: RwLock::new(HashMap::new()),
+            outboxes: RwLock::new(FastHashMap::default()),
             sessions,
             next_conn_id: AtomicU64::new(1),
             blocked: AtomicBool::new(false),

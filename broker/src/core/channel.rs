@@ -1,7 +1,8 @@
 //! The consumer side of a channel as the vhost tracks it: consumers, prefetch windows and the
 //! delivery tags awaiting an ack.
 
-use std::collections::{HashMap, VecDeque};
+use crate::core::FastHashMap;
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 /// Identifies a channel across the broker: connection id and channel number.
@@ -71,7 +72,7 @@ pub struct ChannelState {
     /// Deliveries awaiting ack, in tag order.
     pub unacked: VecDeque<Unacked>,
     /// Consumers by tag.
-    pub consumers: HashMap<Arc<str>, Consumer>,
+    pub consumers: FastHashMap<Arc<str>, Consumer>,
     /// Prefetch count given to consumers registered from now on (qos global=false).
     pub consumer_prefetch_count: u32,
     /// Prefetch bytes given to consumers registered from now on.

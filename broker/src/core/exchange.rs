@@ -2,7 +2,7 @@
 
 use super::args::{int_value, str_value};
 use crate::amqp::{AMQPValue, FieldTable};
-use std::collections::HashMap;
+use crate::core::FastHashMap;
 use std::sync::Arc;
 
 /// The exchange types the broker implements.
@@ -84,7 +84,7 @@ pub struct Exchange {
     /// what that broker's exchange feeds into local queues ([`super::vhost::Feed`]).
     pub home: Option<Arc<str>>,
     bindings: Vec<Binding>,
-    direct_index: HashMap<String, Vec<Destination>>,
+    direct_index: FastHashMap<String, Vec<Destination>>,
 }
 
 impl Exchange {
@@ -117,7 +117,7 @@ impl Exchange {
             alternate_exchange,
             home,
             bindings: Vec::new(),
-            direct_index: HashMap::new(),
+            direct_index: FastHashMap::default(),
         }
     }
 

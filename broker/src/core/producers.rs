@@ -17,7 +17,7 @@
 use super::args::int_value;
 use super::message::Message;
 use crate::amqp::{AMQPValue, FieldTable, Properties};
-use std::collections::HashMap;
+use crate::core::FastHashMap;
 use std::sync::Arc;
 
 /// Message header with which a session's client numbers each publish on its channel.
@@ -73,7 +73,7 @@ pub type Highest = Vec<(Arc<str>, u64)>;
 #[derive(Debug, Default, Clone)]
 pub struct Producers {
     /// Producer → (highest number, when it was last seen on the `seen` clock).
-    latest: HashMap<Arc<str>, (u64, u64)>,
+    latest: FastHashMap<Arc<str>, (u64, u64)>,
     /// Counts the messages noted: orders producers by how recently they published.
     seen: u64,
 }

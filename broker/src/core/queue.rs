@@ -7,7 +7,8 @@ use super::message::{DiskBody, Message};
 use super::ops::{OpKind, QueueOp};
 use super::producers::Producers;
 use crate::amqp::FieldTable;
-use std::collections::{HashMap, HashSet, VecDeque};
+use crate::core::{FastHashMap, FastHashSet};
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 mod holds;
@@ -100,7 +101,7 @@ pub struct Queue {
     /// nacked (a plain client's), not forwarded to a primary that refuses it.
     pub sealed: bool,
     levels: Vec<VecDeque<Entry>>,
-    unacked: HashMap<u64, Entry>,
+    unacked: FastHashMap<u64, Entry>,
     ready_count: usize,
     ready_bytes: usize,
     /// Bytes of bodies held in memory, ready and unacked: what the memory budget limits.
@@ -115,7 +116,7 @@ pub struct Queue {
     /// fragmented queue's parts (`VHost::publish_pulled`): never handed to a pull again,
     /// since a message moved twice lands behind later messages of its producer. Kept by
     /// the primary only: after a failover they count as the new primary's own.
-    pulled_in: HashSet<u64>,
+    pulled_in: FastHashSet<u64>,
     /// The id of the message a pull is enqueueing whose source had delivered it before
     /// (`VHost::publish_pulled`): it is enqueued marked redelivered, as the source would
     /// have delivered it — a consumer may have seen it.
@@ -127,7 +128,7 @@ pub struct Queue {
     /// Each unacked delivery to a session's consumer ([`OpKind::Deliver`]'s `session`),
     /// kept by every copy alike: a promoted backup holds what comes back for the session
     /// that had it ([`Queue::hold_lost`]).
-    delivered_to: HashMap<u64, holds::Delivered>,
+    delivered_to: FastHashMap<u64, holds::Delivered>,
     /// Deliveries to sessions' consumers so far, by every copy alike: their order.
     session_deliveries: u64,
     /// The recent deliveries to each session's consumers (`core::queue::holds`).
@@ -136,7 +137,7 @@ pub struct Queue {
     consumer_serials: u64,
     /// Ready messages held for a session ([`Queue::hold`]): the primary's alone, as the ops
     /// do not carry them.
-    holds: HashMap<u64, holds::Hold>,
+    holds: FastHashMap<u64, holds::Hold>,
 }
 
 impl Queue {
@@ -199,7 +200,7 @@ impl Queue {
             replicated: false,
             sealed: false,
             levels: (0..levels).map(|_| VecDeque::new()).collect(),
-            unacked: HashMap::new(),
+            unacked: FastHashMap::default(),
             ready_count: 0,
             ready_bytes: 0,
             resident_bytes: 0,
@@ -207,14 +208,14 @@ impl Queue {
             next_id: 1,
             last_seq: 0,
             installing: None,
-            pulled_in: HashSet::new(),
+            pulled_in: FastHashSet::default(),
             pulled_redelivered: None,
             producers: Producers::default(),
-            delivered_to: HashMap::new(),
+            delivered_to: FastHashMap::default(),
             session_deliveries: 0,
             session_logs: HashMap::new(),
             consumer_serials: 0,
-            holds: HashMap::new(),
+            holds: FastHashMap::default(),
         }
     }
 
@@ -477,57 +478,65 @@ impl Queue {
             "queue '{}': op sequence gap",
             self.name
         );
-        self.last_seq = op.seq;
-        match &op.kind {
+        self.apply_next(op.kind.clone())
+    }
+
+    /// Applies the next op of this queue, given by its kind alone: what [`Queue::apply`]
+    /// does with an op nobody reads (a transient queue without backups), without building
+    /// the op — on the hot path that saves the op's reference counts (its queue name, its
+    /// message) and the message's, which moves into the queue.
+    pub fn apply_next(&mut self, kind: OpKind) -> Option<Entry> {
+        self.last_seq += 1;
+        match kind {
             OpKind::Enqueue {
                 id,
                 message,
                 expires_at_ms,
             } => {
                 assert!(
-                    *id >= self.next_id,
+                    id >= self.next_id,
                     "queue '{}': enqueue id {id} reused",
                     self.name
                 );
                 self.next_id = id + 1;
-                self.producers.note(message);
-                self.add_resident(message);
-                let redelivered = self.pulled_redelivered.take() == Some(*id);
+                self.producers.note(&message);
+                self.add_resident(&message);
+                let redelivered = self.pulled_redelivered.take() == Some(id);
                 self.insert_ready(Entry {
-                    id: *id,
-                    message: message.clone(),
-                    expires_at_ms: *expires_at_ms,
+                    id,
+                    message,
+                    expires_at_ms,
                     redelivered,
                     owns_page: false,
                 });
                 None
             }
             OpKind::Deliver { id, session } => {
-                let mut entry = self.remove_ready(*id).unwrap_or_else(|| self.missing(*id));
-                self.unhold(*id);
-                if let Some(to) = session {
-                    self.record_session_delivery(*id, to);
+                let mut entry = self.remove_ready(id).unwrap_or_else(|| self.missing(id));
+                self.unhold(id);
+                if let Some(to) = &session {
+                    self.record_session_delivery(id, to);
                 }
                 let returned = entry.clone();
                 entry.redelivered = true;
-                self.unacked.insert(*id, entry);
+                self.unacked.insert(id, entry);
                 Some(returned)
             }
             OpKind::Take { id } | OpKind::Drop { id, .. } => {
-                let entry = self.remove_ready(*id).unwrap_or_else(|| self.missing(*id));
-                self.unhold(*id);
+                let entry = self.remove_ready(id).unwrap_or_else(|| self.missing(id));
+                self.unhold(id);
                 self.gone(&entry);
                 Some(entry)
             }
             OpKind::Settle { id } => {
-                let entry = self.unacked.remove(id).unwrap_or_else(|| self.missing(*id));
-                self.forget_delivered_to(*id);
+                let entry = self.unacked.remove(&id).unwrap_or_else(|| self.missing(id));
+                self.forget_delivered_to(id);
                 self.gone(&entry);
                 Some(entry)
             }
             OpKind::Requeue { id } => {
-                let entry = self.unacked.remove(id).unwrap_or_else(|| self.missing(*id));
-                self.forget_delivered_to(*id);
+                let entry = self.unacked.remove(&id).unwrap_or_else(|| self.missing(id));
+                self.forget_delivered_to(id);
                 self.insert_ready(entry);
                 None
             }

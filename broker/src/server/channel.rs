@@ -10,10 +10,10 @@ use std::sync::Arc;
 /// A publish whose content is still arriving.
 #[derive(Debug)]
 pub struct PendingPublish {
-    /// Exchange named by basic.publish.
-    pub exchange: String,
-    /// Routing key.
-    pub routing_key: String,
+    /// Exchange named by basic.publish, as it was decoded (it moves into the message).
+    pub exchange: crate::amqp::ShortString,
+    /// Routing key, likewise.
+    pub routing_key: crate::amqp::ShortString,
     /// Mandatory flag.
     pub mandatory: bool,
     /// The content header, once it came: decoded properties, raw payload and body size.

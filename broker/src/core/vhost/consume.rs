@@ -6,13 +6,13 @@ use super::effects::apply;
 use super::expiry::expire_head;
 use super::{DeadLetter, Delivery, Effects, VHost};
 use crate::amqp::codes;
+use crate::core::FastHashMap;
 use crate::core::channel::{ChannelKey, ChannelState, Consumer, Unacked};
 use crate::core::error::{AmqpError, CoreResult};
 use crate::core::message::Message;
 use crate::core::ops::{OpKind, SessionDelivery};
 use crate::core::producers::producer_of;
 use crate::core::queue::{ConsumerRef, Entry, Queue};
-use std::collections::HashMap;
 use std::sync::Arc;
 
 /// basic.consume, decoded.
@@ -468,7 +468,7 @@ fn restored_flag(q: &Queue, id: u64, r: &ConsumerRef) -> Option<bool> {
 /// would break the one consumer's order.
 fn next_delivery(
     q: &Queue,
-    channels: &HashMap<ChannelKey, ChannelState>,
+    channels: &FastHashMap<ChannelKey, ChannelState>,
     top: i32,
 ) -> Option<Next> {
     let next = |e: &Entry, bytes, consumer| Next {
@@ -509,7 +509,7 @@ struct Next {
 /// session `only`'s consumers, if given.
 fn choose_consumer(
     q: &Queue,
-    channels: &HashMap<ChannelKey, ChannelState>,
+    channels: &FastHashMap<ChannelKey, ChannelState>,
     id: u64,
     bytes: u64,
     only: Option<&Arc<str>>,

@@ -201,16 +201,19 @@ pub(super) fn apply(q: &mut Queue, kind: OpKind, record: bool, fx: &mut Effects)
         kind,
         OpKind::Take { .. } | OpKind::Settle { .. } | OpKind::Drop { .. }
     );
-    let op = q.op(kind);
-    let out = q.apply(&op);
+    let out = if record && (q.durable || q.replicated) && q.shares_content() {
+        let op = q.op(kind);
+        let out = q.apply(&op);
+        fx.ops.push(op);
+        out
+    } else {
+        q.apply_next(kind)
+    };
     if leaves && let Some(e) = out.as_ref() {
         q.forget_pulled(e.id);
         if e.owns_page {
             fx.page_released.push((q.uid, e.id));
         }
-    }
-    if record && (q.durable || q.replicated) && q.shares_content() {
-        fx.ops.push(op);
     }
     out
 }

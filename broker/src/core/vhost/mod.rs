@@ -39,16 +39,17 @@ use super::exchange::{Exchange, ExchangeKind};
 use super::queue::Queue;
 use super::{NO_CONNECTION, is_foreign};
 use crate::amqp::FieldTable;
-use std::collections::{HashMap, HashSet};
+use crate::core::FastHashMap;
+use std::collections::HashSet;
 use std::sync::Arc;
 
 /// One virtual host's state.
 #[derive(Debug)]
 pub struct VHost {
     pub(super) name: String,
-    pub(super) exchanges: HashMap<Arc<str>, Exchange>,
-    pub(super) queues: HashMap<Arc<str>, Queue>,
-    channels: HashMap<ChannelKey, ChannelState>,
+    pub(super) exchanges: FastHashMap<Arc<str>, Exchange>,
+    pub(super) queues: FastHashMap<Arc<str>, Queue>,
+    channels: FastHashMap<ChannelKey, ChannelState>,
     name_seed: u64,
     names_issued: u64,
     record_ops: bool,
@@ -93,9 +94,9 @@ impl VHost {
     pub fn new(name: &str, name_seed: u64) -> Self {
         let mut vhost = Self {
             name: name.to_owned(),
-            exchanges: HashMap::new(),
-            queues: HashMap::new(),
-            channels: HashMap::new(),
+            exchanges: FastHashMap::default(),
+            queues: FastHashMap::default(),
+            channels: FastHashMap::default(),
             name_seed,
             names_issued: 0,
             record_ops: false,

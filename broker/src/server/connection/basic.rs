@@ -40,8 +40,8 @@ impl Connection {
                     Resource::Exchange(p.exchange.as_str()),
                 )?;
                 ch.pending = Some(PendingPublish {
-                    exchange: p.exchange.to_string(),
-                    routing_key: p.routing_key.to_string(),
+                    exchange: p.exchange,
+                    routing_key: p.routing_key,
                     mandatory: p.mandatory,
                     header: None,
                     body: BodyParts::Empty,

@@ -84,6 +84,9 @@ impl Connection {
                 "method frame shorter than its class and method ids",
             )
         })?;
+        if let Some(method) = crate::amqp::hot_methods::parse(&frame.payload) {
+            return Ok(method);
+        }
         if !method_within_depth(&frame.payload, max_table_depth) {
             return Err(ConnError {
                 code: codes::SYNTAX_ERROR,

@@ -39,6 +39,7 @@ use crate::broker::Broker;
 use crate::broker::outbox::{Outbox, Pending};
 use crate::broker::stats::ConnStats;
 use crate::clock::now_ms;
+use crate::core::FastHashMap;
 use crate::core::{Effects, VHost};
 use crate::proxy::forward::ForwardTracker;
 use crate::proxy::upstream::{ProxiedDelivery, Upstream};
@@ -156,12 +157,12 @@ struct Connection {
     perms_generation: u64,
     vhost: Option<Arc<Mutex<VHost>>>,
     vhost_name: String,
-    channels: HashMap<u16, ChannelCtx>,
+    channels: FastHashMap<u16, ChannelCtx>,
     writer: FrameWriter,
     fx: Effects,
     spare: Pending,
     /// Deliveries (count, body bytes) per channel buffered since the last socket write.
-    written: HashMap<u16, (u32, u64)>,
+    written: FastHashMap<u16, (u32, u64)>,
     confirms: Vec<(u64, bool, bool)>,
     close_reason: String,
     blocked_sent: bool,
@@ -247,11 +248,11 @@ where
         perms_generation: 0,
         vhost: None,
         vhost_name: String::new(),
-        channels: HashMap::new(),
+        channels: FastHashMap::default(),
         writer: FrameWriter::default(),
         fx: Effects::default(),
         spare: Pending::default(),
-        written: HashMap::new(),
+        written: FastHashMap::default(),
         confirms: Vec::new(),
         close_reason: String::new(),
         blocked_sent: false,

@@ -3,7 +3,7 @@
 //! confirms the channel decides the message's confirm here; it leaves behind the batch's
 //! [`crate::server::confirm_gate::ConfirmGate`].
 
-use super::frames::{ConnError, short};
+use super::frames::ConnError;
 use super::{Connection, Lazy};
 use crate::amqp::frame::FRAME_HEADER;
 use crate::amqp::frame::RawFrame;
@@ -129,13 +129,22 @@ impl Connection {
 
     pub(super) fn on_publish(&mut self, id: u16, p: PendingPublish, v: &mut Lazy) {
         let (class_id, method_id) = (60, 40);
-        let (properties, header_payload, _) = p.header.expect("complete publish has a header");
+        let PendingPublish {
+            exchange,
+            routing_key,
+            mandatory,
+            header,
+            body,
+        } = p;
+        let (properties, header_payload, _) = header.expect("complete publish has a header");
+        // The names came in as short strings: they move into the message, which the rest of
+        // the path reads them from.
         let message = match Message::new(
-            short(&p.exchange),
-            short(&p.routing_key),
+            exchange,
+            routing_key,
             properties,
             header_payload,
-            p.body.finish(),
+            body.finish(),
         ) {
             Ok(m) => Arc::new(m),
             Err(e) => {
@@ -170,18 +179,18 @@ impl Connection {
             .get_mut(&id)
             .expect("publishing channel is open");
         if let Some(tx) = &mut ch.tx {
-            if v.get().exchange(&p.exchange).is_none() {
+            if v.get().exchange(message.exchange.as_str()).is_none() {
                 let text = format!(
                     "no exchange '{}' in vhost '{}'",
-                    p.exchange, self.vhost_name
+                    message.exchange, self.vhost_name
                 );
                 self.channel_error(id, AmqpError::not_found(text), class_id, method_id, v);
                 return;
             }
             tx.publishes.push(HeldPublish {
-                exchange: p.exchange,
-                routing_key: p.routing_key,
-                mandatory: p.mandatory,
+                exchange: message.exchange.to_string(),
+                routing_key: message.routing_key.to_string(),
+                mandatory,
                 message,
             });
             return;
@@ -191,7 +200,8 @@ impl Connection {
             Resent::Again(n) => Some(n),
             _ => ch.publishing.count_publish(),
         };
-        if self.is_replication(&p.exchange) {
+        let (exchange, routing_key) = (message.exchange.as_str(), message.routing_key.as_str());
+        if self.is_replication(exchange) {
             let applied = self.apply_replication(&message, v);
             if let Some(n) = confirm_number {
                 self.channels
@@ -206,8 +216,8 @@ impl Connection {
         let outcome = if self.link {
             Ok(v.get().publish_forwarded_as(
                 origin,
-                &p.exchange,
-                &p.routing_key,
+                exchange,
+                routing_key,
                 message.clone(),
                 now_ms(),
                 &mut self.fx,
@@ -215,8 +225,8 @@ impl Connection {
         } else {
             v.get().publish_as(
                 origin,
-                &p.exchange,
-                &p.routing_key,
+                exchange,
+                routing_key,
                 message.clone(),
                 now_ms(),
                 &mut self.fx,
@@ -235,7 +245,7 @@ impl Connection {
                         true
                     }
                     PublishOutcome::Moving => {
-                        tracing::debug!(conn = self.id, exchange = %p.exchange, routing_key = %p.routing_key, "forwarded publish nacked with requeue: a matched queue is sealed for its move");
+                        tracing::debug!(conn = self.id, exchange = %message.exchange, routing_key = %message.routing_key, "forwarded publish nacked with requeue: a matched queue is sealed for its move");
                         if let Some(n) = confirm_number {
                             self.channels
                                 .get_mut(&id)
@@ -246,21 +256,21 @@ impl Connection {
                         false
                     }
                     PublishOutcome::Rejected => {
-                        tracing::debug!(conn = self.id, link = self.link, exchange = %p.exchange, routing_key = %p.routing_key, "publish refused: a queue refused it, or (a forward) none of the matched queues is this member's");
+                        tracing::debug!(conn = self.id, link = self.link, exchange = %message.exchange, routing_key = %message.routing_key, "publish refused: a queue refused it, or (a forward) none of the matched queues is this member's");
                         false
                     }
                     // A session's publish waits for the election through its lost forwards'
                     // failure, and its client sends it again; a plain client gets a nack.
                     PublishOutcome::Unavailable if self.session.is_some() => true,
                     PublishOutcome::Unavailable => {
-                        tracing::debug!(conn = self.id, exchange = %p.exchange, routing_key = %p.routing_key, "publish nacked: a matched queue's primary is not a live member");
+                        tracing::debug!(conn = self.id, exchange = %message.exchange, routing_key = %message.routing_key, "publish nacked: a matched queue's primary is not a live member");
                         let mut added = self.fx.forwards.split_off(forwards_before);
                         added.retain(|f| !f.lost);
                         self.fx.forwards.extend(added);
                         false
                     }
                 };
-                if p.mandatory && outcome == PublishOutcome::Unroutable {
+                if mandatory && outcome == PublishOutcome::Unroutable {
                     self.send_return(id, &message);
                 }
                 if let Some(n) = confirm_number {
