@@ -49,14 +49,32 @@ fn a_broken_config_file_is_refused_with_a_message_naming_it() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `ringmqctl bench --uri URI ARGS…`, run to its end.
+fn bench(uri: &str, args: &[&str]) -> std::process::Output {
+    Command::new(binary("ringmqctl"))
+        .args(["bench", "--uri", uri])
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+/// The JSON object a successful `bench --json` ends its output with.
+fn bench_json(out: std::process::Output) -> serde_json::Value {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    serde_json::from_str(stdout.lines().last().unwrap()).unwrap()
+}
+
 #[test]
 fn bench_reports_json_with_rates_and_latency() {
     let b = Broker::start();
-    let out = Command::new(binary("ringmqctl"))
-        .args([
-            "bench",
-            "--uri",
-            &b.uri(),
+    let v = bench_json(bench(
+        &b.uri(),
+        &[
             "--seconds",
             "1",
             "--size",
@@ -64,17 +82,8 @@ fn bench_reports_json_with_rates_and_latency() {
             "--confirm",
             "50",
             "--json",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let stdout = String::from_utf8(out.stdout).unwrap();
-    let last = stdout.lines().last().unwrap();
-    let v: serde_json::Value = serde_json::from_str(last).unwrap();
+        ],
+    ));
     assert!(v["published_per_sec"].as_f64().unwrap() > 0.0, "{v}");
     assert!(v["consumed_per_sec"].as_f64().unwrap() > 0.0, "{v}");
     assert!(v["latency_us"]["p50"].as_u64().unwrap() <= v["latency_us"]["p99"].as_u64().unwrap());
@@ -83,12 +92,10 @@ fn bench_reports_json_with_rates_and_latency() {
 #[test]
 fn bench_at_a_fixed_rate_publishes_on_schedule_and_refuses_a_rate_of_zero() {
     let b = Broker::start();
-    let bench = |rate: &str| {
-        Command::new(binary("ringmqctl"))
-            .args([
-                "bench",
-                "--uri",
-                &b.uri(),
+    let at = |rate: &str| {
+        bench(
+            &b.uri(),
+            &[
                 "--seconds",
                 "2",
                 "--size",
@@ -98,50 +105,44 @@ fn bench_at_a_fixed_rate_publishes_on_schedule_and_refuses_a_rate_of_zero() {
                 "--confirm",
                 "100",
                 "--json",
-            ])
-            .output()
-            .unwrap()
+            ],
+        )
     };
-    let out = bench("200");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let stdout = String::from_utf8(out.stdout).unwrap();
-    let v: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    let v = bench_json(at("200"));
     // Two seconds at 200 a second: never ahead of the schedule, and not far behind it.
     let published = v["published"].as_u64().unwrap();
     assert!((100..=401).contains(&published), "{v}");
     assert_eq!(v["rate"], 200, "{v}");
     assert!(v["latency_us"]["samples"].as_u64().unwrap() > 0, "{v}");
 
-    let out = bench("0");
+    let out = at("0");
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--rate"), "{err}");
+
+    let out = bench(&b.uri(), &["--seconds", "1", "--rate", "100", "--failover"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--rate is for the raw clients"), "{err}");
 }
 
 #[test]
 fn bench_declares_its_queue_with_the_arguments_given_as_json() {
     let b = Broker::start();
-    let bench = |args: &str| {
-        Command::new(binary("ringmqctl"))
-            .args([
-                "bench",
-                "--uri",
-                &b.uri(),
+    let with_args = |args: &str| {
+        bench(
+            &b.uri(),
+            &[
                 "--seconds",
                 "1",
                 "--queue",
                 "bench-args",
                 "--queue-args",
                 args,
-            ])
-            .output()
-            .unwrap()
+            ],
+        )
     };
-    let out = bench(r#"{"x-max-length": 5, "x-overflow": "drop-head"}"#);
+    let out = with_args(r#"{"x-max-length": 5, "x-overflow": "drop-head"}"#);
     assert!(
         out.status.success(),
         "{}",
@@ -152,7 +153,7 @@ fn bench_declares_its_queue_with_the_arguments_given_as_json() {
     assert_eq!(q.body["arguments"]["x-max-length"], 5, "{}", q.body);
     assert_eq!(q.body["arguments"]["x-overflow"], "drop-head", "{}", q.body);
 
-    let out = bench("{not json");
+    let out = with_args("{not json");
     assert!(!out.status.success());
     assert!(
         String::from_utf8_lossy(&out.stderr).contains("--queue-args is not JSON"),
@@ -163,16 +164,7 @@ fn bench_declares_its_queue_with_the_arguments_given_as_json() {
 
 #[test]
 fn bench_against_no_broker_fails_with_a_reason() {
-    let out = Command::new(binary("ringmqctl"))
-        .args([
-            "bench",
-            "--uri",
-            "amqp://guest:guest@127.0.0.1:1/%2f",
-            "--seconds",
-            "1",
-        ])
-        .output()
-        .unwrap();
+    let out = bench("amqp://guest:guest@127.0.0.1:1/%2f", &["--seconds", "1"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot connect"));
 }

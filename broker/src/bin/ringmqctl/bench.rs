@@ -103,6 +103,11 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         .enable_all()
         .build()?;
     if args.failover {
+        if args.rate.is_some() {
+            bail!(
+                "--rate is for the raw clients: the failover client publishes as fast as its confirm window allows"
+            );
+        }
         if !args.spread.is_empty() {
             bail!(
                 "--spread is for the raw clients: give the failover client its members with --uri"
