@@ -8,7 +8,7 @@ use super::ops::{OpKind, QueueOp};
 use super::producers::Producers;
 use crate::amqp::FieldTable;
 use crate::core::{FastHashMap, FastHashSet};
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 mod holds;
@@ -132,7 +132,7 @@ pub struct Queue {
     /// Deliveries to sessions' consumers so far, by every copy alike: their order.
     session_deliveries: u64,
     /// The recent deliveries to each session's consumers (`core::queue::holds`).
-    session_logs: HashMap<Arc<str>, holds::SessionLog>,
+    session_logs: FastHashMap<Arc<str>, holds::SessionLog>,
     /// The highest consumer serial given or seen in a delivery.
     consumer_serials: u64,
     /// Ready messages held for a session ([`Queue::hold`]): the primary's alone, as the ops
@@ -213,7 +213,7 @@ impl Queue {
             producers: Producers::default(),
             delivered_to: FastHashMap::default(),
             session_deliveries: 0,
-            session_logs: HashMap::new(),
+            session_logs: FastHashMap::default(),
             consumer_serials: 0,
             holds: FastHashMap::default(),
         }
@@ -478,7 +478,13 @@ impl Queue {
             "queue '{}': op sequence gap",
             self.name
         );
-        self.apply_next(op.kind.clone())
+        let kind = match &op.kind {
+            // The purged ids are for the op's readers (the journal, the backups): applying
+            // needs none of them, so a large purge is not copied.
+            OpKind::Purge { .. } => OpKind::Purge { ids: Vec::new() },
+            kind => kind.clone(),
+        };
+        self.apply_next(kind)
     }
 
     /// Applies the next op of this queue, given by its kind alone: what [`Queue::apply`]
