@@ -163,6 +163,62 @@ fn bench_declares_its_queue_with_the_arguments_given_as_json() {
 }
 
 #[test]
+fn bench_spreads_producers_and_consumers_over_several_queues() {
+    let b = Broker::start();
+    let v = bench_json(bench(
+        &b.uri(),
+        &[
+            "--seconds",
+            "1",
+            "--producers",
+            "4",
+            "--consumers",
+            "0",
+            "--queues",
+            "2",
+            "--queue",
+            "bench-multi",
+            "--count",
+            "10",
+            "--confirm",
+            "10",
+            "--json",
+        ],
+    ));
+    assert_eq!(v["queues"], 2, "{v}");
+    // Producers 0 and 2 publish to bench-multi-0, 1 and 3 to bench-multi-1: ten each.
+    for name in ["bench-multi-0", "bench-multi-1"] {
+        let q = b
+            .admin_client()
+            .get(&format!("/api/queues/%2f/{name}"))
+            .unwrap();
+        assert_eq!(q.status, 200, "{}", q.body);
+        assert_eq!(q.body["messages_ready"], 20, "{name}: {}", q.body);
+    }
+    let v = bench_json(bench(
+        &b.uri(),
+        &[
+            "--seconds",
+            "1",
+            "--producers",
+            "3",
+            "--consumers",
+            "3",
+            "--queues",
+            "3",
+            "--json",
+        ],
+    ));
+    assert!(v["consumed_per_sec"].as_f64().unwrap() > 0.0, "{v}");
+    let out = bench(&b.uri(), &["--seconds", "1", "--queues", "0"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--queues"));
+    let out = bench(&b.uri(), &["--seconds", "1", "--queues", "2", "--failover"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--queues"));
+}
+
+#[test]
 fn bench_against_no_broker_fails_with_a_reason() {
     let out = bench("amqp://guest:guest@127.0.0.1:1/%2f", &["--seconds", "1"]);
     assert!(!out.status.success());

@@ -1,5 +1,5 @@
-//! `ringmqctl bench`: producers publish to one queue, consumers drain it, and the tool reports
-//! rates and publish-to-delivery latency. It speaks raw frames (see `ringmq::client`) and
+//! `ringmqctl bench`: producers publish to one queue (or spread over `--queues N`), consumers
+//! drain them, and the tool reports rates and publish-to-delivery latency. It speaks raw frames (see `ringmq::client`) and
 //! batches its writes, so that the broker, not the tool, is what gets measured.
 
 use anyhow::{Context, bail};
@@ -62,9 +62,15 @@ pub struct BenchArgs {
     /// Publish persistent messages (delivery-mode 2) to a durable queue.
     #[arg(long)]
     pub(crate) persistent: bool,
-    /// Queue to use (declared if missing); default: a fresh one, deleted afterwards.
+    /// Queue to use (declared if missing); default: a fresh one, deleted afterwards. With
+    /// --queues N above 1, the name's prefix: the queues are NAME-0 .. NAME-(N-1).
     #[arg(long)]
     pub(crate) queue: Option<String>,
+    /// Spread the load over this many queues: producer i publishes to queue (i mod N) and
+    /// consumer i drains queue (i mod N), as in PerfTest's multi-queue runs — to see whether
+    /// throughput scales with queues or collapses.
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    pub(crate) queues: u32,
     /// Arguments the queue is declared with, as a JSON object — e.g.
     /// '{"qpid.cluster.backups": 2}' for ringmq, '{"x-queue-type": "quorum"}' for RabbitMQ —
     /// so that one tool drives both (integers are sent as signed 64-bit).
@@ -113,6 +119,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 "--spread is for the raw clients: give the failover client its members with --uri"
             );
         }
+        if args.queues > 1 {
+            bail!("--queues is for the raw clients: the failover client loads one queue");
+        }
         return runtime.block_on(crate::bench_failover::bench(args));
     }
     runtime.block_on(bench(args))
@@ -154,26 +163,25 @@ async fn bench(args: BenchArgs) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("cannot connect to {}", queue_target.addr))?;
     let own_queue = args.queue.is_none();
-    let queue_name = args
-        .queue
-        .clone()
-        .unwrap_or_else(|| format!("ringmq-bench-{}-{}", std::process::id(), epoch_ms()));
-    admin
-        .call(
-            AMQPClass::Queue(queue::AMQPMethod::Declare(queue::Declare {
-                queue: queue_name.as_str().into(),
-                passive: false,
-                durable: args.persistent,
-                exclusive: false,
-                auto_delete: false,
-                nowait: false,
-                arguments: queue_args,
-            })),
-            |m| matches!(m, AMQPClass::Queue(queue::AMQPMethod::DeclareOk(_))),
-            "queue.declare-ok",
-        )
-        .await
-        .with_context(|| format!("cannot declare queue '{queue_name}'"))?;
+    let queue_names = queue_names(&args);
+    for name in &queue_names {
+        admin
+            .call(
+                AMQPClass::Queue(queue::AMQPMethod::Declare(queue::Declare {
+                    queue: name.as_str().into(),
+                    passive: false,
+                    durable: args.persistent,
+                    exclusive: false,
+                    auto_delete: false,
+                    nowait: false,
+                    arguments: queue_args.clone(),
+                })),
+                |m| matches!(m, AMQPClass::Queue(queue::AMQPMethod::DeclareOk(_))),
+                "queue.declare-ok",
+            )
+            .await
+            .with_context(|| format!("cannot declare queue '{name}'"))?;
+    }
 
     let totals = Arc::new(Totals {
         published: AtomicU64::new(0),
@@ -191,7 +199,7 @@ async fn bench(args: BenchArgs) -> anyhow::Result<()> {
             .with_context(|| format!("cannot connect to {}", consumer_target.addr))?;
         consumers.push(tokio::spawn(consume(
             client,
-            queue_name.clone(),
+            queue_names[i % queue_names.len()].clone(),
             args.prefetch,
             start,
             deadline,
@@ -208,7 +216,7 @@ async fn bench(args: BenchArgs) -> anyhow::Result<()> {
             .with_context(|| format!("cannot connect to {}", target.addr))?;
         producers.push(tokio::spawn(publish(
             client,
-            queue_name.clone(),
+            queue_names[i % queue_names.len()].clone(),
             args.clone(),
             Clock {
                 start,
@@ -232,27 +240,30 @@ async fn bench(args: BenchArgs) -> anyhow::Result<()> {
             .expect("histograms of the same precision add");
     }
     if own_queue {
-        admin
-            .call(
-                AMQPClass::Queue(queue::AMQPMethod::Delete(queue::Delete {
-                    queue: queue_name.as_str().into(),
-                    if_unused: false,
-                    if_empty: false,
-                    nowait: false,
-                })),
-                |m| matches!(m, AMQPClass::Queue(queue::AMQPMethod::DeleteOk(_))),
-                "queue.delete-ok",
-            )
-            .await
-            .context("cannot delete the bench queue")?;
+        for name in &queue_names {
+            admin
+                .call(
+                    AMQPClass::Queue(queue::AMQPMethod::Delete(queue::Delete {
+                        queue: name.as_str().into(),
+                        if_unused: false,
+                        if_empty: false,
+                        nowait: false,
+                    })),
+                    |m| matches!(m, AMQPClass::Queue(queue::AMQPMethod::DeleteOk(_))),
+                    "queue.delete-ok",
+                )
+                .await
+                .with_context(|| format!("cannot delete the bench queue '{name}'"))?;
+        }
     }
     let published_per_sec = published as f64 / elapsed;
     let consumed_per_sec = consumed as f64 / elapsed;
     let q = |p: f64| latency.value_at_quantile(p);
     println!(
-        "{} producer(s), {} consumer(s), {} B, {:.1} s: published {published_per_sec:.0} msg/s, consumed {consumed_per_sec:.0} msg/s, latency p50 {} us p99 {} us max {} us",
+        "{} producer(s), {} consumer(s), {} queue(s), {} B, {:.1} s: published {published_per_sec:.0} msg/s, consumed {consumed_per_sec:.0} msg/s, latency p50 {} us p99 {} us max {} us",
         args.producers,
         args.consumers,
+        args.queues,
         args.size,
         elapsed,
         q(0.5),
@@ -268,6 +279,7 @@ async fn bench(args: BenchArgs) -> anyhow::Result<()> {
             "seconds": elapsed,
             "producers": args.producers,
             "consumers": args.consumers,
+            "queues": args.queues,
             "size": args.size,
             "confirm": args.confirm,
             "rate": args.rate,
@@ -277,6 +289,19 @@ async fn bench(args: BenchArgs) -> anyhow::Result<()> {
         println!("{json}");
     }
     Ok(())
+}
+
+/// The queues the load runs on: `--queue` (or a fresh name), suffixed `-i` when there are
+/// several.
+fn queue_names(args: &BenchArgs) -> Vec<String> {
+    let base = args
+        .queue
+        .clone()
+        .unwrap_or_else(|| format!("ringmq-bench-{}-{}", std::process::id(), epoch_ms()));
+    match args.queues {
+        1 => vec![base],
+        n => (0..n).map(|i| format!("{base}-{i}")).collect(),
+    }
 }
 
 fn epoch_ms() -> u128 {
