@@ -163,6 +163,12 @@ impl ChannelState {
             c.unacked += 1;
             c.unacked_bytes += unacked.bytes;
         }
+        self.track_counted(unacked);
+    }
+
+    /// [`Self::track`] of a delivery whose consumer counted it already: the dispatch, which
+    /// holds the consumer, does not look it up by tag a second time.
+    pub fn track_counted(&mut self, unacked: Unacked) {
         self.unacked_bytes += unacked.bytes;
         self.unacked.push_back(unacked);
     }
@@ -190,9 +196,17 @@ impl ChannelState {
             };
             vec![self.unacked.remove(at)?]
         };
+        // A run of deliveries to one consumer finds it once, not by tag for each.
+        let mut run: Option<(&Arc<str>, Option<&mut Consumer>)> = None;
         for u in &taken {
             self.unacked_bytes -= u.bytes;
-            if let Some(c) = u.consumer.as_ref().and_then(|t| self.consumers.get_mut(t)) {
+            let Some(tag) = &u.consumer else {
+                continue;
+            };
+            if !run.as_ref().is_some_and(|(t, _)| Arc::ptr_eq(t, tag)) {
+                run = Some((tag, self.consumers.get_mut(tag)));
+            }
+            if let Some((_, Some(c))) = &mut run {
                 c.unacked -= 1;
                 c.unacked_bytes -= u.bytes;
             }

@@ -13,7 +13,9 @@ pub struct Message {
     /// Routing key it was published with.
     pub routing_key: ShortString,
     /// Decoded properties, for the fields the broker acts on (expiration, priority, headers).
-    pub properties: Properties,
+    /// Boxed: they are 300 bytes, and a message moves several times between its content
+    /// header and its `Arc` (copying them was 7% of the broker's CPU on small messages).
+    pub properties: Box<Properties>,
     /// The encoded content-header payload, re-sent unchanged with every delivery.
     pub header_payload: Bytes,
     /// The body: in memory (a slice of the read buffer when it arrived in one frame), or
@@ -112,10 +114,11 @@ impl Message {
     pub fn new(
         exchange: ShortString,
         routing_key: ShortString,
-        properties: Properties,
+        properties: impl Into<Box<Properties>>,
         header_payload: Bytes,
         body: Bytes,
     ) -> Result<Self, InvalidExpiration> {
+        let properties = properties.into();
         let expiration_ms = match properties.expiration() {
             None => None,
             Some(s) => Some(

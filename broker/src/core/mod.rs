@@ -38,6 +38,15 @@ pub type FastHashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::Ran
 /// The set of [`FastHashMap`]'s kind.
 pub type FastHashSet<T> = std::collections::HashSet<T, foldhash::fast::RandomState>;
 
+/// A copy of `name` in an allocation of its own, for the key of a map the hot path looks it
+/// up in. The name's own `Arc` is cloned and dropped for every message (a delivery names
+/// its queue and consumer tag) on whichever thread holds the vhost, and an `Arc`'s counts
+/// share a cache line with its bytes: a key that is that `Arc` makes every lookup's
+/// comparison wait for the line to come back from the other core.
+pub fn own_key(name: &str) -> std::sync::Arc<str> {
+    std::sync::Arc::from(name)
+}
+
 /// The declare argument that makes a queue or an exchange a proxy for the one of the same
 /// name elsewhere: another AMQP broker (`amqp://user:pass@host:port/vhost`, a foreign proxy)
 /// or a cluster member (its node id or AMQP `host:port`). The core reads it from an

@@ -195,7 +195,7 @@ mod tests {
     #[test]
     fn a_copy_without_its_producers_name_is_not_counted() {
         let m = numbered("m", "s:1", 7);
-        let copy = message(without_producer(m.properties.clone()));
+        let copy = message(without_producer((*m.properties).clone()));
         assert!(producer_of(&m).is_some() && producer_of(&copy).is_none());
         let mut p = Producers::default();
         p.note(&copy);

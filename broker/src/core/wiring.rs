@@ -327,7 +327,7 @@ impl VHost {
                 Ok(mut queue) => {
                     queue.uid = uid;
                     self.has_fragmented |= queue.args.fragmented;
-                    self.queues.insert(queue.name.clone(), queue);
+                    self.queues.insert(crate::core::own_key(&queue.name), queue);
                 }
                 Err(why) => skipped.push(why),
             }
@@ -411,7 +411,7 @@ impl VHost {
             queue.exclusive_owner = exclusive.then_some(NO_CONNECTION);
             queue.session = session;
             self.has_fragmented |= queue.args.fragmented;
-            self.queues.insert(queue.name.clone(), queue);
+            self.queues.insert(crate::core::own_key(&queue.name), queue);
         }
         self.restore_bindings(w.bindings, &mut skipped);
         let orphans: Vec<Arc<str>> = self

@@ -457,7 +457,7 @@ async fn forward_one(
             routing_key.as_ref().into(),
             BasicPublishOptions::default(),
             message.body.bytes(),
-            message.properties.clone(),
+            (*message.properties).clone(),
         )
         .await
     });

@@ -17,7 +17,7 @@ pub struct PendingPublish {
     /// Mandatory flag.
     pub mandatory: bool,
     /// The content header, once it came: decoded properties, raw payload and body size.
-    pub header: Option<(crate::amqp::Properties, Bytes, u64)>,
+    pub header: Option<(Box<crate::amqp::Properties>, Bytes, u64)>,
     /// Body frames so far.
     pub body: BodyParts,
 }

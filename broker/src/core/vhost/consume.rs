@@ -180,7 +180,7 @@ impl VHost {
             .filter(|u| u.consumer.as_deref() == Some(&*tag))
             .fold((0u32, 0u64), |(n, b), u| (n + 1, b + u.bytes));
         ch.consumers.insert(
-            tag.clone(),
+            crate::core::own_key(&tag),
             Consumer {
                 tag: tag.clone(),
                 queue: qname.clone(),
@@ -381,69 +381,90 @@ impl VHost {
         dead: &mut Vec<DeadLetter>,
     ) {
         let record = self.record_ops;
-        let Some(q) = self.queues.get_mut(queue) else {
+        if let Some(q) = self.queues.get_mut(queue) {
+            dispatch_queue(q, &mut self.channels, record, now_ms, fx, dead);
+        }
+    }
+}
+
+/// [`VHost::dispatch_collect`] of a queue the caller holds already — a publish's enqueue,
+/// which found it once and does not look it up by name again. Each delivery finds its
+/// channel and its consumer once.
+pub(super) fn dispatch_queue(
+    q: &mut Queue,
+    channels: &mut FastHashMap<ChannelKey, ChannelState>,
+    record: bool,
+    now_ms: u64,
+    fx: &mut Effects,
+    dead: &mut Vec<DeadLetter>,
+) {
+    if q.consumers.is_empty() || q.sealed {
+        return;
+    }
+    // The consumers do not change while this call hands messages out.
+    let top = q.consumers.iter().map(|r| r.priority).max().unwrap_or(0);
+    loop {
+        expire_head(q, now_ms, false, record, fx, dead);
+        let Some(Next {
+            id,
+            bytes,
+            redelivered,
+            consumer: at,
+        }) = next_delivery(q, channels, top)
+        else {
             return;
         };
-        if q.consumers.is_empty() || q.sealed {
-            return;
+        q.next_consumer = (at + 1) % q.consumers.len();
+        let r = &q.consumers[at];
+        let ch = channels
+            .get_mut(&r.channel)
+            .expect("checked by can_deliver");
+        let consumer = ch
+            .consumers
+            .get_mut(&r.tag)
+            .expect("checked by can_deliver");
+        let no_ack = consumer.no_ack;
+        if !no_ack {
+            consumer.unacked += 1;
+            consumer.unacked_bytes += bytes;
         }
-        // The consumers do not change while this call hands messages out.
-        let top = q.consumers.iter().map(|r| r.priority).max().unwrap_or(0);
-        loop {
-            expire_head(q, now_ms, false, record, fx, dead);
-            let Some(Next {
+        let restored = restored_flag(q, id, r);
+        let redelivered = restored.unwrap_or(redelivered);
+        let (channel, tag) = (r.channel, r.tag.clone());
+        let kind = match &r.session {
+            _ if no_ack => OpKind::Take { id },
+            None => OpKind::Deliver { id, session: None },
+            Some(session) => OpKind::Deliver {
                 id,
-                bytes,
-                redelivered,
-                consumer: at,
-            }) = next_delivery(q, &self.channels, top)
-            else {
-                return;
-            };
-            q.next_consumer = (at + 1) % q.consumers.len();
-            let r = q.consumers[at].clone();
-            let ch = self
-                .channels
-                .get_mut(&r.channel)
-                .expect("checked by can_deliver");
-            let no_ack = ch.consumers[&r.tag].no_ack;
-            let restored = restored_flag(q, id, &r);
-            let kind = match &r.session {
-                _ if no_ack => OpKind::Take { id },
-                None => OpKind::Deliver { id, session: None },
-                Some(session) => OpKind::Deliver {
-                    id,
-                    session: Some(SessionDelivery {
-                        session: session.clone(),
-                        consumer: r.serial,
-                        redelivered: restored.unwrap_or(redelivered),
-                    }),
-                },
-            };
-            let entry = apply(q, kind, record, fx).expect("chosen from the ready list");
-            let redelivered = restored.unwrap_or(redelivered);
-            let delivery_tag = ch.next_tag();
-            if !no_ack {
-                ch.track(Unacked {
-                    tag: delivery_tag,
-                    queue: q.name.clone(),
-                    id,
-                    consumer: Some(r.tag.clone()),
+                session: Some(SessionDelivery {
+                    session: session.clone(),
+                    consumer: r.serial,
                     redelivered,
-                    bytes,
-                    upstream: None,
-                });
-            }
-            ch.unwritten += 1;
-            ch.unwritten_bytes += bytes;
-            fx.deliveries.push(Delivery {
-                channel: r.channel,
-                consumer_tag: r.tag,
-                delivery_tag,
+                }),
+            },
+        };
+        let entry = apply(q, kind, record, fx).expect("chosen from the ready list");
+        let delivery_tag = ch.next_tag();
+        if !no_ack {
+            ch.track_counted(Unacked {
+                tag: delivery_tag,
+                queue: q.name.clone(),
+                id,
+                consumer: Some(tag.clone()),
                 redelivered,
-                message: entry.message,
+                bytes,
+                upstream: None,
             });
         }
+        ch.unwritten += 1;
+        ch.unwritten_bytes += bytes;
+        fx.deliveries.push(Delivery {
+            channel,
+            consumer_tag: tag,
+            delivery_tag,
+            redelivered,
+            message: entry.message,
+        });
     }
 }
 

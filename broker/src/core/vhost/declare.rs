@@ -415,7 +415,7 @@ impl VHost {
         );
         queue.uid = self.fresh_uid();
         self.wiring_dirty |= queue.durable && queue.exclusive_owner.is_none();
-        self.queues.insert(name.clone(), queue);
+        self.queues.insert(crate::core::own_key(&name), queue);
         Ok(QueueDeclared {
             name,
             message_count: 0,

@@ -71,6 +71,9 @@ pub struct VHost {
     pub(super) fragment_prefix: Option<String>,
     /// The connections that are other cluster members' links ([`VHost::link_opened`]).
     pub(super) links: HashSet<u64>,
+    /// The vector a publish routes into, empty between publishes: kept so that a publish
+    /// does not allocate one ([`VHost::publish_as`]).
+    pub(super) route_scratch: Vec<Arc<str>>,
 }
 
 /// Per-vhost resource limits; 0 means none.
@@ -109,6 +112,7 @@ impl VHost {
             has_fragmented: false,
             fragment_prefix: None,
             links: HashSet::new(),
+            route_scratch: Vec::new(),
         };
         for (n, kind) in [
             ("", ExchangeKind::Direct),

@@ -2,6 +2,7 @@
 //! exchanges followed, each queue once) and putting it on them, with their length limits,
 //! TTLs and flow-to-disk applied on the way in. Dead-lettering routes through here too.
 
+use super::consume::dispatch_queue;
 use super::effects::{apply, page_out};
 use super::expiry::expire_head;
 use super::{DeadLetter, Effects, VHost};
@@ -93,39 +94,64 @@ impl VHost {
             });
             return Ok(PublishOutcome::Routed);
         }
-        let mut targets = self.route(exchange, routing_key, &message, None);
+        // The route's vector is the vhost's, kept between publishes: one allocation less
+        // per message.
+        let mut targets = std::mem::take(&mut self.route_scratch);
+        self.route_into(exchange, routing_key, &message, None, &mut targets);
+        let outcome = self.publish_routed(
+            &mut targets,
+            origin,
+            exchange,
+            routing_key,
+            &message,
+            now_ms,
+            fx,
+        );
+        targets.clear();
+        self.route_scratch = targets;
+        Ok(outcome)
+    }
+
+    /// The rest of [`VHost::publish_as`] once the message is routed to `targets`.
+    #[allow(clippy::too_many_arguments)]
+    fn publish_routed(
+        &mut self,
+        targets: &mut Vec<Arc<str>>,
+        origin: Option<&str>,
+        exchange: &str,
+        routing_key: &str,
+        message: &Arc<Message>,
+        now_ms: u64,
+        fx: &mut Effects,
+    ) -> PublishOutcome {
         if targets.is_empty() {
-            return Ok(PublishOutcome::Unroutable);
+            return PublishOutcome::Unroutable;
         }
-        let to_record = self.route_to_fragments(&mut targets, origin);
+        let to_record = self.route_to_fragments(targets, origin);
         let origin = match (self.has_fragmented, to_record) {
             (false, _) => None,
             (true, true) => Some(super::fragments::RECORD_ORIGIN.into()),
             (true, false) => origin.map(Arc::from).or_else(|| self.node.clone()),
         };
         let sealed = self.hold_sealed(
-            &mut targets,
+            targets,
             (exchange, routing_key, origin.clone()),
-            &message,
+            message,
             fx,
         );
-        let unavailable = self.forward_remote(
-            &mut targets,
-            (exchange, routing_key, origin),
-            &message,
-            true,
-            fx,
-        ) || sealed;
+        let unavailable =
+            self.forward_remote(targets, (exchange, routing_key, origin), message, true, fx)
+                || sealed;
         let mut dead = Vec::new();
-        let rejected = self.enqueue_all(&targets, &message, now_ms, fx, &mut dead);
+        let rejected = self.enqueue_all(targets, message, now_ms, fx, &mut dead);
         self.dead_letter_all(dead, now_ms, fx);
-        Ok(if rejected {
+        if rejected {
             PublishOutcome::Rejected
         } else if unavailable {
             PublishOutcome::Unavailable
         } else {
             PublishOutcome::Routed
-        })
+        }
     }
 
     /// A message another member routed here because queues this member owns matched it:
@@ -360,7 +386,21 @@ impl VHost {
         message: &Message,
         skip: Option<&dyn Fn(&str) -> bool>,
     ) -> Vec<Arc<str>> {
-        let mut queues: Vec<Arc<str>> = Vec::new();
+        let mut queues = Vec::new();
+        self.route_into(exchange, routing_key, message, skip, &mut queues);
+        queues
+    }
+
+    /// [`VHost::route`] into `queues`, which must be empty.
+    pub(super) fn route_into(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        message: &Message,
+        skip: Option<&dyn Fn(&str) -> bool>,
+        queues: &mut Vec<Arc<str>>,
+    ) {
+        debug_assert!(queues.is_empty());
         if exchange.is_empty() {
             if let Some(q) = self.queues.get(routing_key) {
                 queues.push(q.name.clone());
@@ -410,7 +450,6 @@ impl VHost {
         if let Some(skip) = skip {
             queues.retain(|q| !skip(q));
         }
-        queues
     }
 
     /// Enqueues on every target; returns true when any refused the message.
@@ -423,8 +462,9 @@ impl VHost {
         dead: &mut Vec<DeadLetter>,
     ) -> bool {
         let mut rejected = false;
+        let record = self.record_ops;
+        let budget = self.limits.queue_memory_budget_bytes;
         for name in targets {
-            let record = self.record_ops;
             let Some(q) = self.queues.get_mut(name) else {
                 continue;
             };
@@ -475,16 +515,8 @@ impl VHost {
                 record,
                 fx,
             );
-            self.dispatch_collect(name, now_ms, fx, dead);
-            let q = self.queues.get_mut(name).expect("dispatch keeps the queue");
-            page_out(
-                q,
-                id,
-                message,
-                self.limits.queue_memory_budget_bytes,
-                record,
-                fx,
-            );
+            dispatch_queue(q, &mut self.channels, record, now_ms, fx, dead);
+            page_out(q, id, message, budget, record, fx);
             while q
                 .args
                 .max_length

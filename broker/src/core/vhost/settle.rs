@@ -38,9 +38,24 @@ impl VHost {
         let mut settled = self.settle(key, tag, multiple)?;
         settle_remote(key, &mut settled, Settlement::Ack, fx);
         let record = self.record_ops;
-        let mut touched = Vec::new();
+        let mut touched: Vec<Arc<str>> = Vec::new();
+        let Self { queues, node, .. } = self;
+        // An ack with `multiple` settles a run of deliveries that mostly came from one
+        // queue: it is found once per run, not by name for every message.
+        let mut run: Option<(Arc<str>, Option<&mut Queue>)> = None;
         for u in settled {
-            if let Some(q) = self.served_unacked(&u) {
+            if !run
+                .as_ref()
+                .is_some_and(|(name, _)| Arc::ptr_eq(name, &u.queue))
+            {
+                let q = queues
+                    .get_mut(&u.queue)
+                    .filter(|q| q.served_here(node.as_deref()));
+                run = Some((u.queue.clone(), q));
+            }
+            if let Some((_, Some(q))) = &mut run
+                && q.unacked(u.id).is_some()
+            {
                 apply(q, OpKind::Settle { id: u.id }, record, fx);
             }
             if !touched.contains(&u.queue) {

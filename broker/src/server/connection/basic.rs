@@ -7,7 +7,6 @@ use super::{Connection, Lazy};
 use crate::amqp::{AMQPClass, basic, codes};
 use crate::amqp::{AMQPValue, FieldTable};
 use crate::auth::permissions::{Access, Resource};
-use crate::clock::now_ms;
 use crate::core::args::consumer_priority;
 use crate::core::fragments::PULL_ARGUMENT;
 use crate::core::{AmqpError, ChannelKey, Consume, RECOGNISES_ARGUMENT, SESSION_ARGUMENT};
@@ -22,7 +21,7 @@ impl Connection {
         m: basic::AMQPMethod,
         v: &mut Lazy,
     ) -> Result<(), AmqpError> {
-        let now = now_ms();
+        let now = v.now_ms();
         let ch = self.channels.get_mut(&id).expect("checked by the caller");
         let key = ch.key;
         let need_queue = |name: &str| {
@@ -234,10 +233,8 @@ impl Connection {
     ) -> Result<(), AmqpError> {
         let key = self.channels.get(&id).expect("checked by the caller").key;
         let w = &mut self.writer;
-        match v
-            .get()
-            .basic_get(key, queue, no_ack, now_ms(), &mut self.fx)?
-        {
+        let now = v.now_ms();
+        match v.get().basic_get(key, queue, no_ack, now, &mut self.fx)? {
             None => w.method(
                 id,
                 AMQPClass::Basic(basic::AMQPMethod::GetEmpty(basic::GetEmpty {})),
@@ -287,7 +284,7 @@ impl Connection {
         settle: HeldAck,
         v: &mut Lazy,
     ) -> Result<(), AmqpError> {
-        let now = now_ms();
+        let now = v.now_ms();
         match settle {
             HeldAck::Ack { tag, multiple } => {
                 let acked = v.get().ackable(key, tag, multiple); // metrics

@@ -75,10 +75,7 @@ impl Connection {
         let Some(vhost) = self.vhost.clone() else {
             return;
         };
-        let mut v = Lazy {
-            vhost: &vhost,
-            guard: None,
-        };
+        let mut v = Lazy::new(&vhost);
         let now = now_ms();
         while self
             .dead_letters

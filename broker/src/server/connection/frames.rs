@@ -7,7 +7,6 @@ use crate::amqp::frame::{self, FRAME_BODY, FRAME_HEADER, FRAME_HEARTBEAT, FRAME_
 use crate::amqp::table_depth::method_within_depth;
 use crate::amqp::{AMQPClass, ShortString, basic, channel, codes, confirm, connection};
 use crate::auth::permissions::{Access, Permissions, Resource};
-use crate::clock::now_ms;
 use crate::core::{AmqpError, ChannelKey};
 use crate::server::channel::ChannelCtx;
 use crate::session::KEEP_SESSION;
@@ -160,7 +159,8 @@ impl Connection {
                     // Exclusive queues go before close-ok, so a client that saw close-ok
                     // finds them gone (RabbitMQ's order; a test relies on it); a session's
                     // channels this connection never reopened end with it.
-                    v.get().close_channels_of(self.id, now_ms(), &mut self.fx);
+                    let now = v.now_ms();
+                    v.get().close_channels_of(self.id, now, &mut self.fx);
                     v.get().connection_closed(self.id, &mut self.fx);
                 }
                 self.writer.method(
@@ -212,7 +212,7 @@ impl Connection {
     /// [`Connection::close_all_channels`] for a session that is kept: the channels are
     /// detached in the vhost, their unacked deliveries kept for the next connection.
     pub(super) fn detach_all_channels(&mut self, v: &mut Lazy) {
-        let now = now_ms();
+        let now = v.now_ms();
         let ids: Vec<u16> = self.channels.keys().copied().collect();
         for id in ids {
             if let Some(ch) = self.channels.remove(&id) {
@@ -229,7 +229,7 @@ impl Connection {
     }
 
     pub(super) fn close_all_channels(&mut self, v: &mut Lazy) {
-        let now = now_ms();
+        let now = v.now_ms();
         let ids: Vec<u16> = self.channels.keys().copied().collect();
         for id in ids {
             if let Some(ch) = self.channels.remove(&id) {
@@ -372,7 +372,8 @@ impl Connection {
 
     /// Removes a channel from the vhost and drops anything still addressed to it.
     pub(super) fn forget_channel(&mut self, key: ChannelKey, v: &mut Lazy) {
-        v.get().channel_close(key, now_ms(), &mut self.fx);
+        let now = v.now_ms();
+        v.get().channel_close(key, now, &mut self.fx);
         self.drop_upstreams(key.channel);
         self.outbox.purge_channel(key.channel);
         self.fx.deliveries.retain(|d| d.channel != key);
@@ -415,7 +416,8 @@ impl Connection {
                     if self.link && close.reply_code == KEEP_SESSION {
                         // The member's client lost its connection and kept its session:
                         // what went to it is held for it (`core::queue::holds`).
-                        v.get().link_channel_lost(ch.key, now_ms(), &mut self.fx);
+                        let now = v.now_ms();
+                        v.get().link_channel_lost(ch.key, now, &mut self.fx);
                     }
                     self.forget_channel(ch.key, v);
                 }

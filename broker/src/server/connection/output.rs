@@ -85,10 +85,7 @@ impl Connection {
         if (!pending.proxied.is_empty() || !pending.proxied_ended.is_empty())
             && let Some(vhost) = self.vhost.clone()
         {
-            let mut v = Lazy {
-                vhost: &vhost,
-                guard: None,
-            };
+            let mut v = Lazy::new(&vhost);
             self.write_proxied(&mut pending.proxied, &mut v);
             self.end_proxied(&mut pending.proxied_ended);
             self.end_batch(v);
@@ -116,10 +113,7 @@ impl Connection {
         let Some(vhost) = self.vhost.clone() else {
             return;
         };
-        let mut v = Lazy {
-            vhost: &vhost,
-            guard: None,
-        };
+        let mut v = Lazy::new(&vhost);
         for (id, reason) in channels {
             if self.channels.get(&id).is_some_and(|ch| !ch.closing) {
                 self.channel_error(
@@ -166,10 +160,8 @@ impl Connection {
             return;
         };
         let now = now_ms();
-        let mut v = Lazy {
-            vhost: &vhost,
-            guard: Some(vhost.lock()),
-        };
+        let mut v = Lazy::new(&vhost);
+        v.get();
         for (channel, (count, bytes)) in self.written.drain() {
             v.get().delivered_written(
                 ChannelKey {
@@ -195,6 +187,7 @@ impl Connection {
         let batch = Lazy {
             vhost: v.vhost,
             guard: v.guard.take(),
+            now_ms: v.now_ms,
         };
         self.end_batch(batch);
         let mut earlier = std::mem::take(&mut self.spare.deliveries);

@@ -584,10 +584,7 @@ impl Connection {
         let Some(vhost) = self.vhost.clone() else {
             return;
         };
-        let mut v = Lazy {
-            vhost: &vhost,
-            guard: None,
-        };
+        let mut v = Lazy::new(&vhost);
         if self.channels.get(&id).is_none_or(|ch| ch.closing) {
             self.end_batch(v);
             return;

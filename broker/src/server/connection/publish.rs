@@ -9,7 +9,6 @@ use crate::amqp::frame::FRAME_HEADER;
 use crate::amqp::frame::RawFrame;
 use crate::amqp::table_depth::header_within_depth;
 use crate::amqp::{AMQPClass, basic, codes};
-use crate::clock::now_ms;
 use crate::core::{AmqpError, Message, PublishOutcome};
 use crate::server::channel::{HeldPublish, PendingPublish, UnansweredForward};
 use crate::session::PUBLISH_SEQ_HEADER;
@@ -97,7 +96,7 @@ impl Connection {
                 self.channel_error(id, AmqpError::precondition(text), class_id, method_id, v);
                 return Ok(());
             }
-            pending.header = Some((header.properties, frame.payload, header.body_size));
+            pending.header = Some((Box::new(header.properties), frame.payload, header.body_size));
         } else {
             let Some((_, _, size)) = &pending.header else {
                 return Err(ConnError {
@@ -213,13 +212,14 @@ impl Connection {
         }
         let forwards_before = self.fx.forwards.len();
         let origin = self.publish_origin.as_deref();
+        let now = v.now_ms();
         let outcome = if self.link {
             Ok(v.get().publish_forwarded_as(
                 origin,
                 exchange,
                 routing_key,
                 message.clone(),
-                now_ms(),
+                now,
                 &mut self.fx,
             ))
         } else {
@@ -228,7 +228,7 @@ impl Connection {
                 exchange,
                 routing_key,
                 message.clone(),
-                now_ms(),
+                now,
                 &mut self.fx,
             )
         };

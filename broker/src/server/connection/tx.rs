@@ -5,7 +5,6 @@
 
 use super::{Connection, Lazy};
 use crate::amqp::{AMQPClass, basic, confirm, tx};
-use crate::clock::now_ms;
 use crate::core::{AmqpError, ChannelKey, PublishOutcome};
 use crate::server::channel::Transaction;
 
@@ -95,7 +94,7 @@ impl Connection {
         held: Transaction,
         v: &mut Lazy,
     ) -> Result<(), AmqpError> {
-        let now = now_ms();
+        let now = v.now_ms();
         let key = ChannelKey {
             conn: self.id,
             channel: id,

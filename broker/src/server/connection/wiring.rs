@@ -11,7 +11,6 @@ use super::{Connection, Lazy};
 use crate::amqp::AMQPValue;
 use crate::amqp::{AMQPClass, codes, exchange, queue};
 use crate::auth::permissions::{Access, Resource};
-use crate::clock::now_ms;
 use crate::cluster::OpOutcome;
 use crate::core::{AmqpError, ExchangeDeclare, OpReply, QueueDeclare, WiringOp, is_foreign};
 use crate::proxy::stats::STATS_ARGUMENT;
@@ -152,7 +151,8 @@ impl Connection {
                 });
             }
             _ => {
-                let reply = op.apply(v.get(), self.id, now_ms(), &mut self.fx)?;
+                let now = v.now_ms();
+                let reply = op.apply(v.get(), self.id, now, &mut self.fx)?;
                 self.answer_wiring(id, &waiting, &reply);
             }
         }
@@ -193,10 +193,7 @@ impl Connection {
         let Some(vhost) = self.vhost.clone() else {
             return;
         };
-        let mut v = Lazy {
-            vhost: &vhost,
-            guard: None,
-        };
+        let mut v = Lazy::new(&vhost);
         let outcome = outcome.unwrap_or_else(|| {
             Err(AmqpError::new(
                 codes::INTERNAL_ERROR,
@@ -333,6 +330,7 @@ impl Connection {
             let locked = v.get().check_exclusive(&name, self.id).err();
             return self.count_remote_unless(id, name, d.nowait, primary, locked);
         }
+        let now = v.now_ms();
         let declared = v.get().queue_declare(
             self.id,
             QueueDeclare {
@@ -343,7 +341,7 @@ impl Connection {
                 auto_delete: d.auto_delete,
                 arguments: d.arguments.clone(),
             },
-            now_ms(),
+            now,
         )?;
         let message_count = declared.message_count;
         let ch = self.channels.get_mut(&id).expect("checked by the caller");
