@@ -210,6 +210,25 @@ fn bench_spreads_producers_and_consumers_over_several_queues() {
         ],
     ));
     assert!(v["consumed_per_sec"].as_f64().unwrap() > 0.0, "{v}");
+    let out = bench(
+        &b.uri(),
+        &[
+            "--seconds",
+            "1",
+            "--producers",
+            "4",
+            "--consumers",
+            "2",
+            "--queues",
+            "4",
+        ],
+    );
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("some queues would fill"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let out = bench(&b.uri(), &["--seconds", "1", "--queues", "0"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--queues"));

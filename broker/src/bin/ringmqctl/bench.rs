@@ -1,6 +1,7 @@
 //! `ringmqctl bench`: producers publish to one queue (or spread over `--queues N`), consumers
-//! drain them, and the tool reports rates and publish-to-delivery latency. It speaks raw frames (see `ringmq::client`) and
-//! batches its writes, so that the broker, not the tool, is what gets measured.
+//! drain them, and the tool reports rates and publish-to-delivery latency. It speaks raw
+//! frames (see `ringmq::client`) and batches its writes, so that the broker, not the tool, is
+//! what gets measured.
 
 use anyhow::{Context, bail};
 use clap::Args;
@@ -104,6 +105,13 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     }
     if args.seconds == 0 {
         bail!("--seconds must be at least 1");
+    }
+    if args.consumers > 0 && args.consumers < args.queues {
+        bail!(
+            "--queues {} with --consumers {}: some queues would fill and never drain; give every queue a consumer (--consumers at least --queues), or --consumers 0 to only publish",
+            args.queues,
+            args.consumers
+        );
     }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -22,8 +22,10 @@ impl VHost {
             (None, Some(prefix)) => fragment_name_by_prefix(prefix, &queue.name),
             (None, None) => return queue.name.clone(),
         };
-        match self.queues.get_key_value(name.as_str()) {
-            Some((name, _)) => name.clone(),
+        // The queue's own name, not the map's key: the key is kept apart from the Arc
+        // counts that routing writes (`core::own_key`).
+        match self.queues.get(name.as_str()) {
+            Some(fragment) => fragment.name.clone(),
             None => queue.name.clone(),
         }
     }

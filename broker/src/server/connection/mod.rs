@@ -121,8 +121,12 @@ impl<'a> Lazy<'a> {
         self.guard.get_or_insert_with(|| self.vhost.lock())
     }
 
-    /// The time of this batch, in milliseconds since the epoch.
+    /// The time of this batch, in milliseconds since the epoch: read once the lock is held,
+    /// as a command that reads the time after waiting for the lock always did.
     fn now_ms(&mut self) -> u64 {
+        if self.now_ms.is_none() {
+            self.get();
+        }
         *self.now_ms.get_or_insert_with(now_ms)
     }
 }
