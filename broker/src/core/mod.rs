@@ -41,7 +41,7 @@ pub type FastHashSet<T> = std::collections::HashSet<T, foldhash::fast::RandomSta
 /// A copy of `name` in an allocation of its own, for the key of a map the hot path looks it
 /// up in. The name's own `Arc` is cloned and dropped for every message (a delivery names
 /// its queue and consumer tag) on whichever thread holds the vhost, and an `Arc`'s counts
-/// share a cache line with its bytes: a key that is that `Arc` makes every lookup's
+/// share a cache line with its bytes: a key that is that `Arc` would make every lookup's
 /// comparison wait for the line to come back from the other core.
 pub fn own_key(name: &str) -> std::sync::Arc<str> {
     std::sync::Arc::from(name)
