@@ -237,6 +237,55 @@ fn bench_spreads_producers_and_consumers_over_several_queues() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("--queues"));
 }
 
+/// The consumers stop at `--seconds` even when their read buffer never runs dry: a read of a
+/// frame already buffered never waits, so a timeout around it never fired, and against
+/// `ringmqctl sink` (which feeds consumers without end) the tool ran on forever.
+#[test]
+fn bench_consumers_stop_on_time_against_an_endless_feed() {
+    use std::io::BufRead;
+    use std::time::{Duration, Instant};
+    let mut sink = Command::new(binary("ringmqctl"))
+        .args(["sink", "--listen", "127.0.0.1:0", "--size", "16"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(sink.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = line.trim().rsplit("amqp=").next().unwrap().to_owned();
+    let mut run = Command::new(binary("ringmqctl"))
+        .args(["bench", "--uri", &format!("amqp://guest:guest@{addr}/%2f")])
+        .args([
+            "--producers",
+            "0",
+            "--size",
+            "16",
+            "--seconds",
+            "1",
+            "--json",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    let finished = loop {
+        if run.try_wait().unwrap().is_some() {
+            break true;
+        }
+        if started.elapsed() > Duration::from_secs(30) {
+            let _ = run.kill();
+            break false;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let _ = sink.kill();
+    let _ = sink.wait();
+    assert!(finished, "bench --seconds 1 still running after 30 s");
+    let v = bench_json(run.wait_with_output().unwrap());
+    assert!(v["consumed"].as_u64().unwrap() > 0, "{v}");
+}
+
 #[test]
 fn bench_against_no_broker_fails_with_a_reason() {
     let out = bench("amqp://guest:guest@127.0.0.1:1/%2f", &["--seconds", "1"]);

@@ -123,8 +123,8 @@ impl<'a> Lazy<'a> {
 
     /// The time of this batch, in milliseconds since the epoch, read at its first use. It
     /// does not take the lock: a command asks for the time before it takes the locks it
-    /// needs, and taking the vhost's first would change the order in which it takes them
-    /// (a member restarting in a cluster hung on that order, in CI).
+    /// needs, and taking the vhost's there would change the order in which it takes them
+    /// (a version that did saw a restarting cluster member hang once in CI).
     fn now_ms(&mut self) -> u64 {
         *self.now_ms.get_or_insert_with(now_ms)
     }
