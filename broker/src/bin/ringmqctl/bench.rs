@@ -505,7 +505,7 @@ async fn consume(
         // A read from frames already buffered never waits, so the timeout below never fires
         // while a fast broker keeps the buffer full: the deadline is checked here as well.
         frames += 1;
-        if frames % 1024 == 0 && Instant::now() >= deadline {
+        if frames.is_multiple_of(1024) && Instant::now() >= deadline {
             return Ok(latency);
         }
         let Ok(frame) = tokio::time::timeout_at(deadline.into(), c.read_frame()).await else {
