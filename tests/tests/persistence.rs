@@ -413,6 +413,7 @@ fn last_segment(b: &Broker) -> std::path::PathBuf {
     let mut segs: Vec<_> = std::fs::read_dir(b.state_dir().join("journal"))
         .unwrap()
         .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "seg"))
         .collect();
     segs.sort();
     segs.pop().unwrap()
@@ -443,6 +444,29 @@ async fn a_torn_tail_loses_only_the_torn_record() {
         .unwrap();
     b.crash_and_restart();
     assert_eq!(recovered_numbers(&b).await, (0..19).collect::<Vec<_>>());
+    assert!(b.wait_for_log(
+        "journal damage found during recovery",
+        Duration::from_secs(1)
+    ));
+}
+
+#[tokio::test]
+async fn a_torn_tail_in_a_segment_written_over_zeros_loses_only_the_torn_record() {
+    // Small segments, so that the journal rolls over to spares (docs/persistence.md).
+    let mut b = Broker::start_with_config("journal:\n  segment_bytes: 4096\n");
+    publish_numbered(&b, 199).await;
+    // A crash: no snapshot at shutdown, so recovery reads the segments.
+    b.kill();
+    let seg = last_segment(&b);
+    let mut data = std::fs::read(&seg).unwrap();
+    assert_eq!(data.len(), 4096, "the last segment was written over zeros");
+    // The last record ends in its body, number 198: its last byte is not zero.
+    let end = data.iter().rposition(|byte| *byte != 0).unwrap() + 1;
+    // A crash in the middle of the write: the record's end never reached the disk.
+    data[end - 20..end].fill(0);
+    std::fs::write(&seg, &data).unwrap();
+    b.crash_and_restart();
+    assert_eq!(recovered_numbers(&b).await, (0..198).collect::<Vec<_>>());
     assert!(b.wait_for_log(
         "journal damage found during recovery",
         Duration::from_secs(1)

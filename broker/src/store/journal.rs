@@ -16,6 +16,7 @@
 use super::index::{LiveIndex, Location, RecordKey, SegmentInfo, SharedIndex};
 use super::record::{RECORD_HEADER, Record, next_record};
 use super::snapshot::{self, Position, SnapshotError};
+use super::spare::Spares;
 use super::{SEGMENT_MAGIC, StoreError, segment_path, write_wiring_file};
 use crate::core::producers::{Producers, producer_of};
 use crate::core::wiring::Wiring;
@@ -23,7 +24,7 @@ use bytes::Bytes;
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::{File, OpenOptions};
-use std::io::Write;
+use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -47,6 +48,10 @@ pub struct JournalConfig {
     /// A snapshot is written when this much time passed since the last one and records were
     /// written since, in ms (0 = not by time). One is always written at a clean shutdown.
     pub snapshot_interval_ms: u64,
+    /// Write segments over zeros prepared ahead by a thread of their own, which halves the
+    /// time of each sync on ext4 (`store::spare`); off, segments grow as they are written
+    /// (for storage where writing zeros ahead costs, such as thin-provisioned volumes).
+    pub preallocate: bool,
 }
 
 impl Default for JournalConfig {
@@ -57,6 +62,7 @@ impl Default for JournalConfig {
             max_delay_us: 0,
             snapshot_every_records: 250_000,
             snapshot_interval_ms: 60_000,
+            preallocate: true,
         }
     }
 }
@@ -323,6 +329,9 @@ struct Writer {
     producers: ProducerTables,
     buf: Vec<u8>,
     snapshots: Snapshots,
+    /// Zero-filled files to start segments in (`None` with `preallocate` off, or when the
+    /// thread could not be started).
+    spares: Option<Spares>,
 }
 
 /// The writer's snapshot bookkeeping.
@@ -439,7 +448,17 @@ impl Writer {
         synced: Arc<tokio::sync::watch::Sender<u64>>,
         stats: Arc<JournalStats>,
     ) -> Result<Self, StoreError> {
-        let file = new_segment(&dir, next_segment)?;
+        let spares = if config.preallocate {
+            Spares::start(dir.join("journal"), config.segment_bytes)
+                .map_err(|e| {
+                    tracing::warn!(error = %e,
+                        "cannot prepare spare journal segments; segments grow as they are written")
+                })
+                .ok()
+        } else {
+            None
+        };
+        let file = open_segment(&dir, next_segment, spares.as_ref())?;
         {
             let mut locked = index.index.lock();
             locked.add_file(next_segment, Arc::new(read_handle(&dir, next_segment)?));
@@ -473,6 +492,7 @@ impl Writer {
                 thread: None,
                 unsynced: false,
             },
+            spares,
         };
         writer.live_uids = writer.live_uids();
         Ok(writer)
@@ -803,7 +823,7 @@ impl Writer {
         {
             self.sync()?;
             self.current += 1;
-            self.file = new_segment(&self.dir, self.current)?;
+            self.file = open_segment(&self.dir, self.current, self.spares.as_ref())?;
             self.current_bytes = SEGMENT_MAGIC.len() as u64;
             let reader = Arc::new(read_handle(&self.dir, self.current)?);
             let mut index = self.index.index.lock();
@@ -816,15 +836,17 @@ impl Writer {
                 },
             );
         }
-        self.file.write_all(bytes).map_err(|e| {
-            StoreError::Io(
-                format!(
-                    "writing {}",
-                    segment_path(&self.dir, self.current).display()
-                ),
-                e,
-            )
-        })?;
+        self.file
+            .write_all_at(bytes, self.current_bytes)
+            .map_err(|e| {
+                StoreError::Io(
+                    format!(
+                        "writing {}",
+                        segment_path(&self.dir, self.current).display()
+                    ),
+                    e,
+                )
+            })?;
         let at = self.current_bytes;
         self.current_bytes += bytes.len() as u64;
         self.index
@@ -965,15 +987,39 @@ fn read_handle(dir: &std::path::Path, number: u64) -> Result<File, StoreError> {
     File::open(&path).map_err(|e| StoreError::Io(format!("opening {}", path.display()), e))
 }
 
-fn new_segment(dir: &std::path::Path, number: u64) -> Result<File, StoreError> {
+/// Starts segment `number`: a spare renamed when one is ready, else a new empty file. Written
+/// at offsets (never opened to append, which would ignore them).
+fn open_segment(
+    dir: &std::path::Path,
+    number: u64,
+    spares: Option<&Spares>,
+) -> Result<File, StoreError> {
     let path = segment_path(dir, number);
-    let mut file = OpenOptions::new()
-        .create_new(true)
-        .append(true)
-        .open(&path)
-        .map_err(|e| StoreError::Io(format!("creating {}", path.display()), e))?;
-    file.write_all(SEGMENT_MAGIC)
-        .map_err(|e| StoreError::Io(format!("writing {}", path.display()), e))?;
+    let file = match spares.and_then(Spares::take) {
+        Some(spare) => {
+            spare
+                .file
+                .write_all_at(SEGMENT_MAGIC, 0)
+                .map_err(|e| StoreError::Io(format!("writing {}", spare.path.display()), e))?;
+            std::fs::rename(&spare.path, &path).map_err(|e| {
+                StoreError::Io(
+                    format!("renaming {} to {}", spare.path.display(), path.display()),
+                    e,
+                )
+            })?;
+            spare.file
+        }
+        None => {
+            let file = OpenOptions::new()
+                .create_new(true)
+                .write(true)
+                .open(&path)
+                .map_err(|e| StoreError::Io(format!("creating {}", path.display()), e))?;
+            file.write_all_at(SEGMENT_MAGIC, 0)
+                .map_err(|e| StoreError::Io(format!("writing {}", path.display()), e))?;
+            file
+        }
+    };
     super::sync_journal_dir(dir)?;
     Ok(file)
 }

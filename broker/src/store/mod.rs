@@ -15,6 +15,7 @@ pub mod paging;
 pub mod record;
 pub mod recovery;
 pub mod snapshot;
+pub mod spare;
 
 #[cfg(test)]
 mod tests;

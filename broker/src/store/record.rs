@@ -90,6 +90,10 @@ pub enum DecodeError {
     /// The body does not parse (unknown type, bad lengths).
     #[error("malformed record: {0}")]
     Malformed(&'static str),
+    /// Zeros where the next record would start: the part of a segment written ahead of time
+    /// (`store::spare`) that no record reached yet. No record has an empty body.
+    #[error("end of the records")]
+    End,
 }
 
 /// The records of one batch of queue ops of durable queues (a transient replicated queue's
@@ -343,12 +347,19 @@ impl Record {
 }
 
 /// Splits the next record off `data` at `at`: returns its body (checksum verified) and the
-/// offset after it.
+/// offset after it, or [`DecodeError::End`] where only zeros follow the last record.
 pub fn next_record(data: &Bytes, at: usize) -> Result<(Bytes, usize), DecodeError> {
     if data.len() < at + RECORD_HEADER {
-        return Err(DecodeError::Truncated);
+        return Err(if data[at.min(data.len())..].iter().all(|b| *b == 0) {
+            DecodeError::End
+        } else {
+            DecodeError::Truncated
+        });
     }
     let len = u32::from_be_bytes(data[at..at + 4].try_into().expect("4 bytes")) as usize;
+    if len == 0 {
+        return Err(DecodeError::End);
+    }
     let crc = u32::from_be_bytes(data[at + 4..at + 8].try_into().expect("4 bytes"));
     if len > MAX_RECORD_BODY {
         return Err(DecodeError::Checksum);
@@ -536,5 +547,31 @@ mod tests {
         let mut lying = body.to_vec();
         lying[10..14].copy_from_slice(&u32::MAX.to_be_bytes());
         assert!(Record::decode(&Bytes::from(lying)).is_err());
+    }
+
+    #[test]
+    fn zeros_after_the_last_record_end_the_records_and_other_bytes_are_damage() {
+        let mut data = Vec::new();
+        Record::Removed {
+            uid: 1,
+            ids: vec![2],
+        }
+        .encode(&mut data);
+        let after = data.len();
+        data.extend_from_slice(&[0; 20]);
+        let data = Bytes::from(data);
+        let (body, next) = next_record(&data, 0).unwrap();
+        assert!(matches!(
+            Record::decode(&body),
+            Ok(Record::Removed { uid: 1, .. })
+        ));
+        assert_eq!(next, after);
+        assert!(matches!(next_record(&data, next), Err(DecodeError::End)));
+        assert!(matches!(
+            next_record(&data, data.len() - 5),
+            Err(DecodeError::End)
+        ));
+        let torn = Bytes::from_static(&[0, 0, 0, 9, 1]);
+        assert!(matches!(next_record(&torn, 0), Err(DecodeError::Truncated)));
     }
 }

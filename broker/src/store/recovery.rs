@@ -107,14 +107,16 @@ pub fn recover_from(dir: &Path, start: Start) -> Result<Recovered, StoreError> {
     };
     for (&n, &size) in &segments {
         out.next_segment = n + 1;
-        // Snapshot entries may have counted live records in it already.
+        // Snapshot entries may have counted live records in it already. A segment before
+        // the snapshot's counts whole: it was full when the journal moved on.
         out.disk.index.segments.entry(n).or_default().bytes = size;
         let start_at = match from {
             Some(p) if n < p.segment => continue,
             Some(p) if n == p.segment => p.offset_bytes as usize,
             _ => SEGMENT_MAGIC.len(),
         };
-        replay_segment(dir, n, start_at, &live_uids, &mut out, &mut messages)?;
+        let holds = replay_segment(dir, n, start_at, &live_uids, &mut out, &mut messages)?;
+        out.disk.index.segments.entry(n).or_default().bytes = holds;
     }
     // A snapshot entry whose segment is gone and that the tail did not move: lost (the
     // compactor syncs a copy before it deletes a segment, so this is damage, not a rule).
@@ -188,6 +190,8 @@ fn load_snapshot(s: Snapshot, live_uids: &HashSet<u64>, out: &mut Recovered, mes
     }
 }
 
+/// Replays segment `n` from `start_at`; returns the bytes it holds (up to the zeros it was
+/// written over, if any).
 fn replay_segment(
     dir: &Path,
     n: u64,
@@ -195,7 +199,7 @@ fn replay_segment(
     live_uids: &HashSet<u64>,
     out: &mut Recovered,
     messages: &mut Found,
-) -> Result<(), StoreError> {
+) -> Result<u64, StoreError> {
     let path = super::segment_path(dir, n);
     let data = Bytes::from(
         std::fs::read(&path)
@@ -207,12 +211,14 @@ fn replay_segment(
             path.display(),
             data.len()
         ));
-        return Ok(());
+        return Ok(data.len() as u64);
     }
     let mut at = start_at;
     while at < data.len() {
         let (body, next) = match next_record(&data, at) {
             Ok(r) => r,
+            // The zeros a segment was written over (`store::spare`): not damage.
+            Err(DecodeError::End) => return Ok(at as u64),
             Err(e) => {
                 out.damage.push(damage(&path, at, data.len(), &e));
                 break;
@@ -278,7 +284,7 @@ fn replay_segment(
         }
         at = next;
     }
-    Ok(())
+    Ok(data.len() as u64)
 }
 
 fn damage(path: &Path, at: usize, len: usize, e: &DecodeError) -> String {

@@ -372,6 +372,67 @@ fn a_message_acked_before_its_batch_is_never_written() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Copies the files of a data directory as they are: what a crash of the process leaves.
+fn copy_as_crashed(from: &std::path::Path, to: &std::path::Path) {
+    let _ = std::fs::remove_dir_all(to);
+    for sub in ["", "journal"] {
+        std::fs::create_dir_all(to.join(sub)).unwrap();
+        for entry in std::fs::read_dir(from.join(sub)).unwrap() {
+            let entry = entry.unwrap();
+            if entry.file_type().unwrap().is_file() {
+                std::fs::copy(entry.path(), to.join(sub).join(entry.file_name())).unwrap();
+            }
+        }
+    }
+}
+
+#[test]
+fn segments_written_over_zeros_recover_whole_after_a_crash() {
+    let dir = std::env::temp_dir().join(format!("ringmq-journal-zeros-{}", std::process::id()));
+    let crashed = dir.with_extension("crashed");
+    let _ = std::fs::remove_dir_all(&dir);
+    let data = DataDir::open(&dir).unwrap();
+    let (journal, ..) = start(&data.path);
+    journal.submit(Job::Wiring {
+        vhost: "/".into(),
+        wiring: wiring(&[1]),
+    });
+    for id in 1..=60u64 {
+        let seq = journal.submit(Job::Records(vec![Record::Enqueued {
+            uid: 1,
+            id,
+            expires_at_ms: None,
+            message: message(200, id),
+        }]));
+        let synced = journal.synced();
+        while *synced.borrow() < seq {
+            std::thread::sleep(std::time::Duration::from_micros(100));
+        }
+        // Time for the next spare, so that the segments rolled to are written over zeros.
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    copy_as_crashed(&dir, &crashed);
+    let over_zeros = std::fs::read_dir(crashed.join("journal"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "seg"))
+        .filter(|p| {
+            let data = std::fs::read(p).unwrap();
+            data.len() == 2048 && data.ends_with(&[0; 8])
+        })
+        .count();
+    assert!(
+        over_zeros >= 3,
+        "{over_zeros} segments written over zeros: the spares were not used"
+    );
+    let (recovered, found, _) = start(&crashed);
+    assert_eq!(found, (1..=60).map(|id| (1, id)).collect::<BTreeSet<_>>());
+    recovered.shutdown();
+    journal.shutdown();
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&crashed);
+}
+
 #[test]
 fn compaction_reclaims_dead_segments_and_keeps_the_live_messages() {
     let dir = std::env::temp_dir().join(format!("ringmq-journal-compact-{}", std::process::id()));
