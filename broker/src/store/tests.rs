@@ -334,14 +334,7 @@ proptest! {
 
 #[test]
 fn a_message_acked_before_its_batch_is_never_written() {
-    let dir = std::env::temp_dir().join(format!("ringmq-journal-fast-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let data = DataDir::open(&dir).unwrap();
-    let (journal, ..) = start(&data.path);
-    journal.submit(Job::Wiring {
-        vhost: "/".into(),
-        wiring: wiring(&[1]),
-    });
+    let (dir, data, journal) = fresh_journal("fast", &[1]);
     journal.submit(Job::Records(vec![
         Record::Enqueued {
             uid: 1,
@@ -372,6 +365,35 @@ fn a_message_acked_before_its_batch_is_never_written() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A fresh data directory `ringmq-journal-NAME-PID`, a journal started on it, and the durable
+/// queues `uids` in its wiring.
+fn fresh_journal(name: &str, uids: &[u64]) -> (std::path::PathBuf, DataDir, Journal) {
+    let dir = std::env::temp_dir().join(format!("ringmq-journal-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let data = DataDir::open(&dir).unwrap();
+    let (journal, ..) = start(&data.path);
+    journal.submit(Job::Wiring {
+        vhost: "/".into(),
+        wiring: wiring(uids),
+    });
+    (dir, data, journal)
+}
+
+/// Submits the Enqueued record of message `id` (of `size` bytes) on queue `uid` and waits
+/// until it is on disk.
+fn enqueue_durably(journal: &Journal, uid: u64, id: u64, size: usize) {
+    let seq = journal.submit(Job::Records(vec![Record::Enqueued {
+        uid,
+        id,
+        expires_at_ms: None,
+        message: message(size, id),
+    }]));
+    let synced = journal.synced();
+    while *synced.borrow() < seq {
+        std::thread::sleep(std::time::Duration::from_micros(100));
+    }
+}
+
 /// Copies the files of a data directory as they are: what a crash of the process leaves.
 fn copy_as_crashed(from: &std::path::Path, to: &std::path::Path) {
     let _ = std::fs::remove_dir_all(to);
@@ -388,26 +410,10 @@ fn copy_as_crashed(from: &std::path::Path, to: &std::path::Path) {
 
 #[test]
 fn segments_written_over_zeros_recover_whole_after_a_crash() {
-    let dir = std::env::temp_dir().join(format!("ringmq-journal-zeros-{}", std::process::id()));
+    let (dir, _data, journal) = fresh_journal("zeros", &[1]);
     let crashed = dir.with_extension("crashed");
-    let _ = std::fs::remove_dir_all(&dir);
-    let data = DataDir::open(&dir).unwrap();
-    let (journal, ..) = start(&data.path);
-    journal.submit(Job::Wiring {
-        vhost: "/".into(),
-        wiring: wiring(&[1]),
-    });
     for id in 1..=60u64 {
-        let seq = journal.submit(Job::Records(vec![Record::Enqueued {
-            uid: 1,
-            id,
-            expires_at_ms: None,
-            message: message(200, id),
-        }]));
-        let synced = journal.synced();
-        while *synced.borrow() < seq {
-            std::thread::sleep(std::time::Duration::from_micros(100));
-        }
+        enqueue_durably(&journal, 1, id, 200);
         // Time for the next spare, so that the segments rolled to are written over zeros.
         std::thread::sleep(std::time::Duration::from_millis(5));
     }
@@ -435,26 +441,10 @@ fn segments_written_over_zeros_recover_whole_after_a_crash() {
 
 #[test]
 fn compaction_reclaims_dead_segments_and_keeps_the_live_messages() {
-    let dir = std::env::temp_dir().join(format!("ringmq-journal-compact-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let data = DataDir::open(&dir).unwrap();
-    let (journal, ..) = start(&data.path);
-    journal.submit(Job::Wiring {
-        vhost: "/".into(),
-        wiring: wiring(&[1, 2, 3]),
-    });
+    let (dir, data, journal) = fresh_journal("compact", &[1, 2, 3]);
     // A session's message on queue 3, written and consumed: its segment is compacted away,
     // and its producer's number must outlive it.
-    let seq = journal.submit(Job::Records(vec![Record::Enqueued {
-        uid: 3,
-        id: 7,
-        expires_at_ms: None,
-        message: message(100, 7),
-    }]));
-    let synced = journal.synced();
-    while *synced.borrow() < seq {
-        std::thread::sleep(std::time::Duration::from_micros(100));
-    }
+    enqueue_durably(&journal, 3, 7, 100);
     journal.submit(Job::Records(vec![Record::Removed {
         uid: 3,
         ids: vec![7],
@@ -467,17 +457,8 @@ fn compaction_reclaims_dead_segments_and_keeps_the_live_messages() {
         message: message(100, 1),
     }]));
     for id in 1..=400u64 {
-        let seq = journal.submit(Job::Records(vec![Record::Enqueued {
-            uid: 1,
-            id,
-            expires_at_ms: None,
-            message: message(200, id),
-        }]));
-        // Let the enqueue reach disk, so that the removal cannot cancel it.
-        let synced = journal.synced();
-        while *synced.borrow() < seq {
-            std::thread::sleep(std::time::Duration::from_micros(100));
-        }
+        // On disk before its removal, so that the removal cannot cancel it.
+        enqueue_durably(&journal, 1, id, 200);
         if id > 1 {
             journal.submit(Job::Records(vec![Record::Removed {
                 uid: 1,
@@ -507,14 +488,7 @@ fn compaction_reclaims_dead_segments_and_keeps_the_live_messages() {
 
 #[test]
 fn a_page_record_reads_back_after_compaction_moved_it_and_is_not_recovered() {
-    let dir = std::env::temp_dir().join(format!("ringmq-journal-page-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let data = DataDir::open(&dir).unwrap();
-    let (journal, ..) = start(&data.path);
-    journal.submit(Job::Wiring {
-        vhost: "/".into(),
-        wiring: wiring(&[1]),
-    });
+    let (dir, data, journal) = fresh_journal("page", &[1]);
     // A transient body paged out first, then traffic that is consumed: the page's segment
     // becomes the oldest and is compacted, its record copied forward.
     journal.submit(Job::Records(vec![Record::Paged {
@@ -595,14 +569,7 @@ fn a_page_record_reads_back_after_compaction_moved_it_and_is_not_recovered() {
 
 #[test]
 fn a_clean_restart_recovers_from_the_snapshot_without_reading_the_journal() {
-    let dir = std::env::temp_dir().join(format!("ringmq-journal-snap-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let data = DataDir::open(&dir).unwrap();
-    let (journal, ..) = start(&data.path);
-    journal.submit(Job::Wiring {
-        vhost: "/".into(),
-        wiring: wiring(&[1]),
-    });
+    let (dir, data, journal) = fresh_journal("snap", &[1]);
     for id in 1..=50u64 {
         journal.submit(Job::Records(vec![Record::Enqueued {
             uid: 1,
