@@ -11,8 +11,9 @@
 //!
 //! The zeros cost one sequential write of each segment, made here, off the confirm path,
 //! flushed a slice at a time so that a journal sync never queues behind a whole segment.
-//! When no spare is ready (a burst faster than the disk), the journal starts a segment the
-//! old way and loses nothing but the speed. A spare is named `spare-N.tmp` until the journal
+//! When no spare is ready (a burst faster than the disk, or a disk too full for one, which is
+//! tried again every ten seconds), the journal starts a segment the old way and loses nothing
+//! but the speed. A spare is named `spare-N.tmp` until the journal
 //! takes it, writes the segment header and renames it; recovery deletes what is left of
 //! them and reads a zero record header as the end of what a segment holds.
 
@@ -23,6 +24,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, sync_channel};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// How long after a spare could not be made (a full disk, say) the thread tries again.
+const RETRY_AFTER: Duration = Duration::from_secs(10);
 
 /// Bytes of zeros written (and flushed) per step: small enough that a journal sync waiting
 /// behind one step waits about a millisecond on a slow disk.
@@ -48,6 +53,11 @@ impl Spares {
     /// Deletes the spares a previous run left in `journal_dir` and starts preparing spares
     /// of `size` bytes there.
     pub fn start(journal_dir: PathBuf, size: u64) -> std::io::Result<Self> {
+        Self::start_retrying(journal_dir, size, RETRY_AFTER)
+    }
+
+    /// As [`Spares::start`], trying again `retry` after a spare could not be made.
+    fn start_retrying(journal_dir: PathBuf, size: u64, retry: Duration) -> std::io::Result<Self> {
         remove_leftovers(&journal_dir)?;
         // A rendezvous: the thread holds one finished spare until the journal takes it.
         let (tx, rx) = sync_channel(0);
@@ -56,19 +66,30 @@ impl Spares {
         let thread = std::thread::Builder::new()
             .name("ringmq-spares".into())
             .spawn(move || {
+                let mut failing = false;
                 for n in 0u64.. {
                     let path = journal_dir.join(format!("spare-{n}.tmp"));
                     let file = match fill(&path, size, &stopping) {
                         Ok(Some(file)) => file,
                         Ok(None) => break,
                         Err(e) => {
-                            // Not fatal: the journal starts segments the old way.
-                            tracing::warn!(path = %path.display(), error = %e,
-                                "cannot prepare a spare journal segment; segments grow as they are written");
+                            // Not fatal: the journal starts segments the old way meanwhile.
+                            if !failing {
+                                tracing::warn!(path = %path.display(), error = %e, retry_s = retry.as_secs_f64(),
+                                    "cannot prepare a spare journal segment; segments grow as they are written until it can");
+                            }
+                            failing = true;
                             let _ = std::fs::remove_file(&path);
-                            break;
+                            if !pause(retry, &stopping) {
+                                break;
+                            }
+                            continue;
                         }
                     };
+                    if failing {
+                        tracing::info!("spare journal segments are prepared again");
+                        failing = false;
+                    }
                     if let Err(unsent) = tx.send(Spare { file, path }) {
                         let _ = std::fs::remove_file(&unsent.0.path);
                         break;
@@ -123,9 +144,25 @@ fn fill(path: &Path, size: u64, stop: &AtomicBool) -> std::io::Result<Option<Fil
     Ok(Some(file))
 }
 
-/// Deletes `spare-*.tmp` files in `journal_dir`.
+/// Sleeps `how_long` in short steps; false as soon as asked to stop.
+fn pause(how_long: Duration, stop: &AtomicBool) -> bool {
+    let until = Instant::now() + how_long;
+    while Instant::now() < until {
+        if stop.load(Ordering::Relaxed) {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(20).min(how_long));
+    }
+    !stop.load(Ordering::Relaxed)
+}
+
+/// Deletes `spare-*.tmp` files in `journal_dir` (none if it does not exist yet).
 fn remove_leftovers(journal_dir: &Path) -> std::io::Result<()> {
-    for entry in std::fs::read_dir(journal_dir)? {
+    let entries = match std::fs::read_dir(journal_dir) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        entries => entries?,
+    };
+    for entry in entries {
         let entry = entry?;
         let name = entry.file_name();
         if name
@@ -141,7 +178,6 @@ fn remove_leftovers(journal_dir: &Path) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::{Duration, Instant};
 
     fn fresh_dir(name: &str) -> PathBuf {
         let dir = std::env::temp_dir().join(format!("ringmq-spares-{name}-{}", std::process::id()));
@@ -199,6 +235,21 @@ mod tests {
             .unwrap()
             .to_string();
         assert_eq!(names, vec!["0000000000000001.seg".to_string(), taken_name]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_spare_that_cannot_be_made_is_tried_again_until_it_can() {
+        let dir = fresh_dir("retry");
+        let later = dir.join("later");
+        let spares =
+            Spares::start_retrying(later.clone(), 4096, Duration::from_millis(20)).unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(spares.take().is_none(), "no directory, no spare");
+        std::fs::create_dir(&later).unwrap();
+        let spare = wait_for_spare(&spares);
+        assert_eq!(std::fs::metadata(&spare.path).unwrap().len(), 4096);
+        drop(spares);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
