@@ -493,6 +493,48 @@ impl Broker {
         self.child.id()
     }
 
+    /// Every thread's stack, trimmed to the project's frames and the lock and wait calls
+    /// under them, for the failure message of a broker that stopped answering: a hang in
+    /// CI is then a stack to read, not a guess. Needs `gdb` (scripts/test installs it).
+    pub fn thread_stacks(&self) -> String {
+        let out = Command::new("timeout")
+            .args(["60", "gdb", "-p", &self.pid().to_string(), "-batch", "-nx"])
+            .args(["-ex", "set pagination off", "-ex", "thread apply all bt"])
+            .stdin(Stdio::null())
+            .output();
+        let out = match out {
+            Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout).into_owned(),
+            Ok(o) => return format!("gdb failed ({}): {}", o.status, tail_of(&o.stderr)),
+            Err(e) => return format!("no gdb to show the threads' stacks: {e}"),
+        };
+        let mut trimmed = String::new();
+        let mut kept = 0;
+        for line in out.lines() {
+            if line.starts_with("Thread ") {
+                kept = 0;
+            } else if kept >= 8
+                || ![
+                    "ringmq::",
+                    "futex",
+                    "RwLock",
+                    "Mutex",
+                    "epoll_wait",
+                    "fsync",
+                ]
+                .iter()
+                .any(|w| line.contains(w))
+            {
+                continue;
+            } else {
+                kept += 1;
+            }
+            let line = line.split(" at /").next().unwrap_or(line);
+            trimmed.extend(line.chars().take(200));
+            trimmed.push('\n');
+        }
+        trimmed
+    }
+
     /// Whether the process is still running.
     pub fn is_running(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
@@ -546,6 +588,13 @@ fn capture_stderr(child: &mut Child) -> std::sync::Arc<std::sync::Mutex<Vec<Stri
 /// The lines of `pipe` until it closes or fails, bytes that are not UTF-8 replaced: a log
 /// line the strict reader would reject must not end the capture and leave a failure message
 /// without the broker's last words. A read error ends the lines with a line saying so.
+/// The last lines of a tool's stderr, for a message saying why it failed.
+fn tail_of(stderr: &[u8]) -> String {
+    let text = String::from_utf8_lossy(stderr);
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(5)..].join(" | ")
+}
+
 fn lossy_lines(pipe: impl std::io::Read) -> impl Iterator<Item = String> {
     let mut reader = BufReader::new(pipe);
     let mut failed = false;

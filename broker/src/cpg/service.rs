@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use openraft::error::{ClientWriteError, RaftError};
-use openraft::{BasicNode, ChangeMembers, Raft, ServerState};
+use openraft::{BasicNode, ChangeMembers, Raft, RaftMetrics, ServerState};
 use parking_lot::Mutex;
 use tokio::time::Instant;
 
@@ -87,8 +87,14 @@ impl Service {
     }
 
     fn not_leader(&self) -> Response {
-        let m = self.raft.metrics();
-        let m = m.borrow();
+        Self::redirect(&self.raft.metrics().borrow())
+    }
+
+    /// `NotLeader` naming the leader these metrics know of. It takes the metrics a caller
+    /// already holds: borrowing them a second time on one thread deadlocks as soon as
+    /// openraft waits to publish new ones (a writer waiting on the watch's lock blocks new
+    /// readers), which once hung a follower answering a restarted member's joins.
+    fn redirect(m: &RaftMetrics<MemberId, BasicNode>) -> Response {
         let leader = m.current_leader.and_then(|l| {
             m.membership_config
                 .membership()
@@ -170,7 +176,7 @@ impl Service {
             let m = self.raft.metrics();
             let m = m.borrow();
             if m.state != ServerState::Leader {
-                return self.not_leader();
+                return Self::redirect(&m);
             }
             let membership = m.membership_config.membership();
             membership

@@ -8,7 +8,7 @@ use lapin::options::{
 };
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Connection};
-use ringmq_tests::{Broker, Ports, reply_code};
+pub(crate) use ringmq_tests::{Broker, Ports, reply_code};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -143,8 +143,16 @@ pub(crate) fn describe(members: &mut [Broker]) -> String {
                 let ready = readyz(m)
                     .map(|a| format!("{} {}", a.status, a.body))
                     .unwrap_or_else(|e| e);
-                let view = cluster_view(m).unwrap_or_else(Value::String);
-                format!("readyz {ready}; cluster {view}")
+                if ready.contains("cannot reach") {
+                    // Hung, not slow: where its threads wait says why.
+                    format!(
+                        "readyz {ready}\n  ---- its threads ----\n{}",
+                        m.thread_stacks()
+                    )
+                } else {
+                    let view = cluster_view(m).unwrap_or_else(Value::String);
+                    format!("readyz {ready}; cluster {view}")
+                }
             }
         };
         out.push_str(&format!(

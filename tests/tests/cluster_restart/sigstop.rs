@@ -111,3 +111,21 @@ async fn sigstop_of_the_leader_keeps_no_quorum_after_resume() {
         .await
         .unwrap_or_else(|e| panic!("stop: the majority after the resume: {e}"));
 }
+
+/// The hang report's tool works: a member that does not answer (frozen here) shows where its
+/// threads are, with the project's own frames, so a hang in CI names its lock.
+#[test]
+fn a_member_that_does_not_answer_shows_where_its_threads_wait() {
+    let b = Broker::start();
+    b.pause();
+    let stacks = b.thread_stacks();
+    b.resume();
+    assert!(
+        stacks.contains("ringmq::store::journal"),
+        "the journal thread's frames in the stacks:\n{stacks}"
+    );
+    assert!(
+        stacks.matches("Thread ").count() >= 3,
+        "every thread listed:\n{stacks}"
+    );
+}

@@ -98,10 +98,14 @@ impl Connection {
         if self.dead_letters.is_empty() {
             return;
         }
+        // The watches are read into locals, not borrowed across the lease check (see
+        // `Connection::run`'s progress).
+        let journal_synced = *self.broker.journal.synced().borrow();
+        let replicas_acked = *self.broker.replicator().acked().borrow();
         let progress = Progress {
-            journal_synced: *self.broker.journal.synced().borrow(),
+            journal_synced,
             forwards_confirmed: self.forwards.status().answered_through,
-            replicas_acked: *self.broker.replicator().acked().borrow(),
+            replicas_acked,
             lease_held: self.lease_held_now(),
         };
         let now = now_ms();

@@ -402,10 +402,15 @@ impl Connection {
             if self.awaiting_confirms && self.phase == Phase::Running {
                 self.decide_forwarded_confirms(forwards.answered_through);
             }
+            // Each watch is read into a local first: a borrow held while the lease is asked
+            // for would stall the journal or the replicator behind this task if that ask
+            // blocked.
+            let journal_synced = *synced.borrow();
+            let replicas_acked = *replicated.borrow();
             let progress = Progress {
-                journal_synced: *synced.borrow(),
+                journal_synced,
                 forwards_confirmed: forwards.answered_through,
-                replicas_acked: *replicated.borrow(),
+                replicas_acked,
                 lease_held: (self.gate.waits_for_lease() || self.dead_letters_wait())
                     && self.lease_held_now(),
             };
