@@ -166,6 +166,14 @@ fn restored(r: &Recovered) -> Restored {
 }
 
 fn start(dir: &std::path::Path) -> (Journal, BTreeSet<(u64, u64)>, BTreeMap<u64, u64>) {
+    start_with(dir, JournalConfig::default().removals_sync_ms)
+}
+
+/// [`start`], with removals synced after `removals_sync_ms`.
+fn start_with(
+    dir: &std::path::Path,
+    removals_sync_ms: u64,
+) -> (Journal, BTreeSet<(u64, u64)>, BTreeMap<u64, u64>) {
     let recovered = recover(dir).unwrap();
     assert!(recovered.damage.is_empty(), "{:?}", recovered.damage);
     // A snapshot is only ever ignored because the compactor deleted its position's segment
@@ -203,6 +211,7 @@ fn start(dir: &std::path::Path) -> (Journal, BTreeSet<(u64, u64)>, BTreeMap<u64,
         // Snapshots all the time, so that restarts start from them and compactions make
         // them stale.
         snapshot_every_records: 5,
+        removals_sync_ms,
         ..JournalConfig::default()
     };
     (
@@ -368,10 +377,19 @@ fn a_message_acked_before_its_batch_is_never_written() {
 /// A fresh data directory `ringmq-journal-NAME-PID`, a journal started on it, and the durable
 /// queues `uids` in its wiring.
 fn fresh_journal(name: &str, uids: &[u64]) -> (std::path::PathBuf, DataDir, Journal) {
+    fresh_journal_with(name, uids, JournalConfig::default().removals_sync_ms)
+}
+
+/// [`fresh_journal`], with removals synced after `removals_sync_ms`.
+fn fresh_journal_with(
+    name: &str,
+    uids: &[u64],
+    removals_sync_ms: u64,
+) -> (std::path::PathBuf, DataDir, Journal) {
     let dir = std::env::temp_dir().join(format!("ringmq-journal-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let data = DataDir::open(&dir).unwrap();
-    let (journal, ..) = start(&data.path);
+    let (journal, ..) = start_with(&data.path, removals_sync_ms);
     journal.submit(Job::Wiring {
         vhost: "/".into(),
         wiring: wiring(uids),
@@ -406,6 +424,69 @@ fn copy_as_crashed(from: &std::path::Path, to: &std::path::Path) {
             }
         }
     }
+}
+
+/// Submits the removal of message `id` from queue `uid` and waits until the journal has
+/// processed it; returns the journal's sync count before and after.
+fn remove_and_count_syncs(journal: &Journal, uid: u64, id: u64) -> (u64, u64) {
+    let before = journal.stats.fsyncs.load(Ordering::Relaxed);
+    let seq = journal.submit(Job::Records(vec![Record::Removed { uid, ids: vec![id] }]));
+    let synced = journal.synced();
+    while *synced.borrow() < seq {
+        std::thread::sleep(std::time::Duration::from_micros(100));
+    }
+    (before, journal.stats.fsyncs.load(Ordering::Relaxed))
+}
+
+#[test]
+fn an_ack_alone_is_written_at_once_without_a_sync_and_rides_on_the_next_one() {
+    let (dir, _data, journal) = fresh_journal_with("lazy-removal", &[1], 60_000);
+    let crashed = dir.with_extension("crashed");
+    enqueue_durably(&journal, 1, 1, 10);
+    let (before, after) = remove_and_count_syncs(&journal, 1, 1);
+    assert_eq!(after, before, "a commit of removals alone took a sync");
+    // Written, so a crash of the process cannot undo the ack.
+    copy_as_crashed(&dir, &crashed);
+    let (recovered, found, _) = start(&crashed);
+    assert!(found.is_empty(), "the acked message came back: {found:?}");
+    recovered.shutdown();
+    // The next commit that must be durable syncs, and covers the removal with it.
+    enqueue_durably(&journal, 1, 2, 10);
+    assert_eq!(journal.stats.fsyncs.load(Ordering::Relaxed), before + 1);
+    journal.shutdown();
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&crashed);
+}
+
+#[test]
+fn an_ack_with_nothing_after_it_is_synced_within_removals_sync_ms() {
+    let (dir, _data, journal) = fresh_journal_with("removal-timer", &[1], 50);
+    enqueue_durably(&journal, 1, 1, 10);
+    let (before, _) = remove_and_count_syncs(&journal, 1, 1);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while journal.stats.fsyncs.load(Ordering::Relaxed) == before {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the removal was never synced"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    journal.shutdown();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn removals_sync_ms_zero_syncs_every_commit_of_acks() {
+    let (dir, _data, journal) = fresh_journal_with("removal-at-once", &[1], 0);
+    enqueue_durably(&journal, 1, 1, 10);
+    let (before, after) = remove_and_count_syncs(&journal, 1, 1);
+    assert_eq!(
+        after,
+        before + 1,
+        "removals_sync_ms 0 must sync the ack's commit"
+    );
+    journal.shutdown();
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

@@ -59,6 +59,13 @@ pub struct JournalConfig {
     /// time of each sync on ext4 (`store::spare`); off, segments grow as they are written
     /// (for storage where writing zeros ahead costs, such as thin-provisioned volumes).
     pub preallocate: bool,
+    /// How long a removal (an ack) may stay written but not synced, in ms. It is written at
+    /// once, which a crash of the broker cannot undo, and synced by the next commit that
+    /// syncs anyway or after this long: only a failure of the machine within that time can
+    /// bring an acked message back, marked redelivered. An ack gets no answer in AMQP, so no
+    /// client waits for this sync; a commit of acks alone no longer takes one (0 = sync
+    /// every commit of removals at once).
+    pub removals_sync_ms: u64,
 }
 
 impl Default for JournalConfig {
@@ -70,6 +77,7 @@ impl Default for JournalConfig {
             snapshot_every_records: 250_000,
             snapshot_interval_ms: 60_000,
             preallocate: true,
+            removals_sync_ms: 25,
         }
     }
 }
@@ -279,7 +287,9 @@ impl Journal {
         self.submitter.lock().next_seq - 1
     }
 
-    /// Watches the sequence number up to which everything submitted is durable.
+    /// Watches the sequence number up to which everything submitted is as durable as it is
+    /// promised to be: enqueues and wiring synced, removals written (synced within
+    /// `removals_sync_ms`), page records written.
     pub fn synced(&self) -> tokio::sync::watch::Receiver<u64> {
         self.synced.subscribe()
     }

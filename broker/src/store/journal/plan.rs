@@ -15,7 +15,8 @@ pub(super) type Written = (RecordKey, u64, u64, Option<Bytes>);
 /// same batch).
 pub(super) struct Pending {
     pub(super) record: Record,
-    /// Whether it must reach disk before a confirm (an Enqueued); a Paged record need not.
+    /// Whether it must survive a crash (an Enqueued, Producers or Removed); a Paged record
+    /// need not.
     pub(super) durable: bool,
 }
 
@@ -27,6 +28,8 @@ pub(super) struct BatchPlan {
     pub(super) records: Vec<Option<Pending>>,
     pub(super) pending: HashMap<RecordKey, usize>,
     pub(super) wiring_changed: bool,
+    /// Whether it writes a Removed record, which must be synced soon but not by this commit
+    /// (`JournalConfig::removals_sync_ms`).
     pub(super) removals: bool,
     pub(super) released: Vec<RecordKey>,
     pub(super) released_queues: Vec<u64>,

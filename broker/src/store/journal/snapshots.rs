@@ -67,7 +67,6 @@ impl Writer {
         if s.unsynced {
             // The position must not run ahead of what is on disk.
             self.sync()?;
-            self.snapshots.unsynced = false;
         }
         let position = Position {
             segment: self.current,

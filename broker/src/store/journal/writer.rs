@@ -41,6 +41,9 @@ pub(super) struct Writer {
     /// Zero-filled files to start segments in (`None` with `preallocate` off, or when the
     /// thread could not be started).
     pub(super) spares: Option<Spares>,
+    /// Since when removals are written but not synced (`JournalConfig::removals_sync_ms`);
+    /// every sync clears it.
+    pub(super) removals_unsynced_since: Option<Instant>,
 }
 
 impl Writer {
@@ -100,6 +103,7 @@ impl Writer {
                 unsynced: false,
             },
             spares,
+            removals_unsynced_since: None,
         };
         writer.live_uids = writer.live_uids();
         Ok(writer)
@@ -117,9 +121,11 @@ impl Writer {
     pub(super) fn serve(&mut self) -> Result<(), StoreError> {
         let mut batch: Vec<(u64, Job)> = Vec::new();
         loop {
-            let first = match self.rx.recv_timeout(self.until_snapshot_due()) {
+            let idle = self.until_snapshot_due().min(self.until_removals_due());
+            let first = match self.rx.recv_timeout(idle) {
                 Ok(job) => job,
                 Err(RecvTimeoutError::Timeout) => {
+                    self.sync_removals_if_due()?;
                     self.snapshot_if_due(false)?;
                     continue;
                 }
@@ -148,10 +154,35 @@ impl Writer {
                 }
             }
             self.commit(&mut batch)?;
+            self.sync_removals_if_due()?;
             self.compact_oldest()?;
             self.snapshot_if_due(false)?;
         }
+        if self.removals_unsynced_since.is_some() {
+            self.sync()?;
+        }
         self.snapshot_if_due(true)
+    }
+
+    /// Whether removals are synced by the commit that writes them (`removals_sync_ms` 0).
+    fn removals_at_once(&self) -> bool {
+        self.config.removals_sync_ms == 0
+    }
+
+    /// How long the writer may wait for work before removals written earlier are due for
+    /// their sync.
+    fn until_removals_due(&self) -> Duration {
+        let limit = Duration::from_millis(self.config.removals_sync_ms);
+        self.removals_unsynced_since
+            .map_or(Duration::MAX, |since| limit.saturating_sub(since.elapsed()))
+    }
+
+    /// Syncs removals that have waited `removals_sync_ms` for a commit that syncs anyway.
+    fn sync_removals_if_due(&mut self) -> Result<(), StoreError> {
+        if self.removals_unsynced_since.is_some() && self.until_removals_due().is_zero() {
+            self.sync()?;
+        }
+        Ok(())
     }
 
     pub(super) fn live_uids(&self) -> HashSet<u64> {
@@ -161,8 +192,10 @@ impl Writer {
             .collect()
     }
 
-    /// Writes one batch with one sync (none when it holds only page records and releases:
-    /// nothing in it is promised to survive a crash).
+    /// Writes one batch with one sync when it holds what a confirm, a reply or a wiring
+    /// change waits for. Removals alone are written and left to the next sync (at most
+    /// `removals_sync_ms` later); page records and releases are never synced for their own
+    /// sake: nothing in them is promised to survive a crash.
     pub(super) fn commit(&mut self, batch: &mut Vec<(u64, Job)>) -> Result<(), StoreError> {
         let mut plan = BatchPlan::default();
         let mut last_seq = 0;
@@ -184,9 +217,9 @@ impl Writer {
         }
         self.apply_releases(&plan);
         self.buf.clear();
-        let mut must_sync = plan.wiring_changed || plan.removals;
-        let (written, durable) = self.encode(plan.records);
-        must_sync |= durable;
+        let mut must_sync = plan.wiring_changed || (plan.removals && self.removals_at_once());
+        let (written, urgent) = self.encode(plan.records);
+        must_sync |= urgent;
         if plan.wiring_changed {
             write_wiring_file(&self.dir, &self.wiring)?;
         }
@@ -210,8 +243,13 @@ impl Writer {
             self.buf = buf;
             if must_sync {
                 self.sync()?;
+            } else {
+                self.snapshots.unsynced = true;
+                if plan.removals {
+                    self.removals_unsynced_since
+                        .get_or_insert_with(Instant::now);
+                }
             }
-            self.snapshots.unsynced = !must_sync;
         }
         self.index.set_processed(last_seq);
         self.stats
@@ -313,14 +351,15 @@ impl Writer {
     }
 
     /// Encodes the batch's surviving records into the write buffer; returns where each
-    /// message record lands (for the index) and whether any must survive a crash.
+    /// message record lands (for the index) and whether any must be synced before the
+    /// batch counts as durable (any durable record but a removal).
     pub(super) fn encode(&mut self, records: Vec<Option<Pending>>) -> (Vec<Written>, bool) {
         let mut written: Vec<Written> = Vec::new();
-        let mut durable = false;
+        let mut urgent = false;
         for p in records.into_iter().flatten() {
             let start = self.buf.len();
             p.record.encode(&mut self.buf);
-            durable |= p.durable;
+            urgent |= p.durable && !matches!(p.record, Record::Removed { .. });
             if !p.durable {
                 self.stats.pages_written.fetch_add(1, Ordering::Relaxed);
             }
@@ -343,6 +382,6 @@ impl Writer {
             self.stats.records_written.fetch_add(1, Ordering::Relaxed);
             self.snapshots.records_since += u64::from(p.durable);
         }
-        (written, durable)
+        (written, urgent)
     }
 }
