@@ -512,18 +512,7 @@ impl Broker {
         for line in out.lines() {
             if line.starts_with("Thread ") {
                 kept = 0;
-            } else if kept >= 8
-                || ![
-                    "ringmq::",
-                    "futex",
-                    "RwLock",
-                    "Mutex",
-                    "epoll_wait",
-                    "fsync",
-                ]
-                .iter()
-                .any(|w| line.contains(w))
-            {
+            } else if kept >= 8 || !STACK_WORDS.iter().any(|w| line.contains(w)) {
                 continue;
             } else {
                 kept += 1;
@@ -585,9 +574,17 @@ fn capture_stderr(child: &mut Child) -> std::sync::Arc<std::sync::Mutex<Vec<Stri
     log
 }
 
-/// The lines of `pipe` until it closes or fails, bytes that are not UTF-8 replaced: a log
-/// line the strict reader would reject must not end the capture and leave a failure message
-/// without the broker's last words. A read error ends the lines with a line saying so.
+/// What a stack frame in [`Broker::thread_stacks`] must mention to be kept: the project's
+/// own code, and the lock, wait and sync calls a hang sits in.
+const STACK_WORDS: [&str; 6] = [
+    "ringmq::",
+    "futex",
+    "RwLock",
+    "Mutex",
+    "epoll_wait",
+    "fsync",
+];
+
 /// The last lines of a tool's stderr, for a message saying why it failed.
 fn tail_of(stderr: &[u8]) -> String {
     let text = String::from_utf8_lossy(stderr);
@@ -595,6 +592,9 @@ fn tail_of(stderr: &[u8]) -> String {
     lines[lines.len().saturating_sub(5)..].join(" | ")
 }
 
+/// The lines of `pipe` until it closes or fails, bytes that are not UTF-8 replaced: a log
+/// line the strict reader would reject must not end the capture and leave a failure message
+/// without the broker's last words. A read error ends the lines with a line saying so.
 fn lossy_lines(pipe: impl std::io::Read) -> impl Iterator<Item = String> {
     let mut reader = BufReader::new(pipe);
     let mut failed = false;

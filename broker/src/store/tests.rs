@@ -406,6 +406,11 @@ fn enqueue_durably(journal: &Journal, uid: u64, id: u64, size: usize) {
         expires_at_ms: None,
         message: message(size, id),
     }]));
+    wait_synced(journal, seq);
+}
+
+/// Waits until the journal has processed submission `seq` (made it as durable as promised).
+fn wait_synced(journal: &Journal, seq: u64) {
     let synced = journal.synced();
     while *synced.borrow() < seq {
         std::thread::sleep(std::time::Duration::from_micros(100));
@@ -431,10 +436,7 @@ fn copy_as_crashed(from: &std::path::Path, to: &std::path::Path) {
 fn remove_and_count_syncs(journal: &Journal, uid: u64, id: u64) -> (u64, u64) {
     let before = journal.stats.fsyncs.load(Ordering::Relaxed);
     let seq = journal.submit(Job::Records(vec![Record::Removed { uid, ids: vec![id] }]));
-    let synced = journal.synced();
-    while *synced.borrow() < seq {
-        std::thread::sleep(std::time::Duration::from_micros(100));
-    }
+    wait_synced(journal, seq);
     (before, journal.stats.fsyncs.load(Ordering::Relaxed))
 }
 

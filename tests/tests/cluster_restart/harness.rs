@@ -8,7 +8,7 @@ use lapin::options::{
 };
 use lapin::types::FieldTable;
 use lapin::{BasicProperties, Connection};
-pub(crate) use ringmq_tests::{Broker, Ports, reply_code};
+use ringmq_tests::{Broker, Ports, reply_code};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};

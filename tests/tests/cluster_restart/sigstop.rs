@@ -1,6 +1,7 @@
 //! A leader frozen with SIGSTOP claims no quorum when it resumes.
 
 use crate::harness::*;
+use ringmq_tests::Broker;
 use std::time::{Duration, Instant};
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigstop_of_the_leader_keeps_no_quorum_after_resume() {
