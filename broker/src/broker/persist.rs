@@ -45,6 +45,7 @@ impl Broker {
             fx.replica_stamp = fx.replica_stamp.max(Some(self.replicator().issued()));
         }
         if !fx.ops.is_empty() || !fx.page_out.is_empty() || !fx.producers_replaced.is_empty() {
+            let replica = only_replicas(vhost, fx);
             let mut records = Vec::new();
             // Each replaced producer table at its place among the ops (B18).
             let mut from = 0;
@@ -71,7 +72,11 @@ impl Broker {
                     // The writer is behind: every body queued for it is still in memory.
                     fx.backlogged = true;
                 }
-                let seq = self.journal.submit(Job::Records(records));
+                let seq = self.journal.submit(if replica {
+                    Job::Replica(records)
+                } else {
+                    Job::Records(records)
+                });
                 if must_sync {
                     gate = Some(seq);
                 }
@@ -85,6 +90,21 @@ impl Broker {
         }
         gate
     }
+}
+
+/// Whether every op of the batch changed a replica (a backup applying its primary's stream),
+/// so that its records may be synced within `journal.replica_sync_ms` rather than before
+/// the backup acknowledges them. A batch that touched a queue this member serves is synced
+/// as a primary's: its confirms wait for it.
+fn only_replicas(vhost: &VHost, fx: &Effects) -> bool {
+    let mut checked: Option<&str> = None;
+    fx.ops.iter().all(|op| {
+        if checked == Some(&*op.queue) {
+            return true;
+        }
+        checked = Some(&op.queue);
+        vhost.is_replica(&op.queue)
+    })
 }
 
 /// Body bytes waiting for the journal writer above which a connection that hands it more is

@@ -169,10 +169,10 @@ fn start(dir: &std::path::Path) -> (Journal, BTreeSet<(u64, u64)>, BTreeMap<u64,
     start_with(dir, JournalConfig::default().removals_sync_ms)
 }
 
-/// [`start`], with removals synced after `removals_sync_ms`.
+/// [`start`], with removals and a backup's records synced after `sync_ms`.
 fn start_with(
     dir: &std::path::Path,
-    removals_sync_ms: u64,
+    sync_ms: u64,
 ) -> (Journal, BTreeSet<(u64, u64)>, BTreeMap<u64, u64>) {
     let recovered = recover(dir).unwrap();
     assert!(recovered.damage.is_empty(), "{:?}", recovered.damage);
@@ -211,7 +211,8 @@ fn start_with(
         // Snapshots all the time, so that restarts start from them and compactions make
         // them stale.
         snapshot_every_records: 5,
-        removals_sync_ms,
+        removals_sync_ms: sync_ms,
+        replica_sync_ms: sync_ms,
         ..JournalConfig::default()
     };
     (
@@ -380,20 +381,21 @@ fn fresh_journal(name: &str, uids: &[u64]) -> (std::path::PathBuf, DataDir, Jour
     fresh_journal_with(name, uids, JournalConfig::default().removals_sync_ms)
 }
 
-/// [`fresh_journal`], with removals synced after `removals_sync_ms`.
+/// [`fresh_journal`], with removals and a backup's records synced after `sync_ms`.
 fn fresh_journal_with(
     name: &str,
     uids: &[u64],
-    removals_sync_ms: u64,
+    sync_ms: u64,
 ) -> (std::path::PathBuf, DataDir, Journal) {
     let dir = std::env::temp_dir().join(format!("ringmq-journal-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let data = DataDir::open(&dir).unwrap();
-    let (journal, ..) = start_with(&data.path, removals_sync_ms);
-    journal.submit(Job::Wiring {
+    let (journal, ..) = start_with(&data.path, sync_ms);
+    let seq = journal.submit(Job::Wiring {
         vhost: "/".into(),
         wiring: wiring(uids),
     });
+    wait_synced(&journal, seq);
     (dir, data, journal)
 }
 
@@ -434,10 +436,42 @@ fn copy_as_crashed(from: &std::path::Path, to: &std::path::Path) {
 /// Submits the removal of message `id` from queue `uid` and waits until the journal has
 /// processed it; returns the journal's sync count before and after.
 fn remove_and_count_syncs(journal: &Journal, uid: u64, id: u64) -> (u64, u64) {
+    submit_and_count_syncs(
+        journal,
+        Job::Records(vec![Record::Removed { uid, ids: vec![id] }]),
+    )
+}
+
+/// Submits `job` and waits until the journal has processed it; returns the journal's sync
+/// count before and after.
+fn submit_and_count_syncs(journal: &Journal, job: Job) -> (u64, u64) {
     let before = journal.stats.fsyncs.load(Ordering::Relaxed);
-    let seq = journal.submit(Job::Records(vec![Record::Removed { uid, ids: vec![id] }]));
+    let seq = journal.submit(job);
     wait_synced(journal, seq);
     (before, journal.stats.fsyncs.load(Ordering::Relaxed))
+}
+
+/// The job a backup hands its journal for message `id` of queue `uid`, replicated from the
+/// queue's primary.
+fn replicated_enqueue(uid: u64, id: u64) -> Job {
+    Job::Replica(vec![Record::Enqueued {
+        uid,
+        id,
+        expires_at_ms: None,
+        message: message(10, id),
+    }])
+}
+
+/// Waits (up to 10 s) until the journal has synced more than `before` times.
+fn wait_for_a_sync_after(journal: &Journal, before: u64, what: &str) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while journal.stats.fsyncs.load(Ordering::Relaxed) == before {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what} was never synced"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
 }
 
 #[test]
@@ -465,14 +499,7 @@ fn an_ack_with_nothing_after_it_is_synced_within_removals_sync_ms() {
     let (dir, _data, journal) = fresh_journal_with("removal-timer", &[1], 50);
     enqueue_durably(&journal, 1, 1, 10);
     let (before, _) = remove_and_count_syncs(&journal, 1, 1);
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while journal.stats.fsyncs.load(Ordering::Relaxed) == before {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the removal was never synced"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    }
+    wait_for_a_sync_after(&journal, before, "the removal");
     journal.shutdown();
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -486,6 +513,53 @@ fn removals_sync_ms_zero_syncs_every_commit_of_acks() {
         after,
         before + 1,
         "removals_sync_ms 0 must sync the ack's commit"
+    );
+    journal.shutdown();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_backups_enqueue_is_written_at_once_without_a_sync_and_a_primarys_commit_syncs_it() {
+    let (dir, _data, journal) = fresh_journal_with("lazy-replica", &[1, 2], 60_000);
+    let crashed = dir.with_extension("crashed");
+    let (before, after) = submit_and_count_syncs(&journal, replicated_enqueue(1, 1));
+    assert_eq!(
+        after, before,
+        "a backup's commit took a sync before it acknowledged"
+    );
+    // Written, so a crash of the process cannot lose what the backup acknowledged.
+    copy_as_crashed(&dir, &crashed);
+    let (recovered, found, _) = start(&crashed);
+    assert!(
+        found.contains(&(1, 1)),
+        "the replicated message is gone: {found:?}"
+    );
+    recovered.shutdown();
+    // A queue this member serves syncs before its confirm, and covers the backup's record.
+    enqueue_durably(&journal, 2, 1, 10);
+    assert_eq!(journal.stats.fsyncs.load(Ordering::Relaxed), before + 1);
+    journal.shutdown();
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&crashed);
+}
+
+#[test]
+fn a_backups_records_with_nothing_after_them_are_synced_within_replica_sync_ms() {
+    let (dir, _data, journal) = fresh_journal_with("replica-timer", &[1], 50);
+    let (before, _) = submit_and_count_syncs(&journal, replicated_enqueue(1, 1));
+    wait_for_a_sync_after(&journal, before, "the backup's enqueue");
+    journal.shutdown();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn replica_sync_ms_zero_syncs_a_backups_commit_before_it_acknowledges() {
+    let (dir, _data, journal) = fresh_journal_with("replica-at-once", &[1], 0);
+    let (before, after) = submit_and_count_syncs(&journal, replicated_enqueue(1, 1));
+    assert_eq!(
+        after,
+        before + 1,
+        "replica_sync_ms 0 must sync the backup's commit"
     );
     journal.shutdown();
     let _ = std::fs::remove_dir_all(&dir);

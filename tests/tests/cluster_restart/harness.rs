@@ -574,6 +574,21 @@ pub(crate) fn member_of(name: &str, n: usize, node: &str) -> usize {
         .expect("a member's node id")
 }
 
+/// A counter or gauge of `b`'s `/metrics` (0 when absent).
+pub(crate) fn metric(b: &Broker, series: &str) -> f64 {
+    let Ok(a) = b.admin_client().get("/metrics") else {
+        return 0.0;
+    };
+    let text = a.body.as_str().unwrap_or_default().to_owned();
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| {
+            let (name, value) = l.rsplit_once(' ')?;
+            (name == series).then(|| value.parse().ok())?
+        })
+        .unwrap_or(0.0)
+}
+
 /// The value of `series` — its name and labels as exposed, e.g.
 /// `ringmq_replication_queue_backups{vhost="/",queue="q"}` — on `b`'s `/metrics/detailed`
 /// (which has the per-queue series too); `None` while it is absent or `b` does not answer.

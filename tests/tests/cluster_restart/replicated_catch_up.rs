@@ -95,21 +95,6 @@ async fn publish_confirmed(b: &Broker, queue: &str, tags: &[String]) {
     let _ = conn.close(200, "published".into()).await;
 }
 
-/// A counter or gauge of `b`'s `/metrics` (0 when absent).
-fn metric(b: &Broker, series: &str) -> f64 {
-    let Ok(a) = b.admin_client().get("/metrics") else {
-        return 0.0;
-    };
-    let text = a.body.as_str().unwrap_or_default().to_owned();
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .find_map(|l| {
-            let (name, value) = l.rsplit_once(' ')?;
-            (name == series).then(|| value.parse().ok())?
-        })
-        .unwrap_or(0.0)
-}
-
 /// Publishes `late-<n>` messages, each confirmed, through `b` until `stop`; returns their
 /// tags in order.
 async fn publish_until(b: &Broker, queue: &str, stop: Arc<AtomicBool>) -> Vec<String> {

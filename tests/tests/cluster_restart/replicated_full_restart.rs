@@ -334,3 +334,82 @@ async fn a_stale_backup_back_first_does_not_serve_until_the_primary_returns() {
     let seen = drain_all(&members[other], queue).await;
     audit(name, &seen, &confirmed, &acked);
 }
+
+/// Windows of confirmed publishes in the test below, and publishes per window.
+const WINDOWS: usize = 30;
+const PER_WINDOW: usize = 10;
+
+/// Backups acknowledge what they have written and sync it later (`journal.replica_sync_ms`,
+/// here longer than the test: never). Under confirmed load the primary syncs for its
+/// confirms and the backups take no sync for the frames. Then the primary is killed with -9
+/// and its first backup elected, and the two survivors are killed with -9 as well and
+/// started again: the queue is served from a journal written as a backup and never synced,
+/// and a crash of the processes lost none of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn backups_acknowledge_what_they_wrote_and_a_crash_of_every_process_keeps_it() {
+    let name = "repl-written";
+    let (mut members, _ports, _secret) = start_cluster_with(
+        name,
+        N,
+        "journal:\n  replica_sync_ms: 3600000\n  snapshot_interval_ms: 0\n",
+    );
+    let queue = "written";
+    let backups: Vec<usize> = declare_replicated(&members[0], queue, 2, READY_LIMIT)
+        .await
+        .iter()
+        .map(|b| member_of(name, N, b))
+        .collect();
+    let fsyncs = |b: &ringmq_tests::Broker| metric(b, "ringmq_journal_fsyncs_total");
+    let before: Vec<f64> = members.iter().map(fsyncs).collect();
+    let mut confirmed = BTreeSet::new();
+    for w in 0..WINDOWS {
+        confirmed
+            .extend(publish_range(&members[0], queue, w * PER_WINDOW..(w + 1) * PER_WINDOW).await);
+    }
+    assert_eq!(
+        confirmed.len(),
+        WINDOWS * PER_WINDOW,
+        "{name}: every publish confirmed"
+    );
+    let synced: Vec<f64> = members
+        .iter()
+        .zip(&before)
+        .map(|(b, n)| fsyncs(b) - n)
+        .collect();
+    eprintln!("{name}: syncs during the load per member {synced:?}, backups {backups:?}");
+    assert!(
+        synced[0] >= WINDOWS as f64 / 2.0,
+        "{name}: the primary synced {} times for {WINDOWS} windows of confirms",
+        synced[0]
+    );
+    for &b in &backups {
+        assert!(
+            synced[b] <= 2.0,
+            "{name}: backup {b} synced {} times for the frames it acknowledged",
+            synced[b]
+        );
+    }
+
+    members[0].kill();
+    wait_queue_view(
+        &members[backups[0]],
+        queue,
+        READY_LIMIT,
+        "the first backup elected",
+        |v| v["node"].as_str() == Some(crate::harness::node(name, backups[0]).as_str()),
+    );
+    for &b in &backups {
+        members[b].kill();
+    }
+    start_members(&mut members, &backups, name);
+    let view = wait_queue_view(
+        &members[backups[0]],
+        queue,
+        READY_LIMIT,
+        "served again without the first primary",
+        |v| v["unavailable"] == false && v["node"].is_string(),
+    );
+    eprintln!("{name}: after the restart {view}");
+    let seen = drain_all(&members[backups[0]], queue).await;
+    audit(name, &seen, &confirmed, &BTreeSet::new());
+}

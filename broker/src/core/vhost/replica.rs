@@ -210,6 +210,16 @@ impl VHost {
     }
 
     /// The replica of `queue`: a queue held here whose primary is another member.
+    /// Whether this member's copy of `queue` is a replica (its primary is another member):
+    /// what this member journals for it came from the replication stream.
+    pub fn is_replica(&self, queue: &str) -> bool {
+        self.node.is_some()
+            && self
+                .queues
+                .get(queue)
+                .is_some_and(|q| q.primary_elsewhere(self.node.as_deref()).is_some())
+    }
+
     fn replica_mut(&mut self, queue: &str) -> Result<&mut Queue, ReplicaError> {
         let node = self.node.clone();
         self.queues

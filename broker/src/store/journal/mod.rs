@@ -66,6 +66,15 @@ pub struct JournalConfig {
     /// client waits for this sync; a commit of acks alone no longer takes one (0 = sync
     /// every commit of removals at once).
     pub removals_sync_ms: u64,
+    /// How long what a backup applied from its primary's replication stream may stay written
+    /// but not synced, in ms. The backup acknowledges a frame once its records are written
+    /// (in the kernel: a crash of any set of broker processes cannot undo them) and syncs
+    /// them by the next commit that syncs anyway or after this long; the primary syncs
+    /// before it confirms either way. A confirm then waits for one sync instead of the
+    /// primary's and every backup's one after another (`docs/replication.md` says what a
+    /// failure of machines, not processes, can cost inside this window; 0 = a backup syncs
+    /// before it acknowledges).
+    pub replica_sync_ms: u64,
 }
 
 impl Default for JournalConfig {
@@ -78,6 +87,7 @@ impl Default for JournalConfig {
             snapshot_interval_ms: 60_000,
             preallocate: true,
             removals_sync_ms: 25,
+            replica_sync_ms: 25,
         }
     }
 }
@@ -87,6 +97,9 @@ impl Default for JournalConfig {
 pub enum Job {
     /// Records of durable queues, in the order the vhost produced them.
     Records(Vec<Record>),
+    /// Records of durable queues this member is a backup of, from the replication stream:
+    /// synced within `replica_sync_ms` rather than by the commit that writes them.
+    Replica(Vec<Record>),
     /// The durable wiring of one vhost changed; this is all of it now.
     Wiring {
         /// Vhost name.
@@ -289,7 +302,8 @@ impl Journal {
 
     /// Watches the sequence number up to which everything submitted is as durable as it is
     /// promised to be: enqueues and wiring synced, removals written (synced within
-    /// `removals_sync_ms`), page records written.
+    /// `removals_sync_ms`), a backup's records written (synced within `replica_sync_ms`),
+    /// page records written.
     pub fn synced(&self) -> tokio::sync::watch::Receiver<u64> {
         self.synced.subscribe()
     }
@@ -331,7 +345,7 @@ impl Journal {
 /// Body bytes of the Enqueued and Paged records in `job`.
 fn body_bytes(job: &Job) -> u64 {
     match job {
-        Job::Records(records) => records
+        Job::Records(records) | Job::Replica(records) => records
             .iter()
             .map(|r| match r {
                 Record::Paged { message, .. } | Record::Enqueued { message, .. } => {

@@ -6,18 +6,49 @@ use crate::store::index::RecordKey;
 use crate::store::record::Record;
 use bytes::Bytes;
 use std::collections::HashMap;
+use std::time::Duration;
 
 /// A record appended by a commit: its key, offset in the batch, length and head (see
 /// [`LiveIndex::add`]).
 pub(super) type Written = (RecordKey, u64, u64, Option<Bytes>);
 
+/// When a written record must be synced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Sync {
+    /// By the commit that writes it: a confirm, a reply or a wiring change waits for it.
+    Now,
+    /// Within this long (`removals_sync_ms`, `replica_sync_ms`): it is written at once, which
+    /// a crash of the broker cannot undo, and nothing waits for its sync.
+    Within(Duration),
+    /// Never for its own sake: a page record, nothing in it must survive a crash.
+    Never,
+}
+
+impl Sync {
+    /// `Within(ms)`, or `Now` for 0 (the setting that turns the delay off).
+    pub(super) fn within_ms(ms: u64) -> Self {
+        if ms == 0 {
+            Self::Now
+        } else {
+            Self::Within(Duration::from_millis(ms))
+        }
+    }
+}
+
 /// One record of a batch, kept until the batch is written (or cancelled by a removal in the
 /// same batch).
 pub(super) struct Pending {
     pub(super) record: Record,
+    /// When it must be synced once written.
+    pub(super) sync: Sync,
+}
+
+impl Pending {
     /// Whether it must survive a crash (an Enqueued, Producers or Removed); a Paged record
     /// need not.
-    pub(super) durable: bool,
+    pub(super) fn durable(&self) -> bool {
+        self.sync != Sync::Never
+    }
 }
 
 /// One group commit being assembled: the records to write, in order (a record cancelled
@@ -28,18 +59,15 @@ pub(super) struct BatchPlan {
     pub(super) records: Vec<Option<Pending>>,
     pub(super) pending: HashMap<RecordKey, usize>,
     pub(super) wiring_changed: bool,
-    /// Whether it writes a Removed record, which must be synced soon but not by this commit
-    /// (`JournalConfig::removals_sync_ms`).
-    pub(super) removals: bool,
     pub(super) released: Vec<RecordKey>,
     pub(super) released_queues: Vec<u64>,
 }
 
 impl BatchPlan {
     /// Adds a message's record.
-    pub(super) fn push(&mut self, key: RecordKey, record: Record, durable: bool) {
+    pub(super) fn push(&mut self, key: RecordKey, record: Record, sync: Sync) {
         self.pending.insert(key, self.records.len());
-        self.records.push(Some(Pending { record, durable }));
+        self.records.push(Some(Pending { record, sync }));
     }
 
     /// Cancels the record of a message this batch would write; false if it has none. An
@@ -52,14 +80,14 @@ impl BatchPlan {
                 let kept = match self.records[at].take() {
                     Some(Pending {
                         record: Record::Enqueued { uid, message, .. },
-                        ..
+                        sync,
                     }) => producer_of(&message).map(|(producer, seq)| Pending {
                         record: Record::Producers {
                             uid,
                             highest: vec![(producer.into(), seq)],
                             replace: false,
                         },
-                        durable: true,
+                        sync,
                     }),
                     _ => None,
                 };

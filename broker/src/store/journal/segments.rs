@@ -71,7 +71,7 @@ impl Writer {
         })?;
         let elapsed = started.elapsed();
         self.snapshots.unsynced = false;
-        self.removals_unsynced_since = None;
+        self.sync_due = None;
         self.stats.fsyncs.fetch_add(1, Ordering::Relaxed);
         self.stats
             .fsync_micros

@@ -1,7 +1,7 @@
 //! The writer thread: takes the submitted jobs, plans each group commit, writes and syncs it, and
 //! publishes how far the journal is durable.
 
-use super::plan::{BatchPlan, Pending, Written};
+use super::plan::{BatchPlan, Pending, Sync, Written};
 use super::segments::{open_segment, read_handle};
 use super::snapshots::Snapshots;
 use super::*;
@@ -41,9 +41,9 @@ pub(super) struct Writer {
     /// Zero-filled files to start segments in (`None` with `preallocate` off, or when the
     /// thread could not be started).
     pub(super) spares: Option<Spares>,
-    /// Since when removals are written but not synced (`JournalConfig::removals_sync_ms`);
-    /// every sync clears it.
-    pub(super) removals_unsynced_since: Option<Instant>,
+    /// When records written but not synced are due for their sync (`Sync::Within`); every
+    /// sync clears it.
+    pub(super) sync_due: Option<Instant>,
 }
 
 impl Writer {
@@ -103,7 +103,7 @@ impl Writer {
                 unsynced: false,
             },
             spares,
-            removals_unsynced_since: None,
+            sync_due: None,
         };
         writer.live_uids = writer.live_uids();
         Ok(writer)
@@ -121,11 +121,11 @@ impl Writer {
     pub(super) fn serve(&mut self) -> Result<(), StoreError> {
         let mut batch: Vec<(u64, Job)> = Vec::new();
         loop {
-            let idle = self.until_snapshot_due().min(self.until_removals_due());
+            let idle = self.until_snapshot_due().min(self.until_sync_due());
             let first = match self.rx.recv_timeout(idle) {
                 Ok(job) => job,
                 Err(RecvTimeoutError::Timeout) => {
-                    self.sync_removals_if_due()?;
+                    self.sync_if_due()?;
                     self.snapshot_if_due(false)?;
                     continue;
                 }
@@ -154,32 +154,27 @@ impl Writer {
                 }
             }
             self.commit(&mut batch)?;
-            self.sync_removals_if_due()?;
+            self.sync_if_due()?;
             self.compact_oldest()?;
             self.snapshot_if_due(false)?;
         }
-        if self.removals_unsynced_since.is_some() {
+        if self.sync_due.is_some() {
             self.sync()?;
         }
         self.snapshot_if_due(true)
     }
 
-    /// Whether removals are synced by the commit that writes them (`removals_sync_ms` 0).
-    fn removals_at_once(&self) -> bool {
-        self.config.removals_sync_ms == 0
-    }
-
-    /// How long the writer may wait for work before removals written earlier are due for
+    /// How long the writer may wait for work before records written earlier are due for
     /// their sync.
-    fn until_removals_due(&self) -> Duration {
-        let limit = Duration::from_millis(self.config.removals_sync_ms);
-        self.removals_unsynced_since
-            .map_or(Duration::MAX, |since| limit.saturating_sub(since.elapsed()))
+    fn until_sync_due(&self) -> Duration {
+        self.sync_due.map_or(Duration::MAX, |due| {
+            due.saturating_duration_since(Instant::now())
+        })
     }
 
-    /// Syncs removals that have waited `removals_sync_ms` for a commit that syncs anyway.
-    fn sync_removals_if_due(&mut self) -> Result<(), StoreError> {
-        if self.removals_unsynced_since.is_some() && self.until_removals_due().is_zero() {
+    /// Syncs records that have waited their `Sync::Within` for a commit that syncs anyway.
+    fn sync_if_due(&mut self) -> Result<(), StoreError> {
+        if self.sync_due.is_some() && self.until_sync_due().is_zero() {
             self.sync()?;
         }
         Ok(())
@@ -193,9 +188,10 @@ impl Writer {
     }
 
     /// Writes one batch with one sync when it holds what a confirm, a reply or a wiring
-    /// change waits for. Removals alone are written and left to the next sync (at most
-    /// `removals_sync_ms` later); page records and releases are never synced for their own
-    /// sake: nothing in them is promised to survive a crash.
+    /// change waits for. Removals and a backup's records alone are written and left to the
+    /// next sync (at most `removals_sync_ms` or `replica_sync_ms` later); page records and
+    /// releases are never synced for their own sake: nothing in them is promised to survive
+    /// a crash.
     pub(super) fn commit(&mut self, batch: &mut Vec<(u64, Job)>) -> Result<(), StoreError> {
         let mut plan = BatchPlan::default();
         let mut last_seq = 0;
@@ -203,7 +199,8 @@ impl Writer {
         for (seq, job) in batch.drain(..) {
             last_seq = seq;
             match job {
-                Job::Records(rs) => self.plan_records(&mut plan, rs),
+                Job::Records(rs) => self.plan_records(&mut plan, rs, false),
+                Job::Replica(rs) => self.plan_records(&mut plan, rs, true),
                 Job::Release { pages, queues } => plan.release(pages, queues),
                 Job::Wiring { vhost, wiring } => {
                     self.wiring.insert(vhost, wiring);
@@ -217,9 +214,8 @@ impl Writer {
         }
         self.apply_releases(&plan);
         self.buf.clear();
-        let mut must_sync = plan.wiring_changed || (plan.removals && self.removals_at_once());
-        let (written, urgent) = self.encode(plan.records);
-        must_sync |= urgent;
+        let (written, urgent, within) = self.encode(plan.records);
+        let must_sync = plan.wiring_changed || urgent;
         if plan.wiring_changed {
             write_wiring_file(&self.dir, &self.wiring)?;
         }
@@ -245,9 +241,9 @@ impl Writer {
                 self.sync()?;
             } else {
                 self.snapshots.unsynced = true;
-                if plan.removals {
-                    self.removals_unsynced_since
-                        .get_or_insert_with(Instant::now);
+                if let Some(within) = within {
+                    let due = Instant::now() + within;
+                    self.sync_due = Some(self.sync_due.map_or(due, |d| d.min(due)));
                 }
             }
         }
@@ -259,10 +255,17 @@ impl Writer {
         Ok(())
     }
 
-    /// Adds a job's records to the batch. An enqueue of a queue that no longer exists is
-    /// dropped; a removal of a message enqueued earlier in the same batch cancels both ("no
-    /// write on fast consume"); a removal of a written message is kept.
-    pub(super) fn plan_records(&mut self, plan: &mut BatchPlan, rs: Vec<Record>) {
+    /// Adds a job's records to the batch (`replica`: from a backup's replication stream). An
+    /// enqueue of a queue that no longer exists is dropped; a removal of a message enqueued
+    /// earlier in the same batch cancels both ("no write on fast consume"); a removal of a
+    /// written message is kept.
+    pub(super) fn plan_records(&mut self, plan: &mut BatchPlan, rs: Vec<Record>, replica: bool) {
+        let (promised, removal) = if replica {
+            let within = Sync::within_ms(self.config.replica_sync_ms);
+            (within, within)
+        } else {
+            (Sync::Now, Sync::within_ms(self.config.removals_sync_ms))
+        };
         for r in rs {
             match r {
                 Record::Enqueued {
@@ -278,10 +281,10 @@ impl Writer {
                                 .or_default()
                                 .note_number(producer, seq);
                         }
-                        plan.push((uid, id), r, true);
+                        plan.push((uid, id), r, promised);
                     }
                 }
-                Record::Paged { uid, id, .. } => plan.push((uid, id), r, false),
+                Record::Paged { uid, id, .. } => plan.push((uid, id), r, Sync::Never),
                 Record::Producers {
                     uid,
                     ref highest,
@@ -296,7 +299,7 @@ impl Writer {
                     }
                     plan.records.push(Some(Pending {
                         record: r,
-                        durable: true,
+                        sync: promised,
                     }))
                 }
                 Record::Removed { uid, ids } => {
@@ -310,10 +313,9 @@ impl Writer {
                         }
                     }
                     if !keep.is_empty() {
-                        plan.removals = true;
                         plan.records.push(Some(Pending {
                             record: Record::Removed { uid, ids: keep },
-                            durable: true,
+                            sync: removal,
                         }));
                     }
                 }
@@ -351,16 +353,25 @@ impl Writer {
     }
 
     /// Encodes the batch's surviving records into the write buffer; returns where each
-    /// message record lands (for the index) and whether any must be synced before the
-    /// batch counts as durable (any durable record but a removal).
-    pub(super) fn encode(&mut self, records: Vec<Option<Pending>>) -> (Vec<Written>, bool) {
+    /// message record lands (for the index), whether any must be synced before the batch
+    /// counts as durable (`Sync::Now`), and the shortest time within which the others
+    /// must be (`Sync::Within`).
+    pub(super) fn encode(
+        &mut self,
+        records: Vec<Option<Pending>>,
+    ) -> (Vec<Written>, bool, Option<Duration>) {
         let mut written: Vec<Written> = Vec::new();
         let mut urgent = false;
+        let mut within: Option<Duration> = None;
         for p in records.into_iter().flatten() {
             let start = self.buf.len();
             p.record.encode(&mut self.buf);
-            urgent |= p.durable && !matches!(p.record, Record::Removed { .. });
-            if !p.durable {
+            match p.sync {
+                Sync::Now => urgent = true,
+                Sync::Within(d) => within = Some(within.map_or(d, |w| w.min(d))),
+                Sync::Never => {}
+            }
+            if !p.durable() {
                 self.stats.pages_written.fetch_add(1, Ordering::Relaxed);
             }
             let len = (self.buf.len() - start) as u64;
@@ -380,8 +391,8 @@ impl Writer {
                 Record::Removed { .. } | Record::Producers { .. } => {}
             }
             self.stats.records_written.fetch_add(1, Ordering::Relaxed);
-            self.snapshots.records_since += u64::from(p.durable);
+            self.snapshots.records_since += u64::from(p.durable());
         }
-        (written, urgent)
+        (written, urgent, within)
     }
 }
