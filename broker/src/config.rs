@@ -136,6 +136,11 @@ pub struct Config {
     pub metrics_max_queues: usize,
     /// Directory holding the broker's state.
     pub data_dir: PathBuf,
+    /// Threads that run the connections, links and cluster tasks; unset, one per core the
+    /// broker may use (its cgroup's CPU limit counts). Members that share a machine (a
+    /// local cluster) do better splitting its cores than each taking them all: fewer
+    /// threads to wake and switch between per message.
+    pub worker_threads: Option<usize>,
     /// Largest frame the broker accepts and offers in connection.tune, in bytes.
     pub frame_max: u32,
     /// Most channels per connection offered in connection.tune.
@@ -255,6 +260,7 @@ impl Default for Config {
             metrics_per_queue: false,
             metrics_max_queues: 10_000,
             data_dir: PathBuf::from("data"),
+            worker_threads: None,
             frame_max: 131_072,
             channel_max: 2047,
             heartbeat_s: 60,
@@ -394,6 +400,11 @@ impl Config {
 
     /// Checks ranges that the types cannot express.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.worker_threads == Some(0) {
+            return Err(ConfigError::Invalid(
+                "worker_threads must be at least 1 (leave it unset for one per core)".into(),
+            ));
+        }
         if self.frame_max < crate::amqp::frame::FRAME_MIN_SIZE {
             return Err(ConfigError::Invalid(format!(
                 "frame_max {} is below the protocol minimum of 4096 bytes",
@@ -604,6 +615,20 @@ mod tests {
         let c = Config::from_yaml("default_backups: 4\n").unwrap();
         let err = c.validate().unwrap_err().to_string();
         assert!(err.contains("default_backups 4 is outside 0..=3"), "{err}");
+    }
+
+    #[test]
+    fn worker_threads_is_one_per_core_unless_set_and_zero_is_refused() {
+        assert_eq!(Config::default().worker_threads, None);
+        let c = Config::from_yaml("worker_threads: 1\n").unwrap();
+        assert_eq!(c.worker_threads, Some(1));
+        assert!(c.validate().is_ok());
+        let err = Config::from_yaml("worker_threads: 0\n")
+            .unwrap()
+            .validate()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("worker_threads must be at least 1"), "{err}");
     }
 
     #[test]

@@ -35,6 +35,9 @@ struct Args {
     /// Directory for the broker's state [default: ./data].
     #[arg(long, env = "RINGMQ_DATA_DIR", value_name = "DIR")]
     data_dir: Option<PathBuf>,
+    /// Threads that run connections and cluster tasks [default: one per core].
+    #[arg(long, env = "RINGMQ_WORKER_THREADS", value_name = "N")]
+    worker_threads: Option<usize>,
     /// YAML configuration file; command-line flags and RINGMQ_* variables override it.
     #[arg(long, env = "RINGMQ_CONFIG", value_name = "FILE")]
     config: Option<PathBuf>,
@@ -150,9 +153,11 @@ fn main() -> anyhow::Result<()> {
     let mut config = load_config(args)?;
     config.read_zone_file();
     raise_open_file_limit();
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?;
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    if let Some(threads) = config.worker_threads {
+        runtime.worker_threads(threads);
+    }
+    let runtime = runtime.enable_all().build()?;
     runtime.block_on(async move {
         let running = ringmq::server::start(config.clone()).await?;
         tracing::info!(amqp = ?running.amqp_addr, amqps = ?running.amqps_addr, data_dir = %config.data_dir.display(), "ringmq-broker ready");
@@ -256,6 +261,9 @@ fn load_config(args: Args) -> anyhow::Result<Config> {
     }
     if let Some(dir) = args.data_dir {
         config.data_dir = dir;
+    }
+    if let Some(threads) = args.worker_threads {
+        config.worker_threads = Some(threads);
     }
     if let Some(addr) = args.cluster_listen {
         config.cluster_listen = Some(addr);

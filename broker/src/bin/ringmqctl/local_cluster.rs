@@ -22,6 +22,28 @@ pub struct LocalClusterArgs {
     /// Directory holding each member's data dir, log and the shared cluster secret.
     #[arg(long, default_value = "ringmq-local-cluster")]
     data_dir: PathBuf,
+    /// Worker threads of each member [default: the machine's cores shared out among the
+    /// members, at least one each]. Members on one machine that each took every core would
+    /// wake and switch between three times the threads per message.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..))]
+    worker_threads: Option<u16>,
+}
+
+impl LocalClusterArgs {
+    /// Worker threads per member: as asked, else the cores shared out among the members.
+    fn threads_per_member(&self) -> u16 {
+        self.worker_threads.unwrap_or_else(|| {
+            let cores = std::thread::available_parallelism().map_or(1, usize::from);
+            shared_cores(cores, self.members)
+        })
+    }
+}
+
+/// `cores` shared out among `members`, at least one each.
+fn shared_cores(cores: usize, members: u16) -> u16 {
+    u16::try_from(cores / usize::from(members.max(1)))
+        .unwrap_or(u16::MAX)
+        .max(1)
 }
 
 /// One started member.
@@ -141,6 +163,8 @@ fn start_member(
         .arg(dir.join("data"))
         .arg("--node-id")
         .arg(&name)
+        .arg("--worker-threads")
+        .arg(args.threads_per_member().to_string())
         .stdout(Stdio::piped())
         .stderr(log);
     if !seeds.is_empty() {
@@ -200,5 +224,18 @@ fn stop_all(members: &mut [Member]) {
             let _ = m.child.kill();
         }
         let _ = m.child.wait();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::shared_cores;
+
+    #[test]
+    fn members_share_the_cores_and_each_gets_at_least_one() {
+        assert_eq!(shared_cores(2, 3), 1);
+        assert_eq!(shared_cores(8, 3), 2);
+        assert_eq!(shared_cores(16, 1), 16);
+        assert_eq!(shared_cores(1, 9), 1);
     }
 }
