@@ -8,7 +8,8 @@ use crate::store::record::{Record, records_from_ops};
 
 impl Broker {
     /// Hands every vhost's pending durable changes to the journal and waits until everything
-    /// submitted so far is on disk: what the admin API does before it answers a change.
+    /// submitted so far is as durable as promised (wiring: on disk): what the admin API does
+    /// before it answers a change.
     pub async fn persist_all_and_wait(&self) {
         let mut fx = Effects::default();
         for (_, vhost) in self.vhosts() {

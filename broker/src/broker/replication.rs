@@ -11,6 +11,7 @@ use crate::core::{DiskBody, Effects, MoveStep, VHost, WiringOp};
 use crate::proxy::link::Links;
 use crate::proxy::upstream_link::Replied;
 use crate::replication::replicator::{ReplicaSet, ReplicationHost, Replicator};
+use crate::store::journal::Job;
 use futures::future::BoxFuture;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
@@ -193,6 +194,9 @@ impl Broker {
         if primary_here && !was_primary {
             match v.promote_replica(queue, now_ms(), &mut fx) {
                 Ok(requeued) => {
+                    // What this member wrote as the backup is synced within
+                    // `replica_sync_ms`; as the primary its copy is the one that counts.
+                    self.journal.submit(Job::Sync);
                     self.elections_won.fetch_add(1, Ordering::Relaxed);
                     tracing::info!(
                         vhost,

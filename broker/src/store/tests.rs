@@ -566,6 +566,19 @@ fn replica_sync_ms_zero_syncs_a_backups_commit_before_it_acknowledges() {
 }
 
 #[test]
+fn a_sync_job_syncs_what_a_backup_wrote_and_costs_nothing_when_all_is_synced() {
+    let (dir, _data, journal) = fresh_journal_with("sync-barrier", &[1], 60_000);
+    let (before, after) = submit_and_count_syncs(&journal, replicated_enqueue(1, 1));
+    assert_eq!(after, before, "the backup's commit is written, not synced");
+    let (_, synced) = submit_and_count_syncs(&journal, Job::Sync);
+    assert_eq!(synced, before + 1, "the promoted copy is synced at once");
+    let (_, again) = submit_and_count_syncs(&journal, Job::Sync);
+    assert_eq!(again, synced, "nothing written since: no sync");
+    journal.shutdown();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn segments_written_over_zeros_recover_whole_after_a_crash() {
     let (dir, _data, journal) = fresh_journal("zeros", &[1]);
     let crashed = dir.with_extension("crashed");

@@ -24,7 +24,7 @@ pub struct LocalClusterArgs {
     data_dir: PathBuf,
     /// Worker threads of each member [default: the machine's cores shared out among the
     /// members, at least one each]. Members on one machine that each took every core would
-    /// wake and switch between three times the threads per message.
+    /// wake and switch between as many times more threads per message as there are members.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..))]
     worker_threads: Option<u16>,
 }

@@ -209,9 +209,9 @@ impl VHost {
         consumers.len()
     }
 
-    /// The replica of `queue`: a queue held here whose primary is another member.
     /// Whether this member's copy of `queue` is a replica (its primary is another member):
-    /// what this member journals for it came from the replication stream.
+    /// what this member journals for it came from the replication stream (a foreign
+    /// proxy's copy also counts, and journals nothing).
     pub fn is_replica(&self, queue: &str) -> bool {
         self.node.is_some()
             && self
@@ -220,6 +220,7 @@ impl VHost {
                 .is_some_and(|q| q.primary_elsewhere(self.node.as_deref()).is_some())
     }
 
+    /// The replica of `queue`: a queue held here whose primary is another member.
     fn replica_mut(&mut self, queue: &str) -> Result<&mut Queue, ReplicaError> {
         let node = self.node.clone();
         self.queues

@@ -1,9 +1,10 @@
 //! The backup's end of a replication link: a frame a queue's primary published to
 //! [`REPLICATION_EXCHANGE`] is applied to this member's replica of the queue, in the batch it
-//! arrived in, and confirmed like any publish once this member's journal has written the
-//! batch where the queue is durable (synced within `journal.replica_sync_ms`, see
-//! [`crate::store::journal::Job::Replica`]) — so the primary's confirm gate hears "this
-//! backup has it" only when no crash of this process can lose it. A frame that
+//! arrived in, and confirmed like any publish: a frame that enqueues persistent messages on a
+//! durable queue once this member's journal has written them (synced within
+//! `journal.replica_sync_ms`, see [`crate::store::journal::Job::Replica`]) — so the
+//! primary's confirm gate hears "this backup has it" only when no crash of this process can
+//! lose it; a frame of settlements alone, like an ack, at once. A frame that
 //! does not fit the replica (the stream diverged) is nacked: the primary catches this
 //! backup up again instead of counting on it. An image arrives in chunks, each applied as it
 //! comes (the first resets the replica), so this side holds no more than the chunks in

@@ -3,9 +3,11 @@
 //! Connections submit records (and durable-wiring changes) in the order their vhost produced
 //! them; the writer thread takes everything queued, drops pairs that cancel out ("no write
 //! on fast consume": a message acked before its enqueue reached disk is never written),
-//! writes the rest with one `write`, calls `fdatasync` once, and publishes the sequence
-//! number up to which everything is durable. Connections hold confirms (and replies to
-//! durable declarations) until that number covers them.
+//! writes the rest with one `write`, calls `fdatasync` once when the batch holds what a
+//! confirm waits for, and publishes the sequence number up to which everything is as durable
+//! as promised (a removal, or what a backup applied, is written and synced soon after).
+//! Connections hold confirms (and replies to durable declarations) until that number covers
+//! them.
 //!
 //! Space: every persistent message on disk is tracked as live until removed. When the
 //! journal holds more than twice the live bytes (plus two segments), the oldest segment is
@@ -107,6 +109,11 @@ pub enum Job {
         /// Its durable wiring.
         wiring: Wiring,
     },
+    /// Syncs everything written before it, whatever its records promised: a member that
+    /// became a queue's primary syncs what it wrote as the queue's backup (synced within
+    /// `replica_sync_ms` until then) before its copy is the one every later confirm, and a
+    /// catch-up of the old primary, counts on.
+    Sync,
     /// A vhost was deleted with everything in it.
     VhostDeleted {
         /// Vhost name.
@@ -268,8 +275,8 @@ impl Journal {
         &self.index
     }
 
-    /// Queues work for the writer and returns its sequence number: it is durable once
-    /// [`Journal::synced`] reaches it. Call it in the order the vhost produced the work.
+    /// Queues work for the writer and returns its sequence number: it is as durable as its
+    /// records promise once [`Journal::synced`] reaches it. Call it in the order the vhost produced the work.
     pub fn submit(&self, job: Job) -> u64 {
         let bytes = body_bytes(&job);
         if bytes > 0 {

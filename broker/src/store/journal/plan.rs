@@ -14,7 +14,7 @@ pub(super) type Written = (RecordKey, u64, u64, Option<Bytes>);
 
 /// When a written record must be synced.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Sync {
+pub(super) enum SyncBy {
     /// By the commit that writes it: a confirm, a reply or a wiring change waits for it.
     Now,
     /// Within this long (`removals_sync_ms`, `replica_sync_ms`): it is written at once, which
@@ -24,7 +24,7 @@ pub(super) enum Sync {
     Never,
 }
 
-impl Sync {
+impl SyncBy {
     /// `Within(ms)`, or `Now` for 0 (the setting that turns the delay off).
     pub(super) fn within_ms(ms: u64) -> Self {
         if ms == 0 {
@@ -40,14 +40,14 @@ impl Sync {
 pub(super) struct Pending {
     pub(super) record: Record,
     /// When it must be synced once written.
-    pub(super) sync: Sync,
+    pub(super) sync: SyncBy,
 }
 
 impl Pending {
     /// Whether it must survive a crash (an Enqueued, Producers or Removed); a Paged record
     /// need not.
     pub(super) fn durable(&self) -> bool {
-        self.sync != Sync::Never
+        self.sync != SyncBy::Never
     }
 }
 
@@ -59,13 +59,15 @@ pub(super) struct BatchPlan {
     pub(super) records: Vec<Option<Pending>>,
     pub(super) pending: HashMap<RecordKey, usize>,
     pub(super) wiring_changed: bool,
+    /// A [`super::Job::Sync`] is in the batch: it syncs whatever is written.
+    pub(super) barrier: bool,
     pub(super) released: Vec<RecordKey>,
     pub(super) released_queues: Vec<u64>,
 }
 
 impl BatchPlan {
     /// Adds a message's record.
-    pub(super) fn push(&mut self, key: RecordKey, record: Record, sync: Sync) {
+    pub(super) fn push(&mut self, key: RecordKey, record: Record, sync: SyncBy) {
         self.pending.insert(key, self.records.len());
         self.records.push(Some(Pending { record, sync }));
     }
@@ -73,7 +75,7 @@ impl BatchPlan {
     /// Cancels the record of a message this batch would write; false if it has none. An
     /// enqueue numbered by a session producer leaves a Producers record in its place, so
     /// that its number outlives it exactly where the enqueue stood (before or after a
-    /// replaced table, B18).
+    /// replaced table, B18), synced as the enqueue would have been.
     pub(super) fn cancel(&mut self, key: RecordKey) -> bool {
         match self.pending.remove(&key) {
             Some(at) => {

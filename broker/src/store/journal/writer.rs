@@ -1,7 +1,7 @@
 //! The writer thread: takes the submitted jobs, plans each group commit, writes and syncs it, and
 //! publishes how far the journal is durable.
 
-use super::plan::{BatchPlan, Pending, Sync, Written};
+use super::plan::{BatchPlan, Pending, SyncBy, Written};
 use super::segments::{open_segment, read_handle};
 use super::snapshots::Snapshots;
 use super::*;
@@ -41,7 +41,7 @@ pub(super) struct Writer {
     /// Zero-filled files to start segments in (`None` with `preallocate` off, or when the
     /// thread could not be started).
     pub(super) spares: Option<Spares>,
-    /// When records written but not synced are due for their sync (`Sync::Within`); every
+    /// When records written but not synced are due for their sync (`SyncBy::Within`); every
     /// sync clears it.
     pub(super) sync_due: Option<Instant>,
 }
@@ -172,7 +172,7 @@ impl Writer {
         })
     }
 
-    /// Syncs records that have waited their `Sync::Within` for a commit that syncs anyway.
+    /// Syncs records that have waited their `SyncBy::Within` for a commit that syncs anyway.
     fn sync_if_due(&mut self) -> Result<(), StoreError> {
         if self.sync_due.is_some() && self.until_sync_due().is_zero() {
             self.sync()?;
@@ -202,6 +202,7 @@ impl Writer {
                 Job::Records(rs) => self.plan_records(&mut plan, rs, false),
                 Job::Replica(rs) => self.plan_records(&mut plan, rs, true),
                 Job::Release { pages, queues } => plan.release(pages, queues),
+                Job::Sync => plan.barrier = true,
                 Job::Wiring { vhost, wiring } => {
                     self.wiring.insert(vhost, wiring);
                     self.wiring_changed(&mut plan);
@@ -219,7 +220,11 @@ impl Writer {
         if plan.wiring_changed {
             write_wiring_file(&self.dir, &self.wiring)?;
         }
-        if !self.buf.is_empty() {
+        let wrote = !self.buf.is_empty();
+        if plan.barrier && !wrote && (self.sync_due.is_some() || self.snapshots.unsynced) {
+            self.sync()?;
+        }
+        if wrote {
             let buf = std::mem::take(&mut self.buf);
             let (segment, base) = self.append(&buf)?;
             {
@@ -237,7 +242,7 @@ impl Writer {
                 }
             }
             self.buf = buf;
-            if must_sync {
+            if must_sync || plan.barrier {
                 self.sync()?;
             } else {
                 self.snapshots.unsynced = true;
@@ -260,12 +265,13 @@ impl Writer {
     /// earlier in the same batch cancels both ("no write on fast consume"); a removal of a
     /// written message is kept.
     pub(super) fn plan_records(&mut self, plan: &mut BatchPlan, rs: Vec<Record>, replica: bool) {
-        let (promised, removal) = if replica {
-            let within = Sync::within_ms(self.config.replica_sync_ms);
-            (within, within)
+        let promised = if replica {
+            SyncBy::within_ms(self.config.replica_sync_ms)
         } else {
-            (Sync::Now, Sync::within_ms(self.config.removals_sync_ms))
+            SyncBy::Now
         };
+        // A removal is confirmed to nobody, on a primary or a backup.
+        let removal = SyncBy::within_ms(self.config.removals_sync_ms);
         for r in rs {
             match r {
                 Record::Enqueued {
@@ -284,7 +290,7 @@ impl Writer {
                         plan.push((uid, id), r, promised);
                     }
                 }
-                Record::Paged { uid, id, .. } => plan.push((uid, id), r, Sync::Never),
+                Record::Paged { uid, id, .. } => plan.push((uid, id), r, SyncBy::Never),
                 Record::Producers {
                     uid,
                     ref highest,
@@ -354,8 +360,8 @@ impl Writer {
 
     /// Encodes the batch's surviving records into the write buffer; returns where each
     /// message record lands (for the index), whether any must be synced before the batch
-    /// counts as durable (`Sync::Now`), and the shortest time within which the others
-    /// must be (`Sync::Within`).
+    /// counts as durable (`SyncBy::Now`), and the shortest time within which the others
+    /// must be (`SyncBy::Within`).
     pub(super) fn encode(
         &mut self,
         records: Vec<Option<Pending>>,
@@ -367,9 +373,9 @@ impl Writer {
             let start = self.buf.len();
             p.record.encode(&mut self.buf);
             match p.sync {
-                Sync::Now => urgent = true,
-                Sync::Within(d) => within = Some(within.map_or(d, |w| w.min(d))),
-                Sync::Never => {}
+                SyncBy::Now => urgent = true,
+                SyncBy::Within(d) => within = Some(within.map_or(d, |w| w.min(d))),
+                SyncBy::Never => {}
             }
             if !p.durable() {
                 self.stats.pages_written.fetch_add(1, Ordering::Relaxed);
