@@ -213,21 +213,25 @@ impl VHost {
     /// what this member journals for it came from the replication stream (a foreign
     /// proxy's copy also counts, and journals nothing).
     pub fn is_replica(&self, queue: &str) -> bool {
-        self.node.is_some()
-            && self
-                .queues
-                .get(queue)
-                .is_some_and(|q| q.primary_elsewhere(self.node.as_deref()).is_some())
+        let node = self.node.as_deref();
+        self.queues
+            .get(queue)
+            .is_some_and(|q| replica_here(q, node))
     }
 
     /// The replica of `queue`: a queue held here whose primary is another member.
     fn replica_mut(&mut self, queue: &str) -> Result<&mut Queue, ReplicaError> {
-        let node = self.node.clone();
+        let node = self.node.as_deref();
         self.queues
             .get_mut(queue)
-            .filter(|q| node.is_some() && q.primary_elsewhere(node.as_deref()).is_some())
+            .filter(|q| replica_here(q, node))
             .ok_or_else(|| ReplicaError::NoReplica(queue.to_owned()))
     }
+}
+
+/// Whether `q` is a replica on cluster member `node`: a queue whose primary is another member.
+fn replica_here(q: &Queue, node: Option<&str>) -> bool {
+    node.is_some() && q.primary_elsewhere(node).is_some()
 }
 
 /// Removes everything a replica holds, as ops the journal records: unacked entries settled,

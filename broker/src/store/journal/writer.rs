@@ -216,14 +216,10 @@ impl Writer {
         self.apply_releases(&plan);
         self.buf.clear();
         let (written, urgent, within) = self.encode(plan.records);
-        let must_sync = plan.wiring_changed || urgent;
         if plan.wiring_changed {
             write_wiring_file(&self.dir, &self.wiring)?;
         }
         let wrote = !self.buf.is_empty();
-        if plan.barrier && !wrote && (self.sync_due.is_some() || self.snapshots.unsynced) {
-            self.sync()?;
-        }
         if wrote {
             let buf = std::mem::take(&mut self.buf);
             let (segment, base) = self.append(&buf)?;
@@ -242,14 +238,16 @@ impl Writer {
                 }
             }
             self.buf = buf;
-            if must_sync || plan.barrier {
-                self.sync()?;
-            } else {
-                self.snapshots.unsynced = true;
-                if let Some(within) = within {
-                    let due = Instant::now() + within;
-                    self.sync_due = Some(self.sync_due.map_or(due, |d| d.min(due)));
-                }
+        }
+        // A barrier syncs whatever is written and not synced yet, by this commit or before.
+        let unsynced = wrote || self.sync_due.is_some() || self.snapshots.unsynced;
+        if (wrote && (plan.wiring_changed || urgent)) || (plan.barrier && unsynced) {
+            self.sync()?;
+        } else if wrote {
+            self.snapshots.unsynced = true;
+            if let Some(within) = within {
+                let due = Instant::now() + within;
+                self.sync_due = Some(self.sync_due.map_or(due, |d| d.min(due)));
             }
         }
         self.index.set_processed(last_seq);
